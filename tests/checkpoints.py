@@ -59,7 +59,9 @@ def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
 
 def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int,
               gguf_file: str | None = None) -> list[int]:
-    """The target's own greedy continuation from transformers generate(), float32, CPU."""
+    """The target's own greedy continuation from transformers generate(), float32, CPU.
+
+    Stops at the checkpoint's EOS like tandem does; the EOS token is included."""
     import transformers
 
     if gguf_file is not None:
@@ -72,8 +74,7 @@ def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int,
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             pad_token_id=0)
+                             max_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 
