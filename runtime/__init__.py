@@ -1,0 +1,18 @@
+"""tandem runtime: config, models, speculation, orchestrator, client."""
+from runtime.errors import EngineDeadError, RequestError
+
+__all__ = ["Engine", "Client", "EngineDeadError", "RequestError", "GenerationOutput",
+           "StreamDelta"]
+
+
+def __getattr__(name):  # lazy: importing runtime must not pull in torch for the client alone
+    if name == "Engine":
+        from runtime.engine import Engine
+        return Engine
+    if name == "Client":
+        from runtime.client import Client
+        return Client
+    if name in ("GenerationOutput", "StreamDelta"):
+        from runtime import outputs
+        return getattr(outputs, name)
+    raise AttributeError(name)

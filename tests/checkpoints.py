@@ -86,3 +86,21 @@ def smollm2_gguf() -> str:
     if not path.exists():
         raise FileNotFoundError(path)
     return str(path)
+
+
+def build_near_draft(target_dir: str, out_dir: str | os.PathLike, noise: float = 0.3,
+                     seed: int = 1) -> str:
+    """A draft that mostly agrees with the target: its weights plus relative Gaussian noise,
+    so rounds mix full acceptance, partial acceptance and immediate rejection."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir,
+                                                              torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layers" in name and param.dim() == 2:
+                param.add_(torch.randn(param.shape, generator=gen) * param.std() * noise)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    return str(out_dir)

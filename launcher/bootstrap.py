@@ -1,0 +1,155 @@
+"""Bring the whole system up from rank 0 (and tear it down): start workers where this launch
+form requires it, join the world group, hand out the control address, build the groups and
+wait until every worker has loaded its shards."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from launcher.discovery import LaunchEnv, free_port
+from parallel import groups as pgroups
+from parallel.topology import LaunchError, Topology, topology_from_config
+from runtime.config import TandemConfig
+from runtime.errors import EngineDeadError
+from runtime.pool import WorkerPool
+
+log = logging.getLogger("tandem.launcher")
+
+
+@dataclass
+class Cluster:
+    config: TandemConfig
+    topology: Topology
+    context: zmq.Context
+    pool: WorkerPool
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    mpi_children: object | None = None
+
+    def shutdown(self, timeout_s: float = 20.0) -> None:
+        """Ask every worker to exit, wait, then make sure no child is left."""
+        if self.pool.dead is None:
+            self.pool.shutdown()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.pool.close()
+        self.context.term()
+        if self.pool.dead is None:
+            pgroups.destroy()
+
+
+def _child_command(rank_arg: list[str], world_size: int, init_method: str,
+                   config: TandemConfig) -> list[str]:
+    return [sys.executable, "-m", "launcher", "worker", *rank_arg,
+            "--world-size", str(world_size), "--init-method", init_method,
+            "--startup-timeout", str(config.runtime.startup_timeout_s)]
+
+
+def _spawn_workers(topology: Topology, init_method: str, config: TandemConfig
+                   ) -> list[subprocess.Popen]:
+    procs = []
+    for rank in topology.worker_ranks:
+        cmd = _child_command(["--rank", str(rank)], topology.world_size, init_method, config)
+        procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=_child_env()))
+    return procs
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    return env
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _mpi_spawn_workers(topology: Topology, init_method: str, config: TandemConfig):
+    from mpi4py import MPI
+
+    cmd = _child_command(["--rank-from-mpi"], topology.world_size, init_method, config)
+    intercomm = MPI.COMM_SELF.Spawn(cmd[0], args=cmd[1:], maxprocs=len(topology.worker_ranks))
+    intercomm.Disconnect()  # the children rendezvous over torch.distributed from here on
+
+
+def _procs_liveness(procs: list[subprocess.Popen], topology: Topology):
+    def check() -> str | None:
+        for rank, proc in zip(topology.worker_ranks, procs):
+            code = proc.poll()
+            if code is not None:
+                return f"rank {rank} (pid {proc.pid}) exited with code {code}"
+        return None
+    return check
+
+
+def _init_world_watching(init_method: str, world_size: int, timeout_s: float,
+                         liveness) -> None:
+    """Join the world group; with children of our own, fail fast if one dies first."""
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            pgroups.init_world(0, world_size, init_method, timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        reason = liveness() if liveness else None
+        if reason and thread.is_alive():
+            raise EngineDeadError(f"startup failed: {reason}")
+    if errors:
+        raise EngineDeadError(f"startup failed: {errors[0]}")
+
+
+def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
+    topology = topology_from_config(config)
+    if env.world_size is not None:
+        topology.check_world_size(env.world_size)
+    init_method = env.init_method or f"tcp://127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen] = []
+    if env.method == "spawn":
+        procs = _spawn_workers(topology, init_method, config)
+    elif env.method == "mpi-spawn":
+        _mpi_spawn_workers(topology, init_method, config)
+    elif env.method not in ("torchrun", "mpi"):
+        raise LaunchError(f"rank 0 cannot start under launch method {env.method!r}")
+    liveness = _procs_liveness(procs, topology) if procs else None
+    context = zmq.Context()
+    rt = config.runtime
+    try:
+        _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s, liveness)
+        pool = WorkerPool(topology.worker_ranks, context, heartbeat_s=rt.heartbeat_s,
+                          dead_after_s=max(10.0, 10 * rt.heartbeat_s), liveness=liveness)
+        pgroups.broadcast_address(pool.address)
+        pool.handshake(config.to_dict(), rt.startup_timeout_s)
+        pgroups.build_groups(topology, rt.step_timeout_s)
+        pool.wait_for("ready", rt.startup_timeout_s)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        context.destroy(linger=0)
+        raise
+    return Cluster(config, topology, context, pool, procs)

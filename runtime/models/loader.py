@@ -1,0 +1,138 @@
+"""load_model: HF checkpoint directory or .gguf file -> CausalLM on a device.
+
+Llama-family checkpoints (model_type llama / mistral / qwen2) get our LlamaForCausalLM, built
+on the meta device and filled tensor by tensor; anything else gets HFFallbackModel.
+`build_model`, `open_weights` and `load_weights` are public so tensor parallelism can shard
+the meta model before loading.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.models.llama import LlamaForCausalLM
+from runtime.models.model_args import ModelArgs, unsupported_reason
+from runtime.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
+
+logger = logging.getLogger(__name__)
+
+# tensors some checkpoints carry that hold nothing to load (recomputed buffers)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _resolve(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(directory, gguf file name or None); clear errors for paths that are not checkpoints."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass an HF checkpoint "
+                             f"directory (config.json + *.safetensors) or a .gguf file")
+        return p.parent, p.name
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not an HF checkpoint: config.json is missing")
+    return p, None
+
+
+def load_config(path: str | os.PathLike) -> Any:
+    """The transformers config of an HF checkpoint directory or a .gguf file."""
+    import transformers
+
+    directory, gguf_file = _resolve(path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return transformers.AutoConfig.from_pretrained(str(directory), **kwargs)
+
+
+def build_model(config: Any) -> LlamaForCausalLM:
+    """Our model for `config` with parameters on the meta device (no memory, no init)."""
+    args = ModelArgs.from_hf_config(config)
+    with torch.device("meta"):
+        return LlamaForCausalLM(args)
+
+
+def open_weights(path: str | os.PathLike, model: nn.Module | None = None,
+                 config: Any = None) -> WeightSource:
+    """Weight source of a checkpoint; GGUF needs the config and the model's parameter names."""
+    directory, gguf_file = _resolve(path)
+    if gguf_file is None:
+        return SafetensorsWeights(directory)
+    if model is None or config is None:
+        raise ValueError("opening a .gguf needs the model (for tensor names) and its config")
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    return GGUFWeights(directory / gguf_file, config, names)
+
+
+def _check_names(expected: set[str], optional: set[str], available: set[str]) -> None:
+    missing = sorted(expected - available)
+    unexpected = sorted(n for n in available - expected - optional
+                        if not n.endswith(IGNORED_SUFFIXES))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensors: {_preview(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensors: {_preview(unexpected)}")
+    if problems:
+        raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    more = f", ... (+{len(names) - limit})" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    old = getattr(module, attr)
+    if tuple(old.shape) != tuple(tensor.shape):
+        raise ValueError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, model "
+                         f"expects {tuple(old.shape)}")
+    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def load_weights(model: LlamaForCausalLM, source: WeightSource, dtype: torch.dtype,
+                 device: torch.device | str) -> LlamaForCausalLM:
+    """Fill every parameter of `model` (e.g. on meta) from `source`; move all to device."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = model.args.tie_word_embeddings
+    expected = set(params) - ({"lm_head.weight"} if tied else set())
+    optional = {"lm_head.weight"} if tied else set()   # some tied checkpoints store it anyway
+    _check_names(expected, optional, source.names())
+    for name in sorted(expected):
+        _assign(model, name, source.get(name).to(device=device, dtype=dtype))
+    model.tie_weights()
+    model.to(device)           # buffers (RoPE inv_freq stays float32)
+    return model.eval()
+
+
+def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
+               device: torch.device | str) -> LlamaForCausalLM:
+    model = build_model(config)
+    source = open_weights(path, model, config)
+    try:
+        return load_weights(model, source, dtype, device)
+    finally:
+        source.close()
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str):
+    """HF checkpoint directory (config.json + safetensors, sharded or single) or .gguf file ->
+    our LlamaForCausalLM for llama / mistral / qwen2, else HFFallbackModel. Eval mode, on
+    `device`, in `dtype`."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    device = torch.device(device)
+    config = load_config(path)
+    reason = unsupported_reason(config)
+    if reason is None:
+        return _load_ours(path, config, dtype, device)
+    from runtime.models.hf_fallback import HFFallbackModel
+
+    logger.info("using the transformers fallback for %s: %s", path, reason)
+    return HFFallbackModel.from_pretrained(path, dtype, device)

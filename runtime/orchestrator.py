@@ -1,0 +1,90 @@
+"""Rank 0: turns requests into sequences (tokenise, validate), drives the scheduler, and
+hands results back. Used in-process by `tandem run` and by the server loop of `tandem serve`."""
+from __future__ import annotations
+
+import logging
+
+from runtime.config import TandemConfig
+from runtime.models.checkpoint import inspect_checkpoint
+from runtime.params import SamplingParams, check_prompt_ids
+from runtime.pool import WorkerPool
+from runtime.scheduler import Event, Scheduler, Sequence
+from runtime.textstream import TextStream
+from runtime.tokenizer import load_tokenizer
+
+log = logging.getLogger("tandem.orchestrator")
+
+
+class Orchestrator:
+    def __init__(self, config: TandemConfig, pool: WorkerPool):
+        self.config = config
+        self.pool = pool
+        info = inspect_checkpoint(config.target.model)
+        self.vocab_size = info.vocab_size
+        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        eos = tuple(info.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(pool, config.runtime.max_batch_size,
+                                   config.speculation.draft_len, eos,
+                                   config.runtime.step_timeout_s)
+
+    def info(self) -> dict:
+        return {"vocab_size": self.vocab_size, "max_seq_len": self.config.runtime.max_seq_len,
+                "has_tokenizer": self.tokenizer is not None,
+                "model": self.config.target.model}
+
+    # --- requests ------------------------------------------------------------------------
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise ValueError("prompt: expected a non-empty string")
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+        if chat:
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True,
+                tokenize=True, return_dict=False))
+        return list(self.tokenizer.encode(text))
+
+    def make_sequences(self, request_id: str, prompts: list[str] | None,
+                       prompt_ids: list[list[int]] | None, params: dict,
+                       chat: bool = False) -> list[Sequence]:
+        """Validate one request (server side too: a raw client can send anything)."""
+        sampling = SamplingParams.from_kwargs(**params)
+        if not sampling.greedy:
+            raise ValueError("temperature: sampling (temperature > 0) is not available yet; "
+                             "use temperature=0")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        if (prompts is None) == (prompt_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if prompts is not None:
+            id_lists = [self.encode(p, chat) for p in prompts]
+        else:
+            id_lists = [check_prompt_ids(ids, self.vocab_size) for ids in prompt_ids]
+        if not id_lists:
+            raise ValueError("prompt: expected at least one prompt")
+        limit = self.config.runtime.max_seq_len
+        seqs = []
+        for i, ids in enumerate(id_lists):
+            check_prompt_ids(ids, self.vocab_size)
+            if len(ids) + sampling.max_new_tokens > limit:
+                raise ValueError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
+                                 f"({sampling.max_new_tokens}) exceeds max_seq_len ({limit})")
+            seqs.append(Sequence(request_id, i, ids, sampling,
+                                 TextStream(self.tokenizer, sampling.stop)))
+        return seqs
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def step(self) -> list[Event]:
+        return self.scheduler.step()
+
+    def run_until_done(self, seqs: list[Sequence]) -> list[dict]:
+        self.submit(seqs)
+        while any(s.finish_reason is None for s in seqs):
+            self.step()
+        return [s.output() for s in seqs]

@@ -1,0 +1,139 @@
+"""Control-plane messages: msgpack maps with explicit schemas, never pickle.
+
+Every message is a map with a string "type". `decode` refuses anything that is not a small,
+shallow msgpack map of plain values, then checks it against the schema of its type; a message
+that fails raises `ProtocolError`, which callers log and drop.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_DEPTH = 8
+
+INT = int
+FLOAT = (int, float)
+STR = str
+BOOL = bool
+LIST = list
+MAP = dict
+OPT_STR = (str, type(None))
+OPT_INT = (int, type(None))
+OPT_FLOAT = (int, float, type(None))
+
+# type -> {field: allowed python types}; every field is required unless listed in OPTIONAL.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    # worker -> orchestrator
+    "hello": {"rank": INT, "pid": INT, "host": STR},
+    "ready": {"rank": INT},
+    "done": {"rank": INT, "step": INT, "result": MAP},
+    "error": {"rank": INT, "step": INT, "message": STR},
+    "heartbeat": {"rank": INT},
+    # orchestrator -> worker
+    "init": {"config": MAP},
+    "prefill": {"step": INT, "slots": LIST, "prompts": LIST},
+    "round": {"step": INT, "slots": LIST, "k": INT},
+    "release": {"step": INT, "slots": LIST},
+    "shutdown": {},
+    # client -> server
+    "generate": {"id": STR, "prompts": LIST, "prompt_ids": LIST, "params": MAP, "stream": BOOL,
+                 "chat": BOOL},
+    "cancel": {"id": STR},
+    "ping": {"id": STR},
+    # server -> client
+    "delta": {"id": STR, "index": INT, "token_ids": LIST, "text": STR},
+    "final": {"id": STR, "outputs": LIST},
+    "failed": {"id": STR, "message": STR, "kind": STR},
+    "pong": {"id": STR, "info": MAP},
+}
+OPTIONAL: dict[str, set[str]] = {
+    "generate": {"prompts", "prompt_ids", "chat"},
+}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message: dropped and logged, never fatal."""
+
+
+def encode(msg: dict) -> bytes:
+    check(msg)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(frame: bytes) -> dict:
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True,
+                                    max_buffer_size=MAX_MESSAGE_BYTES, ext_hook=_refuse_ext)
+        unpacker.feed(frame)
+        msg = unpacker.unpack()
+        if unpacker.tell() != len(frame):
+            raise ProtocolError("trailing bytes after the message")
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
+    check(msg)
+    return msg
+
+
+def check(msg: Any) -> None:
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message is a {type(msg).__name__}, not a map")
+    _check_depth(msg, 0)
+    kind = msg.get("type")
+    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    optional = OPTIONAL.get(kind, set())
+    for field, types in schema.items():
+        if field not in msg:
+            if field in optional:
+                continue
+            raise ProtocolError(f"{kind}: missing field {field!r}")
+        value = msg[field]
+        if isinstance(value, bool) and types is not BOOL and bool not in _as_tuple(types):
+            raise ProtocolError(f"{kind}.{field}: expected {_names(types)}, got bool")
+        if not isinstance(value, types):
+            raise ProtocolError(f"{kind}.{field}: expected {_names(types)}, "
+                                f"got {type(value).__name__}")
+    extra = set(msg) - set(schema) - {"type"}
+    if extra:
+        raise ProtocolError(f"{kind}: unknown fields {sorted(extra)}")
+
+
+def _refuse_ext(code: int, data: bytes):
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def _check_depth(value: Any, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"message nested deeper than {MAX_DEPTH}")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ProtocolError("map keys must be strings")
+            _check_depth(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, (dict, list)):
+                _check_depth(item, depth + 1)
+
+
+def _as_tuple(types) -> tuple:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _names(types) -> str:
+    return " or ".join(t.__name__ for t in _as_tuple(types))
+
+
+def int_list(value: Any, name: str) -> list[int]:
+    """A list of ints (not bools) or ProtocolError naming the field."""
+    if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ProtocolError(f"{name}: expected a list of integers")
+    return value

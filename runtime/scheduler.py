@@ -1,0 +1,151 @@
+"""The orchestrator's scheduler: admits requests into KV slots, runs speculation rounds on
+the workers, appends accepted tokens, checks stop conditions and retires finished requests
+(in-flight batching: requests join and leave between rounds)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.params import SamplingParams
+from runtime.pool import WorkerPool
+from runtime.textstream import TextStream
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    index: int                       # position in the request's list of prompts
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: TextStream
+    slot: int | None = None
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    rounds: int = 0
+    proposed: int = 0                # draft tokens proposed
+    accepted: int = 0                # draft tokens accepted
+    emitted_per_round: list[int] = field(default_factory=list)
+    t_start: float = field(default_factory=time.perf_counter)
+    t_end: float | None = None
+    cancelled: bool = False
+
+    def stats(self) -> dict:
+        elapsed = (self.t_end or time.perf_counter()) - self.t_start
+        rounds = max(self.rounds, 1)
+        return {
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "mean_accepted_tokens": sum(self.emitted_per_round) / rounds if self.rounds else 0.0,
+            "rounds": self.rounds,
+            "tokens_per_s": len(self.generated) / elapsed if elapsed > 0 else 0.0,
+        }
+
+    def output(self) -> dict:
+        return {"index": self.index, "text": self.stream.text, "token_ids": self.generated,
+                "finish_reason": self.finish_reason, "stats": self.stats()}
+
+
+@dataclass
+class Event:
+    kind: str          # "delta" | "final"
+    seq: Sequence
+    token_ids: list[int]
+    text: str
+
+
+class Scheduler:
+    def __init__(self, pool: WorkerPool, num_slots: int, draft_len: int,
+                 eos_token_ids: tuple[int, ...], step_timeout_s: float):
+        self.pool = pool
+        self.draft_len = draft_len
+        self.eos = set(eos_token_ids)
+        self.step_timeout_s = step_timeout_s
+        self.free_slots = list(range(num_slots))
+        self.queue: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self.total_tokens = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queue or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.queue.append(seq)
+
+    def cancel(self, request_id: str) -> None:
+        self.queue = deque(s for s in self.queue if s.request_id != request_id)
+        for seq in self.running.values():
+            if seq.request_id == request_id:
+                seq.cancelled = True
+
+    def step(self) -> list[Event]:
+        """Admit what fits, run one speculation round, return what it produced."""
+        events = self._retire_cancelled()
+        self._admit()
+        if not self.running:
+            return events
+        slots = sorted(self.running)
+        results = self.pool.command({"type": "round", "slots": slots, "k": self.draft_len},
+                                    self.step_timeout_s)
+        result = next(r for r in results.values() if "tokens" in r)
+        finished = []
+        for slot, tokens, accepted in zip(slots, result["tokens"], result["accepted"]):
+            seq = self.running[slot]
+            events.append(self._append(seq, tokens, accepted))
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        events.extend(self._retire(finished))
+        return events
+
+    def _admit(self) -> None:
+        admitted = []
+        while self.queue and self.free_slots:
+            seq = self.queue.popleft()
+            seq.slot = self.free_slots.pop(0)
+            self.running[seq.slot] = seq
+            admitted.append(seq)
+        if admitted:
+            self.pool.command({"type": "prefill", "slots": [s.slot for s in admitted],
+                               "prompts": [s.prompt_ids for s in admitted]},
+                              self.step_timeout_s)
+
+    def _append(self, seq: Sequence, tokens: list[int], accepted: int) -> Event:
+        seq.rounds += 1
+        seq.proposed += self.draft_len
+        seq.accepted += accepted
+        seq.emitted_per_round.append(len(tokens))
+        room = seq.params.max_new_tokens - len(seq.generated)
+        new = tokens[:room]
+        for i, tok in enumerate(new):
+            if tok in self.eos:
+                new = new[: i + 1]
+                seq.finish_reason = "stop"
+                break
+        new, stopped = seq.stream.add(new)
+        if stopped:
+            seq.finish_reason = "stop"
+        seq.generated.extend(new)
+        self.total_tokens += len(new)
+        if seq.finish_reason is None and len(seq.generated) >= seq.params.max_new_tokens:
+            seq.finish_reason = "length"
+        return Event("delta", seq, new, seq.stream.delta(final=seq.finish_reason is not None))
+
+    def _retire_cancelled(self) -> list[Event]:
+        gone = [s for s in self.running.values() if s.cancelled]
+        for seq in gone:
+            seq.finish_reason = "cancelled"
+        return self._retire(gone)
+
+    def _retire(self, seqs: list[Sequence]) -> list[Event]:
+        if not seqs:
+            return []
+        slots = [s.slot for s in seqs]
+        self.pool.command({"type": "release", "slots": slots}, self.step_timeout_s)
+        events = []
+        for seq in seqs:
+            del self.running[seq.slot]
+            self.free_slots.append(seq.slot)
+            seq.t_end = time.perf_counter()
+            events.append(Event("final", seq, [], ""))
+        self.free_slots.sort()
+        return events

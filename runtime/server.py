@@ -1,0 +1,115 @@
+"""The serving loop of rank 0: clients over ZeroMQ (ROUTER) <-> the orchestrator."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import zmq
+
+from runtime import protocol
+from runtime.errors import EngineDeadError
+from runtime.orchestrator import Orchestrator
+from runtime.scheduler import Event
+
+log = logging.getLogger("tandem.server")
+
+
+@dataclass
+class Pending:
+    identity: bytes
+    stream: bool
+    seqs: list
+
+
+class Server:
+    def __init__(self, orch: Orchestrator, address: str, context: zmq.Context):
+        self.orch = orch
+        self.sock = context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10000)
+        self.sock.setsockopt(zmq.RCVHWM, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.sock.bind(address)
+        self.pending: dict[str, Pending] = {}
+
+    def reply(self, identity: bytes, msg: dict) -> None:
+        try:
+            self.sock.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("could not reply to a client: %s", exc)
+
+    def serve(self, stop: threading.Event) -> None:
+        """Until `stop` is set. Raises EngineDeadError when the workers are gone."""
+        try:
+            while not stop.is_set():
+                busy = self.orch.scheduler.has_work
+                while self.sock.poll(0 if busy else 50):
+                    self.handle_frame(self.sock.recv_multipart())
+                if self.orch.scheduler.has_work:
+                    self.dispatch(self.orch.step())
+                else:
+                    self.orch.pool.idle(0)
+        except EngineDeadError as exc:
+            self.fail_all(str(exc), "dead")
+            raise
+        self.fail_all("server shutting down", "dead")
+
+    def fail_all(self, message: str, kind: str) -> None:
+        for rid, pend in list(self.pending.items()):
+            self.reply(pend.identity, {"type": "failed", "id": rid, "message": message,
+                                       "kind": kind})
+        self.pending.clear()
+
+    def handle_frame(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            log.warning("dropped a client frame with %d parts", len(parts))
+            return
+        identity, frame = parts
+        try:
+            msg = protocol.decode(frame)
+        except protocol.ProtocolError as exc:
+            log.warning("dropped a client frame: %s", exc)
+            return
+        kind = msg["type"]
+        if kind == "ping":
+            self.reply(identity, {"type": "pong", "id": msg["id"], "info": self.orch.info()})
+        elif kind == "cancel":
+            self.orch.scheduler.cancel(msg["id"])
+        elif kind == "generate":
+            self.admit(identity, msg)
+        else:
+            log.warning("dropped a client message of type %r", kind)
+
+    def admit(self, identity: bytes, msg: dict) -> None:
+        rid = msg["id"]
+        try:
+            if rid in self.pending:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seqs = self.orch.make_sequences(rid, msg.get("prompts"), msg.get("prompt_ids"),
+                                            msg["params"], chat=msg.get("chat", False))
+        except (ValueError, TypeError) as exc:
+            self.reply(identity, {"type": "failed", "id": rid, "message": str(exc),
+                                  "kind": "value"})
+            return
+        self.pending[rid] = Pending(identity, msg["stream"], seqs)
+        self.orch.submit(seqs)
+
+    def dispatch(self, events: list[Event]) -> None:
+        for event in events:
+            seq = event.seq
+            pend = self.pending.get(seq.request_id)
+            if pend is None:
+                continue
+            if event.kind == "delta" and pend.stream and (event.token_ids or event.text):
+                self.reply(pend.identity, {"type": "delta", "id": seq.request_id,
+                                           "index": seq.index, "token_ids": event.token_ids,
+                                           "text": event.text})
+            if event.kind == "final" and all(s.finish_reason for s in pend.seqs) and \
+                    all(s.t_end is not None for s in pend.seqs):
+                del self.pending[seq.request_id]
+                self.reply(pend.identity, {"type": "final", "id": seq.request_id,
+                                           "outputs": [s.output() for s in pend.seqs]})
+
+    def close(self) -> None:
+        self.sock.close(0)

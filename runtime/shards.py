@@ -1,0 +1,123 @@
+"""A model shard on a worker and its per-slot speculation state.
+
+Per slot the shard knows `committed` (tokens of the sequence so far: prompt + accepted),
+`cache_len` (positions held in the KV cache) and `pending` (committed tokens not yet in the
+cache). Invariant: cache_len + len(pending) == committed. Rollback is a length update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.acceptance import greedy_accept
+
+
+@dataclass
+class SlotState:
+    committed: int = 0
+    cache_len: int = 0
+    pending: list[int] = field(default_factory=list)
+
+
+class ModelShard:
+    def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int):
+        self.model = model
+        self.device = device
+        self.max_seq_len = max_seq_len
+        self.slots = [SlotState() for _ in range(num_slots)]
+        model.allocate_cache(num_slots, max_seq_len)
+
+    def _check_slot(self, slot: int) -> SlotState:
+        if not 0 <= slot < len(self.slots):
+            raise ValueError(f"slot {slot} out of range 0..{len(self.slots) - 1}")
+        return self.slots[slot]
+
+    def forward_rows(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
+        """Append ragged `rows` to each slot's cache; returns logits [B, T, V]."""
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return self._step(slots, ids.to(self.device), [len(r) for r in rows])
+
+    def _step(self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None
+              ) -> torch.Tensor:
+        """ids [B, T] on the device, appended at each slot's cache_len; logits [B, T, V]."""
+        if n_valid is None:
+            n_valid = [ids.shape[1]] * len(slots)
+        starts = [self.slots[s].cache_len for s in slots]
+        for slot, start, n in zip(slots, starts, n_valid):
+            if start + n > self.max_seq_len:
+                raise ValueError(f"slot {slot}: sequence exceeds max_seq_len {self.max_seq_len}")
+            self.slots[slot].cache_len += n
+        dev = self.device
+        return self.model.forward_extend(
+            ids, torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
+            torch.tensor(n_valid, device=dev))
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+        """Cache every prompt token but the last, which stays pending."""
+        for slot, prompt in zip(slots, prompts):
+            state = self._check_slot(slot)
+            if self.model_free_slot is not None:
+                self.model_free_slot(slot)
+            state.committed, state.cache_len, state.pending = len(prompt), 0, [prompt[-1]]
+        rows = [(s, p[:-1]) for s, p in zip(slots, prompts) if len(p) > 1]
+        if rows:
+            self.forward_rows([s for s, _ in rows], [r for _, r in rows])
+
+    @property
+    def model_free_slot(self):
+        return getattr(self.model, "free_slot", None)
+
+    def release(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._check_slot(slot)
+            self.slots[slot] = SlotState()
+            if self.model_free_slot is not None:
+                self.model_free_slot(slot)
+
+
+class DraftShard(ModelShard):
+    def propose(self, slots: list[int], k: int) -> torch.Tensor:
+        """Greedy-decode k tokens per slot; returns draft tokens [B, k] on the device."""
+        pending = [self.slots[s].pending for s in slots]
+        logits = self.forward_rows(slots, pending)                       # [B, T, V]
+        last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
+        token = logits[torch.arange(len(slots), device=self.device), last].argmax(-1)  # [B]
+        proposed = [token]
+        for _ in range(k - 1):
+            logits = self._step(slots, token[:, None])                   # [B, 1, V]
+            token = logits[:, -1].argmax(-1)
+            proposed.append(token)
+        return torch.stack(proposed, dim=1)                               # [B, k]
+
+
+    def commit(self, slots: list[int], draft_tokens: list[list[int]], accepted: list[int],
+               next_tokens: list[int]) -> None:
+        k = len(draft_tokens[0])
+        for slot, drafts, a, nxt in zip(slots, draft_tokens, accepted, next_tokens):
+            state = self.slots[slot]
+            n = state.committed
+            state.cache_len = n + min(a, k - 1)
+            state.pending = [drafts[k - 1], nxt] if a == k else [nxt]
+            state.committed = n + a + 1
+
+
+class TargetShard(ModelShard):
+    def verify(self, slots: list[int], draft_tokens: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over pending + k draft tokens; returns (accepted [B], next_token [B])."""
+        pending = torch.tensor([self.slots[s].pending for s in slots], device=self.device)
+        ids = torch.cat([pending, draft_tokens], dim=1)                   # [B, k+1]
+        logits = self._step(slots, ids)                                   # [B, k+1, V]
+        return greedy_accept(draft_tokens, logits)
+
+    def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:
+        for slot, a, nxt in zip(slots, accepted, next_tokens):
+            state = self.slots[slot]
+            n = state.committed
+            state.cache_len = n + a
+            state.pending = [nxt]
+            state.committed = n + a + 1

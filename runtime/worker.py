@@ -1,0 +1,222 @@
+"""The worker process: one device, the draft shard, the target shard or both.
+
+Control arrives over ZeroMQ (msgpack, runtime.protocol); bulk tensors (draft tokens, the
+accept verdict) move between the groups over torch.distributed on the worker's device.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+
+import torch
+import zmq
+
+from parallel import groups as pgroups
+from parallel.topology import Topology, WorkerSpec, topology_from_config
+from parallel.transfer import bridge_broadcast
+from runtime import protocol
+from runtime.config import TandemConfig, load_config
+from runtime.shards import DraftShard, TargetShard
+
+log = logging.getLogger("tandem.worker")
+
+
+class WorkerExit(Exception):
+    """Leave the worker loop (shutdown, orphaned)."""
+
+
+class Worker:
+    def __init__(self, rank: int, world_size: int, sock: zmq.Socket, address: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.sock = sock
+        self.address = address
+        self.config: TandemConfig | None = None
+        self.topology: Topology | None = None
+        self.spec: WorkerSpec | None = None
+        self.groups: pgroups.Groups | None = None
+        self.draft: DraftShard | None = None
+        self.target: TargetShard | None = None
+        self.device = torch.device("cpu")
+        self._stop_heartbeat = threading.Event()
+
+    # --- control plane -------------------------------------------------------------------
+    def send(self, msg: dict) -> None:
+        self.sock.send(protocol.encode(msg))
+
+    def recv(self, timeout_s: float) -> dict:
+        """Next valid message from the orchestrator; WorkerExit when it has gone silent."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerExit(f"orchestrator silent for {timeout_s:.0f} s; exiting")
+            if not self.sock.poll(int(min(left, 1.0) * 1000)):
+                continue
+            frame = self.sock.recv()
+            try:
+                return protocol.decode(frame)
+            except protocol.ProtocolError as exc:
+                log.warning("rank %d: dropped control frame: %s", self.rank, exc)
+
+    # --- startup -------------------------------------------------------------------------
+    def start(self, startup_timeout_s: float) -> None:
+        self.send({"type": "hello", "rank": self.rank, "pid": os.getpid(),
+                   "host": socket.gethostname()})
+        msg = self.recv(startup_timeout_s)
+        if msg["type"] != "init":
+            raise WorkerExit(f"expected init, got {msg['type']}")
+        self.config = load_config(msg["config"], check_files=False, check_devices=False)
+        self.topology = topology_from_config(self.config)
+        self.topology.check_world_size(self.world_size)
+        self.spec = self.topology.worker(self.rank)
+        self.groups = pgroups.build_groups(self.topology, self.config.runtime.step_timeout_s)
+        self.device = self.spec.device.torch_device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:  # CPU workers share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self.topology.workers)))
+        try:
+            self._load_shards()
+        except Exception as exc:
+            self.send({"type": "error", "rank": self.rank, "step": -1,
+                       "message": f"rank {self.rank} failed to load: {type(exc).__name__}: {exc}"})
+            raise
+        self.send({"type": "ready", "rank": self.rank})
+
+    def _load_shards(self) -> None:
+        from runtime.models import load_model
+
+        rt = self.config.runtime
+        cache_len = rt.max_seq_len + self.config.speculation.draft_len + 2
+        if self.spec.hosts_draft:
+            model = load_model(self.config.draft.model, self.config.draft.torch_dtype, self.device)
+            self.draft = DraftShard(model, self.device, rt.max_batch_size, cache_len)
+        if self.spec.hosts_target:
+            model = load_model(self.config.target.model, self.config.target.torch_dtype,
+                               self.device)
+            self.target = TargetShard(model, self.device, rt.max_batch_size, cache_len)
+
+    def start_heartbeat(self, context: zmq.Context) -> None:
+        period = self.config.runtime.heartbeat_s
+
+        def beat() -> None:
+            hb = context.socket(zmq.DEALER)
+            hb.setsockopt(zmq.LINGER, 0)
+            hb.setsockopt(zmq.SNDHWM, 16)
+            hb.connect(self.address)
+            frame = protocol.encode({"type": "heartbeat", "rank": self.rank})
+            try:
+                while not self._stop_heartbeat.wait(period):
+                    try:
+                        hb.send(frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+            finally:
+                hb.close(0)
+
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+    # --- serving loop --------------------------------------------------------------------
+    def serve(self) -> None:
+        silent_s = max(10.0, 10 * self.config.runtime.heartbeat_s)
+        while True:
+            msg = self.recv(silent_s)
+            kind = msg["type"]
+            if kind == "heartbeat":
+                continue
+            if kind == "shutdown":
+                return
+            step = msg.get("step", -1)
+            try:
+                result = self.handle(msg)
+            except Exception as exc:
+                log.error("rank %d step %d failed:\n%s", self.rank, step, traceback.format_exc())
+                self.send({"type": "error", "rank": self.rank, "step": step,
+                           "message": f"rank {self.rank}: {type(exc).__name__}: {exc}"})
+                raise
+            self.send({"type": "done", "rank": self.rank, "step": step, "result": result})
+
+    def handle(self, msg: dict) -> dict:
+        kind = msg["type"]
+        slots = protocol.int_list(msg["slots"], f"{kind}.slots")
+        if kind == "prefill":
+            prompts = [protocol.int_list(p, "prefill.prompts") for p in msg["prompts"]]
+            for shard in (self.draft, self.target):
+                if shard is not None:
+                    shard.prefill(slots, prompts)
+            return {}
+        if kind == "release":
+            for shard in (self.draft, self.target):
+                if shard is not None:
+                    shard.release(slots)
+            return {}
+        if kind == "round":
+            return self.speculate(slots, msg["k"])
+        raise protocol.ProtocolError(f"worker cannot handle {kind!r}")
+
+    def speculate(self, slots: list[int], k: int) -> dict:
+        """One round: draft k tokens, move them to the target, verify, move the verdict back."""
+        if k < 1:
+            raise ValueError(f"round.k must be >= 1, got {k}")
+        batch = len(slots)
+        draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=self.device)
+        if self.draft is not None:
+            draft_tokens = self.draft.propose(slots, k)                   # [B, k]
+        bridge_broadcast(draft_tokens, self.topology.draft_leader, self.groups.bridge)
+        verdict = torch.zeros(batch, 2, dtype=torch.long, device=self.device)
+        if self.target is not None:
+            accepted, next_token = self.target.verify(slots, draft_tokens)
+            verdict = torch.stack([accepted, next_token], dim=1)           # [B, 2]
+        bridge_broadcast(verdict, self.topology.target_leader, self.groups.bridge)
+        drafts = draft_tokens.tolist()
+        accepted, next_tokens = (list(col) for col in zip(*verdict.tolist()))
+        if self.draft is not None:
+            self.draft.commit(slots, drafts, accepted, next_tokens)
+        if self.target is not None:
+            self.target.commit(slots, accepted, next_tokens)
+        if self.rank != self.topology.target_leader:
+            return {}
+        tokens = [d[:a] + [n] for d, a, n in zip(drafts, accepted, next_tokens)]
+        return {"tokens": tokens, "accepted": accepted}
+
+    def close(self) -> None:
+        self._stop_heartbeat.set()
+
+
+def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: float) -> int:
+    """Entry of every worker rank, whatever launched it. Returns the exit code."""
+    logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
+                        format=f"[tandem rank {rank}] %(levelname)s %(message)s")
+    pgroups.init_world(rank, world_size, init_method, startup_timeout_s)
+    address = pgroups.broadcast_address(None)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.connect(address)
+    worker = Worker(rank, world_size, sock, address)
+    code = 0
+    try:
+        worker.start(startup_timeout_s)
+        worker.start_heartbeat(context)
+        worker.serve()
+    except WorkerExit as exc:
+        log.warning("rank %d: %s", rank, exc)
+        code = 1
+    except Exception:
+        log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
+        code = 1
+    finally:
+        worker.close()
+        sock.close(0)
+        context.term()
+        if code == 0:
+            pgroups.destroy()
+    return code

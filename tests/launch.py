@@ -1,0 +1,96 @@
+"""Run tandem through each launch form in its own process group, with a hard timeout, and
+check that nothing is left running afterwards."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+FORMS = ("spawn", "torchrun", "mpirun", "mpi-spawn")
+BIN = Path(sys.executable).parent
+
+
+def write_config(path: Path, draft: str, target: str, draft_devices=("cpu:0",),
+                 target_devices=("cpu:1",), draft_len: int = 4, **runtime) -> str:
+    config = {
+        "draft": {"model": draft, "devices": list(draft_devices), "dtype": "float32"},
+        "target": {"model": target, "devices": list(target_devices), "dtype": "float32"},
+        "speculation": {"draft_len": draft_len, "acceptance": "tokens"},
+        "runtime": {"max_batch_size": 4, "max_seq_len": 256, **runtime},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def world_size(draft_devices, target_devices) -> int:
+    return 1 + len(dict.fromkeys([*draft_devices, *target_devices]))
+
+
+def command(form: str, world: int, args: list[str]) -> list[str]:
+    if form == "spawn":
+        return [sys.executable, "-m", "launcher", *args]
+    if form == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={world}",
+                "-m", "launcher", *args]
+    if form == "mpirun":
+        return [_mpirun(), "-n", str(world), sys.executable, "-m", "launcher", *args]
+    if form == "mpi-spawn":
+        return [_mpirun(), "-n", "1", sys.executable, "-m", "launcher", *args]
+    raise ValueError(form)
+
+
+def _mpirun() -> str:
+    local = BIN / "mpirun"
+    return str(local) if local.exists() else shutil.which("mpirun")
+
+
+def clean_env() -> dict:
+    env = dict(os.environ)
+    for key in list(env):
+        if key.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_", "TORCHELASTIC")) or key in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run(form: str, world: int, args: list[str], timeout: float = 180
+        ) -> subprocess.CompletedProcess:
+    """Run one launch form to completion (or kill it at `timeout`); assert no process is left."""
+    proc = subprocess.Popen(command(form, world, args), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=clean_env())
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{form} timed out after {timeout} s\n{err[-4000:]}") from None
+    assert_group_gone(proc.pid)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def assert_group_gone(pgid: int, grace_s: float = 10.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.killpg(pgid, signal.SIGKILL)
+    raise AssertionError(f"processes of group {pgid} were still running")
+
+
+def run_json(form: str, world: int, args: list[str], timeout: float = 180) -> list[dict]:
+    """One JSON object per prompt, in prompt order."""
+    res = run(form, world, [*args, "--json"], timeout)
+    assert res.returncode == 0, f"{form} exited {res.returncode}\n{res.stderr[-4000:]}"
+    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

@@ -1,0 +1,73 @@
+"""Greedy speculative decoding end to end, through every launch form: the output equals the
+target's own transformers greedy output token for token (float32, CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from tests import checkpoints, launch
+
+pytestmark = pytest.mark.timeout(400)
+
+PROMPTS = [[1, 5, 9, 13, 17, 21, 25], [1, 40], [1, 77, 3, 8, 60, 61, 62, 63, 64, 65, 2, 33]]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = checkpoints.build_checkpoint(root / "target", "llama", seed=0)
+    qwen = checkpoints.build_checkpoint(root / "qwen", "qwen2", seed=2)
+    return {
+        "target": target,
+        "other": checkpoints.build_checkpoint(root / "other", "llama", seed=1),
+        "near": checkpoints.build_near_draft(target, root / "near", noise=0.3),
+        "qwen": qwen,
+        "qwen_near": checkpoints.build_near_draft(qwen, root / "qwen_near", noise=0.3),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = [checkpoints.hf_greedy(models[name], p, NEW_TOKENS) for p in PROMPTS]
+        return cache[name]
+    return get
+
+
+# name: (draft, target, draft_len, draft devices, target devices)
+CASES = {
+    "disagreeing-draft": ("other", "target", 4, ["cpu:0"], ["cpu:1"]),
+    "draft-is-target": ("target", "target", 4, ["cpu:0"], ["cpu:0"]),
+    "k1": ("near", "target", 1, ["cpu:0"], ["cpu:1"]),
+    "k3": ("near", "target", 3, ["cpu:0"], ["cpu:1"]),
+    "k8": ("near", "target", 8, ["cpu:1"], ["cpu:0"]),
+    "qwen2": ("qwen_near", "qwen", 4, ["cpu:0"], ["cpu:1"]),
+}
+
+
+@pytest.mark.parametrize("form", launch.FORMS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_equals_target(case, form, models, reference, tmp_path):
+    draft, target, k, draft_devices, target_devices = CASES[case]
+    cfg = launch.write_config(tmp_path / "c.yaml", models[draft], models[target],
+                              draft_devices, target_devices, draft_len=k)
+    args = ["run", cfg, "--max-new-tokens", str(NEW_TOKENS)]
+    for prompt in PROMPTS:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    outs = launch.run_json(form, launch.world_size(draft_devices, target_devices), args)
+    assert [o["token_ids"] for o in outs] == reference(target)
+    for out in outs:
+        stats = out["stats"]
+        assert set(stats) >= {"acceptance_rate", "mean_accepted_tokens", "rounds",
+                              "tokens_per_s"}
+        assert out["finish_reason"] in ("length", "stop")
+        if case == "draft-is-target":
+            assert stats["acceptance_rate"] > 0.9
+    rates = [o["stats"]["acceptance_rate"] for o in outs]
+    if case == "disagreeing-draft":
+        assert max(rates) < 0.35
+    if case in ("k3", "k8"):
+        assert 0.0 < sum(rates) / len(rates) < 1.0
