@@ -37,6 +37,7 @@ class WorkerPool:
         now = time.monotonic()
         self.last_seen = {r: now for r in self.ranks}
         self.step = 0
+        self.connected: set[int] = set()   # ranks whose control socket has said something
         self.dead: str | None = None
         self._last_beat_sent = 0.0
 
@@ -71,6 +72,8 @@ class WorkerPool:
         rank = msg.get("rank")
         if rank in self.last_seen:
             self.last_seen[rank] = time.monotonic()
+            if parts[0] == f"w{rank}".encode():
+                self.connected.add(rank)
         if msg["type"] == "error":
             self._die(msg["message"])
         return msg
@@ -89,7 +92,8 @@ class WorkerPool:
                 self._die(f"rank {rank} sent no heartbeat for {now - seen:.0f} s")
         if now - self._last_beat_sent >= self.heartbeat_s:
             self._last_beat_sent = now
-            self.send_all({"type": "heartbeat", "rank": 0})
+            for rank in sorted(self.connected):
+                self.send(rank, {"type": "heartbeat", "rank": 0})
 
     def wait_for(self, kind: str, timeout_s: float, step: int | None = None) -> dict[int, dict]:
         """Collect one `kind` message from every worker (matching `step` if given)."""

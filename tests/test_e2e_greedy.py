@@ -20,9 +20,9 @@ def models(tmp_path_factory):
     return {
         "target": target,
         "other": checkpoints.build_checkpoint(root / "other", "llama", seed=1),
-        "near": checkpoints.build_near_draft(target, root / "near", noise=0.3),
+        "near": checkpoints.build_near_draft(target, root / "near", noise=0.05),
         "qwen": qwen,
-        "qwen_near": checkpoints.build_near_draft(qwen, root / "qwen_near", noise=0.3),
+        "qwen_near": checkpoints.build_near_draft(qwen, root / "qwen_near", noise=0.05),
     }
 
 

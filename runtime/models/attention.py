@@ -1,0 +1,65 @@
+"""Grouped-query self-attention over the slot KV cache.
+
+Shapes are local: `n_heads`, `n_kv_heads` and `head_dim` are plain attributes read at every
+call, so tensor parallelism can shard q/k/v/o_proj from outside and divide the head counts.
+This module holds no collectives.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.models.cache import ExtendBatch, KVCache
+from runtime.models.model_args import ModelArgs
+from runtime.models.rope import apply_rotary
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    # [B, Hkv, L, D] -> [B, Hkv * n_rep, L, D]; query head h uses kv head h // n_rep
+    if n_rep == 1:
+        return x
+    b, h_kv, length, d = x.shape
+    return x[:, :, None].expand(b, h_kv, n_rep, length, d).reshape(b, h_kv * n_rep, length, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.sliding_window = args.layer_windows[layer_idx] if args.layer_windows else None
+        q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_bias)
+        self.kv_cache: KVCache | None = None
+
+    def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
+        ref = next(self.parameters())  # dtype and device of the (possibly sharded) weights
+        self.kv_cache = KVCache(num_slots, max_seq_len, self.n_kv_heads, self.head_dim,
+                                dtype=ref.dtype, device=ref.device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ExtendBatch) -> torch.Tensor:
+        # x [B, T, hidden]; cos, sin [B, T, D]
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_cache() must be called before forward_extend()")
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim)     # [B, T, H, D]
+        k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        k_all, v_all = self.kv_cache.update(batch, k, v)                   # [B, L, Hkv, D]
+        n_rep = self.n_heads // self.n_kv_heads
+        q = q.transpose(1, 2)                                              # [B, H, T, D]
+        k_all = repeat_kv(k_all.transpose(1, 2), n_rep)                    # [B, H, L, D]
+        v_all = repeat_kv(v_all.transpose(1, 2), n_rep)                    # [B, H, L, D]
+        out = F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=batch.mask(self.sliding_window))    # [B, H, T, D]
+        out = out.transpose(1, 2).reshape(bsz, seq, self.n_heads * self.head_dim)
+        return self.o_proj(out)                                            # [B, T, hidden]

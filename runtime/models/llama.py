@@ -1,0 +1,120 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) with HF-identical parameter names."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.models.attention import Attention
+from runtime.models.base import check_extend_args
+from runtime.models.cache import ExtendBatch
+from runtime.models.model_args import ModelArgs
+from runtime.models.rope import RotaryEmbedding, compute_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ExtendBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ExtendBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                                   # [B, T, hidden]
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Our CausalLM. Build from ModelArgs (see runtime.models.loader.load_model for weights)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.vocab_size = args.vocab_size
+        self.model = LlamaModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        inv_freq, scaling, self.rope_exact_until = compute_inv_freq(args.hf_config, args.head_dim)
+        self.rotary_emb = RotaryEmbedding(inv_freq, scaling)
+        self.num_slots: int | None = None
+        self.max_seq_len: int | None = None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
+        if num_slots < 1 or max_seq_len < 1:
+            raise ValueError(f"need num_slots >= 1 and max_seq_len >= 1, got "
+                             f"{num_slots}, {max_seq_len}")
+        if self.rope_exact_until is not None and max_seq_len > self.rope_exact_until:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds {self.rope_exact_until}, the "
+                             f"length up to which this length-dependent RoPE is supported")
+        for layer in self.model.layers:
+            layer.self_attn.allocate_cache(num_slots, max_seq_len)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    def free_slot(self, slot: int) -> None:
+        """Nothing to do: the caller owns lengths and stale positions are never attended."""
+
+    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
+                n_valid: torch.Tensor) -> torch.Tensor:
+        # input_ids [B, T]; slots, start_pos, n_valid [B] -> logits [B, T, V]
+        slots, start_pos, n_valid = (torch.as_tensor(t).to(input_ids.device, torch.long)
+                                     for t in (slots, start_pos, n_valid))
+        kv_len = check_extend_args(input_ids, slots, start_pos, n_valid,
+                                   self.num_slots, self.max_seq_len)
+        batch = ExtendBatch.build(slots, start_pos, n_valid, input_ids.shape[1], kv_len,
+                                  self.max_seq_len, self.num_slots)
+        input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
+        cos, sin = self.rotary_emb(batch.positions, self.model.norm.weight.dtype)  # [B, T, D]
+        hidden = self.model(input_ids, cos, sin, batch)                    # [B, T, hidden]
+        return self.lm_head(hidden)                                        # [B, T, V]
+
+    @torch.no_grad()
+    def forward_extend(self, input_ids: torch.Tensor, slots: torch.Tensor,
+                       start_pos: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        """See runtime.models.base.CausalLM.forward_extend."""
+        return self(input_ids, slots, start_pos, n_valid)
