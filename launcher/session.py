@@ -21,6 +21,7 @@ EXIT_USAGE = 2
 def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool) -> int:
     from runtime.orchestrator import Orchestrator
 
+    orch = Orchestrator(config)
     try:
         cluster = start_cluster(config, env)
     except EngineDeadError as exc:
@@ -28,7 +29,7 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool)
         return EXIT_DEAD
     code = 0
     try:
-        orch = Orchestrator(config, cluster.pool)
+        orch.attach(cluster.pool)
         seqs = orch.make_sequences("run", request["prompts"], request["prompt_ids"],
                                    request["params"], chat=request["chat"])
         for out in orch.run_until_done(seqs):
@@ -56,6 +57,7 @@ def serve_forever(config: TandemConfig, env: LaunchEnv) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    orch = Orchestrator(config)
     try:
         cluster = start_cluster(config, env)
     except EngineDeadError as exc:
@@ -64,8 +66,7 @@ def serve_forever(config: TandemConfig, env: LaunchEnv) -> int:
     server = None
     code = 0
     try:
-        orch = Orchestrator(config, cluster.pool)
-        server = Server(orch, config.server.address, cluster.context)
+        server = Server(orch.attach(cluster.pool), config.server.address, cluster.context)
         print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
         server.serve(stop)
     except EngineDeadError as exc:

@@ -3,6 +3,7 @@ hands results back. Used in-process by `tandem run` and by the server loop of `t
 from __future__ import annotations
 
 import logging
+import threading
 
 from runtime.config import TandemConfig
 from runtime.models.checkpoint import inspect_checkpoint
@@ -16,19 +17,40 @@ log = logging.getLogger("tandem.orchestrator")
 
 
 class Orchestrator:
-    def __init__(self, config: TandemConfig, pool: WorkerPool):
+    def __init__(self, config: TandemConfig):
         self.config = config
-        self.pool = pool
-        info = inspect_checkpoint(config.target.model)
-        self.vocab_size = info.vocab_size
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.pool: WorkerPool | None = None
+        self.scheduler: Scheduler | None = None
+        self.vocab_size = 0
+        self.tokenizer = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        # tokenizer and metadata load on a thread while the workers load their shards
+        self._load_error: BaseException | None = None
+        self._loader = threading.Thread(target=self._load, name="tokenizer", daemon=True)
+        self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            info = inspect_checkpoint(self.config.target.model)
+            tokenizer = load_tokenizer(self.config.tokenizer_path)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by attach()
+            self._load_error = exc
+            return
         eos = tuple(info.eos_token_ids)
-        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = (self.tokenizer.eos_token_id,)
-        self.eos_token_ids = eos
-        self.scheduler = Scheduler(pool, config.runtime.max_batch_size,
-                                   config.speculation.draft_len, eos,
-                                   config.runtime.step_timeout_s)
+        if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = (tokenizer.eos_token_id,)
+        self.vocab_size, self.tokenizer, self.eos_token_ids = info.vocab_size, tokenizer, eos
+
+    def attach(self, pool: WorkerPool) -> "Orchestrator":
+        """Start scheduling on the workers behind `pool`."""
+        self._loader.join()
+        if self._load_error is not None:
+            raise self._load_error
+        self.pool = pool
+        self.scheduler = Scheduler(pool, self.config.runtime.max_batch_size,
+                                   self.config.speculation.draft_len, self.eos_token_ids,
+                                   self.config.runtime.step_timeout_s)
+        return self
 
     def info(self) -> dict:
         return {"vocab_size": self.vocab_size, "max_seq_len": self.config.runtime.max_seq_len,

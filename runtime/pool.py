@@ -1,7 +1,7 @@
 """The orchestrator's side of the worker control plane.
 
-One ROUTER socket; every worker connects a DEALER (identity b"w<rank>") and a heartbeat
-DEALER. `command` sends one step to every worker and waits for all of them, watching
+One ROUTER socket; every worker connects a DEALER (identity b"w<rank>") and, from its Pulse
+thread, a heartbeat DEALER; the Beacon tells workers that the orchestrator lives. `command` sends one step to every worker and waits for all of them, watching
 heartbeats and child processes so that a dead or silent rank becomes EngineDeadError.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import zmq
 
 from runtime import protocol
 from runtime.errors import EngineDeadError
+from runtime.heartbeat import Beacon
 
 log = logging.getLogger("tandem.pool")
 
@@ -37,9 +38,8 @@ class WorkerPool:
         now = time.monotonic()
         self.last_seen = {r: now for r in self.ranks}
         self.step = 0
-        self.connected: set[int] = set()   # ranks whose control socket has said something
         self.dead: str | None = None
-        self._last_beat_sent = 0.0
+        self.beacon = Beacon(context, bind, heartbeat_s)
 
     # --- low level -----------------------------------------------------------------------
     def send(self, rank: int, msg: dict) -> None:
@@ -72,14 +72,12 @@ class WorkerPool:
         rank = msg.get("rank")
         if rank in self.last_seen:
             self.last_seen[rank] = time.monotonic()
-            if parts[0] == f"w{rank}".encode():
-                self.connected.add(rank)
         if msg["type"] == "error":
             self._die(msg["message"])
         return msg
 
     def check_alive(self) -> None:
-        """Raise EngineDeadError if a rank died or went silent; send our own heartbeat."""
+        """Raise EngineDeadError if a rank died or went silent."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if self.liveness is not None:
@@ -90,10 +88,6 @@ class WorkerPool:
         for rank, seen in self.last_seen.items():
             if now - seen > self.dead_after_s:
                 self._die(f"rank {rank} sent no heartbeat for {now - seen:.0f} s")
-        if now - self._last_beat_sent >= self.heartbeat_s:
-            self._last_beat_sent = now
-            for rank in sorted(self.connected):
-                self.send(rank, {"type": "heartbeat", "rank": 0})
 
     def wait_for(self, kind: str, timeout_s: float, step: int | None = None) -> dict[int, dict]:
         """Collect one `kind` message from every worker (matching `step` if given)."""
@@ -115,7 +109,7 @@ class WorkerPool:
     # --- high level ----------------------------------------------------------------------
     def handshake(self, config: dict, timeout_s: float) -> None:
         self.wait_for("hello", timeout_s)
-        self.send_all({"type": "init", "config": config})
+        self.send_all({"type": "init", "config": config, "heartbeat": self.beacon.address})
 
     def command(self, msg: dict, timeout_s: float) -> dict[int, dict]:
         """Run one step on every worker; returns rank -> result map."""
@@ -142,4 +136,5 @@ class WorkerPool:
                 pass
 
     def close(self) -> None:
+        self.beacon.stop()
         self.sock.close(0)

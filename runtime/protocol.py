@@ -32,7 +32,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "error": {"rank": INT, "step": INT, "message": STR},
     "heartbeat": {"rank": INT},
     # orchestrator -> worker
-    "init": {"config": MAP},
+    "init": {"config": MAP, "heartbeat": STR},
     "prefill": {"step": INT, "slots": LIST, "prompts": LIST},
     "round": {"step": INT, "slots": LIST, "k": INT},
     "release": {"step": INT, "slots": LIST},

@@ -72,14 +72,15 @@ def random_words(seed: torch.Tensor, position: torch.Tensor, stream: int
 
 
 def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int,
-            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Uniforms in [0, 1) for each (seed, position, stream); a pure function of those three.
 
     seed: [B] int64 per-request seed
     position: [B, n] int64 absolute token positions
     stream: int, which use (STREAM_DRAFT, STREAM_ACCEPT, STREAM_TARGET, ...)
-    returns [B, n] `dtype` on position's device: float32 multiples of 2**-24 (24 random bits)
-            or float64 multiples of 2**-53 (53 random bits); always < 1.
+    returns [B, n] `dtype` on position's device: float64 multiples of 2**-53 (53 random bits,
+            the default: inverse-CDF sampling then resolves probabilities far below 2**-24,
+            which matters for large vocabularies) or float32 multiples of 2**-24; always < 1.
     """
     x0, x1 = random_words(seed, position, stream)                 # [B, n] each
     if dtype == torch.float32:

@@ -1,7 +1,7 @@
 """Exact sampling core of speculative decoding (Leviathan et al. 2023, Chen et al. 2023).
 
-- warp_probs: logits -> the request's sampling distribution (temperature, top-k, top-p in
-  transformers' order and tie semantics; temperature 0 = greedy one-hot).
+- warp_probs: logits -> the request's sampling distribution (temperature, top-k, top-p exactly
+  as transformers' warpers; temperature 0 = greedy one-hot).
 - sample_from: inverse-CDF sampling driven by given uniforms (see runtime/rng.py).
 - accept_tokens: `acceptance: tokens` - the target samples its own token at every position and
   keeps draft tokens while they equal its samples.
@@ -39,7 +39,7 @@ def _filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     # transformers compares with the Python float 1 - top_p, rounded to float32 by the kernel
     threshold = (1.0 - top_p.to(torch.float64)).to(torch.float32).view(B, 1, 1)
     remove_p = cum <= threshold                                                # [B, n, V]
-    remove_p[..., -1] = False                                                  # min_tokens_to_keep=1
+    remove_p[..., -1] = False                                   # min_tokens_to_keep=1
     remove_p &= (top_p < 1.0).view(B, 1, 1)
     remove |= remove_p
     remove = remove.scatter(-1, order, remove)                                 # vocab order
@@ -67,25 +67,25 @@ def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return torch.where(greedy, one_hot, probs)
 
 
-_CDF_SCALE = 2.0 ** 40   # fixed-point unit of the integer CDF; V * (2**40 + 1) < 2**63
+_CDF_UNIT = 2.0 ** 40    # fixed-point scale of the integer CDF
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: the token i with cdf[i-1] <= u * total < cdf[i].
 
-    probs: [..., V] non-negative weights (need not sum to 1)
+    probs: [..., V] probabilities (non-negative; unnormalised weights work if they sum to
+           less than 2**22 and are not tiny: each positive weight is rounded up to a multiple
+           of 2**-40)
     u: [...] uniforms in [0, 1); float64 ones resolve probabilities far below 2**-24
     returns [...] int64 tokens; a token of weight 0 is never chosen (an all-zero row gives 0).
 
-    The CDF is built in 40-bit fixed point (each positive weight rounded up, so it keeps a
-    non-empty interval) and summed in int64: exact, monotone, and bit-identical on every
-    device, unlike a float cumsum whose top end falls short of 1 and whose parallel CUDA scan
-    can give a zero-probability token a one-ulp interval.
+    The CDF is summed in int64 fixed point (2**-40 units, exact power-of-two scaling, positive
+    weights rounded up so that each keeps a non-empty interval): exact, monotone and identical
+    on every device, unlike a float cumsum whose top end falls short of 1 and whose parallel
+    CUDA scan can give a zero-probability token a one-ulp interval.
     """
     p = probs if probs.dtype == torch.float64 else probs.to(torch.float32)
-    total_p = p.sum(dim=-1, keepdim=True)                                      # [..., 1]
-    scale = torch.where(total_p > 0, _CDF_SCALE / total_p, 0.0)               # [..., 1]
-    cdf = (p * scale).ceil_().to(torch.int64).cumsum_(dim=-1)                  # [..., V]
+    cdf = (p * _CDF_UNIT).ceil_().to(torch.int64).cumsum_(dim=-1)            # [..., V]
     total = cdf[..., -1:]                                                      # [..., 1]
     x = (u.to(torch.float64).unsqueeze(-1) * total.to(torch.float64)).to(torch.int64)
     x = torch.minimum(x, total - 1)                                            # [..., 1] < total

@@ -5,10 +5,10 @@ accept verdict) move between the groups over torch.distributed on the worker's d
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
-import threading
 import time
 import traceback
 
@@ -20,6 +20,7 @@ from parallel.topology import Topology, WorkerSpec, topology_from_config
 from parallel.transfer import bridge_broadcast
 from runtime import protocol
 from runtime.config import TandemConfig, load_config
+from runtime.heartbeat import Pulse
 from runtime.shards import DraftShard, TargetShard
 
 log = logging.getLogger("tandem.worker")
@@ -42,20 +43,23 @@ class Worker:
         self.draft: DraftShard | None = None
         self.target: TargetShard | None = None
         self.device = torch.device("cpu")
-        self._stop_heartbeat = threading.Event()
+        self.pulse: Pulse | None = None
 
     # --- control plane -------------------------------------------------------------------
     def send(self, msg: dict) -> None:
         self.sock.send(protocol.encode(msg))
 
     def recv(self, timeout_s: float) -> dict:
-        """Next valid message from the orchestrator; WorkerExit when it has gone silent."""
+        """Next valid message from the orchestrator; WorkerExit when it has gone silent
+        (before init: no message within timeout_s; after: no beacon beat for timeout_s)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerExit(f"orchestrator silent for {timeout_s:.0f} s; exiting")
-            if not self.sock.poll(int(min(left, 1.0) * 1000)):
+            if self.pulse is not None:
+                if self.pulse.orchestrator_silent_s > timeout_s:
+                    raise WorkerExit(f"orchestrator silent for {timeout_s:.0f} s; exiting")
+            elif time.monotonic() > deadline:
+                raise WorkerExit(f"no word from the orchestrator within {timeout_s:.0f} s")
+            if not self.sock.poll(200):
                 continue
             frame = self.sock.recv()
             try:
@@ -71,6 +75,8 @@ class Worker:
         if msg["type"] != "init":
             raise WorkerExit(f"expected init, got {msg['type']}")
         self.config = load_config(msg["config"], check_files=False, check_devices=False)
+        self.pulse = Pulse(self.sock.context, self.rank, self.address, msg["heartbeat"],
+                           self.config.runtime.heartbeat_s)
         self.topology = topology_from_config(self.config)
         self.topology.check_world_size(self.world_size)
         self.spec = self.topology.worker(self.rank)
@@ -93,33 +99,20 @@ class Worker:
 
         rt = self.config.runtime
         cache_len = rt.max_seq_len + self.config.speculation.draft_len + 2
-        if self.spec.hosts_draft:
-            model = load_model(self.config.draft.model, self.config.draft.torch_dtype, self.device)
-            self.draft = DraftShard(model, self.device, rt.max_batch_size, cache_len)
+        draft_cfg, target_cfg = self.config.draft, self.config.target
+        draft_model = target_model = None
         if self.spec.hosts_target:
-            model = load_model(self.config.target.model, self.config.target.torch_dtype,
-                               self.device)
-            self.target = TargetShard(model, self.device, rt.max_batch_size, cache_len)
-
-    def start_heartbeat(self, context: zmq.Context) -> None:
-        period = self.config.runtime.heartbeat_s
-
-        def beat() -> None:
-            hb = context.socket(zmq.DEALER)
-            hb.setsockopt(zmq.LINGER, 0)
-            hb.setsockopt(zmq.SNDHWM, 16)
-            hb.connect(self.address)
-            frame = protocol.encode({"type": "heartbeat", "rank": self.rank})
-            try:
-                while not self._stop_heartbeat.wait(period):
-                    try:
-                        hb.send(frame, zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass
-            finally:
-                hb.close(0)
-
-        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+            target_model = load_model(target_cfg.model, target_cfg.torch_dtype, self.device)
+        if self.spec.hosts_draft:
+            same = (draft_cfg.model, draft_cfg.dtype, draft_cfg.devices) == \
+                (target_cfg.model, target_cfg.dtype, target_cfg.devices)
+            if same and target_model is not None:  # one checkpoint: load once, own KV cache
+                draft_model = copy.deepcopy(target_model)
+            else:
+                draft_model = load_model(draft_cfg.model, draft_cfg.torch_dtype, self.device)
+            self.draft = DraftShard(draft_model, self.device, rt.max_batch_size, cache_len)
+        if target_model is not None:
+            self.target = TargetShard(target_model, self.device, rt.max_batch_size, cache_len)
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:
@@ -185,7 +178,8 @@ class Worker:
         return {"tokens": tokens, "accepted": accepted}
 
     def close(self) -> None:
-        self._stop_heartbeat.set()
+        if self.pulse is not None:
+            self.pulse.stop()
 
 
 def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: float) -> int:
@@ -205,7 +199,6 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
     code = 0
     try:
         worker.start(startup_timeout_s)
-        worker.start_heartbeat(context)
         worker.serve()
     except WorkerExit as exc:
         log.warning("rank %d: %s", rank, exc)

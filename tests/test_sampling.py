@@ -55,16 +55,19 @@ def test_threefry_known_answers(rounds, key, ctr, want):   # Random123 / JAX tes
 
 def test_uniform_layout_and_determinism():
     zero = torch.zeros(1, dtype=torch.int64)
-    assert uniform(zero, zero[:, None], 0).item() == (0x6B200159 >> 8) * 2.0 ** -24
+    assert uniform(zero, zero[:, None], 0, torch.float32).item() == (0x6B200159 >> 8) * 2.0 ** -24
+    word53 = (0x6B200159 << 21) | (0x99BA4EFE >> 11)
+    assert uniform(zero, zero[:, None], 0).item() == word53 * 2.0 ** -53
     seed = torch.tensor([0, 1, 2 ** 62 - 1, 12345])
     pos = torch.arange(40).view(4, 10) * 1000003
-    u = uniform(seed, pos, STREAM_TARGET)
+    u = uniform(seed, pos, STREAM_TARGET, torch.float32)
     assert u.shape == (4, 10) and u.dtype == torch.float32
-    assert torch.equal(u, uniform(seed.clone(), pos.clone(), STREAM_TARGET))
+    assert torch.equal(u, uniform(seed.clone(), pos.clone(), STREAM_TARGET, torch.float32))
     for b in range(4):                                   # batch composition does not matter
-        assert torch.equal(u[b:b + 1], uniform(seed[b:b + 1], pos[b:b + 1], STREAM_TARGET))
-        assert torch.equal(u[b, 3:5], uniform(seed[b:b + 1], pos[b:b + 1, 3:5], 2)[0])
-    u64 = uniform(seed, pos, 2, dtype=torch.float64)
+        assert torch.equal(u[b:b + 1], uniform(seed[b:b + 1], pos[b:b + 1], 2, torch.float32))
+        part = uniform(seed[b:b + 1], pos[b:b + 1, 3:5], 2, torch.float32)
+        assert torch.equal(u[b, 3:5], part[0])
+    u64 = uniform(seed, pos, 2)
     assert u64.dtype == torch.float64 and ((u64 - u).abs() < 2.0 ** -24).all()
     with pytest.raises(ValueError):
         uniform(seed, pos, 2 ** 16)
@@ -73,15 +76,15 @@ def test_uniform_layout_and_determinism():
 def test_uniform_is_uniform():
     seed = torch.arange(1000)
     pos = torch.arange(500).expand(1000, 500)
-    u = uniform(seed, pos, STREAM_DRAFT).flatten()      # 5e5 draws
+    u = uniform(seed, pos, STREAM_DRAFT, torch.float32).flatten()      # 5e5 draws
     assert 0.0 <= u.min().item() and u.max().item() < 1.0
     assert stats.kstest(u.double().numpy(), "uniform").pvalue > 1e-3
     bins = torch.bincount((u * 1024).long(), minlength=1024)
     assert stats.chisquare(bins.numpy()).pvalue > 1e-3
-    u64 = uniform(seed[:200], pos[:200], STREAM_DRAFT, dtype=torch.float64).flatten()
+    u64 = uniform(seed[:200], pos[:200], STREAM_DRAFT).flatten()
     assert stats.kstest(u64.numpy(), "uniform").pvalue > 1e-3
-    top = 2 ** 62 - 1 - seed                                         # huge seeds and positions   # huge seeds and positions
-    u_top = uniform(top, pos + (2 ** 40), STREAM_DRAFT).flatten()
+    top = 2 ** 62 - 1 - seed                                   # huge seeds and positions
+    u_top = uniform(top, pos + (2 ** 40), STREAM_DRAFT, torch.float32).flatten()
     assert stats.kstest(u_top.double().numpy(), "uniform").pvalue > 1e-3
 
 
@@ -163,14 +166,18 @@ def test_sample_from_edges():
     assert sample_from(probs, u).tolist() == [1, 1, 3, 3, 4, 4]
     short = torch.full((2, 7), 0.1)                                   # total < 1, zero tail
     short[:, 5:] = 0.0
-    short[1, 4] = 1e-30                  # absorbed by the cumsum: a zero-width interval
+    short[1, 4] = 1e-30                  # would vanish in a float32 cumsum
     assert sample_from(short, _t(TOP_U, TOP_U)).tolist() == [4, 3]
+    assert sample_from(short, _t(TOP_U, 1 - 2.0 ** -53, dtype=torch.float64)).tolist() == [4, 4]
     one_hot = torch.eye(5)[[0, 2, 4]]
     for x in (0.0, 0.5, TOP_U):
         assert sample_from(one_hot, _t(x, x, x)).tolist() == [0, 2, 4]
     weights = _t(2.0, 0.0, 6.0).expand(2, 3)                          # unnormalised is fine
     assert sample_from(weights, _t(0.2499, 0.25)).tolist() == [0, 2]
-    assert sample_from(torch.zeros(1, 3), _t(0.5)).tolist() == [2]   # all zero: V-1
+    assert sample_from(torch.zeros(1, 3), _t(0.5)).tolist() == [0]   # all zero: 0
+    tiny = torch.tensor([[0.5, 2.0 ** -30, 0.5 - 2.0 ** -30]], dtype=torch.float64)
+    u_fine = torch.tensor([0.5 + 2.0 ** -31, 0.5 + 2.0 ** -30], dtype=torch.float64)
+    assert sample_from(tiny.expand(2, 3), u_fine).tolist() == [1, 2]   # resolves 2**-30
     assert sample_from(probs.double(), u.double()).tolist() == [1, 1, 3, 3, 4, 4]
 
 

@@ -4,13 +4,18 @@ Llama-family checkpoints (model_type llama / mistral / qwen2) get our LlamaForCa
 on the meta device and filled tensor by tensor; anything else gets HFFallbackModel.
 `build_model`, `open_weights` and `load_weights` are public so tensor parallelism can shard
 the meta model before loading.
+
+Tensor parallelism: with a TPInfo of size > 1, load_model shards the meta model with
+parallel.tensor_parallel.apply_tp (imported only then: this package holds no collectives and
+never imports torch.distributed), and load_weights reads, for every sharded parameter, only
+the rank's slice (`model.tp_shards`: parameter name -> Shard, set by apply_tp).
 """
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +23,9 @@ from torch import nn
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_args import ModelArgs, unsupported_reason
 from runtime.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
+
+if TYPE_CHECKING:
+    from parallel.tensor_parallel import TPInfo
 
 logger = logging.getLogger(__name__)
 
@@ -98,22 +106,37 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def load_weights(model: LlamaForCausalLM, source: WeightSource, dtype: torch.dtype,
                  device: torch.device | str) -> LlamaForCausalLM:
-    """Fill every parameter of `model` (e.g. on meta) from `source`; move all to device."""
+    """Fill every parameter of `model` (e.g. on meta) from `source`; move all to device.
+
+    Parameters listed in `model.tp_shards` (set by parallel.tensor_parallel.apply_tp) are read
+    as that shard only; the others are read whole (replicated)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    shards = getattr(model, "tp_shards", None) or {}
     tied = model.args.tie_word_embeddings
     expected = set(params) - ({"lm_head.weight"} if tied else set())
     optional = {"lm_head.weight"} if tied else set()   # some tied checkpoints store it anyway
     _check_names(expected, optional, source.names())
     for name in sorted(expected):
-        _assign(model, name, source.get(name).to(device=device, dtype=dtype))
+        shard = shards.get(name)
+        tensor = source.get(name) if shard is None else source.get_shard(name, *shard)
+        _assign(model, name, tensor.to(device=device, dtype=dtype))
     model.tie_weights()
     model.to(device)           # buffers (RoPE inv_freq stays float32)
     return model.eval()
 
 
+def _tp_enabled(tp: "TPInfo | None") -> bool:
+    return tp is not None and tp.size > 1
+
+
 def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
-               device: torch.device | str) -> LlamaForCausalLM:
+               device: torch.device | str, tp: "TPInfo | None" = None,
+               gather_logits: bool = True) -> LlamaForCausalLM:
     model = build_model(config)
+    if _tp_enabled(tp):
+        from parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, tp, gather_logits=gather_logits)
     source = open_weights(path, model, config)
     try:
         return load_weights(model, source, dtype, device)
@@ -121,17 +144,27 @@ def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
         source.close()
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str):
+def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
+               tp: "TPInfo | None" = None, *, gather_logits: bool = True):
     """HF checkpoint directory (config.json + safetensors, sharded or single) or .gguf file ->
     our LlamaForCausalLM for llama / mistral / qwen2, else HFFallbackModel. Eval mode, on
-    `device`, in `dtype`."""
+    `device`, in `dtype`.
+
+    `tp` (parallel.tensor_parallel.TPInfo): None or size 1 loads the whole model. Otherwise
+    this rank's tensor-parallel shard is built and only its slices are read; every rank of
+    the group must call load_model. forward_extend then returns the full [B, T, V] logits on
+    every rank, or with gather_logits=False only this rank's vocab slice (see apply_tp)."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     device = torch.device(device)
     config = load_config(path)
     reason = unsupported_reason(config)
     if reason is None:
-        return _load_ours(path, config, dtype, device)
+        return _load_ours(path, config, dtype, device, tp, gather_logits)
+    if _tp_enabled(tp):
+        raise NotImplementedError(f"tensor parallelism (size {tp.size}) needs our Llama-family "
+                                  f"implementation, but {path} needs the transformers "
+                                  f"fallback: {reason}")
     from runtime.models.hf_fallback import HFFallbackModel
 
     logger.info("using the transformers fallback for %s: %s", path, reason)

@@ -1,15 +1,22 @@
-"""Weight sources: read checkpoint tensors by HF parameter name.
+"""Weight sources: read checkpoint tensors by HF parameter name, whole or one shard of them.
 
-SafetensorsWeights reads lazily (one tensor, or one slice of it, at a time) so a
-tensor-parallel rank can read only its shard. GGUFWeights dequantizes the file once and
-reverses llama.cpp's tensor layout (q/k permutation) with transformers' own tensor processors.
+`get(name)` reads a whole tensor; `get_shard(name, dim, start, stop)` reads rows [start, stop)
+along `dim` (a tensor-parallel rank's slice, see parallel.tensor_parallel). Rows past the end of
+the tensor come back as zeros: that is how a vocab that does not divide by the TP size is padded.
+
+SafetensorsWeights reads lazily: get_shard goes through safe_open(...).get_slice(name)[...], so
+only the shard's bytes are read and no full tensor is ever materialized.
+GGUFWeights is lazy too, but llama.cpp's quantized blocks cannot be sliced: each tensor is
+dequantized (by the gguf package) on its own, when asked for, then transformers' tensor
+processor reverses llama.cpp's q/k permutation, then the shard is cut out and copied. So a TP
+rank holds at most one full float32 tensor at a time beyond its own shards.
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, NamedTuple, Protocol
 
 import torch
 
@@ -17,10 +24,39 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+class Shard(NamedTuple):
+    """Rows [start, stop) of a checkpoint tensor along `dim`. `stop` may lie past the tensor's
+    end: the missing rows are zeros (padding of the last vocab shard)."""
+    dim: int
+    start: int
+    stop: int
+
+
 class WeightSource(Protocol):
     def names(self) -> set[str]: ...
 
     def get(self, name: str) -> torch.Tensor: ...
+
+    def get_shard(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor: ...
+
+
+def read_shard(read: Callable[[tuple], torch.Tensor], shape: Iterable[int], dim: int,
+               start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) along `dim` of a tensor of `shape`, read with `read(index tuple)`;
+    rows past the end are zero-padded."""
+    shape = list(shape)
+    if not 0 <= dim < len(shape):
+        raise ValueError(f"shard dim {dim} out of range for shape {tuple(shape)}")
+    if not 0 <= start <= stop:
+        raise ValueError(f"bad shard range [{start}, {stop})")
+    end = min(stop, shape[dim])
+    index = (slice(None),) * dim + (slice(min(start, end), end),)
+    part = read(index)
+    if end - min(start, end) < stop - start:  # pad the rows past the end with zeros
+        pad_shape = list(part.shape)
+        pad_shape[dim] = stop - start - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(pad_shape)], dim=dim)
+    return part
 
 
 class SafetensorsWeights:
@@ -70,6 +106,11 @@ class SafetensorsWeights:
         """safetensors slice object: index it (e.g. [rows]) to read only part of the tensor."""
         return self._handle(self._file_of[name]).get_slice(name)
 
+    def get_shard(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along `dim`, read from the file without reading the rest."""
+        part = self.get_slice(name)
+        return read_shard(part.__getitem__, part.get_shape(), dim, start, stop)
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -89,35 +130,51 @@ class _NameOnlyModel:
 
 
 class GGUFWeights:
-    """All tensors of a .gguf file, dequantized to float32 and renamed to HF names."""
+    """Tensors of a .gguf file under HF names, each dequantized to float32 when it is read."""
 
     def __init__(self, path: str | os.PathLike, config: Any, param_names: Iterable[str]):
-        from gguf import GGUFReader, dequantize
+        from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, read_field)
 
-        reader = GGUFReader(str(path))
-        architecture = read_field(reader, "general.architecture")[0]
-        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+        self._reader = GGUFReader(str(path))
+        architecture = read_field(self._reader, "general.architecture")[0]
+        self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
+            config=config.to_dict())
         # one call with a flat name list: transformers' own recursion over modules is slow
-        name_map = get_gguf_hf_weights_map(_NameOnlyModel(config, param_names), processor)
-        parsed: dict[str, Any] = {"tensors": {}}
+        self._name_map = get_gguf_hf_weights_map(_NameOnlyModel(config, param_names),
+                                                 self._processor)
+        self._tensor_of: dict[str, Any] = {}   # HF name -> gguf ReaderTensor
         self.unmapped: list[str] = []
-        for tensor in reader.tensors:
-            weights = dequantize(tensor.data, tensor.tensor_type)
-            result = processor.process(weights=weights, name=tensor.name,
-                                       tensor_key_mapping=name_map, parsed_parameters=parsed)
-            if result.name not in name_map:
+        for tensor in self._reader.tensors:
+            if tensor.name in self._name_map:
+                self._tensor_of[self._name_map[tensor.name]] = tensor
+            else:
                 self.unmapped.append(tensor.name)
-                continue
-            parsed["tensors"][name_map[result.name]] = torch.from_numpy(result.weights.copy())
-        self._tensors: dict[str, torch.Tensor] = parsed["tensors"]
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        return set(self._tensor_of)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+        """Dequantize one tensor (float32) and undo llama.cpp's layout."""
+        from gguf import dequantize
+
+        tensor = self._tensor_of[name]
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = self._processor.process(weights=weights, name=tensor.name,
+                                         tensor_key_mapping=self._name_map,
+                                         parsed_parameters={"tensors": {}})
+        if result.name != tensor.name:  # llama / mistral / qwen2 processors never rename
+            raise NotImplementedError(f"gguf tensor {tensor.name}: the tensor processor "
+                                      f"renamed it to {result.name}")
+        return torch.from_numpy(result.weights.copy())
+
+    def get_shard(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Dequantize the whole tensor (quantized blocks cannot be sliced), then keep a copy of
+        rows [start, stop) along `dim` only."""
+        full = self.get(name)
+        return read_shard(full.__getitem__, full.shape, dim, start, stop).clone()
 
     def close(self) -> None:
-        self._tensors.clear()
+        self._tensor_of.clear()
+        self._reader = None

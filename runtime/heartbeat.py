@@ -1,0 +1,98 @@
+"""Liveness in both directions, on threads of their own so that a long forward pass or a
+busy orchestrator never looks like a dead process.
+
+- The orchestrator's Beacon publishes a beat on a PUB socket every period.
+- Each worker's Pulse sends a heartbeat message to the orchestrator's control socket every
+  period and listens to the Beacon; `orchestrator_silent_s` tells the worker loop how long
+  the orchestrator has been quiet.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from runtime import protocol
+
+
+class Beacon:
+    def __init__(self, context: zmq.Context, bind: str, period_s: float):
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self.address = ""
+        self._context = context
+        self._thread = threading.Thread(target=self._run, args=(bind,), name="beacon",
+                                        daemon=True)
+        self._thread.start()
+        self._bound.wait(10)
+
+    def _run(self, bind: str) -> None:
+        sock = self._context.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        port = sock.bind_to_random_port(bind)
+        self.address = f"{bind}:{port}"
+        self._bound.set()
+        try:
+            while not self._stop.wait(self.period_s):
+                try:
+                    sock.send(b"beat", zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        finally:
+            sock.close(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+class Pulse:
+    def __init__(self, context: zmq.Context, rank: int, control: str, beacon: str,
+                 period_s: float):
+        self.rank = rank
+        self.period_s = period_s
+        self._last_beat = time.monotonic()
+        self._stop = threading.Event()
+        self._context = context
+        self._thread = threading.Thread(target=self._run, args=(control, beacon),
+                                        name="pulse", daemon=True)
+        self._thread.start()
+
+    @property
+    def orchestrator_silent_s(self) -> float:
+        return time.monotonic() - self._last_beat
+
+    def _run(self, control: str, beacon: str) -> None:
+        out = self._context.socket(zmq.DEALER)
+        out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.SNDHWM, 4)
+        out.connect(control)
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(beacon)
+        frame = protocol.encode({"type": "heartbeat", "rank": self.rank})
+        next_send = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_send:
+                    next_send = now + self.period_s
+                    try:
+                        out.send(frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+                if sub.poll(int(self.period_s * 250)):
+                    while sub.poll(0):
+                        sub.recv()
+                    self._last_beat = time.monotonic()
+        finally:
+            out.close(0)
+            sub.close(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
