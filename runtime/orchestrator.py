@@ -3,6 +3,7 @@ hands results back. Used in-process by `tandem run` and by the server loop of `t
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 
 from runtime.config import TandemConfig
@@ -74,9 +75,6 @@ class Orchestrator:
                        chat: bool = False) -> list[Sequence]:
         """Validate one request (server side too: a raw client can send anything)."""
         sampling = SamplingParams.from_kwargs(**params)
-        if not sampling.greedy:
-            raise ValueError("temperature: sampling (temperature > 0) is not available yet; "
-                             "use temperature=0")
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
         if (prompts is None) == (prompt_ids is None):
@@ -94,8 +92,11 @@ class Orchestrator:
             if len(ids) + sampling.max_new_tokens > limit:
                 raise ValueError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
                                  f"({sampling.max_new_tokens}) exceeds max_seq_len ({limit})")
+            # prompt i of a request samples with seed + i: copies of one prompt give
+            # independent samples, and the whole request is reproducible
+            seed = sampling.seed + i if sampling.seed is not None else secrets.randbits(62)
             seqs.append(Sequence(request_id, i, ids, sampling,
-                                 TextStream(self.tokenizer, sampling.stop)))
+                                 TextStream(self.tokenizer, sampling.stop), seed=seed))
         return seqs
 
     def submit(self, seqs: list[Sequence]) -> None:

@@ -33,7 +33,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "heartbeat": {"rank": INT},
     # orchestrator -> worker
     "init": {"config": MAP, "heartbeat": STR},
-    "prefill": {"step": INT, "slots": LIST, "prompts": LIST},
+    "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST},
     "round": {"step": INT, "slots": LIST, "k": INT},
     "release": {"step": INT, "slots": LIST},
     "shutdown": {},

@@ -29,6 +29,13 @@ class Sequence:
     t_start: float = field(default_factory=time.perf_counter)
     t_end: float | None = None
     cancelled: bool = False
+    seed: int = 0                    # the request's seed, or one drawn for it
+    accepted_at: list[int] = field(default_factory=list)  # rounds that kept draft token i+1
+
+    def worker_params(self) -> dict:
+        p = self.params
+        return {"temperature": float(p.temperature), "top_k": int(p.top_k or 0),
+                "top_p": float(p.top_p), "seed": self.seed}
 
     def stats(self) -> dict:
         elapsed = (self.t_end or time.perf_counter()) - self.t_start
@@ -38,6 +45,7 @@ class Sequence:
             "mean_accepted_tokens": sum(self.emitted_per_round) / rounds if self.rounds else 0.0,
             "rounds": self.rounds,
             "tokens_per_s": len(self.generated) / elapsed if elapsed > 0 else 0.0,
+            "accepted_per_position": list(self.accepted_at),
         }
 
     def output(self) -> dict:
@@ -106,13 +114,18 @@ class Scheduler:
             admitted.append(seq)
         if admitted:
             self.pool.command({"type": "prefill", "slots": [s.slot for s in admitted],
-                               "prompts": [s.prompt_ids for s in admitted]},
+                               "prompts": [s.prompt_ids for s in admitted],
+                               "params": [s.worker_params() for s in admitted]},
                               self.step_timeout_s)
 
     def _append(self, seq: Sequence, tokens: list[int], accepted: int) -> Event:
         seq.rounds += 1
         seq.proposed += self.draft_len
         seq.accepted += accepted
+        if len(seq.accepted_at) < self.draft_len:
+            seq.accepted_at.extend([0] * (self.draft_len - len(seq.accepted_at)))
+        for i in range(accepted):
+            seq.accepted_at[i] += 1
         seq.emitted_per_round.append(len(tokens))
         room = seq.params.max_new_tokens - len(seq.generated)
         new = tokens[:room]

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.acceptance import greedy_accept
+from runtime.choose import BatchSampling, draft_choose, target_verify
+
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
 
 
 @dataclass
@@ -18,11 +20,14 @@ class SlotState:
     committed: int = 0
     cache_len: int = 0
     pending: list[int] = field(default_factory=list)
+    sampling: dict = field(default_factory=lambda: dict(GREEDY))
 
 
 class ModelShard:
-    def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int):
+    def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int,
+                 acceptance: str = "tokens"):
         self.model = model
+        self.acceptance = acceptance
         self.device = device
         self.max_seq_len = max_seq_len
         self.slots = [SlotState() for _ in range(num_slots)]
@@ -56,13 +61,23 @@ class ModelShard:
             ids, torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
             torch.tensor(n_valid, device=dev))
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+    def sampling(self, slots: list[int]) -> BatchSampling:
+        return BatchSampling.of([self.slots[s].sampling for s in slots], self.device)
+
+    def committed_index(self, slots: list[int]) -> torch.Tensor:
+        """[B] sequence index of the next token to decide."""
+        return torch.tensor([self.slots[s].committed for s in slots], device=self.device)
+
+    def prefill(self, slots: list[int], prompts: list[list[int]],
+                params: list[dict] | None = None) -> None:
         """Cache every prompt token but the last, which stays pending."""
-        for slot, prompt in zip(slots, prompts):
+        params = params or [GREEDY] * len(slots)
+        for slot, prompt, sampling in zip(slots, prompts, params):
             state = self._check_slot(slot)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)
             state.committed, state.cache_len, state.pending = len(prompt), 0, [prompt[-1]]
+            state.sampling = {key: sampling[key] for key in GREEDY}
         rows = [(s, p[:-1]) for s, p in zip(slots, prompts) if len(p) > 1]
         if rows:
             self.forward_rows([s for s, _ in rows], [r for _, r in rows])
@@ -80,19 +95,25 @@ class ModelShard:
 
 
 class DraftShard(ModelShard):
-    def propose(self, slots: list[int], k: int) -> torch.Tensor:
-        """Greedy-decode k tokens per slot; returns draft tokens [B, k] on the device."""
+    def propose(self, slots: list[int], k: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode k tokens per slot: tokens [B, k] on the device and, when sampling, the
+        distributions q [B, k, V] they were drawn from."""
+        sampling = self.sampling(slots)
+        index = self.committed_index(slots)                               # [B]
         pending = [self.slots[s].pending for s in slots]
         logits = self.forward_rows(slots, pending)                       # [B, T, V]
         last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
-        token = logits[torch.arange(len(slots), device=self.device), last].argmax(-1)  # [B]
-        proposed = [token]
-        for _ in range(k - 1):
-            logits = self._step(slots, token[:, None])                   # [B, 1, V]
-            token = logits[:, -1].argmax(-1)
-            proposed.append(token)
-        return torch.stack(proposed, dim=1)                               # [B, k]
-
+        logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
+        tokens, probs = [], []
+        for i in range(k):
+            if i:
+                logits = self._step(slots, tokens[-1][:, None])[:, -1]    # [B, V]
+            token, q = draft_choose(logits, sampling, index + i, self.acceptance)
+            tokens.append(token)
+            probs.append(q)
+        q_all = None if probs[0] is None else torch.stack(probs, dim=1)   # [B, k, V]
+        return torch.stack(tokens, dim=1), q_all                          # [B, k]
 
     def commit(self, slots: list[int], draft_tokens: list[list[int]], accepted: list[int],
                next_tokens: list[int]) -> None:
@@ -106,13 +127,14 @@ class DraftShard(ModelShard):
 
 
 class TargetShard(ModelShard):
-    def verify(self, slots: list[int], draft_tokens: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, slots: list[int], draft_tokens: torch.Tensor,
+               draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over pending + k draft tokens; returns (accepted [B], next_token [B])."""
         pending = torch.tensor([self.slots[s].pending for s in slots], device=self.device)
         ids = torch.cat([pending, draft_tokens], dim=1)                   # [B, k+1]
         logits = self._step(slots, ids)                                   # [B, k+1, V]
-        return greedy_accept(draft_tokens, logits)
+        return target_verify(draft_tokens, logits, self.sampling(slots),
+                             self.committed_index(slots), self.acceptance, draft_probs)
 
     def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:
         for slot, a, nxt in zip(slots, accepted, next_tokens):

@@ -26,6 +26,21 @@ from runtime.shards import DraftShard, TargetShard
 log = logging.getLogger("tandem.worker")
 
 
+def check_sampling(params) -> dict:
+    """Per-request sampling settings from a prefill message (the orchestrator validated
+    the request; this guards the worker against a malformed message)."""
+    if not isinstance(params, dict):
+        raise protocol.ProtocolError("prefill.params: expected maps")
+    try:
+        out = {"temperature": float(params["temperature"]), "top_k": int(params["top_k"] or 0),
+               "top_p": float(params["top_p"]), "seed": int(params["seed"])}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise protocol.ProtocolError(f"prefill.params: {exc}") from None
+    if out["temperature"] < 0 or out["top_k"] < 0 or not 0 < out["top_p"] <= 1:
+        raise protocol.ProtocolError(f"prefill.params out of range: {out}")
+    return out
+
+
 class WorkerExit(Exception):
     """Leave the worker loop (shutdown, orphaned)."""
 
@@ -110,9 +125,11 @@ class Worker:
                 draft_model = copy.deepcopy(target_model)
             else:
                 draft_model = load_model(draft_cfg.model, draft_cfg.torch_dtype, self.device)
-            self.draft = DraftShard(draft_model, self.device, rt.max_batch_size, cache_len)
+            self.draft = DraftShard(draft_model, self.device, rt.max_batch_size, cache_len,
+                                    self.config.speculation.acceptance)
         if target_model is not None:
-            self.target = TargetShard(target_model, self.device, rt.max_batch_size, cache_len)
+            self.target = TargetShard(target_model, self.device, rt.max_batch_size, cache_len,
+                                      self.config.speculation.acceptance)
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:
@@ -139,9 +156,12 @@ class Worker:
         slots = protocol.int_list(msg["slots"], f"{kind}.slots")
         if kind == "prefill":
             prompts = [protocol.int_list(p, "prefill.prompts") for p in msg["prompts"]]
+            params = [check_sampling(p) for p in msg["params"]]
+            if not len(prompts) == len(params) == len(slots):
+                raise protocol.ProtocolError("prefill: slots, prompts, params differ in length")
             for shard in (self.draft, self.target):
                 if shard is not None:
-                    shard.prefill(slots, prompts)
+                    shard.prefill(slots, prompts, params)
             return {}
         if kind == "release":
             for shard in (self.draft, self.target):
@@ -153,17 +173,27 @@ class Worker:
         raise protocol.ProtocolError(f"worker cannot handle {kind!r}")
 
     def speculate(self, slots: list[int], k: int) -> dict:
-        """One round: draft k tokens, move them to the target, verify, move the verdict back."""
+        """One round: draft k tokens, move them (and q for `logits` acceptance) to the target,
+        verify, move the verdict back, roll both caches to the accepted length."""
         if k < 1:
             raise ValueError(f"round.k must be >= 1, got {k}")
-        batch = len(slots)
-        draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=self.device)
+        shard = self.target or self.draft
+        batch, dev = len(slots), self.device
+        need_q = self.config.speculation.acceptance == "logits" and \
+            not shard.sampling(slots).greedy
+        draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)
+        draft_probs = None
         if self.draft is not None:
-            draft_tokens = self.draft.propose(slots, k)                   # [B, k]
+            draft_tokens, draft_probs = self.draft.propose(slots, k)      # [B, k], [B, k, V]
         bridge_broadcast(draft_tokens, self.topology.draft_leader, self.groups.bridge)
-        verdict = torch.zeros(batch, 2, dtype=torch.long, device=self.device)
+        if need_q:
+            if draft_probs is None:
+                draft_probs = torch.zeros(batch, k, shard.model.vocab_size, device=dev)
+            bridge_broadcast(draft_probs, self.topology.draft_leader, self.groups.bridge)
+        verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)
         if self.target is not None:
-            accepted, next_token = self.target.verify(slots, draft_tokens)
+            accepted, next_token = self.target.verify(slots, draft_tokens,
+                                                      draft_probs if need_q else None)
             verdict = torch.stack([accepted, next_token], dim=1)           # [B, 2]
         bridge_broadcast(verdict, self.topology.target_leader, self.groups.bridge)
         drafts = draft_tokens.tolist()

@@ -1,0 +1,75 @@
+"""Turning logits into tokens for one batch: the draft's proposals and the target's verdict,
+greedy or sampled, under either acceptance mode.
+
+Uniforms come from runtime.rng keyed by (request seed, absolute index of the token being
+decided, stream), so every TP rank makes the same choice and a seed reproduces its output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime import rng
+from runtime.acceptance import greedy_accept
+from runtime.sampling import accept_rejection, accept_tokens, sample_from, warp_probs
+
+
+@dataclass(frozen=True)
+class BatchSampling:
+    temperature: torch.Tensor   # [B] float32, 0 = greedy
+    top_k: torch.Tensor         # [B] int64, 0 = off
+    top_p: torch.Tensor         # [B] float32, 1 = off
+    seed: torch.Tensor          # [B] int64
+    greedy: bool                # every row greedy: argmax fast path, no draft probabilities
+
+    @classmethod
+    def of(cls, params: list[dict], device: torch.device) -> "BatchSampling":
+        temps = [float(p["temperature"]) for p in params]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor([int(p["top_k"] or 0) for p in params], device=device),
+            top_p=torch.tensor([float(p["top_p"]) for p in params], dtype=torch.float32,
+                               device=device),
+            seed=torch.tensor([int(p["seed"]) for p in params], device=device),
+            greedy=all(t == 0 for t in temps))
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, n, V] logits -> [B, n, V] float32 sampling distributions."""
+        return warp_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+def draft_choose(logits: torch.Tensor, sampling: BatchSampling, index: torch.Tensor,
+                 acceptance: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] for the tokens at sequence index `index` [B] -> token [B] and q [B, V]
+    (None when the whole batch is greedy).
+
+    Under `tokens` acceptance the draft samples with the target's own uniforms: the output is
+    the target's samples whatever the draft proposes, and coupled uniforms make the draft's
+    sample coincide with the target's more often. `logits` acceptance needs an independent
+    draft sample (its own stream)."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1), None
+    q = sampling.warp(logits[:, None])                                   # [B, 1, V]
+    stream = rng.STREAM_TARGET if acceptance == "tokens" else rng.STREAM_DRAFT
+    u = rng.uniform(sampling.seed, index[:, None], stream)               # [B, 1]
+    return sample_from(q, u)[:, 0], q[:, 0]
+
+
+def target_verify(draft_tokens: torch.Tensor, logits: torch.Tensor, sampling: BatchSampling,
+                  first_index: torch.Tensor, acceptance: str,
+                  draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_tokens [B, k], target logits [B, k+1, V]; first_index [B] = sequence index of
+    the first token decided (= committed length). Returns accepted [B], next_token [B]."""
+    if sampling.greedy:
+        return greedy_accept(draft_tokens, logits)
+    k = draft_tokens.shape[1]
+    index = first_index[:, None] + torch.arange(k + 1, device=logits.device)  # [B, k+1]
+    p = sampling.warp(logits)                                              # [B, k+1, V]
+    u_target = rng.uniform(sampling.seed, index, rng.STREAM_TARGET)        # [B, k+1]
+    if acceptance == "tokens":
+        return accept_tokens(draft_tokens, p, u_target)
+    if draft_probs is None:
+        raise ValueError("acceptance 'logits' needs the draft's probabilities")
+    u_accept = rng.uniform(sampling.seed, index[:, :k], rng.STREAM_ACCEPT)  # [B, k]
+    return accept_rejection(draft_tokens, draft_probs, p, u_accept, u_target)

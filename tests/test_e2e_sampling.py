@@ -1,0 +1,105 @@
+"""Speculative sampling through the whole system follows the target's own distribution.
+
+A 24-token-vocabulary target and a different random draft; thousands of samples of the first
+two generated tokens per setting; chi-square against the exact distribution computed from the
+target alone (transformers' logits and warpers). A control checks the same samples against the
+draft's distribution and must reject it, so the test would notice the draft leaking through.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from runtime import Engine
+from tests import checkpoints, launch
+
+pytestmark = pytest.mark.timeout(600)
+
+VOCAB = 24
+PROMPT = [1, 7, 3, 12, 5]
+SAMPLES = 3000
+SETTINGS = [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 8},
+    {"temperature": 1.0, "top_p": 0.8},
+    {"temperature": 0.7, "top_k": 12, "top_p": 0.9},
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vocab24")
+    kw = dict(vocab_size=VOCAB, initializer_range=0.08, eos_token_id=None, bos_token_id=None,
+              pad_token_id=None)
+    target = checkpoints.build_checkpoint(root / "target", "llama", seed=10, **kw)
+    draft = checkpoints.build_checkpoint(root / "draft", "llama", seed=11, **kw)
+    return draft, target
+
+
+def exact_joint(model_dir: str, setting: dict) -> np.ndarray:
+    """[V, V] probability of (first, second) generated token under the model alone."""
+    import transformers
+    from transformers.generation import logits_process as lp
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    warpers = lp.LogitsProcessorList()
+    warpers.append(lp.TemperatureLogitsWarper(setting["temperature"]))
+    if setting.get("top_k"):
+        warpers.append(lp.TopKLogitsWarper(setting["top_k"]))
+    if setting.get("top_p", 1.0) < 1.0:
+        warpers.append(lp.TopPLogitsWarper(setting["top_p"]))
+    ids = torch.tensor([PROMPT + [x] for x in range(VOCAB)])
+    with torch.no_grad():
+        logits = model(ids).logits                                # [V, P+1, V]
+    first = warpers(ids[:1, :-1], logits[:1, -2]).softmax(-1)[0]  # [V]
+    second = warpers(ids, logits[:, -1]).softmax(-1)              # [V, V]
+    return (first[:, None] * second).double().numpy()
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square p-value; cells expecting < 5 samples are pooled into one."""
+    counts, probs = counts.ravel(), probs.ravel() / probs.sum()
+    expected = probs * counts.sum()
+    small = expected < 5
+    if counts[probs == 0].sum() > 0:
+        return 0.0                                   # a sample where the model gives zero
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    exp = exp[keep] * obs[keep].sum() / exp[keep].sum()
+    return float(stats.chisquare(obs[keep], exp).pvalue)
+
+
+def sample_pairs(engine, setting: dict, seed: int) -> np.ndarray:
+    outs = engine.generate(prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=2,
+                           seed=seed, **setting)
+    counts = np.zeros((VOCAB, VOCAB))
+    for out in outs:
+        assert len(out.token_ids) == 2
+        counts[out.token_ids[0], out.token_ids[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("acceptance", ["tokens", "logits"])
+def test_sampled_output_follows_target(acceptance, pair, tmp_path):
+    draft, target = pair
+    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"],
+                              draft_len=3, max_batch_size=64)
+    text = open(cfg).read().replace("acceptance: tokens", f"acceptance: {acceptance}")
+    open(cfg, "w").write(text)
+    with Engine.launch(cfg) as engine:
+        for i, setting in enumerate(SETTINGS):
+            counts = sample_pairs(engine, setting, seed=1000 * i)
+            target_p = exact_joint(target, setting)
+            draft_p = exact_joint(draft, setting)
+            p_joint = chi_square_p(counts, target_p)
+            p_first = chi_square_p(counts.sum(1), target_p.sum(1))
+            p_second = chi_square_p(counts.sum(0), target_p.sum(0))
+            assert min(p_joint, p_first, p_second) > 1e-3, (setting, p_joint, p_first, p_second)
+            assert chi_square_p(counts, draft_p) < 1e-6, "test cannot tell draft from target"
+        again = engine.generate(prompt_token_ids=PROMPT, max_new_tokens=6, seed=5,
+                                **SETTINGS[0])
+        assert engine.generate(prompt_token_ids=PROMPT, max_new_tokens=6, seed=5,
+                               **SETTINGS[0]).token_ids == again.token_ids
