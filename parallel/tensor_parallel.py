@@ -121,7 +121,8 @@ def plan_tp(args: ModelArgs, rank: int, size: int) -> TPPlan:
                          f"tensor-parallel size {size} nor a divisor of it")
     q_start = rank * heads
     # the rank's query heads must use exactly its KV heads (true by construction; checked)
-    assert q_start // group == kv_start and (q_start + heads - 1) // group == kv_start + kv_local - 1
+    last_kv = (q_start + heads - 1) // group
+    assert q_start // group == kv_start and last_kv == kv_start + kv_local - 1
     inter = args.intermediate_size
     per_vocab = -(-args.vocab_size // size)
     return TPPlan(
@@ -145,7 +146,10 @@ def _check_group(tp: TPInfo) -> None:
 def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool = True) -> None:
     """Shard `model` (on the meta device, weights not yet loaded) for rank tp.rank of tp.size,
     in place. No-op for tp None or size 1. Then load with runtime.models.loader.load_weights,
-    which reads only this rank's slices (`model.tp_shards`). See the module docstring."""
+    which reads only this rank's slices. See the module docstring.
+
+    Sets on the model: `tp` (the TPInfo), `tp_plan` (TPPlan: this rank's head / feature /
+    vocab ranges) and `tp_shards` (parameter name -> Shard of the checkpoint tensor)."""
     if tp is None or not tp.enabled:
         return
     if getattr(model, "tp", None) is not None:

@@ -104,3 +104,21 @@ def build_near_draft(target_dir: str, out_dir: str | os.PathLike, noise: float =
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     return str(out_dir)
+
+
+def build_with_tokenizer(out_dir: str | os.PathLike, seed: int = 0, **overrides) -> str:
+    """A tiny random Llama with SmolLM2's real tokenizer (vocab 49152) saved beside it, for
+    tests of text prompts, detokenisation and stop strings."""
+    import transformers
+
+    path = smollm2_gguf()
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                     gguf_file=os.path.basename(path))
+    kwargs = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                  num_attention_heads=2, num_key_value_heads=1,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id or 0)
+    kwargs.update(overrides)
+    out = build_checkpoint(out_dir, "llama", seed=seed, **kwargs)
+    tok.save_pretrained(out)
+    return out

@@ -1,8 +1,8 @@
 """parallel.tensor_parallel: Megatron-style TP of our Llama-family model, on CPU with gloo.
 
-Each TP world (2 ranks, 3 ranks) is spawned once per module and runs every checkpoint
-variant in one process group; each rank compares its TP logits with a TP 1 model it loads
-itself and writes what it saw to a JSON file; the tests below check those files.
+One gloo world of 3 ranks is spawned per module; it runs every checkpoint variant with TP 2
+(ranks 0-1, a group of their own) and then TP 3. Each rank compares its TP logits with a TP 1
+model it loads itself and writes what it saw to a JSON file; the tests below check those.
 """
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ pytestmark = pytest.mark.timeout(300)
 F32 = torch.float32
 CPU = torch.device("cpu")
 TOL = 1e-5
-WORLD_TIMEOUT_S = 150          # whole spawned world, start to join
-COLLECTIVE_TIMEOUT_S = 45      # gloo: a rank stuck in a collective fails instead of hanging
+WORLD_TIMEOUT_S = 240          # whole spawned world, start to join
+# gloo: a rank stuck in a collective fails instead of hanging. Generous, because rank 2 waits
+# in its first TP 3 collective while ranks 0-1 run the TP 2 phase.
+COLLECTIVE_TIMEOUT_S = 120
 
 # name -> (arch, overrides). Shapes are chosen so that TP 2 and TP 3 see KV-head splitting and
 # replication, vocabs that do not divide by the TP size, biases (qwen2 q/k/v, llama o/down),
@@ -172,12 +174,13 @@ def _run_case(path: str, tp: TPInfo) -> dict:
         cache_shape=list(attn.kv_cache.k_cache.shape),
         tied=model.lm_head.weight is model.model.embed_tokens.weight,
         reads=log, tp_shards=tp_shards, full_shapes=full_shapes, local_shapes=local_shapes,
-        ref_q_proj=ref.model.layers[0].self_attn.q_proj.weight.tolist()[:2],
     )
 
 
-def _child(rank: int, size: int, port: int, cases: dict, expect_error: dict,
-           out_dir: str) -> None:
+def _child(rank: int, world_size: int, port: int, phases: list, out_dir: str) -> None:
+    """One rank of a gloo world. Each phase (tp_size, cases, expect_error) runs on ranks
+    [0, tp_size) over a group of its own, passed explicitly; the result file holds
+    {f"tp{tp_size}": {case name: what this rank saw}}."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -185,21 +188,25 @@ def _child(rank: int, size: int, port: int, cases: dict, expect_error: dict,
     result: dict = {}
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        # a group of its own, passed explicitly (not the default group)
-        group = dist.new_group(list(range(size)), backend="gloo")
-        tp = TPInfo.from_group(group)
-        for name, path in cases.items():
-            result[name] = _run_case(path, tp)
-        for name, path in expect_error.items():
-            try:
-                load_model(path, F32, CPU, tp)
-            except ValueError as exc:
-                result[name] = {"error": str(exc)}
-            else:
-                result[name] = {"error": None}
-        dist.barrier(group)
+        # every rank creates every group (new_group is collective over the world)
+        groups = [dist.new_group(list(range(size)), backend="gloo") for size, _, _ in phases]
+        for (size, cases, expect_error), group in zip(phases, groups):
+            if rank >= size:
+                continue
+            tp = TPInfo.from_group(group)
+            seen = result[f"tp{size}"] = {}
+            for name, path in cases.items():
+                seen[name] = _run_case(path, tp)
+            for name, path in expect_error.items():
+                try:
+                    load_model(path, F32, CPU, tp)
+                except ValueError as exc:
+                    seen[name] = {"error": str(exc)}
+                else:
+                    seen[name] = {"error": None}
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
         result["__error__"] = traceback.format_exc()
     finally:
@@ -218,7 +225,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(size: int, cases: dict, expect_error: dict, out_dir: Path,
+def run_world(size: int, phases: list, out_dir: Path,
               timeout_s: float = WORLD_TIMEOUT_S) -> list[dict]:
     """Spawn `size` gloo ranks running _child; always join (or terminate, then kill) them."""
     import torch.multiprocessing as mp
@@ -226,7 +233,7 @@ def run_world(size: int, cases: dict, expect_error: dict, out_dir: Path,
     ctx = mp.get_context("spawn")
     out_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, size, port, cases, expect_error, str(out_dir)),
+    procs = [ctx.Process(target=_child, args=(r, size, port, phases, str(out_dir)),
                          daemon=True) for r in range(size)]
     try:
         for p in procs:
@@ -272,15 +279,24 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tp2(checkpoints, tmp_path_factory) -> list[dict]:
-    return run_world(2, {n: checkpoints[n] for n in TP2_OK},
-                     {n: checkpoints[n] for n in TP2_ERR}, tmp_path_factory.mktemp("tp2"))
+def world(checkpoints, tmp_path_factory) -> list[dict]:
+    """One spawned world of 3 ranks: TP 2 over ranks 0-1 (rank 2 goes straight on), then
+    TP 3 over all; spawning once saves two interpreter starts."""
+    def pick(names):
+        return {n: checkpoints[n] for n in names}
+
+    phases = [(2, pick(TP2_OK), pick(TP2_ERR)), (3, pick(TP3_OK), pick(TP3_ERR))]
+    return run_world(3, phases, tmp_path_factory.mktemp("tp_world"))
 
 
 @pytest.fixture(scope="module")
-def tp3(checkpoints, tmp_path_factory) -> list[dict]:
-    return run_world(3, {n: checkpoints[n] for n in TP3_OK},
-                     {n: checkpoints[n] for n in TP3_ERR}, tmp_path_factory.mktemp("tp3"))
+def tp2(world) -> list[dict]:
+    return [res["tp2"] for res in world[:2]]
+
+
+@pytest.fixture(scope="module")
+def tp3(world) -> list[dict]:
+    return [res["tp3"] for res in world]
 
 
 def _world(request, size: int) -> list[dict]:

@@ -1,0 +1,97 @@
+"""The `tandem` command line: bad input exits 2 naming the problem before any worker starts;
+the built-in demo prints real text."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from tests import checkpoints, launch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = checkpoints.build_checkpoint(root / "target", "llama", seed=0)
+    small_vocab = checkpoints.build_checkpoint(root / "v80", "llama", seed=0, vocab_size=80)
+    return target, small_vocab
+
+
+def tandem(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True,
+                          text=True, timeout=timeout, env=launch.clean_env())
+
+
+def write(tmp_path, config: dict) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def base(target) -> dict:
+    return {"draft": {"model": target, "devices": ["cpu:0"], "dtype": "float32"},
+            "target": {"model": target, "devices": ["cpu:1"], "dtype": "float32"}}
+
+
+@pytest.mark.parametrize("mutate,key", [
+    (lambda c: c.update(bogus=1), "bogus"),
+    (lambda c: c["draft"].update(devices=[]), "draft.devices"),
+    (lambda c: c["target"].update(devices=["cpu:1", "cpu:1"]), "target.devices"),
+    (lambda c: c.update(speculation={"draft_len": 0}), "speculation.draft_len"),
+    (lambda c: c.update(speculation={"acceptance": "maybe"}), "speculation.acceptance"),
+    (lambda c: c["draft"].update(model="/does/not/exist"), "draft.model"),
+    (lambda c: c["draft"].update(dtype="float8"), "draft.dtype"),
+    (lambda c: c.update(runtime={"max_batch_size": "8"}), "runtime.max_batch_size"),
+    (lambda c: c["target"].update(devices=[0]), "target.devices"),
+])
+def test_bad_config_exits_2_naming_the_key(mutate, key, tiny, tmp_path):
+    config = base(tiny[0])
+    mutate(config)
+    start = time.monotonic()
+    res = tandem("run", write(tmp_path, config), "--prompt-ids", "1,2")
+    assert res.returncode == 2, res.stderr
+    assert key in res.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_vocab_mismatch_is_a_config_error(tiny, tmp_path):
+    config = base(tiny[0])
+    config["draft"]["model"] = tiny[1]
+    res = tandem("run", write(tmp_path, config), "--prompt-ids", "1,2")
+    assert res.returncode == 2 and "draft.model" in res.stderr and "80" in res.stderr
+
+
+def test_bad_request_arguments_exit_2(tiny, tmp_path):
+    cfg = write(tmp_path, base(tiny[0]))
+    for args, name in ((["--prompt-ids", "1,x"], "--prompt-ids"),
+                       (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens"),
+                       (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
+                       (["--prompt-ids", "1", "--temperature", "-1"], "temperature")):
+        res = tandem("run", cfg, *args)
+        assert res.returncode == 2 and name in res.stderr, (args, res.stderr)
+
+
+def test_token_outside_vocab_exits_2(tiny, tmp_path):
+    res = launch.run("spawn", 3, ["run", write(tmp_path, base(tiny[0])), "--prompt-ids",
+                                  "1,96"])
+    assert res.returncode == 2 and "outside the vocabulary" in res.stderr
+
+
+@pytest.mark.parametrize("form,ranks", [("torchrun", 2), ("mpirun", 4)])
+def test_wrong_world_size_names_expected(form, ranks, tiny, tmp_path):
+    cfg = write(tmp_path, base(tiny[0]))
+    res = launch.run(form, ranks, ["run", cfg, "--prompt-ids", "1,2"], timeout=120)
+    assert res.returncode != 0
+    assert "expected W=3" in res.stderr
+
+
+def test_default_demo_prints_text():
+    res = launch.run("spawn", 2, ["run", "--max-new-tokens", "12"], timeout=280)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(res.stdout.strip()) > 10
+    assert "tokens/s" in res.stderr
