@@ -96,29 +96,34 @@ def _model_name(args: ModelArgs) -> str:
     return f"{args.model_type} model {path!r}" if path else f"{args.model_type} model"
 
 
+def check_tp_shape(name: str, n_heads: int, n_kv: int, size: int) -> None:
+    """ValueError unless the attention heads of model `name` split over `size` ranks: query
+    heads must divide; KV heads must divide or be replicated evenly (size % n_kv == 0)."""
+    if n_heads % size:
+        raise ValueError(f"cannot shard {name} over {size} ranks: num_attention_heads "
+                         f"{n_heads} is not divisible by the tensor-parallel size {size}")
+    if n_kv % size and size % n_kv:
+        raise ValueError(f"cannot shard {name} over {size} ranks: num_key_value_heads {n_kv} "
+                         f"is neither divisible by the tensor-parallel size {size} nor a "
+                         f"divisor of it")
+
+
 def plan_tp(args: ModelArgs, rank: int, size: int) -> TPPlan:
     """Rank `rank`'s slices for TP size `size`; ValueError when the heads do not split."""
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"bad tensor-parallel rank {rank} of size {size}")
     n_heads, n_kv = args.n_heads, args.n_kv_heads
-    if n_heads % size:
-        raise ValueError(f"cannot shard {_model_name(args)} over {size} ranks: "
-                         f"num_attention_heads {n_heads} is not divisible by the "
-                         f"tensor-parallel size {size}")
+    check_tp_shape(_model_name(args), n_heads, n_kv, size)
     heads = n_heads // size
     group = n_heads // n_kv                       # query heads per KV head
     if n_kv % size == 0:
         replicas = 1
         kv_local = n_kv // size
         kv_start = rank * kv_local
-    elif size % n_kv == 0:                        # size > n_kv: replicate each KV head
+    else:                                         # size > n_kv: replicate each KV head
         replicas = size // n_kv
         kv_local = 1
         kv_start = rank // replicas
-    else:
-        raise ValueError(f"cannot shard {_model_name(args)} over {size} ranks: "
-                         f"num_key_value_heads {n_kv} is neither divisible by the "
-                         f"tensor-parallel size {size} nor a divisor of it")
     q_start = rank * heads
     # the rank's query heads must use exactly its KV heads (true by construction; checked)
     last_kv = (q_start + heads - 1) // group

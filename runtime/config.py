@@ -356,12 +356,27 @@ def _check_files(cfg: TandemConfig) -> None:
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{name}.model", str(e)) from e
     draft, target = infos["draft"], infos["target"]
+    _check_tp(cfg, infos)
     if draft.vocab_size != target.vocab_size:
         raise ConfigError(
             "draft.model",
             f"vocab mismatch: draft {draft.path} has vocab_size {draft.vocab_size} but "
             f"target {target.path} has vocab_size {target.vocab_size}; draft and target "
             f"must share one vocabulary")
+
+
+def _check_tp(cfg: TandemConfig, infos: dict) -> None:
+    from parallel.tensor_parallel import check_tp_shape
+
+    for name, model in _model_lists(cfg):
+        info = infos[name]
+        if model.tp_size > 1:
+            try:
+                check_tp_shape(f"{info.model_type} model {model.model!r}",
+                               info.num_attention_heads, info.num_key_value_heads,
+                               model.tp_size)
+            except ValueError as exc:
+                raise ConfigError(f"{name}.devices", str(exc)) from None
 
 
 def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,

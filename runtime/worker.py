@@ -110,26 +110,30 @@ class Worker:
         self.send({"type": "ready", "rank": self.rank})
 
     def _load_shards(self) -> None:
+        from parallel.tensor_parallel import TPInfo
         from runtime.models import load_model
 
-        rt = self.config.runtime
+        rt, spec = self.config.runtime, self.spec
         cache_len = rt.max_seq_len + self.config.speculation.draft_len + 2
+        acceptance = self.config.speculation.acceptance
         draft_cfg, target_cfg = self.config.draft, self.config.target
         draft_model = target_model = None
-        if self.spec.hosts_target:
-            target_model = load_model(target_cfg.model, target_cfg.torch_dtype, self.device)
-        if self.spec.hosts_draft:
+        if spec.hosts_target:
+            tp = TPInfo(self.groups.target_tp, spec.target_tp_rank, target_cfg.tp_size)
+            target_model = load_model(target_cfg.model, target_cfg.torch_dtype, self.device, tp)
+        if spec.hosts_draft:
             same = (draft_cfg.model, draft_cfg.dtype, draft_cfg.devices) == \
                 (target_cfg.model, target_cfg.dtype, target_cfg.devices)
-            if same and target_model is not None:  # one checkpoint: load once, own KV cache
-                draft_model = copy.deepcopy(target_model)
+            if same and target_model is not None and draft_cfg.tp_size == 1:
+                draft_model = copy.deepcopy(target_model)  # load once; own KV cache
             else:
-                draft_model = load_model(draft_cfg.model, draft_cfg.torch_dtype, self.device)
+                tp = TPInfo(self.groups.draft_tp, spec.draft_tp_rank, draft_cfg.tp_size)
+                draft_model = load_model(draft_cfg.model, draft_cfg.torch_dtype, self.device, tp)
             self.draft = DraftShard(draft_model, self.device, rt.max_batch_size, cache_len,
-                                    self.config.speculation.acceptance)
+                                    acceptance)
         if target_model is not None:
             self.target = TargetShard(target_model, self.device, rt.max_batch_size, cache_len,
-                                      self.config.speculation.acceptance)
+                                      acceptance)
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.discovery import free_port  # noqa: F401  (re-exported for tests)
+
 import yaml
 
 FORMS = ("spawn", "torchrun", "mpirun", "mpi-spawn")
