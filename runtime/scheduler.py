@@ -72,6 +72,19 @@ class Scheduler:
         self.queue: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.total_tokens = 0
+        self.rounds = 0
+        self.timing: dict[str, float] = {}   # "rank<r>.<phase>" -> seconds, with TANDEM_PROFILE=1
+
+    def _add_timing(self, results: dict[int, dict]) -> None:
+        self.rounds += 1
+        for rank, result in results.items():
+            for phase, seconds in result.get("timing", {}).items():
+                key = f"rank{rank}.{phase}"
+                self.timing[key] = self.timing.get(key, 0.0) + seconds
+
+    def profile(self) -> dict:
+        """Mean seconds per round of each worker phase (empty unless profiling)."""
+        return {k: v / max(self.rounds, 1) for k, v in sorted(self.timing.items())}
 
     @property
     def has_work(self) -> bool:
@@ -96,6 +109,7 @@ class Scheduler:
         results = self.pool.command({"type": "round", "slots": slots, "k": self.draft_len},
                                     self.step_timeout_s)
         result = next(r for r in results.values() if "tokens" in r)
+        self._add_timing(results)
         finished = []
         for slot, tokens, accepted in zip(slots, result["tokens"], result["accepted"]):
             seq = self.running[slot]

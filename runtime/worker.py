@@ -26,6 +26,27 @@ from runtime.shards import DraftShard, TargetShard
 log = logging.getLogger("tandem.worker")
 
 
+class StepClock:
+    """Wall time of each phase of a round (synchronising the device first), when profiling
+    (TANDEM_PROFILE=1); free otherwise."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.laps: dict[str, float] = {}
+        self._last = self._now() if enabled else 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.enabled:
+            now = self._now()
+            self.laps[name] = now - self._last
+            self._last = now
+
+
 def check_sampling(params) -> dict:
     """Per-request sampling settings from a prefill message (the orchestrator validated
     the request; this guards the worker against a malformed message)."""
@@ -59,6 +80,7 @@ class Worker:
         self.target: TargetShard | None = None
         self.device = torch.device("cpu")
         self.pulse: Pulse | None = None
+        self.profile = os.environ.get("TANDEM_PROFILE") == "1"
 
     # --- control plane -------------------------------------------------------------------
     def send(self, msg: dict) -> None:
@@ -185,31 +207,38 @@ class Worker:
         batch, dev = len(slots), self.device
         need_q = self.config.speculation.acceptance == "logits" and \
             not shard.sampling(slots).greedy
+        clock = StepClock(dev, enabled=self.profile)
         draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)
         draft_probs = None
         if self.draft is not None:
             draft_tokens, draft_probs = self.draft.propose(slots, k)      # [B, k], [B, k, V]
+        clock.lap("draft_s")
         bridge_broadcast(draft_tokens, self.topology.draft_leader, self.groups.bridge)
+        clock.lap("draft_tokens_transfer_s")
         if need_q:
             if draft_probs is None:
                 draft_probs = torch.zeros(batch, k, shard.model.vocab_size, device=dev)
             bridge_broadcast(draft_probs, self.topology.draft_leader, self.groups.bridge)
+        clock.lap("draft_probs_transfer_s")
         verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)
         if self.target is not None:
             accepted, next_token = self.target.verify(slots, draft_tokens,
                                                       draft_probs if need_q else None)
             verdict = torch.stack([accepted, next_token], dim=1)           # [B, 2]
+        clock.lap("verify_s")
         bridge_broadcast(verdict, self.topology.target_leader, self.groups.bridge)
+        clock.lap("verdict_transfer_s")
         drafts = draft_tokens.tolist()
         accepted, next_tokens = (list(col) for col in zip(*verdict.tolist()))
         if self.draft is not None:
             self.draft.commit(slots, drafts, accepted, next_tokens)
         if self.target is not None:
             self.target.commit(slots, accepted, next_tokens)
-        if self.rank != self.topology.target_leader:
-            return {}
-        tokens = [d[:a] + [n] for d, a, n in zip(drafts, accepted, next_tokens)]
-        return {"tokens": tokens, "accepted": accepted}
+        result = {"timing": clock.laps} if self.profile else {}
+        if self.rank == self.topology.target_leader:
+            result["tokens"] = [d[:a] + [n] for d, a, n in zip(drafts, accepted, next_tokens)]
+            result["accepted"] = accepted
+        return result
 
     def close(self) -> None:
         if self.pulse is not None:
