@@ -121,6 +121,9 @@ class Worker:
         self.device = self.spec.device.torch_device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # cuDNN attention builds a new plan for every new KV length (tens of ms each);
+            # the KV length changes every round, so use the flash / memory-efficient kernels
+            torch.backends.cuda.enable_cudnn_sdp(False)
         else:  # CPU workers share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self.topology.workers)))
         try:
