@@ -123,6 +123,12 @@ def _init_world_watching(init_method: str, world_size: int, timeout_s: float,
         raise EngineDeadError(f"startup failed: {errors[0]}")
 
 
+def control_bind() -> str:
+    """Where rank 0's control sockets listen: loopback, unless TANDEM_CONTROL_HOST names the
+    address (IP or host name) that workers on other nodes reach it at (multi-node)."""
+    return f"tcp://{os.environ.get('TANDEM_CONTROL_HOST', '127.0.0.1')}"
+
+
 def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
     topology = topology_from_config(config)
     if env.world_size is not None:
@@ -140,7 +146,8 @@ def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
     rt = config.runtime
     try:
         _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s, liveness)
-        pool = WorkerPool(topology.worker_ranks, context, heartbeat_s=rt.heartbeat_s,
+        pool = WorkerPool(topology.worker_ranks, context, bind=control_bind(),
+                          heartbeat_s=rt.heartbeat_s,
                           dead_after_s=max(10.0, 10 * rt.heartbeat_s), liveness=liveness)
         pgroups.broadcast_address(pool.address)
         pool.handshake(config.to_dict(), rt.startup_timeout_s)
