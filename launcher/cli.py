@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
 import sys
-import threading
 
 EXIT_USAGE = 2
 
@@ -63,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config_path = getattr(args, "config", None)
-        config = load_config(config_path) if config_path else default_config()
+        from launcher.discovery import multi_node
+
+        config = load_config(config_path, check_devices=not multi_node()) if config_path \
+            else default_config()
         if args.command == "serve" and args.address:
             config = load_config(dict(config.to_dict(), server={"address": args.address}),
                                  check_files=False, check_devices=False)

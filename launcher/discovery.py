@@ -40,6 +40,16 @@ def under_torchrun() -> bool:
                                             and "MASTER_ADDR" in env)
 
 
+def multi_node() -> bool:
+    """Whether this launch spans several hosts (torchrun or MPI tell us how many ranks are
+    local); then CUDA ids in the config are local to each rank's node."""
+    env = os.environ
+    pairs = (("LOCAL_WORLD_SIZE", "WORLD_SIZE"), ("OMPI_COMM_WORLD_LOCAL_SIZE",
+             "OMPI_COMM_WORLD_SIZE"), ("MPI_LOCALNRANKS", "PMI_SIZE"))
+    return any(local in env and total in env and env[local] != env[total]
+               for local, total in pairs)
+
+
 def under_mpi() -> bool:
     return any(key in os.environ for key in MPI_ENV_KEYS)
 

@@ -18,15 +18,23 @@ EXIT_DEAD = 1
 EXIT_USAGE = 2
 
 
-def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool) -> int:
+def _start(config: TandemConfig, env: LaunchEnv):
+    """(orchestrator, cluster), or None after printing why startup failed."""
     from runtime.orchestrator import Orchestrator
 
-    orch = Orchestrator(config)
+    orch = Orchestrator(config)  # loads the tokenizer while the workers load their shards
     try:
-        cluster = start_cluster(config, env)
+        return orch, start_cluster(config, env)
     except EngineDeadError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
+        return None
+
+
+def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool) -> int:
+    started = _start(config, env)
+    if started is None:
         return EXIT_DEAD
+    orch, cluster = started
     code = 0
     try:
         orch.attach(cluster.pool)
@@ -48,7 +56,6 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool)
 
 
 def serve_forever(config: TandemConfig, env: LaunchEnv) -> int:
-    from runtime.orchestrator import Orchestrator
     from runtime.server import Server
 
     stop = threading.Event()
@@ -59,12 +66,10 @@ def serve_forever(config: TandemConfig, env: LaunchEnv) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    orch = Orchestrator(config)
-    try:
-        cluster = start_cluster(config, env)
-    except EngineDeadError as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
+    started = _start(config, env)
+    if started is None:
         return EXIT_DEAD
+    orch, cluster = started
     server = None
     code = 0
     try:

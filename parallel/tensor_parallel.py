@@ -39,7 +39,6 @@ from parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLi
                              VocabParallelEmbedding)
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_args import ModelArgs
-from runtime.models.weights import Shard
 
 __all__ = ["TPInfo", "TPPlan", "apply_tp", "plan_tp"]
 

@@ -122,3 +122,18 @@ def build_with_tokenizer(out_dir: str | os.PathLike, seed: int = 0, **overrides)
     out = build_checkpoint(out_dir, "llama", seed=seed, **kwargs)
     tok.save_pretrained(out)
     return out
+
+
+class GreedyReference:
+    """Callable: model name -> the target's transformers greedy output for each prompt
+    (computed once per name)."""
+
+    def __init__(self, models: dict[str, str], prompts: list[list[int]], new_tokens: int):
+        self.models, self.prompts, self.new_tokens = models, prompts, new_tokens
+        self.cache: dict[str, list[list[int]]] = {}
+
+    def __call__(self, name: str) -> list[list[int]]:
+        if name not in self.cache:
+            self.cache[name] = [hf_greedy(self.models[name], p, self.new_tokens)
+                                for p in self.prompts]
+        return self.cache[name]

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.discovery import free_port  # noqa: F401  (re-exported for tests)
+from launcher.discovery import free_port  # noqa: F401 - re-exported for tests
 
 import yaml
 

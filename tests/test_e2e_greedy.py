@@ -28,13 +28,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(models):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = [checkpoints.hf_greedy(models[name], p, NEW_TOKENS) for p in PROMPTS]
-        return cache[name]
-    return get
+    return checkpoints.GreedyReference(models, PROMPTS, NEW_TOKENS)
 
 
 # name: (draft, target, draft_len, draft devices, target devices)

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
@@ -31,13 +30,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(models):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = [checkpoints.hf_greedy(models[name], p, NEW_TOKENS) for p in PROMPTS]
-        return cache[name]
-    return get
+    return checkpoints.GreedyReference(models, PROMPTS, NEW_TOKENS)
 
 
 # name: (draft, target, draft devices, target devices)
