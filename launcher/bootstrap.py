@@ -35,8 +35,7 @@ class Cluster:
 
     def shutdown(self, timeout_s: float = 20.0) -> None:
         """Ask every worker to exit, wait, then make sure no child is left."""
-        if self.pool.dead is None:
-            self.pool.shutdown()
+        self.pool.shutdown()  # also after a failure: the live workers exit at once
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
@@ -78,7 +77,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: orphaned workers die at once
     except OSError:
         pass
 

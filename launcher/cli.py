@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         topology = topology_from_config(config)
         if env.world_size is not None:
             topology.check_world_size(env.world_size)
-    except (ConfigError, LaunchError, ValueError) as exc:
+    except (ConfigError, LaunchError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
     if not env.is_orchestrator:
         from runtime.worker import run_worker

@@ -161,6 +161,22 @@ class Client:
         finally:
             self._close_waiter(rid)
 
+    def stats(self, timeout_s: float = 30.0) -> dict:
+        """Server statistics: running and queued requests, tokens generated, acceptance rate,
+        tokens/s, mean round and prefill times (and per-phase times when profiling)."""
+        rid = "stats-" + self._new_id()
+        waiter = self._open({"type": "stats", "id": rid})
+        try:
+            msg = waiter.get(timeout=timeout_s)
+        except queue.Empty:
+            raise EngineDeadError(f"no answer from {self.address} within {timeout_s:.0f} s") \
+                from None
+        finally:
+            self._close_waiter(rid)
+        if msg["type"] == "failed":
+            raise EngineDeadError(msg["message"])
+        return msg["stats"]
+
     def _request(self, prompt, prompt_token_ids, kwargs, stream: bool, chat: bool
                  ) -> tuple[dict, bool]:
         params = SamplingParams.from_kwargs(**kwargs).to_dict()

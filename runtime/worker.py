@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 import socket
 import time
 import traceback
@@ -63,7 +64,14 @@ def check_sampling(params) -> dict:
 
 
 class WorkerExit(Exception):
-    """Leave the worker loop (shutdown, orphaned)."""
+    """Leave the worker loop (orphaned, or told to stop by a signal)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+SIGNAL_GRACE_S = 5.0   # after SIGINT/SIGTERM, wait this long for the orchestrator's shutdown
 
 
 class Worker:
@@ -81,6 +89,14 @@ class Worker:
         self.device = torch.device("cpu")
         self.pulse: Pulse | None = None
         self.profile = os.environ.get("TANDEM_PROFILE") == "1"
+        self.signalled_at: float | None = None
+
+    def on_signal(self, signum, _frame) -> None:
+        """SIGINT/SIGTERM (e.g. forwarded by torchrun or mpirun): the orchestrator gets it too
+        and sends shutdown; exit cleanly on that, or on our own after a grace period."""
+        log.warning("rank %d: received signal %d", self.rank, signum)
+        if self.signalled_at is None:
+            self.signalled_at = time.monotonic()
 
     # --- control plane -------------------------------------------------------------------
     def send(self, msg: dict) -> None:
@@ -91,6 +107,9 @@ class Worker:
         (before init: no message within timeout_s; after: no beacon beat for timeout_s)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if self.signalled_at is not None and \
+                    time.monotonic() - self.signalled_at > SIGNAL_GRACE_S:
+                raise WorkerExit("stopped by signal", code=0)
             if self.pulse is not None:
                 if self.pulse.orchestrator_silent_s > timeout_s:
                     raise WorkerExit(f"orchestrator silent for {timeout_s:.0f} s; exiting")
@@ -264,13 +283,15 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.connect(address)
     worker = Worker(rank, world_size, sock, address)
+    signal.signal(signal.SIGTERM, worker.on_signal)
+    signal.signal(signal.SIGINT, worker.on_signal)
     code = 0
     try:
         worker.start(startup_timeout_s)
         worker.serve()
     except WorkerExit as exc:
         log.warning("rank %d: %s", rank, exc)
-        code = 1
+        code = exc.code
     except Exception:
         log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
         code = 1
