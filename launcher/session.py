@@ -10,6 +10,7 @@ import time
 
 from launcher.bootstrap import start_cluster
 from launcher.discovery import LaunchEnv
+from runtime.auth import load_key
 from runtime.config import TandemConfig
 from runtime.errors import EngineDeadError
 
@@ -73,7 +74,9 @@ def serve_forever(config: TandemConfig, env: LaunchEnv) -> int:
     server = None
     code = 0
     try:
-        server = Server(orch.attach(cluster.pool), config.server.address, cluster.context)
+        key = None if config.server.auth_key_file is None else \
+            load_key(config.server.auth_key_file)
+        server = Server(orch.attach(cluster.pool), config.server.address, cluster.context, key)
         print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
         server.serve(stop)
     except EngineDeadError as exc:

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import zmq
 
-from runtime import protocol
+from runtime import auth, protocol
 from runtime.errors import EngineDeadError
 from runtime.outputs import GenerationOutput, StreamDelta
 from runtime.params import SamplingParams, check_prompt_ids
@@ -26,8 +26,10 @@ _END = object()
 
 
 class Client:
-    def __init__(self, address: str, *, dead_after_s: float = 30.0, ping_s: float = 1.0):
+    def __init__(self, address: str, *, auth_key_file: str | None = None,
+                 dead_after_s: float = 30.0, ping_s: float = 1.0):
         self.address = address
+        self._key = None if auth_key_file is None else auth.load_key(auth_key_file)
         self.dead_after_s = dead_after_s
         self.ping_s = ping_s
         self._context = zmq.Context()
@@ -70,7 +72,7 @@ class Client:
 
     def _try_send(self, sock: zmq.Socket, msg: dict) -> None:
         try:
-            sock.send(protocol.encode(msg), zmq.NOBLOCK)
+            sock.send(protocol.encode(msg, self._key), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
@@ -84,7 +86,7 @@ class Client:
 
     def _receive(self, frame: bytes) -> None:
         try:
-            msg = protocol.decode(frame)
+            msg = protocol.decode(frame, self._key)
         except protocol.ProtocolError:
             return
         self._last_heard = time.monotonic()

@@ -118,6 +118,12 @@ def _address(value: Any, key: str) -> str:
     return value
 
 
+def _optional_str(value: Any, key: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(key, f"must be a path (string), got {_describe(value)}")
+    return value
+
+
 def _checked(default: Any, check: Callable[[Any, str], Any]) -> Any:
     return field(default=default, metadata={"check": check})
 
@@ -180,6 +186,7 @@ class RuntimeConfig(_Checked):
 class ServerConfig(_Checked):
     SECTION: ClassVar[str] = "server"
     address: str = _checked("tcp://127.0.0.1:5555", _address)
+    auth_key_file: str | None = _checked(None, _optional_str)   # required beyond loopback
 
 
 @dataclass(frozen=True)
@@ -365,6 +372,21 @@ def _check_files(cfg: TandemConfig) -> None:
             f"must share one vocabulary")
 
 
+def _check_server_auth(server: ServerConfig, check_files: bool) -> None:
+    from runtime import auth
+
+    if server.auth_key_file is None:
+        if not auth.is_loopback(server.address):
+            raise ConfigError("server.address", f"{server.address} listens beyond loopback; "
+                              "that requires server.auth_key_file (a shared secret)")
+        return
+    if check_files:
+        try:
+            auth.load_key(server.auth_key_file)
+        except auth.AuthError as exc:
+            raise ConfigError("server.auth_key_file", str(exc)) from None
+
+
 def _check_tp(cfg: TandemConfig, infos: dict) -> None:
     from parallel.tensor_parallel import check_tp_shape
 
@@ -388,6 +410,7 @@ def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
     _check_backend(cfg)
     if check_devices:
         _check_cuda(cfg)
+    _check_server_auth(cfg.server, check_files)
     if check_files:
         _check_files(cfg)
     return cfg

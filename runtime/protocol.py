@@ -10,6 +10,8 @@ from typing import Any
 
 import msgpack
 
+from runtime import auth
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_DEPTH = 8
 
@@ -59,12 +61,19 @@ class ProtocolError(ValueError):
     """A frame that is not a valid message: dropped and logged, never fatal."""
 
 
-def encode(msg: dict) -> bytes:
+def encode(msg: dict, key: bytes | None = None) -> bytes:
+    """msgpack bytes of a checked message, HMAC-signed when a key is given (runtime.auth)."""
     check(msg)
-    return msgpack.packb(msg, use_bin_type=True)
+    return auth.sign(msgpack.packb(msg, use_bin_type=True), key)
 
 
-def decode(frame: bytes) -> dict:
+def decode(frame: bytes, key: bytes | None = None) -> dict:
+    """The checked message in `frame` (verifying its signature when a key is given)."""
+    if key is not None:
+        try:
+            frame = auth.verify(frame, key)
+        except auth.AuthError as exc:
+            raise ProtocolError(str(exc)) from None
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:

@@ -25,8 +25,10 @@ class Pending:
 
 
 class Server:
-    def __init__(self, orch: Orchestrator, address: str, context: zmq.Context):
+    def __init__(self, orch: Orchestrator, address: str, context: zmq.Context,
+                 key: bytes | None = None):
         self.orch = orch
+        self.key = key          # HMAC key: every frame in and out is signed (runtime.auth)
         self.sock = context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 10000)
@@ -41,7 +43,7 @@ class Server:
 
     def reply(self, identity: bytes, msg: dict) -> None:
         try:
-            self.sock.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart([identity, protocol.encode(msg, self.key)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not reply to a client: %s", exc)
 
@@ -75,7 +77,7 @@ class Server:
         identity, frame = parts
         self.client_seen[identity] = time.monotonic()
         try:
-            msg = protocol.decode(frame)
+            msg = protocol.decode(frame, self.key)
         except protocol.ProtocolError as exc:
             log.warning("dropped a client frame: %s", exc)
             return

@@ -138,7 +138,7 @@ def _plain(value) -> bool:
           target={"model": "/b", "devices": ["cuda:1"]}, tokenizer="/tok",
           speculation={"draft_len": 2, "acceptance": "logits"},
           runtime={"max_batch_size": 3, "heartbeat_s": 0.25},
-          server={"address": "tcp://0.0.0.0:6000"}),
+          server={"address": "tcp://0.0.0.0:6000", "auth_key_file": "/etc/tandem.key"}),
 ])
 def test_round_trip_to_dict(cfg):
     loaded = _load(cfg)
@@ -384,3 +384,15 @@ def test_config_equality_and_hash():
     assert isinstance(a, TandemConfig)
     with pytest.raises(Exception):
         a.draft = a.target  # type: ignore[misc]
+
+
+def test_non_loopback_server_needs_a_key(tmp_path):
+    with pytest.raises(ConfigError, match="server.address"):
+        _load(_base(server={"address": "tcp://0.0.0.0:6000"}))
+    assert _load(_base(server={"address": "tcp://127.0.0.1:6000"})).server.auth_key_file is None
+    key = tmp_path / "key"
+    key.write_text("short")
+    key.chmod(0o600)
+    cfg = _base(server={"address": "tcp://0.0.0.0:6000", "auth_key_file": str(key)})
+    with pytest.raises(ConfigError, match="server.auth_key_file"):
+        load_config(cfg, check_files=True, check_devices=False)

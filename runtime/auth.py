@@ -1,0 +1,72 @@
+"""Control-plane authentication: an HMAC-SHA256 of every frame under a shared key read from a
+file. Required whenever a socket listens beyond loopback (a non-loopback `server.address`, or
+TANDEM_CONTROL_HOST for the workers' control plane); optional otherwise."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import socket
+
+MAC_BYTES = 32
+MIN_KEY_BYTES = 16
+
+
+class AuthError(ValueError):
+    """Bad or missing key material."""
+
+
+def host_of(address: str) -> str | None:
+    """The host of a tcp:// ZeroMQ address (None for ipc://, which is local by nature)."""
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://"):].rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+def is_loopback(address: str) -> bool:
+    host = host_of(address)
+    if host is None or host == "localhost":
+        return True
+    if host == "*":
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except (OSError, ValueError):
+            return False
+
+
+def load_key(path: str) -> bytes:
+    """The key in `path` (leading/trailing whitespace stripped); at least 16 bytes."""
+    try:
+        with open(path, "rb") as fh:
+            key = fh.read().strip()
+    except OSError as exc:
+        raise AuthError(f"cannot read key file {path}: {exc.strerror}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise AuthError(f"key file {path} holds {len(key)} bytes; use at least "
+                        f"{MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64 > {path}`)")
+    if os.stat(path).st_mode & 0o077:
+        raise AuthError(f"key file {path} is readable by others; chmod 600 it")
+    return key
+
+
+def sign(payload: bytes, key: bytes | None) -> bytes:
+    if key is None:
+        return payload
+    return hmac.new(key, payload, hashlib.sha256).digest() + payload
+
+
+def verify(frame: bytes, key: bytes | None) -> bytes:
+    """The payload of a signed frame; AuthError when the signature does not match."""
+    if key is None:
+        return frame
+    mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
+    expected = hmac.new(key, payload, hashlib.sha256).digest()
+    if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, expected):
+        raise AuthError("frame signature does not match the shared key")
+    return payload
