@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve clients until SIGINT/SIGTERM")
     serve.add_argument("config")
     serve.add_argument("--address", help="override server.address")
+    serve.add_argument("--http", metavar="HOST:PORT", default=None,
+                       help="also serve an OpenAI-compatible HTTP API here "
+                            "(loopback only unless --http-allow-remote)")
+    serve.add_argument("--http-allow-remote", action="store_true",
+                       help="allow --http on a non-loopback address (no authentication)")
     worker = sub.add_parser("worker", help=argparse.SUPPRESS)
     who = worker.add_mutually_exclusive_group(required=True)
     who.add_argument("--rank", type=int)
@@ -69,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                                  check_files=False, check_devices=False)
         request = _request_from_args(args, config_path is None) if args.command == "run" \
             else None
+        http = None
+        if args.command == "serve" and args.http is not None:
+            from runtime.http_api import parse_http_address
+
+            http = parse_http_address(args.http, args.http_allow_remote)
         env = discover()
         topology = topology_from_config(config)
         if env.world_size is not None:
@@ -84,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "run":
         return run_once(config, env, request, as_json=args.json)
-    return serve_forever(config, env)
+    return serve_forever(config, env, http=http)
 
 
 def _request_from_args(args, is_default: bool) -> dict:

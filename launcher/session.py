@@ -56,10 +56,23 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool)
     return code
 
 
-def serve_forever(config: TandemConfig, env: LaunchEnv) -> int:
+def serve_forever(config: TandemConfig, env: LaunchEnv,
+                  http: tuple[str, int] | None = None) -> int:
+    """Serve at server.address until SIGINT/SIGTERM; with `http` = (host, port) also the
+    OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process."""
     from runtime.server import Server
 
     stop = threading.Event()
+    http_sock = None
+    if http is not None:
+        from runtime.http_api import bind_http
+
+        try:  # bound before anything starts: a taken port is a usage error
+            http_sock = bind_http(*http)
+        except OSError as exc:
+            print(f"tandem: error: --http: cannot listen on {http[0]}:{http[1]}: {exc}",
+                  file=sys.stderr)
+            return EXIT_USAGE
 
     def on_signal(signum, _frame):
         log.warning("received signal %d; shutting down", signum)
@@ -69,21 +82,34 @@ def serve_forever(config: TandemConfig, env: LaunchEnv) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     started = _start(config, env)
     if started is None:
+        if http_sock is not None:
+            http_sock.close()
         return EXIT_DEAD
     orch, cluster = started
-    server = None
+    server = front = None
     code = 0
     try:
         key = None if config.server.auth_key_file is None else \
             load_key(config.server.auth_key_file)
         server = Server(orch.attach(cluster.pool), config.server.address, cluster.context, key)
         print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
+        if http_sock is not None:
+            from runtime.http_api import HttpFront
+
+            front = HttpFront(config.server.address, http_sock,
+                              auth_key_file=config.server.auth_key_file)
+            front.start()
+            print(f"tandem: HTTP API at {front.url}", file=sys.stderr, flush=True)
         server.serve(stop)
     except EngineDeadError as exc:
         print(f"tandem: error: engine died: {exc}", file=sys.stderr)
         code = EXIT_DEAD
         time.sleep(0.2)  # let the failure replies leave
     finally:
+        if front is not None:
+            front.stop()  # serve() failed its requests: the streams end, then it stops
+        elif http_sock is not None:
+            http_sock.close()
         if server is not None:
             server.close()
         cluster.shutdown()

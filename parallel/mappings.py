@@ -41,3 +41,24 @@ def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     parts = [torch.empty_like(x) for _ in range(size)]   # gloo: list all_gather, then cat
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
+
+
+def vocab_parallel_argmax(local: torch.Tensor, vocab_start: int,
+                          group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global argmax over a vocab-parallel last dim without gathering the vocabulary.
+
+    local: [..., V_local] this rank's logits for vocab ids [vocab_start, vocab_start + V_local)
+    (padding columns are -inf). Returns [...] int64 global ids, identical on every rank; ties
+    go to the lowest id, as torch.argmax over the full vocabulary does. Moves 2 numbers per
+    position instead of V_local."""
+    value, index = local.max(dim=-1)                                  # [...], first max
+    index = index + vocab_start
+    size = group_size(group)
+    if size == 1:
+        return index
+    values = [torch.empty_like(value) for _ in range(size)]
+    indices = [torch.empty_like(index) for _ in range(size)]
+    dist.all_gather(values, value.contiguous(), group=group)
+    dist.all_gather(indices, index.contiguous(), group=group)
+    best = torch.stack(values).argmax(dim=0)                          # [...] lowest rank wins
+    return torch.stack(indices).gather(0, best[None]).squeeze(0)

@@ -14,7 +14,13 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor
             next_token [B] (the target's argmax after the accepted prefix: the correction,
             or the bonus token when all k were accepted).
     """
-    target_choice = target_logits.argmax(dim=-1)                        # [B, k+1]
+    return accept_choices(draft_tokens, target_logits.argmax(dim=-1))
+
+
+def accept_choices(draft_tokens: torch.Tensor, target_choice: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance from the target's own choices [B, k+1] (e.g. a vocab-parallel
+    argmax); same returns as greedy_accept."""
     k = draft_tokens.shape[1]
     matches = (draft_tokens == target_choice[:, :k]).to(torch.int64)     # [B, k]
     accepted = matches.cumprod(dim=1).sum(dim=1)                         # [B]

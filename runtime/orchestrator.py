@@ -65,21 +65,40 @@ class Orchestrator:
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
         if chat:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True,
-                tokenize=True, return_dict=False))
+            return self.encode_chat([{"role": "user", "content": text}], "prompt")
         return list(self.tokenizer.encode(text))
+
+    def encode_chat(self, messages, name: str = "messages") -> list[int]:
+        """A whole conversation through the tokenizer's chat template, with the assistant's
+        generation prompt appended. Template errors are ValueErrors naming `name`."""
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"{name}: expected a non-empty list of {{role, content}} maps "
+                             f"with string values")
+        if self.tokenizer is None:
+            raise ValueError(f"{name}: this model has no tokenizer; pass prompt_token_ids")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+        except Exception as exc:  # noqa: BLE001 - jinja errors are not ValueErrors
+            raise ValueError(f"{name}: the chat template failed: {exc}") from None
+        return [int(t) for t in ids]
 
     def make_sequences(self, request_id: str, prompts: list[str] | None,
                        prompt_ids: list[list[int]] | None, params: dict,
-                       chat: bool = False) -> list[Sequence]:
-        """Validate one request (server side too: a raw client can send anything)."""
+                       chat: bool = False, messages: list[dict] | None = None
+                       ) -> list[Sequence]:
+        """Validate one request (server side too: a raw client can send anything).
+        `messages` is one chat conversation (one sequence) instead of prompts/prompt_ids."""
         sampling = SamplingParams.from_kwargs(**params)
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
-        if (prompts is None) == (prompt_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_token_ids")
-        if prompts is not None:
+        if (prompts is not None) + (prompt_ids is not None) + (messages is not None) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        if messages is not None:
+            id_lists = [self.encode_chat(messages)]
+        elif prompts is not None:
             id_lists = [self.encode(p, chat) for p in prompts]
         else:
             id_lists = [check_prompt_ids(ids, self.vocab_size) for ids in prompt_ids]

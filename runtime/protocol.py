@@ -41,7 +41,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "shutdown": {},
     # client -> server
     "generate": {"id": STR, "prompts": LIST, "prompt_ids": LIST, "params": MAP, "stream": BOOL,
-                 "chat": BOOL},
+                 "chat": BOOL, "messages": LIST},   # messages: one chat, [{role, content}]
     "cancel": {"id": STR},
     "ping": {"id": STR},
     "stats": {"id": STR},
@@ -53,7 +53,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "stats_reply": {"id": STR, "stats": MAP},
 }
 OPTIONAL: dict[str, set[str]] = {
-    "generate": {"prompts", "prompt_ids", "chat"},
+    "generate": {"prompts", "prompt_ids", "chat", "messages"},
 }
 
 

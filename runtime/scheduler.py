@@ -46,6 +46,7 @@ class Sequence:
             "rounds": self.rounds,
             "tokens_per_s": len(self.generated) / elapsed if elapsed > 0 else 0.0,
             "accepted_per_position": list(self.accepted_at),
+            "prompt_tokens": len(self.prompt_ids),
         }
 
     def output(self) -> dict:

@@ -102,7 +102,8 @@ class Server:
             if rid in self.pending:
                 raise ValueError(f"request id {rid!r} is already in use")
             seqs = self.orch.make_sequences(rid, msg.get("prompts"), msg.get("prompt_ids"),
-                                            msg["params"], chat=msg.get("chat", False))
+                                            msg["params"], chat=msg.get("chat", False),
+                                            messages=msg.get("messages"))
         except (ValueError, TypeError) as exc:
             self.reply(identity, {"type": "failed", "id": rid, "message": str(exc),
                                   "kind": "value"})

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.acceptance import accept_choices
 from runtime.choose import BatchSampling, draft_choose, target_verify
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
@@ -127,13 +128,24 @@ class DraftShard(ModelShard):
 
 
 class TargetShard(ModelShard):
+    """With a vocab-parallel target (`vocab_parallel` set), the model returns this rank's
+    vocab slice: greedy batches pick the target's tokens with a distributed argmax (two
+    numbers per position cross the group); sampled batches gather the full distribution."""
+
+    vocab_parallel = None   # parallel.vocab.VocabParallel, or None when logits are full
+
     def verify(self, slots: list[int], draft_tokens: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over pending + k draft tokens; returns (accepted [B], next_token [B])."""
         pending = torch.tensor([self.slots[s].pending for s in slots], device=self.device)
         ids = torch.cat([pending, draft_tokens], dim=1)                   # [B, k+1]
-        logits = self._step(slots, ids)                                   # [B, k+1, V]
-        return target_verify(draft_tokens, logits, self.sampling(slots),
+        logits = self._step(slots, ids)                                   # [B, k+1, V(local)]
+        sampling = self.sampling(slots)
+        if self.vocab_parallel is not None:
+            if sampling.greedy:
+                return accept_choices(draft_tokens, self.vocab_parallel.argmax(logits))
+            logits = self.vocab_parallel.gather(logits)                   # [B, k+1, V]
+        return target_verify(draft_tokens, logits, sampling,
                              self.committed_index(slots), self.acceptance, draft_probs)
 
     def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:

@@ -157,6 +157,7 @@ class Worker:
 
     def _load_shards(self) -> None:
         from parallel.tensor_parallel import TPInfo
+        from parallel.vocab import VocabParallel
         from runtime.models import load_model
 
         rt, spec = self.config.runtime, self.spec
@@ -166,7 +167,8 @@ class Worker:
         draft_model = target_model = None
         if spec.hosts_target:
             tp = TPInfo(self.groups.target_tp, spec.target_tp_rank, target_cfg.tp_size)
-            target_model = load_model(target_cfg.model, target_cfg.torch_dtype, self.device, tp)
+            target_model = load_model(target_cfg.model, target_cfg.torch_dtype, self.device, tp,
+                                      gather_logits=not tp.enabled)
         if spec.hosts_draft:
             same = (draft_cfg.model, draft_cfg.dtype, draft_cfg.devices) == \
                 (target_cfg.model, target_cfg.dtype, target_cfg.devices)
@@ -180,6 +182,9 @@ class Worker:
         if target_model is not None:
             self.target = TargetShard(target_model, self.device, rt.max_batch_size, cache_len,
                                       acceptance)
+            if target_cfg.tp_size > 1:  # verify without gathering the vocabulary if greedy
+                self.target.vocab_parallel = VocabParallel.of(target_model,
+                                                              self.groups.target_tp)
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.discovery import free_port  # noqa: F401 - re-exported for tests
-
 import yaml
+
+from launcher import discovery
 
 FORMS = ("spawn", "torchrun", "mpirun", "mpi-spawn")
 BIN = Path(sys.executable).parent
@@ -29,6 +29,10 @@ def write_config(path: Path, draft: str, target: str, draft_devices=("cpu:0",),
     }
     path.write_text(yaml.safe_dump(config))
     return str(path)
+
+
+def free_port() -> int:
+    return discovery.free_port()
 
 
 def world_size(draft_devices, target_devices) -> int:

@@ -82,11 +82,17 @@ def sample_pairs(engine, setting: dict, seed: int) -> np.ndarray:
     return counts
 
 
-@pytest.mark.parametrize("acceptance", ["tokens", "logits"])
-def test_sampled_output_follows_target(acceptance, pair, tmp_path):
+@pytest.mark.parametrize("acceptance,draft_devices,target_devices", [
+    ("tokens", ["cpu:0"], ["cpu:1"]),
+    ("logits", ["cpu:0"], ["cpu:1"]),
+    ("logits", ["cpu:0"], ["cpu:1", "cpu:2"]),            # draft TP 1, target TP 2
+    ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"]),            # draft TP 2, target TP 1
+])
+def test_sampled_output_follows_target(acceptance, draft_devices, target_devices, pair,
+                                       tmp_path):
     draft, target = pair
-    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"],
-                              draft_len=3, max_batch_size=64)
+    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_devices,
+                              target_devices, draft_len=3, max_batch_size=64)
     text = open(cfg).read().replace("acceptance: tokens", f"acceptance: {acceptance}")
     open(cfg, "w").write(text)
     with Engine.launch(cfg) as engine:

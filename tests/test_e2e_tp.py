@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from launcher.discovery import free_port
 from tests import checkpoints, launch
 
 pytestmark = pytest.mark.timeout(400)
@@ -70,7 +71,7 @@ def test_two_nodes_simulated(models, reference, tmp_path):
     orchestrator and the draft on node 0, the TP-2 target on node 1."""
     cfg = launch.write_config(tmp_path / "c.yaml", models["a_near"], models["a"],
                               ["cpu:0"], ["cpu:1", "cpu:2"], draft_len=3)
-    port = str(launch.free_port())
+    port = str(free_port())
     procs = []
     for node in (0, 1):
         cmd = [str(launch.BIN / "torchrun"), "--nnodes=2", f"--node-rank={node}",
