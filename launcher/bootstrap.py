@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Collection
 
 import zmq
 
@@ -22,6 +23,7 @@ from runtime.errors import EngineDeadError
 from runtime.pool import WorkerPool
 
 log = logging.getLogger("tandem.launcher")
+DEAD_GRACE_S = 3.0   # after a failure: how long shutdown waits for a worker before SIGKILL
 
 
 @dataclass
@@ -34,8 +36,12 @@ class Cluster:
     mpi_children: object | None = None
 
     def shutdown(self, timeout_s: float = 20.0) -> None:
-        """Ask every worker to exit, wait, then make sure no child is left."""
+        """Ask every worker to exit, wait, then make sure no child is left. After a failure
+        a live worker may be stuck in a collective with the dead rank (or stopped): wait
+        only DEAD_GRACE_S for it before killing it."""
         self.pool.shutdown()  # also after a failure: the live workers exit at once
+        if self.pool.dead is not None:
+            timeout_s = min(timeout_s, DEAD_GRACE_S)
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
@@ -91,13 +97,23 @@ def _mpi_spawn_workers(topology: Topology, init_method: str, config: TandemConfi
 
 
 def _procs_liveness(procs: list[subprocess.Popen], topology: Topology):
-    def check() -> str | None:
+    def check(exclude: Collection[int] = ()) -> str | None:
+        """Why a worker child (not in `exclude`) is gone; None while they all run."""
         for rank, proc in zip(topology.worker_ranks, procs):
-            code = proc.poll()
+            code = proc.poll() if rank not in exclude else None
             if code is not None:
-                return f"rank {rank} (pid {proc.pid}) exited with code {code}"
+                how = f"was killed by {_signal_name(-code)}" if code < 0 else \
+                    f"exited with code {code}"
+                return f"rank {rank} (pid {proc.pid}) {how}"
         return None
     return check
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _init_world_watching(init_method: str, world_size: int, timeout_s: float,

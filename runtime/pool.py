@@ -3,12 +3,18 @@
 One ROUTER socket; every worker connects a DEALER (identity b"w<rank>") and, from its Pulse
 thread, a heartbeat DEALER; the Beacon tells workers that the orchestrator lives. `command` sends one step to every worker and waits for all of them, watching
 heartbeats and child processes so that a dead or silent rank becomes EngineDeadError.
+
+When one rank dies, its peers usually fail first in a collective ("connection reset by
+peer") and report that error; the pool then names the rank that died without a word as the
+cause (a child that exited, or a rank on this host whose process is gone), not the peer.
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 import zmq
 
@@ -18,12 +24,18 @@ from runtime.heartbeat import Beacon
 
 log = logging.getLogger("tandem.pool")
 
+# After a rank reports an error, wait at most this long for the process that caused it
+# (a peer that died without a word) to show up before reporting the error as it is.
+ATTRIBUTION_GRACE_S = 0.5
+
+Liveness = Callable[..., "str | None"]   # liveness(exclude=ranks) -> why a rank is gone
+
 
 class WorkerPool:
     def __init__(self, worker_ranks: tuple[int, ...], context: zmq.Context,
                  bind: str = "tcp://127.0.0.1", heartbeat_s: float = 1.0,
                  dead_after_s: float = 30.0,
-                 liveness: Callable[[], str | None] | None = None):
+                 liveness: Liveness | None = None):
         self.ranks = tuple(worker_ranks)
         self.sock = context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -39,6 +51,9 @@ class WorkerPool:
         self.last_seen = {r: now for r in self.ranks}
         self.step = 0
         self.dead: str | None = None
+        self.processes: dict[int, tuple[str, int]] = {}   # rank -> (host, pid), from hello
+        self.failures: dict[int, str] = {}                # rank -> the error it reported
+        self._failed_at: float | None = None
         self.beacon = Beacon(context, bind, heartbeat_s)
 
     # --- low level -----------------------------------------------------------------------
@@ -73,17 +88,52 @@ class WorkerPool:
         if rank in self.last_seen:
             self.last_seen[rank] = time.monotonic()
         if msg["type"] == "error":
-            self._die(msg["message"])
+            self._worker_failed(rank, msg["message"])
         return msg
 
+    def _worker_failed(self, rank: int, message: str) -> None:
+        """A rank reported an error: die now naming the rank that caused it if one is gone,
+        else give the cause ATTRIBUTION_GRACE_S to show (check_alive dies after that)."""
+        log.warning("rank %s reported an error: %s", rank, message)
+        self.failures.setdefault(rank, message)
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+        cause = self._gone(exclude=self.failures)
+        if cause:
+            self._die(f"{cause}; {self._failure_summary()}")
+
+    def _failure_summary(self) -> str:
+        first = next(iter(self.failures.values()))
+        more = len(self.failures) - 1
+        return first + (f" (and {more} more rank(s) failed)" if more else "")
+
+    def _gone(self, exclude: Collection[int] = ()) -> str | None:
+        """Why a rank not in `exclude` is gone: a child process that exited (liveness), or a
+        rank on this host whose process no longer runs. None if all look alive."""
+        if self.liveness is not None:
+            reason = self.liveness(exclude=exclude)
+            if reason:
+                return reason
+        host = socket.gethostname()
+        for rank, (where, pid) in sorted(self.processes.items()):
+            if rank not in exclude and where == host and not _process_runs(pid):
+                return f"rank {rank} (pid {pid}) died"
+        return None
+
     def check_alive(self) -> None:
-        """Raise EngineDeadError if a rank died or went silent."""
+        """Raise EngineDeadError if a rank died, failed or went silent."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if self.liveness is not None:
-            reason = self.liveness()
+            reason = self.liveness(exclude=self.failures)
             if reason:
-                self._die(reason)
+                self._die(f"{reason}; {self._failure_summary()}" if self.failures else reason)
+        if self._failed_at is not None:
+            cause = self._gone(exclude=self.failures)
+            if cause:
+                self._die(f"{cause}; {self._failure_summary()}")
+            if time.monotonic() - self._failed_at > ATTRIBUTION_GRACE_S:
+                self._die(self._failure_summary())
         now = time.monotonic()
         for rank, seen in self.last_seen.items():
             if now - seen > self.dead_after_s:
@@ -108,7 +158,8 @@ class WorkerPool:
 
     # --- high level ----------------------------------------------------------------------
     def handshake(self, config: dict, timeout_s: float) -> None:
-        self.wait_for("hello", timeout_s)
+        hellos = self.wait_for("hello", timeout_s)
+        self.processes = {rank: (m["host"], m["pid"]) for rank, m in hellos.items()}
         self.send_all({"type": "init", "config": config, "heartbeat": self.beacon.address})
 
     def command(self, msg: dict, timeout_s: float) -> dict[int, dict]:
@@ -138,3 +189,13 @@ class WorkerPool:
     def close(self) -> None:
         self.beacon.stop()
         self.sock.close(0)
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether process `pid` of this host is running (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return not os.path.isdir("/proc/self")   # no procfs: cannot tell, assume it runs
+    return state not in ("Z", "X", "x")

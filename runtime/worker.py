@@ -302,7 +302,8 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
         code = 1
     finally:
         worker.close()
-        sock.close(0)
+        # after a failure, give the error message (already queued) a moment to leave
+        sock.close(linger=0 if code == 0 else 1000)
         context.term()
         if code == 0:
             pgroups.destroy()

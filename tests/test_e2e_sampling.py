@@ -96,7 +96,9 @@ def test_sampled_output_follows_target(acceptance, draft_devices, target_devices
     text = open(cfg).read().replace("acceptance: tokens", f"acceptance: {acceptance}")
     open(cfg, "w").write(text)
     with Engine.launch(cfg) as engine:
-        for i, setting in enumerate(SETTINGS):
+        # the TP layouts re-check the two settings with top-k/top-p filters
+        settings = SETTINGS if len(draft_devices + target_devices) == 2 else SETTINGS[1:3]
+        for i, setting in enumerate(settings):
             counts = sample_pairs(engine, setting, seed=1000 * i)
             target_p = exact_joint(target, setting)
             draft_p = exact_joint(draft, setting)
