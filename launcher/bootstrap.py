@@ -141,7 +141,7 @@ def _init_world_watching(init_method: str, world_size: int, timeout_s: float,
 def control_bind() -> str:
     """Where rank 0's control sockets listen: loopback, unless TANDEM_CONTROL_HOST names the
     address (IP or host name) that workers on other nodes reach it at (multi-node)."""
-    return f"tcp://{os.environ.get('TANDEM_CONTROL_HOST', '127.0.0.1')}"
+    return f"tcp://{os.environ.get('TANDEM_CONTROL_HOST', '127.0.0.1')}"  # see runtime.auth
 
 
 def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:

@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="[tandem] %(levelname)s %(name)s: %(message)s")
     if args.command == "worker":
         return _worker(args)
+    from launcher.bootstrap import control_bind
     from launcher.discovery import discover
+    from runtime.auth import check_control_bind
     from parallel.topology import LaunchError, topology_from_config
     from runtime.config import ConfigError, default_config, load_config
 
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
             http = parse_http_address(args.http, args.http_allow_remote)
         env = discover()
+        check_control_bind(control_bind())   # beyond loopback only with a key, on every rank
         topology = topology_from_config(config)
         if env.world_size is not None:
             topology.check_world_size(env.world_size)

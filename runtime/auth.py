@@ -70,3 +70,23 @@ def verify(frame: bytes, key: bytes | None) -> bytes:
     if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, expected):
         raise AuthError("frame signature does not match the shared key")
     return payload
+
+
+CONTROL_KEY_ENV = "TANDEM_AUTH_KEY_FILE"
+_control_key: list[bytes | None] = []
+
+
+def control_key() -> bytes | None:
+    """The workers' control-plane key: the file named by TANDEM_AUTH_KEY_FILE (the same file
+    on every rank), or None. Read once per process."""
+    if not _control_key:
+        path = os.environ.get(CONTROL_KEY_ENV)
+        _control_key.append(load_key(path) if path else None)
+    return _control_key[0]
+
+
+def check_control_bind(address: str) -> None:
+    """A control plane beyond loopback must be authenticated."""
+    if not is_loopback(address) and control_key() is None:
+        raise AuthError(f"control sockets at {address} would listen beyond loopback; set "
+                        f"{CONTROL_KEY_ENV} to a shared key file on every rank")

@@ -8,17 +8,20 @@ busy orchestrator never looks like a dead process.
 """
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 
 import zmq
 
-from runtime import protocol
+from runtime import auth, protocol
 
 
 class Beacon:
-    def __init__(self, context: zmq.Context, bind: str, period_s: float):
+    def __init__(self, context: zmq.Context, bind: str, period_s: float,
+                 key: bytes | None = None):
         self.period_s = period_s
+        self.beat = auth.sign(b"beat", key)
         self._stop = threading.Event()
         self._bound = threading.Event()
         self.address = ""
@@ -38,7 +41,7 @@ class Beacon:
         try:
             while not self._stop.wait(self.period_s):
                 try:
-                    sock.send(b"beat", zmq.NOBLOCK)
+                    sock.send(self.beat, zmq.NOBLOCK)
                 except zmq.Again:
                     pass
         finally:
@@ -74,7 +77,9 @@ class Pulse:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(beacon)
-        frame = protocol.encode({"type": "heartbeat", "rank": self.rank})
+        key = auth.control_key()
+        frame = protocol.encode({"type": "heartbeat", "rank": self.rank}, key)
+        beat = auth.sign(b"beat", key)
         next_send = 0.0
         try:
             while not self._stop.is_set():
@@ -87,8 +92,8 @@ class Pulse:
                         pass
                 if sub.poll(int(self.period_s * 250)):
                     while sub.poll(0):
-                        sub.recv()
-                    self._last_beat = time.monotonic()
+                        if hmac.compare_digest(sub.recv(), beat):   # forged beats don't count
+                            self._last_beat = time.monotonic()
         finally:
             out.close(0)
             sub.close(0)

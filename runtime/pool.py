@@ -18,7 +18,7 @@ from typing import Callable, Collection
 
 import zmq
 
-from runtime import protocol
+from runtime import auth, protocol
 from runtime.errors import EngineDeadError
 from runtime.heartbeat import Beacon
 
@@ -37,6 +37,8 @@ class WorkerPool:
                  dead_after_s: float = 30.0,
                  liveness: Liveness | None = None):
         self.ranks = tuple(worker_ranks)
+        auth.check_control_bind(bind)
+        self.key = auth.control_key()      # HMAC of every frame when set
         self.sock = context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -54,12 +56,12 @@ class WorkerPool:
         self.processes: dict[int, tuple[str, int]] = {}   # rank -> (host, pid), from hello
         self.failures: dict[int, str] = {}                # rank -> the error it reported
         self._failed_at: float | None = None
-        self.beacon = Beacon(context, bind, heartbeat_s)
+        self.beacon = Beacon(context, bind, heartbeat_s, self.key)
 
     # --- low level -----------------------------------------------------------------------
     def send(self, rank: int, msg: dict) -> None:
         try:
-            self.sock.send_multipart([f"w{rank}".encode(), protocol.encode(msg)])
+            self.sock.send_multipart([f"w{rank}".encode(), protocol.encode(msg, self.key)])
         except zmq.ZMQError as exc:
             self._die(f"rank {rank} unreachable: {exc}")
 
@@ -80,7 +82,7 @@ class WorkerPool:
             log.warning("dropped a frame with %d parts", len(parts))
             return None
         try:
-            msg = protocol.decode(parts[1])
+            msg = protocol.decode(parts[1], self.key)
         except protocol.ProtocolError as exc:
             log.warning("dropped a worker frame: %s", exc)
             return None
@@ -182,7 +184,7 @@ class WorkerPool:
         for rank in self.ranks:
             try:
                 self.sock.send_multipart([f"w{rank}".encode(),
-                                          protocol.encode({"type": "shutdown"})], zmq.NOBLOCK)
+                                          protocol.encode({"type": "shutdown"}, self.key)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 

@@ -19,7 +19,7 @@ import zmq
 from parallel import groups as pgroups
 from parallel.topology import Topology, WorkerSpec, topology_from_config
 from parallel.transfer import bridge_broadcast
-from runtime import protocol
+from runtime import auth, protocol
 from runtime.config import TandemConfig, load_config
 from runtime.heartbeat import Pulse
 from runtime.shards import DraftShard, TargetShard
@@ -100,7 +100,7 @@ class Worker:
 
     # --- control plane -------------------------------------------------------------------
     def send(self, msg: dict) -> None:
-        self.sock.send(protocol.encode(msg))
+        self.sock.send(protocol.encode(msg, auth.control_key()))
 
     def recv(self, timeout_s: float) -> dict:
         """Next valid message from the orchestrator; WorkerExit when it has gone silent
@@ -119,7 +119,7 @@ class Worker:
                 continue
             frame = self.sock.recv()
             try:
-                return protocol.decode(frame)
+                return protocol.decode(frame, auth.control_key())
             except protocol.ProtocolError as exc:
                 log.warning("rank %d: dropped control frame: %s", self.rank, exc)
 
