@@ -86,6 +86,17 @@ class Device:
         return cls(kind, int(index) if index is not None else 0)
 
 
+MAX_AUTO_DRAFT_LEN = 8
+
+
+def _draft_len(value: Any, key: str) -> int | str:
+    if value == "auto":
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(key, f"must be an integer >= 1 or 'auto', got {_describe(value)}")
+    return _int_at_least(1)(value, key)
+
+
 def _int_at_least(low: int) -> Callable[[Any, str], int]:
     def check(value: Any, key: str) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
@@ -169,8 +180,18 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SpeculationConfig(_Checked):
     SECTION: ClassVar[str] = "speculation"
-    draft_len: int = _checked(4, _int_at_least(1))
+    draft_len: int | str = _checked(4, _draft_len)   # or "auto": chosen every round
     acceptance: str = _checked("tokens", _choice(*ACCEPTANCE_MODES))
+
+    @property
+    def fixed_draft_len(self) -> int | None:
+        """draft_len, or None for "auto"."""
+        return None if self.draft_len == "auto" else self.draft_len
+
+    @property
+    def max_draft_len(self) -> int:
+        """The most draft tokens a round may propose (KV caches leave room for them)."""
+        return MAX_AUTO_DRAFT_LEN if self.draft_len == "auto" else self.draft_len
 
 
 @dataclass(frozen=True)

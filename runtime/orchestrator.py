@@ -49,7 +49,8 @@ class Orchestrator:
             raise self._load_error
         self.pool = pool
         self.scheduler = Scheduler(pool, self.config.runtime.max_batch_size,
-                                   self.config.speculation.draft_len, self.eos_token_ids,
+                                   self.config.speculation.fixed_draft_len,
+                                   self.eos_token_ids,
                                    self.config.runtime.step_timeout_s)
         return self
 

@@ -7,6 +7,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from runtime.adaptive import DraftLenController
+from runtime.config import MAX_AUTO_DRAFT_LEN
 from runtime.params import SamplingParams
 from runtime.pool import WorkerPool
 from runtime.textstream import TextStream
@@ -63,10 +65,11 @@ class Event:
 
 
 class Scheduler:
-    def __init__(self, pool: WorkerPool, num_slots: int, draft_len: int,
+    def __init__(self, pool: WorkerPool, num_slots: int, draft_len: int | None,
                  eos_token_ids: tuple[int, ...], step_timeout_s: float):
         self.pool = pool
-        self.draft_len = draft_len
+        self.draft_len = MAX_AUTO_DRAFT_LEN if draft_len is None else draft_len  # max k
+        self.controller = DraftLenController(draft_len, MAX_AUTO_DRAFT_LEN)
         self.eos = set(eos_token_ids)
         self.step_timeout_s = step_timeout_s
         self.free_slots = list(range(num_slots))
@@ -112,16 +115,19 @@ class Scheduler:
         if not self.running:
             return events
         slots = sorted(self.running)
+        k = self.controller.choose(len(slots))
         start = time.perf_counter()
-        results = self.pool.command({"type": "round", "slots": slots, "k": self.draft_len},
+        results = self.pool.command({"type": "round", "slots": slots, "k": k},
                                     self.step_timeout_s)
-        self.round_time += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.round_time += elapsed
         result = next(r for r in results.values() if "tokens" in r)
         self._add_timing(results)
         finished = []
+        self.controller.observe(k, result["accepted"], elapsed)
         for slot, tokens, accepted in zip(slots, result["tokens"], result["accepted"]):
             seq = self.running[slot]
-            events.append(self._append(seq, tokens, accepted))
+            events.append(self._append(seq, tokens, accepted, k))
             if seq.finish_reason is not None:
                 finished.append(seq)
         events.extend(self._retire(finished))
@@ -143,11 +149,11 @@ class Scheduler:
             self.prefill_time += time.perf_counter() - start
             self.prefills += 1
 
-    def _append(self, seq: Sequence, tokens: list[int], accepted: int) -> Event:
+    def _append(self, seq: Sequence, tokens: list[int], accepted: int, k: int) -> Event:
         seq.rounds += 1
-        seq.proposed += self.draft_len
+        seq.proposed += k
         seq.accepted += accepted
-        self.proposed_total += self.draft_len
+        self.proposed_total += k
         self.accepted_total += accepted
         if len(seq.accepted_at) < self.draft_len:
             seq.accepted_at.extend([0] * (self.draft_len - len(seq.accepted_at)))

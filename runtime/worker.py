@@ -161,7 +161,7 @@ class Worker:
         from runtime.models import load_model
 
         rt, spec = self.config.runtime, self.spec
-        cache_len = rt.max_seq_len + self.config.speculation.draft_len + 2
+        cache_len = rt.max_seq_len + self.config.speculation.max_draft_len + 2
         acceptance = self.config.speculation.acceptance
         draft_cfg, target_cfg = self.config.draft, self.config.target
         draft_model = target_model = None
@@ -230,8 +230,9 @@ class Worker:
     def speculate(self, slots: list[int], k: int) -> dict:
         """One round: draft k tokens, move them (and q for `logits` acceptance) to the target,
         verify, move the verdict back, roll both caches to the accepted length."""
-        if k < 1:
-            raise ValueError(f"round.k must be >= 1, got {k}")
+        if not 1 <= k <= self.config.speculation.max_draft_len:
+            raise ValueError(f"round.k must be in 1..{self.config.speculation.max_draft_len}, "
+                             f"got {k}")
         shard = self.target or self.draft
         batch, dev = len(slots), self.device
         need_q = self.config.speculation.acceptance == "logits" and \

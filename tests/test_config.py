@@ -396,3 +396,12 @@ def test_non_loopback_server_needs_a_key(tmp_path):
     cfg = _base(server={"address": "tcp://0.0.0.0:6000", "auth_key_file": str(key)})
     with pytest.raises(ConfigError, match="server.auth_key_file"):
         load_config(cfg, check_files=True, check_devices=False)
+
+
+def test_draft_len_auto():
+    cfg = _load(_base(speculation={"draft_len": "auto"}))
+    assert cfg.speculation.fixed_draft_len is None and cfg.speculation.max_draft_len == 8
+    assert _load(_base(speculation={"draft_len": 3})).speculation.max_draft_len == 3
+    for bad in ("AUTO", "4", 0, 2.5):
+        with pytest.raises(ConfigError, match="speculation.draft_len"):
+            _load(_base(speculation={"draft_len": bad}))

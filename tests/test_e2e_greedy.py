@@ -65,3 +65,13 @@ def test_greedy_equals_target(case, form, models, reference, tmp_path):
         assert max(rates) < 0.35
     if case in ("k3", "k8"):
         assert 0.0 < sum(rates) / len(rates) < 1.0
+
+
+def test_auto_draft_len_equals_target(models, reference, tmp_path):
+    cfg = launch.write_config(tmp_path / "c.yaml", models["near"], models["target"],
+                              ["cpu:0"], ["cpu:1"], draft_len="auto")
+    args = ["run", cfg, "--max-new-tokens", str(NEW_TOKENS)]
+    for prompt in PROMPTS:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    outs = launch.run_json("spawn", 3, args)
+    assert [o["token_ids"] for o in outs] == reference("target")
