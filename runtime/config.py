@@ -336,105 +336,20 @@ def _read_source(source: str | os.PathLike | dict) -> tuple[dict, str]:
     raise TypeError(f"load_config: source must be a path or a dict, got {type(source).__name__}")
 
 
-def _model_lists(cfg: TandemConfig) -> tuple[tuple[str, ModelConfig], ...]:
-    return (("draft", cfg.draft), ("target", cfg.target))
-
-
-def _all_devices(cfg: TandemConfig) -> list[tuple[str, Device]]:
-    """(list key, device) for every device, draft.devices first."""
-    return [(f"{name}.devices", d) for name, model in _model_lists(cfg) for d in model.devices]
-
-
-def _check_backend(cfg: TandemConfig) -> None:
-    pairs = _all_devices(cfg)
-    first_key, first = pairs[0]
-    for key, device in pairs:
-        if device.kind != first.kind:
-            raise ConfigError(key, f"mixes {device.kind} and {first.kind} devices ({device} "
-                                   f"here, {first} in {first_key}); one backend per run: use "
-                                   f"only CUDA indices or only cpu:N slots in draft.devices "
-                                   f"and target.devices")
-
-
-def _check_cuda(cfg: TandemConfig) -> None:
-    cuda = [(key, d) for key, d in _all_devices(cfg) if d.kind == "cuda"]
-    if not cuda:
-        return
-    import torch
-
-    count = torch.cuda.device_count()
-    for key, device in cuda:
-        if device.index >= count:
-            raise ConfigError(key, f"device {device} does not exist: {count} CUDA device(s) "
-                                   f"visible (torch.cuda.device_count() == {count}); "
-                                   f"for CPU use cpu:N")
-
-
-def _check_files(cfg: TandemConfig) -> None:
-    from runtime.models.checkpoint import inspect_checkpoint
-
-    for name, model in _model_lists(cfg):
-        if not os.path.exists(model.model):
-            raise ConfigError(f"{name}.model", f"{model.model} does not exist")
-    if cfg.tokenizer is not None and not os.path.exists(cfg.tokenizer):
-        raise ConfigError("tokenizer", f"{cfg.tokenizer} does not exist")
-    infos = {}
-    for name, model in _model_lists(cfg):
-        try:
-            infos[name] = inspect_checkpoint(model.model)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"{name}.model", str(e)) from e
-    draft, target = infos["draft"], infos["target"]
-    _check_tp(cfg, infos)
-    if draft.vocab_size != target.vocab_size:
-        raise ConfigError(
-            "draft.model",
-            f"vocab mismatch: draft {draft.path} has vocab_size {draft.vocab_size} but "
-            f"target {target.path} has vocab_size {target.vocab_size}; draft and target "
-            f"must share one vocabulary")
-
-
-def _check_server_auth(server: ServerConfig, check_files: bool) -> None:
-    from runtime import auth
-
-    if server.auth_key_file is None:
-        if not auth.is_loopback(server.address):
-            raise ConfigError("server.address", f"{server.address} listens beyond loopback; "
-                              "that requires server.auth_key_file (a shared secret)")
-        return
-    if check_files:
-        try:
-            auth.load_key(server.auth_key_file)
-        except auth.AuthError as exc:
-            raise ConfigError("server.auth_key_file", str(exc)) from None
-
-
-def _check_tp(cfg: TandemConfig, infos: dict) -> None:
-    from parallel.tensor_parallel import check_tp_shape
-
-    for name, model in _model_lists(cfg):
-        info = infos[name]
-        if model.tp_size > 1:
-            try:
-                check_tp_shape(f"{info.model_type} model {model.model!r}",
-                               info.num_attention_heads, info.num_key_value_heads,
-                               model.tp_size)
-            except ValueError as exc:
-                raise ConfigError(f"{name}.devices", str(exc)) from None
-
-
 def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
                 check_devices: bool = True) -> TandemConfig:
     """Parse and validate a YAML file (relative paths resolve against its dir) or a dict
     (relative paths resolve against the cwd). Raises ConfigError naming the key."""
     raw, base = _read_source(source)
     cfg = _parse(raw, base)
-    _check_backend(cfg)
+    from runtime import config_checks as checks
+
+    checks.check_backend(cfg)
     if check_devices:
-        _check_cuda(cfg)
-    _check_server_auth(cfg.server, check_files)
+        checks.check_cuda(cfg)
+    checks.check_server_auth(cfg.server, check_files)
     if check_files:
-        _check_files(cfg)
+        checks.check_files(cfg)
     return cfg
 
 
