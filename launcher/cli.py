@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                             "(loopback only unless --http-allow-remote)")
     serve.add_argument("--http-allow-remote", action="store_true",
                        help="allow --http on a non-loopback address (no authentication)")
+    from launcher.bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     worker = sub.add_parser("worker", help=argparse.SUPPRESS)
     who = worker.add_mutually_exclusive_group(required=True)
     who.add_argument("--rank", type=int)
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="[tandem] %(levelname)s %(name)s: %(message)s")
     if args.command == "worker":
         return _worker(args)
+    if args.command == "bench":
+        from launcher.bench import main as bench_main
+
+        return bench_main(args)
     from launcher.bootstrap import control_bind
     from launcher.discovery import discover
     from runtime.auth import check_control_bind

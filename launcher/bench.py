@@ -1,0 +1,103 @@
+"""`tandem bench`: the command line of runtime.bench (see the README's Benchmark section)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+MODES = ("target", "spec", "hf", "hf-compiled", "hf-assisted")
+SHAPES = ("tiny", "1b", "8b", "70b")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="benchmark tandem against the target alone and "
+                       "transformers", description="Run the modes side by side on the same "
+                       "seeded random prompts; print a table, optionally write JSON.")
+    p.add_argument("config", nargs="?", help="YAML config whose draft/target to use "
+                   "(instead of --synthetic)")
+    p.add_argument("--synthetic", choices=SHAPES, default=None,
+                   help="build a random Llama-shaped pair (default tiny without CONFIG)")
+    p.add_argument("--draft-layers", type=int, default=2,
+                   help="synthetic draft = the target's first K layers (default 2)")
+    p.add_argument("--eps", type=float, default=0.02,
+                   help="scale of the synthetic target's o_proj/down_proj from layer K on")
+    p.add_argument("--device", default=None,
+                   help="synthetic pair's device, e.g. cuda:0 or cpu (default cuda:0 if "
+                        "available)")
+    p.add_argument("--batch-sizes", default="1", type=_int_list, help="e.g. 1,16")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--draft-len", default=None, type=_draft_len,
+                   help="k (or auto); default: the config's, or 4")
+    p.add_argument("--modes", default=",".join(MODES), type=_modes,
+                   help=f"comma-separated, from {','.join(MODES)} (default: all)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="default: the config's, or bfloat16 on CUDA / float32 on CPU")
+    p.add_argument("--seed", type=int, default=0, help="prompts (and synthetic weights)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per mode and batch")
+    p.add_argument("--repeats", type=int, default=1, help="timed calls (median kept)")
+    p.add_argument("--synthetic-dir", default=None,
+                   help="keep the synthetic pair here and reuse it (default: a temporary "
+                        "directory, deleted afterwards)")
+    p.add_argument("--compile-on-cpu", action="store_true",
+                   help="run hf-compiled on CPU too (slow to compile; skipped otherwise)")
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _draft_len(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}")
+    return value
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from "
+                                         f"{','.join(MODES)}")
+    return list(dict.fromkeys(modes))
+
+
+def main(args) -> int:
+    if args.config is not None and args.synthetic is not None:
+        print("tandem: error: bench: give a CONFIG or --synthetic, not both", file=sys.stderr)
+        return 2
+    from runtime.bench.report import table, write_json
+    from runtime.bench.runner import BenchSettings, failed, run_bench
+    from runtime.config import ConfigError
+
+    settings = BenchSettings(
+        config=args.config, synthetic=None if args.config else (args.synthetic or "tiny"),
+        draft_layers=args.draft_layers, eps=args.eps, device=args.device,
+        batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        draft_len=args.draft_len, modes=args.modes, dtype=args.dtype, seed=args.seed,
+        warmup=args.warmup, repeats=args.repeats, synthetic_dir=args.synthetic_dir,
+        compile_on_cpu=args.compile_on_cpu)
+    try:
+        settings.check()
+        report = run_bench(settings)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"tandem: error: bench: {exc}", file=sys.stderr)
+        return 2
+    print(table(report["results"]))
+    if args.out:
+        write_json(args.out, report)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 1 if failed(report) else 0

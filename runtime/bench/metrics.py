@@ -1,0 +1,121 @@
+"""The benchmark's derived figures and the measurements behind them.
+
+- theoretical_speedup: Leviathan et al. (2023), eq. for the expected walltime improvement,
+  (1 - a^(k+1)) / ((1 - a)(k c + 1)), with a the per-token acceptance probability.
+- alpha_from_positions: that per-token probability, estimated from the rounds: every round
+  tests draft token 1, and tests token i+1 only when token i was kept, so
+  alpha = kept / tested (the fraction of *proposed* tokens kept, tandem's `acceptance_rate`,
+  is lower: positions after a rejection count as proposed but are never tested).
+- copy_bandwidth: bytes moved (read + written) per second by a large on-device copy.
+- weight_bytes_per_step: the target's weight bytes one decode step reads.
+- step_time: seconds of one forward_extend of our model code (a decode or verify step).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+
+def theoretical_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected speedup of speculative decoding over the target alone at per-token acceptance
+    alpha, draft length k and cost ratio c (draft step / target step)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if k < 1 or c < 0:
+        raise ValueError(f"need k >= 1 and c >= 0, got k={k}, c={c}")
+    tokens_per_round = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return tokens_per_round / (k * c + 1.0)
+
+
+def alpha_from_positions(accepted_per_position: Sequence[int], rounds: int) -> float | None:
+    """Per-token acceptance probability from `accepted_per_position[i]` (rounds that kept draft
+    token i+1) and the number of rounds; None without rounds."""
+    if rounds <= 0:
+        return None
+    kept = sum(accepted_per_position)
+    tested = rounds + sum(accepted_per_position[:-1])
+    return kept / tested if tested else None
+
+
+def alpha_from_tokens_per_round(mean_tokens: float, k: int) -> float:
+    """Solve (1 - a^(k+1)) / (1 - a) = mean_tokens for a in [0, 1] (bisection); used when the
+    per-position counts are not available."""
+    target = min(max(mean_tokens, 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(k + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
+    """Bytes per second moved by `dst.copy_(src)` of a large tensor on `device`, counting both
+    the bytes read and the bytes written (2 x size per copy), i.e. the achievable memory
+    traffic a weight-streaming decode step competes with."""
+    if nbytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            nbytes = min(2 << 30, free // 8)
+        else:
+            nbytes = 256 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    seconds = (time.perf_counter() - start) / iters
+    del src, dst
+    return 2.0 * nbytes / seconds
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters that one decode step reads: every parameter once
+    (shared ones once), except an untied input embedding, of which a step reads only a few
+    rows. KV-cache reads are not counted (small next to the weights at these lengths)."""
+    seen: dict[int, tuple[str, int]] = {}
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = p.data_ptr()
+        owners.setdefault(key, []).append(name)
+        seen[key] = (name, p.numel() * p.element_size())
+    total = 0
+    for key, (_, nbytes) in seen.items():
+        names = owners[key]
+        if all("embed_tokens" in n or n.endswith("wte.weight") for n in names):
+            continue      # untied input embedding: one row per token
+        total += nbytes
+    return total
+
+
+@torch.inference_mode()
+def step_time(model, device: torch.device, batch: int, tokens: int, position: int,
+              iters: int = 20, warmup: int = 3) -> float:
+    """Mean seconds of one forward_extend of `tokens` tokens per row for `batch` rows, written
+    at cache position `position` (the cache must hold batch slots of position + tokens)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.vocab_size, (batch, tokens), generator=gen).to(device)
+    slots = torch.arange(batch, device=device)
+    start = torch.full((batch,), position, dtype=torch.long, device=device)
+    n = torch.full((batch,), tokens, dtype=torch.long, device=device)
+    for _ in range(warmup):
+        model.forward_extend(ids, slots, start, n)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        model.forward_extend(ids, slots, start, n)
+    sync(device)
+    return (time.perf_counter() - t0) / iters

@@ -1,0 +1,385 @@
+"""`tandem bench`: run the modes side by side on the same prompts and derive the figures.
+
+Order: the in-process phase (the `target` mode, the copy bandwidth, the step costs behind c),
+then `spec` (one Engine for all batch sizes), then the transformers modes; each phase frees
+its models before the next loads. Every mode gets `warmup` untimed calls of the same shape
+before `repeats` timed ones (the median is kept).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from runtime.bench import metrics
+from runtime.bench.modes import (MODES, HFAssisted, HFGenerate, Outcome, Skipped, TandemSpec,
+                                 TandemTarget, free_memory, worker_backends)
+from runtime.bench.report import hardware, now, row, versions
+
+log = logging.getLogger("tandem.bench")
+C_SOURCE = ("in-process: mean time of one draft decode step (forward_extend of 1 token per "
+            "row) / one target verify step (forward_extend of k+1 tokens per row), both on "
+            "tandem's model code on their configured devices, at cache position "
+            "prompt_len + new_tokens / 2")
+try:
+    from runtime.config import MAX_AUTO_DRAFT_LEN
+except ImportError:   # pragma: no cover - older config without draft_len: auto
+    MAX_AUTO_DRAFT_LEN = 8
+
+
+@dataclass
+class BenchSettings:
+    config: str | None = None
+    synthetic: str | None = "tiny"
+    draft_layers: int = 2
+    eps: float = 0.02
+    device: str | None = None          # synthetic only; default cuda:0 if available, else cpu
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    prompt_len: int = 128
+    new_tokens: int = 256
+    draft_len: int | str | None = None   # None: the config's, or 4 for --synthetic
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    dtype: str | None = None           # None: the config's, or bfloat16 on CUDA / float32 on CPU
+    seed: int = 0
+    warmup: int = 1
+    repeats: int = 1
+    synthetic_dir: str | None = None   # keep (and reuse) the synthetic pair here
+    compile_on_cpu: bool = False
+
+    def check(self) -> None:
+        if (self.config is None) == (self.synthetic is None):
+            raise ValueError("give a CONFIG or --synthetic SHAPE, not both")
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ValueError(f"--modes: unknown {bad}; choose from {','.join(MODES)}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("--batch-sizes: need integers >= 1")
+        if self.prompt_len < 1 or self.new_tokens < 1:
+            raise ValueError("--prompt-len and --new-tokens must be >= 1")
+        if self.draft_len is not None and self.draft_len != "auto" and \
+                (not isinstance(self.draft_len, int) or self.draft_len < 1):
+            raise ValueError("--draft-len: an integer >= 1 or 'auto'")
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError("--warmup must be >= 0 and --repeats >= 1")
+        if self.config is not None and self.device is not None:
+            raise ValueError("--device applies to --synthetic; a CONFIG names its devices")
+
+
+@dataclass
+class Setup:
+    """What the modes run on, resolved from a config or a synthetic shape."""
+    draft: str
+    target: str
+    draft_device: torch.device
+    target_device: torch.device
+    draft_dtype: torch.dtype
+    target_dtype: torch.dtype
+    target_tp: int
+    engine_config: dict
+    draft_len: int | str
+    cleanup: str | None = None
+
+
+def _torch_device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
+    return dev
+
+
+def _engine_device(dev: torch.device):
+    return dev.index if dev.type == "cuda" else f"cpu:{dev.index or 0}"
+
+
+def _kmax(draft_len) -> int:
+    return MAX_AUTO_DRAFT_LEN if draft_len == "auto" else int(draft_len)
+
+
+def resolve(s: BenchSettings) -> Setup:
+    need = s.prompt_len + s.new_tokens
+    runtime = {"max_batch_size": max(s.batch_sizes)}
+    if s.config is not None:
+        from runtime.config import load_config
+
+        cfg = load_config(s.config)
+        d = cfg.to_dict()
+        if s.dtype:
+            d["draft"]["dtype"] = d["target"]["dtype"] = s.dtype
+        k = s.draft_len if s.draft_len is not None else cfg.speculation.draft_len
+        d["speculation"]["draft_len"] = k
+        d["runtime"]["max_batch_size"] = max(d["runtime"]["max_batch_size"],
+                                             runtime["max_batch_size"])
+        d["runtime"]["max_seq_len"] = max(d["runtime"]["max_seq_len"], need + _kmax(k) + 8)
+        return Setup(cfg.draft.model, cfg.target.model, cfg.draft.devices[0].torch_device,
+                     cfg.target.devices[0].torch_device, getattr(torch, d["draft"]["dtype"]),
+                     getattr(torch, d["target"]["dtype"]), len(cfg.target.devices), d, k)
+    from runtime.synthetic import build_pair
+
+    device = _torch_device(s.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    k = s.draft_len if s.draft_len is not None else 4
+    cleanup = None
+    if s.synthetic_dir:
+        root = f"{s.synthetic_dir}/{s.synthetic}-k{s.draft_layers}-eps{s.eps:g}-" \
+               f"{dtype_name}-seed{s.seed}-{device.type}"
+    else:
+        root = cleanup = tempfile.mkdtemp(prefix="tandem-bench-")
+    if os.path.isfile(f"{root}/done"):
+        draft, target = f"{root}/draft", f"{root}/target"
+        log.warning("reusing the synthetic pair in %s", root)
+    else:
+        print(f"bench: building the synthetic {s.synthetic} pair in {root}", file=sys.stderr,
+              flush=True)
+        try:
+            # the random numbers are drawn on the GPU when there is one (much faster)
+            draft, target = build_pair(root, s.synthetic, s.draft_layers, s.eps, s.seed, dtype,
+                                       gen_device=device)
+        except BaseException:
+            shutil.rmtree(cleanup or root, ignore_errors=True)
+            raise
+        open(f"{root}/done", "w").close()
+    dev = _engine_device(device)
+    config = {"draft": {"model": draft, "devices": [dev], "dtype": dtype_name},
+              "target": {"model": target, "devices": [dev], "dtype": dtype_name},
+              "speculation": {"draft_len": k, "acceptance": "tokens"},
+              "runtime": {**runtime, "max_seq_len": need + _kmax(k) + 8,
+                          "startup_timeout_s": 3600}}
+    return Setup(draft, target, device, device, dtype, dtype, 1, config, k, cleanup)
+
+
+def make_prompts(target: str, s: BenchSettings) -> list[list[int]]:
+    """max(batch_sizes) distinct prompts of random token ids (seeded); batch B uses the first B."""
+    from runtime.models.loader import load_config
+
+    vocab = int(load_config(target).vocab_size)
+    gen = torch.Generator().manual_seed(s.seed)
+    ids = torch.randint(0, vocab, (max(s.batch_sizes), s.prompt_len), generator=gen)
+    return ids.tolist()
+
+
+def _timed(mode, prompts, new_tokens: int, s: BenchSettings) -> Outcome:
+    for _ in range(s.warmup):
+        mode.run(prompts, new_tokens)
+    runs = [mode.run(prompts, new_tokens) for _ in range(s.repeats)]
+    runs.sort(key=lambda o: o.wall_s)
+    return runs[(len(runs) - 1) // 2]
+
+
+def _ok_row(name: str, bsz: int, out: Outcome, **values) -> dict:
+    extra = {k: v for k, v in out.extra.items() if k != "token_ids"}
+    return row(name, bsz, tokens_per_s=out.tokens_per_s, acceptance_rate=out.acceptance_rate,
+               mean_accepted_tokens=out.mean_accepted_tokens, alpha=out.alpha,
+               rounds=out.rounds, generated_tokens=out.tokens, wall_s=out.wall_s,
+               **extra, **values)
+
+
+class Bench:
+    def __init__(self, settings: BenchSettings):
+        settings.check()
+        self.s = settings
+        self.rows: list[dict] = []
+        self.tokens: dict[tuple[str, int], list[list[int]]] = {}
+        self.info: dict = {"c_source": C_SOURCE}
+        self.step_costs: dict[int, dict] = {}
+
+    def progress(self, text: str) -> None:
+        print(f"bench: {text}", file=sys.stderr, flush=True)
+
+    # -- one mode over all batch sizes -------------------------------------------------------
+    def _mode(self, name: str, factory) -> None:
+        if name not in self.s.modes:
+            return
+        self.progress(f"{name}: loading")
+        try:
+            mode = factory()
+        except Skipped as exc:
+            self.rows += [row(name, b, "skipped", str(exc)) for b in self.s.batch_sizes]
+            return
+        except Exception as exc:  # noqa: BLE001 - reported in the table, exit code 1
+            traceback.print_exc()
+            self.rows += [row(name, b, "failed", f"{type(exc).__name__}: {exc}")
+                          for b in self.s.batch_sizes]
+            return
+        try:
+            for bsz in self.s.batch_sizes:
+                self.progress(f"{name}: batch {bsz}")
+                try:
+                    out = _timed(mode, self.prompts[:bsz], self.s.new_tokens, self.s)
+                except Skipped as exc:
+                    self.rows.append(row(name, bsz, "skipped", str(exc)))
+                    continue
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    self.rows.append(row(name, bsz, "failed", f"{type(exc).__name__}: {exc}"))
+                    continue
+                self.tokens[(name, bsz)] = out.extra.get("token_ids")
+                self.rows.append(_ok_row(name, bsz, out))
+                if name == "spec":
+                    self.info.setdefault("spec_server_stats", {})[str(bsz)] = \
+                        mode.server_stats()
+        finally:
+            mode.close()
+
+    # -- the in-process phase: target mode, bandwidth, step costs -------------------------------
+    def _in_process(self, st: Setup) -> None:
+        wanted = {"target", "spec"} & set(self.s.modes)
+        if not wanted:
+            return
+        if st.target_tp > 1:
+            reason = (f"the in-process target runs TP 1 only; the config's target has TP "
+                      f"{st.target_tp}")
+            if "target" in self.s.modes:
+                self.rows += [row("target", b, "skipped", reason) for b in self.s.batch_sizes]
+            self.info["c_source"] = f"not measured: {reason}"
+            return
+        kmax = _kmax(st.draft_len)
+        cache_len = self.s.prompt_len + self.s.new_tokens + kmax + 1
+        self.progress("measuring the copy bandwidth")
+        self.info["copy_bandwidth_bytes_per_s"] = metrics.copy_bandwidth(st.target_device)
+        self.progress("loading the target in-process")
+        try:
+            holder = TandemTarget(st.target, st.target_dtype, st.target_device,
+                                  max(self.s.batch_sizes), cache_len)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, exit code 1
+            traceback.print_exc()
+            reason = f"{type(exc).__name__}: {exc}"
+            if "target" in self.s.modes:
+                self.rows += [row("target", b, "failed", reason) for b in self.s.batch_sizes]
+            self.info["c_source"] = f"not measured: {reason}"
+            return
+        try:
+            self.info["target_weight_bytes"] = metrics.weight_bytes_per_step(holder.model)
+            for bsz in self.s.batch_sizes if "target" in self.s.modes else ():
+                self.progress(f"target: batch {bsz}")
+                try:
+                    out = _timed(holder, self.prompts[:bsz], self.s.new_tokens, self.s)
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    self.rows.append(row("target", bsz, "failed",
+                                         f"{type(exc).__name__}: {exc}"))
+                    continue
+                self.tokens[("target", bsz)] = out.extra.get("token_ids")
+                self.rows.append(_ok_row("target", bsz, out))
+            if "spec" in self.s.modes:
+                self._step_costs(st, holder, cache_len)
+        finally:
+            holder.close()
+
+    def _step_costs(self, st: Setup, holder: TandemTarget, cache_len: int) -> None:
+        from runtime.models import load_model
+
+        self.progress("measuring draft and target step costs (c)")
+        try:
+            draft = load_model(st.draft, st.draft_dtype, st.draft_device)
+            draft.allocate_cache(max(self.s.batch_sizes), cache_len)
+            pos = self.s.prompt_len + self.s.new_tokens // 2
+            ks = range(1, MAX_AUTO_DRAFT_LEN + 1) if st.draft_len == "auto" \
+                else [int(st.draft_len)]
+            for bsz in self.s.batch_sizes:
+                costs = {"draft_step_s": metrics.step_time(draft, st.draft_device, bsz, 1, pos),
+                         "target_decode_step_s": metrics.step_time(
+                             holder.model, st.target_device, bsz, 1, pos),
+                         "target_verify_step_s": {k: metrics.step_time(
+                             holder.model, st.target_device, bsz, k + 1, pos) for k in ks}}
+                self.step_costs[bsz] = costs
+            del draft
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            self.info["c_source"] = f"not measured: {type(exc).__name__}: {exc}"
+        free_memory()
+
+    # -- derived figures ----------------------------------------------------------------------
+    def _derive(self, st: Setup) -> None:
+        target = {r["batch_size"]: r for r in self.rows if r["mode"] == "target"
+                  and r["status"] == "ok"}
+        bw = self.info.get("copy_bandwidth_bytes_per_s")
+        wbytes = self.info.get("target_weight_bytes")
+        for r in self.rows:
+            if r["status"] != "ok":
+                continue
+            bsz = r["batch_size"]
+            ref = self.tokens.get(("target", bsz))
+            if r["mode"] != "target" and ref is not None:
+                r["tokens_equal_target"] = self.tokens.get((r["mode"], bsz)) == ref
+            if r["mode"] == "target" and bw and wbytes:
+                seconds_per_step = r["wall_s"] / (r["generated_tokens"] / bsz)
+                r["roofline_fraction"] = (wbytes / bw) / seconds_per_step
+            if r["mode"] == "spec" and bsz in self.step_costs:
+                self._spec_figures(r, st, self.step_costs[bsz], target.get(bsz))
+
+    def _spec_figures(self, r: dict, st: Setup, costs: dict, target: dict | None) -> None:
+        r.update(draft_step_s=costs["draft_step_s"],
+                 target_decode_step_s=costs["target_decode_step_s"])
+        verify = costs["target_verify_step_s"]
+        alpha = r.get("alpha")
+        if alpha is None and r.get("mean_accepted_tokens") and st.draft_len != "auto":
+            alpha = metrics.alpha_from_tokens_per_round(r["mean_accepted_tokens"],
+                                                        int(st.draft_len))
+            r["alpha"] = alpha
+        if alpha is None:
+            return
+        # auto: the best fixed k at this alpha (what choosing k each round can at most reach)
+        best = max(((metrics.theoretical_speedup(alpha, k, costs["draft_step_s"] / v), k)
+                    for k, v in verify.items()), key=lambda x: x[0])
+        r["theoretical_speedup"], k = best
+        r["c"] = costs["draft_step_s"] / verify[k]
+        r["target_verify_step_s"] = verify[k]
+        if st.draft_len == "auto":
+            r["theoretical_k"] = k
+        if target is not None and target["tokens_per_s"] > 0:
+            speedup = r["tokens_per_s"] / target["tokens_per_s"]
+            r["speedup_over_target"] = speedup
+            r["efficiency"] = speedup / r["theoretical_speedup"]
+
+    # -- everything ---------------------------------------------------------------------------
+    def run(self) -> dict:
+        s = self.s
+        st = resolve(s)
+        if st.target_device.type == "cuda":
+            torch.cuda.set_device(st.target_device)
+        try:
+            self.prompts = make_prompts(st.target, s)
+            with worker_backends():
+                self._in_process(st)
+            self._mode("spec", lambda: TandemSpec(st.engine_config))
+            self._mode("hf", lambda: HFGenerate(st.target, st.target_dtype, st.target_device))
+            self._mode("hf-compiled", lambda: HFGenerate(
+                st.target, st.target_dtype, st.target_device, compiled=True,
+                compile_on_cpu=s.compile_on_cpu))
+            self._mode("hf-assisted", lambda: HFAssisted(
+                st.target, st.draft, st.target_dtype, st.target_device, st.draft_device,
+                st.draft_len))
+        finally:
+            if st.cleanup:
+                shutil.rmtree(st.cleanup, ignore_errors=True)
+        order = {m: i for i, m in enumerate(MODES)}
+        self.rows.sort(key=lambda r: (r["batch_size"], order[r["mode"]]))
+        self._derive(st)
+        settings = asdict(s)
+        settings.update(draft=st.draft if not st.cleanup else None,
+                        target=st.target if not st.cleanup else None,
+                        draft_len=st.draft_len, dtype=str(st.target_dtype).split(".")[-1],
+                        device=str(st.target_device), engine_config=st.engine_config)
+        if st.cleanup:
+            settings["engine_config"] = None   # its model paths were temporary
+        return {"settings": settings, "date": now(),
+                "hardware": hardware(st.target_device.type, st.target_device.index),
+                "versions": versions(), **self.info, "results": self.rows}
+
+
+def run_bench(settings: BenchSettings) -> dict:
+    return Bench(settings).run()
+
+
+def failed(report: dict) -> list[dict]:
+    return [r for r in report["results"] if r["status"] == "failed"]
+
+
+__all__ = ["BenchSettings", "run_bench", "failed"]

@@ -1,0 +1,165 @@
+"""`tandem bench`: the CPU run of the synthetic tiny pair writes every figure with sane types
+(the speed numbers themselves are not checked), and the formulas behind the derived figures."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runtime.bench import metrics
+from tests import launch
+
+pytestmark = pytest.mark.timeout(300)
+
+FIGURES = ("tokens_per_s", "acceptance_rate", "mean_accepted_tokens", "c",
+           "theoretical_speedup", "efficiency", "roofline_fraction")
+MODES = ("target", "spec", "hf", "hf-compiled", "hf-assisted")
+K, NEW = 4, 8
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tmp.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", "bench", "--synthetic", "tiny", "--device", "cpu",
+         "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", str(NEW),
+         "--draft-len", str(K), "--modes", ",".join(MODES), "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=launch.clean_env())
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "| spec | 1 |" in res.stdout, res.stdout
+    return json.loads(out.read_text())
+
+
+def rows(report, mode):
+    return {r["batch_size"]: r for r in report["results"] if r["mode"] == mode}
+
+
+def is_num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def test_header(report):
+    s = report["settings"]
+    assert s["synthetic"] == "tiny" and s["batch_sizes"] == [1, 2]
+    assert (s["prompt_len"], s["new_tokens"], s["draft_len"]) == (8, NEW, K)
+    assert s["modes"] == list(MODES) and s["dtype"] == "float32" and s["device"] == "cpu"
+    assert isinstance(report["date"], str) and report["date"][:2] == "20"
+    assert report["hardware"]["device_type"] == "cpu" and report["hardware"]["device"]
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["transformers"]
+    assert report["copy_bandwidth_bytes_per_s"] > 0 and report["target_weight_bytes"] > 0
+
+
+def test_every_row_has_every_figure(report):
+    assert {(r["mode"], r["batch_size"]) for r in report["results"]} == \
+        {(m, b) for m in MODES for b in (1, 2)}
+    for r in report["results"]:
+        for name in FIGURES:
+            assert name in r, (r["mode"], name)
+            assert r[name] is None or is_num(r[name]), (r["mode"], name, r[name])
+        if r["status"] == "ok":
+            assert is_num(r["tokens_per_s"]) and r["tokens_per_s"] > 0
+            assert r["generated_tokens"] == r["batch_size"] * NEW
+        else:
+            assert r["status"] == "skipped" and r["reason"], r
+
+
+def test_target(report):
+    for r in rows(report, "target").values():
+        assert r["status"] == "ok"
+        assert 0 < r["roofline_fraction"] < 10     # CPU timing noise aside, a fraction
+        assert r["acceptance_rate"] is None and r["c"] is None
+
+
+def test_spec(report):
+    for b, r in rows(report, "spec").items():
+        assert r["status"] == "ok", r
+        assert 0 <= r["acceptance_rate"] <= 1 and 0 <= r["alpha"] <= 1
+        assert 1 <= r["mean_accepted_tokens"] <= K + 1
+        assert r["c"] > 0 and 0 < r["theoretical_speedup"] <= K + 1
+        assert r["efficiency"] > 0 and r["roofline_fraction"] is None
+        assert r["theoretical_speedup"] == pytest.approx(
+            metrics.theoretical_speedup(r["alpha"], K, r["c"]))
+        assert r["tokens_equal_target"] is True    # greedy float32: the target's own tokens
+
+
+def test_transformers_modes(report):
+    for r in rows(report, "hf").values():
+        assert r["status"] == "ok" and r["acceptance_rate"] is None
+    for r in rows(report, "hf-compiled").values():   # on CPU only with --compile-on-cpu
+        assert r["status"] == "skipped" and "CPU" in r["reason"]
+    assisted = rows(report, "hf-assisted")
+    assert assisted[1]["status"] == "ok"
+    assert 0 <= assisted[1]["acceptance_rate"] <= 1
+    assert 1 <= assisted[1]["mean_accepted_tokens"] <= K + 1
+    assert assisted[2]["status"] == "skipped" and "batch size 1" in assisted[2]["reason"]
+
+
+def test_theoretical_speedup():
+    assert metrics.theoretical_speedup(1.0, 4, 0.0) == pytest.approx(5.0)
+    assert metrics.theoretical_speedup(1.0, 4, 0.1) == pytest.approx(5 / 1.4)
+    assert metrics.theoretical_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    a = 0.8
+    assert metrics.theoretical_speedup(a, 4, 0.05) == pytest.approx(
+        (1 + a + a**2 + a**3 + a**4) / 1.2)
+    assert metrics.theoretical_speedup(0.999999, 4, 0.0) == pytest.approx(5.0, rel=1e-4)
+    with pytest.raises(ValueError):
+        metrics.theoretical_speedup(1.5, 4, 0.1)
+
+
+def test_alpha_estimates():
+    # 10 rounds of k=4: token 1 kept 8 times, token 2 kept 6 times (of the 8 tested), ...
+    assert metrics.alpha_from_positions([8, 6, 3, 1], 10) == pytest.approx(18 / (10 + 17))
+    assert metrics.alpha_from_positions([5, 5, 5, 5], 5) == 1.0
+    assert metrics.alpha_from_positions([], 0) is None
+    for a in (0.0, 0.3, 0.8, 0.97):
+        tokens = sum(a ** i for i in range(5))
+        assert metrics.alpha_from_tokens_per_round(tokens, 4) == pytest.approx(a, abs=1e-6)
+
+
+def test_synthetic_shards_match_single_file(tmp_path):
+    from runtime.models.weights import SafetensorsWeights
+    from runtime.synthetic import build_pair
+
+    _, single = build_pair(tmp_path / "a", "tiny", 2, eps=0.1)
+    draft, sharded = build_pair(tmp_path / "b", "tiny", 2, eps=0.1, shard_bytes=50_000)
+    assert (tmp_path / "b" / "target" / "model.safetensors.index.json").is_file()
+    a, b = SafetensorsWeights(single), SafetensorsWeights(sharded)
+    assert a.names() == b.names()
+    assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
+    d = SafetensorsWeights(draft)
+    assert torch.equal(d.get("model.layers.1.mlp.down_proj.weight"),
+                       b.get("model.layers.1.mlp.down_proj.weight"))
+    assert torch.equal(b.get("model.layers.2.mlp.down_proj.weight"),
+                       a.get("model.layers.2.mlp.down_proj.weight"))
+
+
+def test_config_and_synthetic_together_is_a_usage_error(tmp_path, capsys):
+    from launcher.cli import main
+
+    assert main(["bench", str(tmp_path / "c.yaml"), "--synthetic", "tiny"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_resolve_config_and_devices(tmp_path):
+    from runtime.bench import runner
+    from runtime.synthetic import build_pair
+
+    draft, target = build_pair(tmp_path, "tiny", 2)
+    path = launch.write_config(tmp_path / "c.yaml", draft, target, draft_len=3)
+    st = runner.resolve(runner.BenchSettings(config=path, synthetic=None, batch_sizes=[1, 9],
+                                             prompt_len=300, new_tokens=40))
+    cfg = st.engine_config
+    assert (st.draft, st.target, st.draft_len, st.target_tp) == (draft, target, 3, 1)
+    assert str(st.draft_device) == "cpu" and st.target_dtype == torch.float32
+    assert cfg["speculation"]["draft_len"] == 3 and cfg["runtime"]["max_batch_size"] == 9
+    assert cfg["runtime"]["max_seq_len"] >= 300 + 40 + 3
+    # CUDA devices go into the tandem config as integer ids
+    assert runner._engine_device(runner._torch_device("cuda")) == 0
+    assert runner._engine_device(torch.device("cuda", 1)) == 1
+    assert runner._engine_device(torch.device("cpu")) == "cpu:0"
