@@ -211,8 +211,6 @@ def _check_args(body: dict, allowed: set[str]) -> None:
 
 def _sampling(body: dict, max_name: str) -> dict:
     max_tokens = body.get(max_name)
-    if max_tokens is None and max_name != "max_tokens":
-        max_tokens, max_name = body.get("max_tokens"), "max_tokens"
     top_k = body.get("top_k")
     if top_k == -1 and not isinstance(top_k, bool):   # vLLM's "off"
         top_k = None

@@ -12,8 +12,12 @@ import msgpack
 
 from runtime import auth
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Decoding may cost many times a frame's size (an empty list is 1 byte of msgpack, ~64 bytes
+# of Python): frames are capped at 16 MiB (millions of token ids) and the lists and maps of
+# one message at MAX_CONTAINERS, so that one hostile frame costs at most a few hundred MB.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 8
+MAX_CONTAINERS = 100_000
 
 INT = int
 FLOAT = (int, float)
@@ -77,8 +81,10 @@ def decode(frame: bytes, key: bytes | None = None) -> dict:
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
+        budget = _ContainerBudget()
         unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True,
-                                    max_buffer_size=MAX_MESSAGE_BYTES, ext_hook=_refuse_ext)
+                                    max_buffer_size=MAX_MESSAGE_BYTES, ext_hook=_refuse_ext,
+                                    list_hook=budget, object_hook=budget)
         unpacker.feed(frame)
         msg = unpacker.unpack()
         if unpacker.tell() != len(frame):
@@ -114,6 +120,20 @@ def check(msg: Any) -> None:
     extra = set(msg) - set(schema) - {"type"}
     if extra:
         raise ProtocolError(f"{kind}: unknown fields {sorted(extra)}")
+
+
+class _ContainerBudget:
+    """list_hook/object_hook of the unpacker: stops decoding at MAX_CONTAINERS lists and maps
+    (each is built before the hook sees it, so the cost stays bounded)."""
+
+    def __init__(self):
+        self.left = MAX_CONTAINERS
+
+    def __call__(self, value):
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(f"message holds more than {MAX_CONTAINERS} lists and maps")
+        return value
 
 
 def _refuse_ext(code: int, data: bytes):

@@ -15,6 +15,7 @@ from runtime.scheduler import Event
 
 log = logging.getLogger("tandem.server")
 CLIENT_TIMEOUT_S = 10.0   # a client with requests in flight pings every second
+MAX_FRAMES_PER_TURN = 1000  # client frames handled between two scheduler steps
 
 
 @dataclass
@@ -51,9 +52,14 @@ class Server:
         """Until `stop` is set. Raises EngineDeadError when the workers are gone."""
         try:
             while not stop.is_set():
-                busy = self.orch.scheduler.has_work
-                while self.sock.poll(0 if busy else 50):
+                # what has arrived (waiting up to 50 ms when idle), but a bounded number of
+                # frames: clients that keep sending (pings, stats) must not starve the rounds
+                timeout = 0 if self.orch.scheduler.has_work else 50
+                for _ in range(MAX_FRAMES_PER_TURN):
+                    if not self.sock.poll(timeout):
+                        break
                     self.handle_frame(self.sock.recv_multipart())
+                    timeout = 0
                 if self.orch.scheduler.has_work:
                     self.dispatch(self.orch.step())
                 else:
