@@ -22,6 +22,7 @@ class BatchSampling:
     top_p: torch.Tensor         # [B] float32, 1 = off
     seed: torch.Tensor          # [B] int64
     greedy: bool                # every row greedy: argmax fast path, no draft probabilities
+    filtered: bool = True       # some row uses top-k or top-p (needs the vocabulary sort)
 
     @classmethod
     def of(cls, params: list[dict], device: torch.device) -> "BatchSampling":
@@ -32,11 +33,12 @@ class BatchSampling:
             top_p=torch.tensor([float(p["top_p"]) for p in params], dtype=torch.float32,
                                device=device),
             seed=torch.tensor([int(p["seed"]) for p in params], device=device),
-            greedy=all(t == 0 for t in temps))
+            greedy=all(t == 0 for t in temps),
+            filtered=any(int(p["top_k"] or 0) > 0 or float(p["top_p"]) < 1.0 for p in params))
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, n, V] logits -> [B, n, V] float32 sampling distributions."""
-        return warp_probs(logits, self.temperature, self.top_k, self.top_p)
+        return warp_probs(logits, self.temperature, self.top_k, self.top_p, self.filtered)
 
 
 def draft_choose(logits: torch.Tensor, sampling: BatchSampling, index: torch.Tensor,

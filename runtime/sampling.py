@@ -47,20 +47,23 @@ def _filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-               top_p: torch.Tensor) -> torch.Tensor:
+               top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """Sampling distributions after temperature, top-k, top-p (transformers' warper order).
 
     logits: [B, n, V] raw logits, any float dtype (computed in float32)
     temperature: [B] float, 0 means greedy for that row
     top_k: [B] int, 0 disables
     top_p: [B] float, 1.0 disables
+    filtered: False promises that no row uses top-k or top-p, skipping the vocabulary sort
     returns [B, n, V] float32 probabilities; greedy rows are the one-hot of the first argmax.
     """
     B, n, V = logits.shape
     scores = logits.to(torch.float32)                                          # [B, n, V]
     greedy = (temperature <= 0).view(B, 1, 1)
     t = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)      # [B]
-    scores = _filter_top_k_top_p(scores / t.view(B, 1, 1), top_k, top_p)
+    scores = scores / t.view(B, 1, 1)
+    if filtered:
+        scores = _filter_top_k_top_p(scores, top_k, top_p)
     probs = scores.softmax(dim=-1)                                             # [B, n, V]
     top1 = logits.argmax(dim=-1, keepdim=True)                                 # [B, n, 1]
     one_hot = torch.zeros_like(probs).scatter_(-1, top1, 1.0)                  # [B, n, V]

@@ -391,3 +391,12 @@ def test_rejection_needs_separate_draft_stream(toy):
 def test_negative_controls_fail(toy, simulate, rule):
     out = simulate(rule, rounds=1)
     assert _chi2_pvalue(out[:, 0], toy[0][0]) < 1e-6
+
+
+def test_unfiltered_fast_path_matches():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 3, 50)
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.7])
+    off_k, off_p = torch.zeros(4, dtype=torch.long), torch.ones(4)
+    assert torch.equal(warp_probs(logits, temperature, off_k, off_p),
+                       warp_probs(logits, temperature, off_k, off_p, filtered=False))
