@@ -118,10 +118,12 @@ class Client:
     def _new_id(self) -> str:
         return f"{self._prefix}-{os.getpid()}-{next(self._ids)}"
 
-    def _open(self, msg: dict) -> queue.Queue:
+    def _open(self, msg: dict, waiter=None):
+        """Register a waiter for msg["id"] (a queue.Queue unless given: anything with
+        put()) and queue msg for sending."""
         if self._closed.is_set():
             raise EngineDeadError("client is closed")
-        waiter: queue.Queue = queue.Queue()
+        waiter = queue.Queue() if waiter is None else waiter
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
