@@ -3,9 +3,11 @@ form requires it, join the world group, hand out the control address, build the 
 wait until every worker has loaded its shards."""
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +17,7 @@ from typing import Collection
 
 import zmq
 
-from launcher.discovery import LaunchEnv, free_port
+from launcher.discovery import LaunchEnv
 from parallel import groups as pgroups
 from parallel.topology import LaunchError, Topology, topology_from_config
 from runtime.config import TandemConfig
@@ -116,14 +118,43 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def _listen_loopback(port: int = 0) -> socket.socket:
+    """A listening TCP socket on 127.0.0.1 for the rendezvous store (port 0: any free one,
+    kept bound from now on, so no other process can take it before the store does)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    return sock
+
+
+def _join_world(init_method: str, world_size: int, timeout_s: float,
+                listener: socket.socket | None) -> None:
+    """Rank 0 joins the world group. torch's TCPStore server listens on every interface;
+    given a loopback listener, rank 0 hosts the store on that socket instead (the other
+    ranks reach it at 127.0.0.1 through `init_method` as usual)."""
+    if listener is None:
+        pgroups.init_world(0, world_size, init_method, timeout_s)
+        return
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout,
+                          wait_for_workers=False, master_listen_fd=listener.detach())
+    # the prefix init_process_group gives a store it made from init_method itself
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                            world_size=world_size, timeout=timeout)
+
+
 def _init_world_watching(init_method: str, world_size: int, timeout_s: float,
-                         liveness) -> None:
+                         liveness, listener: socket.socket | None = None) -> None:
     """Join the world group; with children of our own, fail fast if one dies first."""
     errors: list[BaseException] = []
 
     def join() -> None:
         try:
-            pgroups.init_world(0, world_size, init_method, timeout_s)
+            _join_world(init_method, world_size, timeout_s, listener)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
@@ -148,7 +179,15 @@ def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
     topology = topology_from_config(config)
     if env.world_size is not None:
         topology.check_world_size(env.world_size)
-    init_method = env.init_method or f"tcp://127.0.0.1:{free_port()}"
+    # the rendezvous store listens on loopback whenever the ranks meet at 127.0.0.1
+    listener = None
+    if env.init_method is None:            # spawn, mpi-spawn: rank 0 picks the port
+        listener = _listen_loopback()
+        init_method = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    else:
+        init_method = env.init_method
+        if env.method == "mpi" and init_method.startswith("tcp://127.0.0.1:"):
+            listener = _listen_loopback(int(init_method.rsplit(":", 1)[1]))
     procs: list[subprocess.Popen] = []
     if env.method == "spawn":
         procs = _spawn_workers(topology, init_method, config)
@@ -160,7 +199,8 @@ def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
     context = zmq.Context()
     rt = config.runtime
     try:
-        _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s, liveness)
+        _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s, liveness,
+                             listener)
         pool = WorkerPool(topology.worker_ranks, context, bind=control_bind(),
                           heartbeat_s=rt.heartbeat_s,
                           dead_after_s=max(10.0, 10 * rt.heartbeat_s), liveness=liveness)
@@ -168,10 +208,13 @@ def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
         pool.handshake(config.to_dict(), rt.startup_timeout_s)
         pgroups.build_groups(topology, rt.step_timeout_s)
         pool.wait_for("ready", rt.startup_timeout_s)
+        log.info("all %d workers ready (%s launch)", len(topology.worker_ranks), env.method)
     except BaseException:
         for proc in procs:
             proc.kill()
             proc.wait()
         context.destroy(linger=0)
+        if listener is not None and listener.fileno() != -1:   # not handed to the store yet
+            listener.close()
         raise
     return Cluster(config, topology, context, pool, procs)

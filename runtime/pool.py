@@ -1,12 +1,14 @@
 """The orchestrator's side of the worker control plane.
 
 One ROUTER socket; every worker connects a DEALER (identity b"w<rank>") and, from its Pulse
-thread, a heartbeat DEALER; the Beacon tells workers that the orchestrator lives. `command` sends one step to every worker and waits for all of them, watching
-heartbeats and child processes so that a dead or silent rank becomes EngineDeadError.
+thread, a heartbeat DEALER; the Beacon tells workers that the orchestrator lives. `command`
+sends one step to every worker and waits for all of them, watching heartbeats and child
+processes so that a dead or silent rank becomes EngineDeadError.
 
 When one rank dies, its peers usually fail first in a collective ("connection reset by
 peer") and report that error; the pool then names the rank that died without a word as the
-cause (a child that exited, or a rank on this host whose process is gone), not the peer.
+cause (a child that exited, a rank on this host whose process is gone, or one whose
+heartbeats stopped), not the peer.
 """
 from __future__ import annotations
 
@@ -110,8 +112,10 @@ class WorkerPool:
         return first + (f" (and {more} more rank(s) failed)" if more else "")
 
     def _gone(self, exclude: Collection[int] = ()) -> str | None:
-        """Why a rank not in `exclude` is gone: a child process that exited (liveness), or a
-        rank on this host whose process no longer runs. None if all look alive."""
+        """Why a rank not in `exclude` is gone: a child process that exited (liveness), a
+        rank on this host whose process no longer runs, or one whose heartbeats stopped a
+        few periods ago (stopped or hung). None if all look alive. Only used to name the
+        cause of a failure, never to declare one."""
         if self.liveness is not None:
             reason = self.liveness(exclude=exclude)
             if reason:
@@ -119,7 +123,15 @@ class WorkerPool:
         host = socket.gethostname()
         for rank, (where, pid) in sorted(self.processes.items()):
             if rank not in exclude and where == host and not _process_runs(pid):
+                if self.liveness is not None:   # our child, a zombie by now: its exit status
+                    reason = self.liveness(exclude=set(self.ranks) - {rank})
+                    if reason:
+                        return reason
                 return f"rank {rank} (pid {pid}) died"
+        now = time.monotonic()
+        for rank, seen in sorted(self.last_seen.items()):
+            if rank not in exclude and now - seen > max(2 * self.heartbeat_s, 1.5):
+                return f"rank {rank} sent no heartbeat for {now - seen:.0f} s"
         return None
 
     def check_alive(self) -> None:
@@ -149,7 +161,9 @@ class WorkerPool:
             self.check_alive()
             if time.monotonic() > deadline:
                 missing = sorted(set(self.ranks) - set(got))
-                self._die(f"ranks {missing} did not answer {kind!r} within {timeout_s:.0f} s")
+                cause = self._gone()
+                self._die((f"{cause}; " if cause else "") +
+                          f"ranks {missing} did not answer {kind!r} within {timeout_s:.0f} s")
             msg = self._poll_one(100)
             if msg is None or msg["type"] != kind:
                 continue

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 
@@ -107,9 +108,13 @@ class Worker:
         (before init: no message within timeout_s; after: no beacon beat for timeout_s)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.signalled_at is not None and \
-                    time.monotonic() - self.signalled_at > SIGNAL_GRACE_S:
-                raise WorkerExit("stopped by signal", code=0)
+            if self.signalled_at is not None:
+                # no shutdown will come from an orchestrator that stopped beating (killed
+                # together with us, e.g. torchrun tearing the job down after rank 0 died)
+                orphaned = self.pulse is not None and \
+                    self.pulse.orchestrator_silent_s > 3 * self.pulse.period_s
+                if orphaned or time.monotonic() - self.signalled_at > SIGNAL_GRACE_S:
+                    raise WorkerExit("stopped by signal", code=0)
             if self.pulse is not None:
                 if self.pulse.orchestrator_silent_s > timeout_s:
                     raise WorkerExit(f"orchestrator silent for {timeout_s:.0f} s; exiting")
@@ -200,9 +205,10 @@ class Worker:
             try:
                 result = self.handle(msg)
             except Exception as exc:
-                log.error("rank %d step %d failed:\n%s", self.rank, step, traceback.format_exc())
+                # tell the orchestrator first: under mpirun every rank may be killed soon
                 self.send({"type": "error", "rank": self.rank, "step": step,
                            "message": f"rank {self.rank}: {type(exc).__name__}: {exc}"})
+                log.error("rank %d step %d failed:\n%s", self.rank, step, traceback.format_exc())
                 raise
             self.send({"type": "done", "rank": self.rank, "step": step, "result": result})
 
@@ -308,4 +314,12 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
         context.term()
         if code == 0:
             pgroups.destroy()
+    if "mpi4py.MPI" not in sys.modules:
+        # All is closed: skip the interpreter's teardown (seconds spent freeing torch's
+        # modules on a busy host), which every orchestrator shutdown would wait for. An MPI
+        # rank takes the normal way out: MPI must be finalized.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code

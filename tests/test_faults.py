@@ -1,0 +1,489 @@
+"""Faults through the launch forms: dead, stopped and failing ranks, a dead orchestrator,
+startup failures and shutdown signals. Every case asserts a time bound and that no process
+is left behind (all processes of a launch are tracked by pid and killed in `finally`).
+
+Detection bounds (runtime/pool.py, runtime/worker.py, launcher/bootstrap.py):
+- a rank that dies: its peers' collectives fail at once and report the error; the
+  orchestrator names the rank that died (a child that exited, a process of this host that is
+  gone) -> EngineDeadError well within a second;
+- a rank that stops (SIGSTOP) or hangs with its heartbeat thread: no heartbeat for
+  max(10 s, 10 * runtime.heartbeat_s) -> EngineDeadError naming it;
+- a rank that still heartbeats but is stuck in a collective (here: the peer of a stopped
+  rank): the groups' timeout and the orchestrator's wait for a step are
+  runtime.step_timeout_s, so that bounds it (test_step_timeout_bounds_a_stuck_collective);
+- the orchestrator gone: spawned workers die with it (PR_SET_PDEATHSIG); pre-started ranks
+  exit when torchrun/mpirun tear the job down, or when the beacon has been silent for the
+  heartbeat bound.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime import Client, Engine, EngineDeadError
+from tests import checkpoints, launch
+
+pytestmark = pytest.mark.timeout(150)
+
+DRAFT = ("cpu:0",)
+TARGET = ("cpu:1",)
+W = 3                      # orchestrator + draft worker + target worker
+LONG = 1500                # new tokens: keeps a request in flight for seconds
+PROMPT = [1, 5, 9, 13]
+
+
+# --- processes ---------------------------------------------------------------------------
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state) of a process, None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[0]
+
+
+def running(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[1] not in ("Z", "X", "x")
+
+
+def descendants(root: int) -> set[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                parents.setdefault(st[0], []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _rank(pid: int) -> int | None:
+    """The tandem rank of a process (spawned worker, torchrun or MPI rank), else None."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            args = fh.read().decode(errors="replace").split("\0")
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = dict(kv.split("=", 1) for kv in fh.read().decode(errors="replace")
+                       .split("\0") if "=" in kv)
+    except OSError:
+        return None
+    if not os.path.basename(args[0]).startswith("python") or "launcher" not in args \
+            or os.path.basename(args[1]) == "torchrun":
+        return None                    # not a rank: torchrun's agent, mpirun, hydra, ...
+    if "--rank" in args:
+        return int(args[args.index("--rank") + 1])
+    for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if key in env:
+            return int(env[key])
+    return 0 if "serve" in args or "run" in args else None
+
+
+def ranks_of(root: int, world: int, timeout_s: float = 60) -> dict[int, int]:
+    """rank -> pid of every rank under `root` (the launched process itself may be rank 0)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {}
+        for pid in descendants(root) | {root}:
+            rank = _rank(pid)
+            if rank is not None and running(pid):
+                found[rank] = pid
+        if len(found) >= world or time.monotonic() > deadline:
+            assert len(found) == world, f"expected {world} ranks under {root}, found {found}"
+            return found
+        time.sleep(0.1)
+
+
+def wait_gone(pids, timeout_s: float) -> float:
+    """Seconds until none of `pids` runs (zombies count as gone); AssertionError after
+    timeout_s."""
+    start = time.monotonic()
+    while True:
+        left = sorted(p for p in pids if running(p))
+        elapsed = time.monotonic() - start
+        if not left:
+            return elapsed
+        if elapsed > timeout_s:
+            raise AssertionError(f"processes {left} still running after {timeout_s} s")
+        time.sleep(0.05)
+
+
+def kill_all(pids) -> None:
+    """Cleanup: continue and kill whatever of `pids` (and their children) still runs."""
+    pids = set(pids)
+    for pid in list(pids):
+        if running(pid):
+            pids |= descendants(pid)
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+# --- models and configs ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    # no EOS: every request runs to max_new_tokens, so it is surely in flight when we strike
+    target = checkpoints.build_checkpoint(root / "target", "llama", seed=0, eos_token_id=None)
+    draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
+    # valid config.json (config validation passes), weights file cut in half: loading fails
+    broken = root / "broken"
+    broken.mkdir()
+    shutil.copy(Path(draft) / "config.json", broken / "config.json")
+    data = (Path(draft) / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return {"target": target, "draft": draft, "broken": str(broken)}
+
+
+def config(models, tmp_path, draft="draft", target="target", devices=(DRAFT, TARGET),
+           **runtime) -> str:
+    return launch.write_config(tmp_path / "c.yaml", models[draft], models[target], *devices,
+                               max_seq_len=2048, **runtime)
+
+
+# --- `tandem serve` under a launch form ---------------------------------------------------
+class Served:
+    """`tandem serve` under one launch form, in its own session, stderr to a file."""
+
+    def __init__(self, form: str, world: int, cfg: str):
+        self.form, self.world = form, world
+        self.dir = Path(tempfile.mkdtemp(prefix="tandem-faults-"))
+        self.address = f"ipc://{self.dir}/server.sock"
+        self.err_path = self.dir / "stderr.txt"
+        cmd = launch.command(form, world, ["serve", cfg, "--address", self.address])
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=err, stderr=err,   # hydra: stdout
+                                         start_new_session=True,
+                                         env=launch.clean_env())
+        self.pids: set[int] = {self.proc.pid}
+        self.ranks: dict[int, int] = {}
+        self.client: Client | None = None
+
+    def wait_ready(self, timeout_s: float = 120) -> Client:
+        self.client = Client(self.address, dead_after_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.client.info(timeout_s=2)
+                break
+            except EngineDeadError:
+                assert self.proc.poll() is None, f"{self.form} serve exited " \
+                    f"{self.proc.returncode}:\n{self.stderr()[-3000:]}"
+                assert time.monotonic() < deadline, f"{self.form} serve did not start"
+        self.ranks = ranks_of(self.proc.pid, self.world)
+        self.pids |= descendants(self.proc.pid) | set(self.ranks.values())
+        self.client.dead_after_s = 10.0       # from now on, silence is death
+        return self.client
+
+    def stderr(self) -> str:
+        return read(self.err_path)
+
+    def wait_exit(self, timeout_s: float) -> tuple[int, float]:
+        start = time.monotonic()
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.form} did not exit within {timeout_s} s:\n"
+                                 f"{self.stderr()[-3000:]}") from None
+        return code, time.monotonic() - start
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.pids |= descendants(self.proc.pid)
+        kill_all(self.pids)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        wait_gone(self.pids, 10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def in_flight(client: Client, deltas: int = 2):
+    """A streaming request that has produced `deltas` deltas and is still running."""
+    stream = client.stream(prompt_token_ids=PROMPT, max_new_tokens=LONG)
+    for _ in range(deltas):
+        next(stream)
+    return stream
+
+
+def drain(stream) -> tuple[float, str]:
+    """(seconds until the stream raised EngineDeadError, its message); fails if the stream
+    finishes instead."""
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError) as info:
+        for _ in stream:
+            pass
+    return time.monotonic() - start, str(info.value)
+
+
+# --- 1. a dead worker --------------------------------------------------------------------
+@pytest.mark.parametrize("victim", [1, 2], ids=["draft-rank", "target-rank"])
+def test_engine_killed_worker_mid_request(victim, models, tmp_path):
+    engine = Engine.launch(config(models, tmp_path))
+    server = engine._process.pid
+    pids = {server}
+    try:
+        ranks = ranks_of(server, W)
+        pids |= set(ranks.values())
+        stream = in_flight(engine)
+        os.kill(ranks[victim], signal.SIGKILL)
+        took, error = drain(stream)
+        assert took < 10, took
+        assert f"rank {victim} (pid {ranks[victim]}) was killed by SIGKILL" in error, error
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            engine.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
+        assert time.monotonic() - start < 10          # at the latest when the server exits
+        assert engine._process.wait(30) == 1
+        start = time.monotonic()                      # gone: calls fail at once
+        with pytest.raises(EngineDeadError):
+            engine.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
+        assert time.monotonic() - start < 1
+        wait_gone(pids, 30)
+    finally:
+        engine.close()
+        kill_all(pids)
+    launch.assert_group_gone(server)
+
+
+@pytest.mark.parametrize("form", ["torchrun", "mpirun"])
+def test_serve_killed_worker_under_launcher(form, models, tmp_path):
+    served = Served(form, W, config(models, tmp_path))
+    try:
+        client = served.wait_ready()
+        victim = served.ranks[2]
+        stream = in_flight(client)
+        os.kill(victim, signal.SIGKILL)
+        took, error = drain(stream)
+        code, _ = served.wait_exit(30)
+        assert code != 0
+        wait_gone(served.pids, 30)
+        err = served.stderr()
+        if form == "torchrun":
+            assert took < 10 and f"rank 2 (pid {victim}) died" in error, error
+            assert f"engine died: rank 2 (pid {victim}) died" in err, err[-3000:]
+            assert re.search(r"rank\s*: 2 \(local_rank: 2\)\s*\n\s*exitcode\s*: -9", err)
+        else:
+            # MPICH's hydra SIGKILLs every rank ~0.1 s after one dies: tandem's rank 0 names
+            # the rank if it wins that race, else only hydra's banner reports the failure and
+            # the client gives up on the silent server (dead_after_s = 10)
+            named = f"engine died: rank 2 (pid {victim}) died" in err
+            assert named or "BAD TERMINATION" in err, err
+            assert took < 15, (took, error)
+            print(f"mpirun: rank 0 {'named the dead rank' if named else 'lost the race'}")
+    finally:
+        served.close()
+
+
+def test_run_killed_worker_exits_1_naming_it(models, tmp_path):
+    """`tandem run` (spawn) whose target worker dies mid-generation: the draft rank's
+    collective raises and reports; rank 0 names the dead rank and exits 1."""
+    err_path = tmp_path / "stderr.txt"
+    cmd = launch.command("spawn", W, ["run", config(models, tmp_path), "--prompt-ids",
+                                      "1,5,9,13", "--max-new-tokens", str(LONG), "--json"])
+    env = dict(launch.clean_env(), TANDEM_LOG="INFO")
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True, env=env)
+    pids = {proc.pid}
+    try:
+        deadline = time.monotonic() + 120
+        while "workers ready" not in read(err_path):
+            assert proc.poll() is None, read(err_path)[-3000:]
+            assert time.monotonic() < deadline, "tandem run did not start"
+            time.sleep(0.1)
+        ranks = ranks_of(proc.pid, W)
+        pids |= set(ranks.values())
+        time.sleep(0.5)                                # generating now
+        os.kill(ranks[2], signal.SIGKILL)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 30
+        assert proc.returncode == 1 and out == ""
+        err = read(err_path)
+        assert f"engine died: rank 2 (pid {ranks[2]}) was killed by SIGKILL" in err, err
+        wait_gone(pids, 30)
+    finally:
+        kill_all(pids)
+        proc.wait()
+    launch.assert_group_gone(proc.pid)
+
+
+# --- 2. a dead orchestrator --------------------------------------------------------------
+def test_killed_engine_server_takes_the_workers_down(models, tmp_path):
+    """SIGKILL of `tandem serve` (spawned by Engine.launch) mid-request: the workers die with
+    it (PR_SET_PDEATHSIG), the pending call raises at once (the Engine sees its process go)."""
+    engine = Engine.launch(config(models, tmp_path))
+    server = engine._process.pid
+    pids = {server}
+    try:
+        ranks = ranks_of(server, W)
+        pids |= set(ranks.values())
+        stream = in_flight(engine)
+        os.kill(server, signal.SIGKILL)
+        took, error = drain(stream)
+        assert took < 5 and f"(pid {server}) exited with code -9" in error, error
+        wait_gone(pids, 30)
+    finally:
+        engine.close()
+        kill_all(pids)
+    launch.assert_group_gone(server)
+
+
+@pytest.mark.parametrize("form", ["torchrun", "mpirun"])
+def test_killed_rank0_takes_the_other_ranks_down(form, models, tmp_path):
+    served = Served(form, 2, config(models, tmp_path, devices=(DRAFT, DRAFT)))
+    try:
+        served.wait_ready()
+        rank0 = served.ranks[0]
+        os.kill(rank0, signal.SIGKILL)
+        wait_gone(served.pids - {rank0}, 30)
+        code, _ = served.wait_exit(30)
+        assert code != 0
+    finally:
+        served.close()
+
+
+# --- 3. a hung rank ----------------------------------------------------------------------
+def test_engine_stopped_worker_is_dead_within_heartbeat_bound(models, tmp_path):
+    engine = Engine.launch(config(models, tmp_path))
+    server = engine._process.pid
+    pids = {server}
+    try:
+        ranks = ranks_of(server, W)
+        pids |= set(ranks.values())
+        stream = in_flight(engine)
+        os.kill(ranks[1], signal.SIGSTOP)
+        took, error = drain(stream)
+        assert 5 < took < 15, (took, error)            # heartbeat bound: 10 s
+        assert "rank 1 sent no heartbeat" in error, error
+        with pytest.raises(EngineDeadError):
+            engine.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
+        assert engine._process.wait(30) == 1
+        wait_gone(pids, 30)                            # the stopped worker was killed too
+    finally:
+        engine.close()
+        kill_all(pids)
+    launch.assert_group_gone(server)
+
+
+def test_step_timeout_bounds_a_stuck_collective(models, tmp_path):
+    """The target rank keeps heartbeating while it waits in a collective for the stopped
+    draft rank: runtime.step_timeout_s (here 3 s) ends the step well before the 10 s
+    heartbeat bound, and the error names the stopped rank."""
+    engine = Engine.launch(config(models, tmp_path, step_timeout_s=3.0))
+    server = engine._process.pid
+    pids = {server}
+    try:
+        ranks = ranks_of(server, W)
+        pids |= set(ranks.values())
+        stream = in_flight(engine)
+        os.kill(ranks[1], signal.SIGSTOP)
+        took, error = drain(stream)
+        assert 2 < took < 8, (took, error)
+        assert "rank 1 sent no heartbeat" in error, error
+        assert engine._process.wait(30) == 1
+        wait_gone(pids, 30)
+    finally:
+        engine.close()
+        kill_all(pids)
+    launch.assert_group_gone(server)
+
+
+# --- 4. startup failures -----------------------------------------------------------------
+def test_run_with_unloadable_checkpoint_exits_1(models, tmp_path):
+    cfg = config(models, tmp_path, draft="broken", devices=(DRAFT, DRAFT))
+    start = time.monotonic()
+    res = launch.run("spawn", 2, ["run", cfg, "--prompt-ids", "1,2,3"], timeout=120)
+    assert time.monotonic() - start < 90
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "rank 1 failed to load: SafetensorError" in res.stderr, res.stderr[-3000:]
+    assert res.stdout == ""
+
+
+def test_engine_launch_with_unloadable_checkpoint_raises(models, tmp_path):
+    cfg = config(models, tmp_path, target="broken", draft="broken", devices=(DRAFT, DRAFT))
+    before = set(descendants(os.getpid()))
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError) as info:
+        Engine.launch(cfg)
+    assert time.monotonic() - start < 90
+    assert "exited with code 1" in str(info.value)
+    wait_gone(descendants(os.getpid()) - before, 10)
+    if "failed to load" not in str(info.value):
+        pytest.xfail("Engine.launch does not carry the server's startup error yet "
+                     f"(got {info.value!s}); see the report on runtime/engine.py")
+
+
+# --- 5. shutdown by signal ---------------------------------------------------------------
+@pytest.mark.parametrize("sig,busy", [(signal.SIGTERM, False), (signal.SIGTERM, True),
+                                      (signal.SIGINT, False), (signal.SIGINT, True)],
+                         ids=["SIGTERM-idle", "SIGTERM-busy", "SIGINT-idle", "SIGINT-busy"])
+def test_serve_stops_on_signal(sig, busy, models, tmp_path):
+    """SIGTERM to `tandem serve` (kill); SIGINT to its whole process group (Ctrl-C in a
+    terminal: the workers get it too and wait for the orchestrator's shutdown). A request
+    in flight fails with EngineDeadError; the server exits 0 and leaves nothing behind."""
+    served = Served("spawn", 2, config(models, tmp_path, devices=(DRAFT, DRAFT)))
+    try:
+        client = served.wait_ready()
+        stream = in_flight(client) if busy else None
+        if sig == signal.SIGINT:
+            os.killpg(served.proc.pid, sig)
+        else:
+            os.kill(served.proc.pid, sig)
+        if stream is not None:
+            with pytest.raises(EngineDeadError, match="shutting down"):
+                for _ in stream:
+                    pass
+        code, took = served.wait_exit(30)
+        assert code == 0, served.stderr()[-3000:]
+        wait_gone(served.pids, 30)
+        assert "Traceback" not in served.stderr(), served.stderr()[-3000:]
+    finally:
+        served.close()
+
+
+def test_torchrun_serve_stops_on_sigterm(models, tmp_path):
+    """SIGTERM to torchrun: it forwards SIGTERM to every rank; rank 0 fails the in-flight
+    request, tells the workers to shut down, and every rank exits. torchrun itself then
+    re-raises the signal (SignalException, exit 1): that code is torchrun's, not ours."""
+    served = Served("torchrun", W, config(models, tmp_path))
+    try:
+        client = served.wait_ready()
+        stream = in_flight(client)
+        os.kill(served.proc.pid, signal.SIGTERM)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            for _ in stream:
+                pass
+        code, took = served.wait_exit(30)
+        wait_gone(served.pids, 30)
+        err = served.stderr()
+        assert "got signal: 15" in err, err[-3000:]
+        for bad in ("ChildFailedError", "engine died", "crashed"):
+            assert bad not in err, err[-3000:]
+    finally:
+        served.close()
