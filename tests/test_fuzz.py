@@ -12,7 +12,6 @@ import pickle
 import random
 import signal
 import socket
-import string
 import subprocess
 import time
 from contextlib import contextmanager
@@ -35,26 +34,10 @@ TEXT = "Once upon a time"
 MAX_SEQ_LEN = 128
 
 
-def char_tokenizer():
-    """A real (tiny) tokenizer: one token per printable ASCII character."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
-    vocab = {token: i for i, token in enumerate(specials + chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    tokenizer = char_tokenizer()
-    target = checkpoints.build_checkpoint(root / "target", seed=0, vocab_size=len(tokenizer))
-    tokenizer.save_pretrained(target)
+    target = checkpoints.build_with_tokenizer(root / "target", seed=0)
     draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
     cfg = root / "c.yaml"
     launch.write_config(cfg, draft, target, ("cpu:0",), ("cpu:0",), max_seq_len=MAX_SEQ_LEN)
