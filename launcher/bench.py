@@ -40,6 +40,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "directory, deleted afterwards)")
     p.add_argument("--compile-on-cpu", action="store_true",
                    help="run hf-compiled on CPU too (slow to compile; skipped otherwise)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run tandem's decode/verify steps eagerly (runtime.cuda_graphs false)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     return p
 
@@ -89,7 +91,7 @@ def main(args) -> int:
         batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         draft_len=args.draft_len, modes=args.modes, dtype=args.dtype, seed=args.seed,
         warmup=args.warmup, repeats=args.repeats, synthetic_dir=args.synthetic_dir,
-        compile_on_cpu=args.compile_on_cpu)
+        compile_on_cpu=args.compile_on_cpu, cuda_graphs=args.cuda_graphs)
     try:
         settings.check()
         report = run_bench(settings)

@@ -12,6 +12,7 @@ import torch
 
 from runtime import rng
 from runtime.acceptance import greedy_accept
+from runtime.hostcopy import to_device
 from runtime.sampling import accept_rejection, accept_tokens, sample_from, warp_probs
 
 
@@ -28,11 +29,10 @@ class BatchSampling:
     def of(cls, params: list[dict], device: torch.device) -> "BatchSampling":
         temps = [float(p["temperature"]) for p in params]
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor([int(p["top_k"] or 0) for p in params], device=device),
-            top_p=torch.tensor([float(p["top_p"]) for p in params], dtype=torch.float32,
-                               device=device),
-            seed=torch.tensor([int(p["seed"]) for p in params], device=device),
+            temperature=to_device(temps, torch.float32, device),
+            top_k=to_device([int(p["top_k"] or 0) for p in params], torch.long, device),
+            top_p=to_device([float(p["top_p"]) for p in params], torch.float32, device),
+            seed=to_device([int(p["seed"]) for p in params], torch.long, device),
             greedy=all(t == 0 for t in temps),
             filtered=any(int(p["top_k"] or 0) > 0 or float(p["top_p"]) < 1.0 for p in params))
 

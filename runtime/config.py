@@ -115,6 +115,22 @@ def _positive_float(value: Any, key: str) -> float:
     return float(value)
 
 
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {_describe(value)}")
+    return value
+
+
+def _fraction(value: Any, key: str) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+            not (math.isfinite(value) and 0 < value <= 1):
+        raise ConfigError(key, f"must be a fraction of the device's memory in (0, 1], "
+                               f"got {_describe(value)}")
+    return float(value)
+
+
 def _choice(*options: str) -> Callable[[Any, str], str]:
     def check(value: Any, key: str) -> str:
         if not isinstance(value, str) or value not in options:
@@ -158,6 +174,7 @@ class ModelConfig:
     model: str                    # absolute path: HF checkpoint dir or .gguf file
     devices: tuple[Device, ...]
     dtype: str = "bfloat16"       # float32 | float16 | bfloat16
+    kv_cache_memory: float | None = None  # share of device memory the KV cache may take
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -173,8 +190,11 @@ class ModelConfig:
         return len(self.devices)
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "devices": [str(d) for d in self.devices],
-                "dtype": self.dtype}
+        out = {"model": self.model, "devices": [str(d) for d in self.devices],
+               "dtype": self.dtype}
+        if self.kv_cache_memory is not None:
+            out["kv_cache_memory"] = self.kv_cache_memory
+        return out
 
 
 @dataclass(frozen=True)
@@ -202,6 +222,7 @@ class RuntimeConfig(_Checked):
     startup_timeout_s: float = _checked(300.0, _positive_float)
     step_timeout_s: float = _checked(120.0, _positive_float)
     heartbeat_s: float = _checked(1.0, _positive_float)
+    cuda_graphs: bool = _checked(True, _bool)
 
 
 @dataclass(frozen=True)
@@ -234,7 +255,7 @@ class TandemConfig:
 
 
 _TOP_KEYS = ("draft", "target", "tokenizer", "speculation", "runtime", "server")
-_MODEL_KEYS = ("model", "devices", "dtype")
+_MODEL_KEYS = ("model", "devices", "dtype", "kv_cache_memory")
 
 
 def _check_keys(raw: dict, prefix: str, allowed: tuple[str, ...]) -> None:
@@ -281,7 +302,9 @@ def _parse_model(value: Any, key: str, base: str) -> ModelConfig:
             raise ConfigError(f"{key}.{required}", "required key is missing")
     dtype = _choice(*DTYPES)(raw.get("dtype", "bfloat16"), f"{key}.dtype")
     return ModelConfig(model=_resolve_path(raw["model"], f"{key}.model", base),
-                       devices=_parse_devices(raw["devices"], f"{key}.devices"), dtype=dtype)
+                       devices=_parse_devices(raw["devices"], f"{key}.devices"), dtype=dtype,
+                       kv_cache_memory=_fraction(raw.get("kv_cache_memory"),
+                                                 f"{key}.kv_cache_memory"))
 
 
 def _parse_section(value: Any, cls: type) -> Any:

@@ -12,6 +12,8 @@ import torch
 
 from runtime.acceptance import accept_choices
 from runtime.choose import BatchSampling, draft_choose, target_verify
+from runtime.hostcopy import to_device
+from runtime.models.step_runner import StepRunner
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
 
@@ -26,13 +28,16 @@ class SlotState:
 
 class ModelShard:
     def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int,
-                 acceptance: str = "tokens"):
+                 acceptance: str = "tokens", max_step_len: int = 2, cuda_graphs: bool = True):
+        """max_step_len: the most tokens a decode/verify step appends per slot (draft_len + 1
+        for the target); such steps run at static shapes (CUDA graphs on CUDA)."""
         self.model = model
         self.acceptance = acceptance
         self.device = device
         self.max_seq_len = max_seq_len
         self.slots = [SlotState() for _ in range(num_slots)]
         model.allocate_cache(num_slots, max_seq_len)
+        self.runner = StepRunner(model, device, num_slots, max_step_len, cuda_graphs)
 
     def _check_slot(self, slot: int) -> SlotState:
         if not 0 <= slot < len(self.slots):
@@ -42,10 +47,8 @@ class ModelShard:
     def forward_rows(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
         """Append ragged `rows` to each slot's cache; returns logits [B, T, V]."""
         width = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return self._step(slots, ids.to(self.device), [len(r) for r in rows])
+        ids = to_device([r + [0] * (width - len(r)) for r in rows], torch.long, self.device)
+        return self._step(slots, ids, [len(r) for r in rows])
 
     def _step(self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None
               ) -> torch.Tensor:
@@ -57,17 +60,14 @@ class ModelShard:
             if start + n > self.max_seq_len:
                 raise ValueError(f"slot {slot}: sequence exceeds max_seq_len {self.max_seq_len}")
             self.slots[slot].cache_len += n
-        dev = self.device
-        return self.model.forward_extend(
-            ids, torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
-            torch.tensor(n_valid, device=dev))
+        return self.runner.run(ids, slots, starts, n_valid)
 
     def sampling(self, slots: list[int]) -> BatchSampling:
         return BatchSampling.of([self.slots[s].sampling for s in slots], self.device)
 
     def committed_index(self, slots: list[int]) -> torch.Tensor:
         """[B] sequence index of the next token to decide."""
-        return torch.tensor([self.slots[s].committed for s in slots], device=self.device)
+        return to_device([self.slots[s].committed for s in slots], torch.long, self.device)
 
     def prefill(self, slots: list[int], prompts: list[list[int]],
                 params: list[dict] | None = None) -> None:
@@ -104,8 +104,11 @@ class DraftShard(ModelShard):
         index = self.committed_index(slots)                               # [B]
         pending = [self.slots[s].pending for s in slots]
         logits = self.forward_rows(slots, pending)                       # [B, T, V]
-        last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
-        logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
+        if all(len(p) == 1 for p in pending):
+            logits = logits[:, 0]                                         # [B, V]
+        else:
+            last = to_device([len(p) - 1 for p in pending], torch.long, self.device)
+            logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
         tokens, probs = [], []
         for i in range(k):
             if i:
@@ -137,7 +140,7 @@ class TargetShard(ModelShard):
     def verify(self, slots: list[int], draft_tokens: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over pending + k draft tokens; returns (accepted [B], next_token [B])."""
-        pending = torch.tensor([self.slots[s].pending for s in slots], device=self.device)
+        pending = to_device([self.slots[s].pending for s in slots], torch.long, self.device)
         ids = torch.cat([pending, draft_tokens], dim=1)                   # [B, k+1]
         logits = self._step(slots, ids)                                   # [B, k+1, V(local)]
         sampling = self.sampling(slots)

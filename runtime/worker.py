@@ -165,9 +165,7 @@ class Worker:
         from parallel.vocab import VocabParallel
         from runtime.models import load_model
 
-        rt, spec = self.config.runtime, self.spec
-        cache_len = rt.max_seq_len + self.config.speculation.max_draft_len + 2
-        acceptance = self.config.speculation.acceptance
+        spec = self.spec
         draft_cfg, target_cfg = self.config.draft, self.config.target
         draft_model = target_model = None
         if spec.hosts_target:
@@ -182,14 +180,27 @@ class Worker:
             else:
                 tp = TPInfo(self.groups.draft_tp, spec.draft_tp_rank, draft_cfg.tp_size)
                 draft_model = load_model(draft_cfg.model, draft_cfg.torch_dtype, self.device, tp)
-            self.draft = DraftShard(draft_model, self.device, rt.max_batch_size, cache_len,
-                                    acceptance)
+            self.draft = self._shard(DraftShard, "draft", draft_model, step_len=2)
         if target_model is not None:
-            self.target = TargetShard(target_model, self.device, rt.max_batch_size, cache_len,
-                                      acceptance)
+            step_len = self.config.speculation.max_draft_len + 1
+            self.target = self._shard(TargetShard, "target", target_model, step_len)
             if target_cfg.tp_size > 1:  # verify without gathering the vocabulary if greedy
                 self.target.vocab_parallel = VocabParallel.of(target_model,
                                                               self.groups.target_tp)
+
+    def _shard(self, cls, key: str, model, step_len: int):
+        """A shard with its KV cache preallocated within the model's memory budget; decode
+        and verify steps of up to step_len tokens run as CUDA graphs (tp 1 only for now:
+        NCCL collectives inside captured graphs are not validated yet)."""
+        from runtime.models.kv_budget import check_kv_budget
+
+        rt, model_cfg = self.config.runtime, getattr(self.config, key)
+        cache_len = rt.max_seq_len + self.config.speculation.max_draft_len + 2
+        check_kv_budget(key, model, rt.max_batch_size, cache_len, model_cfg.kv_cache_memory,
+                        self.device)
+        graphs = rt.cuda_graphs and model_cfg.tp_size == 1
+        return cls(model, self.device, rt.max_batch_size, cache_len,
+                   self.config.speculation.acceptance, step_len, graphs)
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:
@@ -264,8 +275,9 @@ class Worker:
         clock.lap("verify_s")
         bridge_broadcast(verdict, self.topology.target_leader, self.groups.bridge)
         clock.lap("verdict_transfer_s")
-        drafts = draft_tokens.tolist()
-        accepted, next_tokens = (list(col) for col in zip(*verdict.tolist()))
+        rows = torch.cat([draft_tokens, verdict], dim=1).tolist()         # the round's one sync
+        drafts = [row[:k] for row in rows]
+        accepted, next_tokens = [row[k] for row in rows], [row[k + 1] for row in rows]
         if self.draft is not None:
             self.draft.commit(slots, drafts, accepted, next_tokens)
         if self.target is not None:
@@ -286,7 +298,9 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
     logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
                         format=f"[tandem rank {rank}] %(levelname)s %(message)s")
     pgroups.init_world(rank, world_size, init_method, startup_timeout_s)
-    address = pgroups.broadcast_address(None)
+    address, key = pgroups.broadcast_control(None)
+    if key is not None:             # rank 0's key for this launch (no key file configured)
+        auth.use_control_key(key)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())

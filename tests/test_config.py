@@ -79,6 +79,7 @@ def test_defaults_from_minimal_config():
     assert cfg.tokenizer is None and cfg.tokenizer_path == "/models/target"
     assert cfg.speculation == SpeculationConfig() == SpeculationConfig(4, "tokens")
     assert cfg.runtime == RuntimeConfig()
+    assert cfg.runtime.cuda_graphs is True and cfg.target.kv_cache_memory is None
     assert (cfg.runtime.max_batch_size, cfg.runtime.max_seq_len) == (8, 4096)
     assert (cfg.runtime.startup_timeout_s, cfg.runtime.step_timeout_s,
             cfg.runtime.heartbeat_s) == (300.0, 120.0, 1.0)
@@ -237,6 +238,10 @@ def test_missing_required(cfg, key):
     (_base(runtime={"max_seq_len": True}), "runtime.max_seq_len"),
     (_base(runtime={"step_timeout_s": "10"}), "runtime.step_timeout_s"),
     (_base(runtime={"heartbeat_s": False}), "runtime.heartbeat_s"),
+    (_base(runtime={"cuda_graphs": "yes"}), "runtime.cuda_graphs"),
+    (_base(runtime={"cuda_graphs": 1}), "runtime.cuda_graphs"),
+    (_base(target={"model": "/t", "devices": ["cpu:1"], "kv_cache_memory": "half"}),
+     "target.kv_cache_memory"),
     (_base(server={"address": 5555}), "server.address"),
 ])
 def test_wrong_types(cfg, key):
@@ -281,6 +286,11 @@ def test_mixed_backends(draft, target, key):
     ("runtime", {"step_timeout_s": -1.0}, "runtime.step_timeout_s"),
     ("runtime", {"heartbeat_s": 0.0}, "runtime.heartbeat_s"),
     ("runtime", {"heartbeat_s": float("nan")}, "runtime.heartbeat_s"),
+    ("draft", {"model": "/d", "devices": [0], "kv_cache_memory": 0}, "draft.kv_cache_memory"),
+    ("target", {"model": "/t", "devices": [0], "kv_cache_memory": 1.5},
+     "target.kv_cache_memory"),
+    ("target", {"model": "/t", "devices": [0], "kv_cache_memory": float("inf")},
+     "target.kv_cache_memory"),
     ("server", {"address": "http://127.0.0.1:5555"}, "server.address"),
     ("server", {"address": "127.0.0.1:5555"}, "server.address"),
 ])
@@ -364,6 +374,17 @@ def test_tokenizer_path_missing(tmp_path, tiny_pair):
            "tokenizer", "does not exist", check_files=True)
 
 
+def test_tokenizer_path_without_tokenizer_files(tmp_path, tiny_pair):
+    """An explicit tokenizer dir must hold one; the target's own dir need not (no text)."""
+    (tmp_path / "tok").mkdir()
+    _error(_files_cfg(tiny_pair["a"], tiny_pair["a"], tokenizer=str(tmp_path / "tok")),
+           "tokenizer", "no tokenizer files", "tokenizer.json", check_files=True)
+    (tmp_path / "tok.txt").write_text("x")
+    _error(_files_cfg(tiny_pair["a"], tiny_pair["a"], tokenizer=str(tmp_path / "tok.txt")),
+           "tokenizer", "not a .gguf file", check_files=True)
+    assert load_config(_files_cfg(tiny_pair["a"], tiny_pair["a"])).tokenizer is None
+
+
 def test_vocab_mismatch(tiny_pair):
     err = _error(_files_cfg(tiny_pair["a"], tiny_pair["c"]), "draft.model", "96", "128",
                  check_files=True)
@@ -405,3 +426,12 @@ def test_draft_len_auto():
     for bad in ("AUTO", "4", 0, 2.5):
         with pytest.raises(ConfigError, match="speculation.draft_len"):
             _load(_base(speculation={"draft_len": bad}))
+
+
+def test_kv_cache_memory_and_cuda_graphs_round_trip():
+    cfg = _load(_base(target={"model": "/t", "devices": ["cpu:1"], "kv_cache_memory": 0.25},
+                      runtime={"cuda_graphs": False}))
+    assert cfg.target.kv_cache_memory == 0.25 and cfg.draft.kv_cache_memory is None
+    assert cfg.runtime.cuda_graphs is False
+    again = _load(cfg.to_dict())
+    assert again == cfg

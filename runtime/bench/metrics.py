@@ -102,20 +102,20 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def step_time(model, device: torch.device, batch: int, tokens: int, position: int,
+def step_time(runner, device: torch.device, batch: int, tokens: int, position: int,
               iters: int = 20, warmup: int = 3) -> float:
-    """Mean seconds of one forward_extend of `tokens` tokens per row for `batch` rows, written
-    at cache position `position` (the cache must hold batch slots of position + tokens)."""
+    """Mean seconds of one step of `tokens` tokens per row for `batch` rows through a
+    runtime.models.step_runner.StepRunner (the workers' path: static shapes, CUDA graphs on
+    CUDA), written at cache position `position` (the cache must hold batch slots of
+    position + tokens)."""
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.vocab_size, (batch, tokens), generator=gen).to(device)
-    slots = torch.arange(batch, device=device)
-    start = torch.full((batch,), position, dtype=torch.long, device=device)
-    n = torch.full((batch,), tokens, dtype=torch.long, device=device)
+    ids = torch.randint(0, runner.model.vocab_size, (batch, tokens), generator=gen).to(device)
+    slots, starts, n = list(range(batch)), [position] * batch, [tokens] * batch
     for _ in range(warmup):
-        model.forward_extend(ids, slots, start, n)
+        runner.run(ids, slots, starts, n)
     sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
-        model.forward_extend(ids, slots, start, n)
+        runner.run(ids, slots, starts, n)
     sync(device)
     return (time.perf_counter() - t0) / iters

@@ -2,9 +2,10 @@
 generated tokens and the wall time of the whole call (prefill and first token included).
 
 - `target`  (TandemTarget): the target alone through tandem's own model code, in this process:
-  runtime.models.load_model, allocate_cache, forward_extend over the prompt, then one
-  forward_extend per token with argmax on the device. No orchestrator, no worker, no draft:
-  the decode speed of tandem's model code, which a speculation round builds on.
+  runtime.models.load_model, allocate_cache, the prompt, then one step per token with argmax
+  on the device, through the workers' StepRunner (CUDA graphs on CUDA, no host sync). No
+  orchestrator, no worker, no draft: the decode speed of tandem's model code, which a
+  speculation round builds on.
 - `spec`    (TandemSpec): the tandem Engine (orchestrator + workers, spawn launch) running
   draft-target speculative decoding on the configured devices.
 - `hf`, `hf-compiled` (HFGenerate): transformers `generate` of the target, eager with its
@@ -72,33 +73,30 @@ class TandemTarget:
     name = "target"
 
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device, max_batch: int,
-                 max_seq_len: int):
+                 max_seq_len: int, max_step_len: int = 1, cuda_graphs: bool = True):
         from runtime.models import load_model
+        from runtime.models.step_runner import StepRunner
 
         self.device = device
         self.model = load_model(path, dtype, device)
         self.model.allocate_cache(max_batch, max_seq_len)
+        self.runner = StepRunner(self.model, device, max_batch, max_step_len, cuda_graphs)
 
-    @torch.inference_mode()
+    @torch.no_grad()   # not inference_mode: the step buffers are reused outside it
     def run(self, prompts: list[list[int]], new_tokens: int) -> Outcome:
-        dev, model = self.device, self.model
+        dev = self.device
         bsz, length = len(prompts), len(prompts[0])
         sync(dev)
         start = time.perf_counter()
         ids = torch.tensor(prompts, dtype=torch.long, device=dev)
-        slots = torch.arange(bsz, device=dev)
-        pos = torch.zeros(bsz, dtype=torch.long, device=dev)
-        n = torch.full((bsz,), length, dtype=torch.long, device=dev)
-        logits = model.forward_extend(ids, slots, pos, n)
+        slots = list(range(bsz))
+        logits = self.runner.run(ids, slots, [0] * bsz, [length] * bsz)   # prefill: eager
         token = logits[:, -1].argmax(-1)
         out = [token]
-        one = torch.ones(bsz, dtype=torch.long, device=dev)
-        pos = pos + length
-        for _ in range(new_tokens - 1):
-            logits = model.forward_extend(token[:, None], slots, pos, one)
+        for i in range(new_tokens - 1):   # decode steps: CUDA graphs, no host sync
+            logits = self.runner.run(token[:, None], slots, [length + i] * bsz, [1] * bsz)
             token = logits[:, -1].argmax(-1)
             out.append(token)
-            pos = pos + 1
         generated = torch.stack(out, 1).tolist()      # the host sync that ends the call
         wall = time.perf_counter() - start
         return Outcome(tokens=sum(len(r) for r in generated), wall_s=wall,

@@ -23,9 +23,9 @@ from runtime.bench.modes import (MODES, HFAssisted, HFGenerate, Outcome, Skipped
 from runtime.bench.report import hardware, now, row, versions
 
 log = logging.getLogger("tandem.bench")
-C_SOURCE = ("in-process: mean time of one draft decode step (forward_extend of 1 token per "
-            "row) / one target verify step (forward_extend of k+1 tokens per row), both on "
-            "tandem's model code on their configured devices, at cache position "
+C_SOURCE = ("in-process: mean time of one draft decode step (1 token per row) / one target "
+            "verify step (k+1 tokens per row), both through the workers' StepRunner (CUDA "
+            "graphs unless --no-cuda-graphs) on their configured devices, at cache position "
             "prompt_len + new_tokens / 2")
 try:
     from runtime.config import MAX_AUTO_DRAFT_LEN
@@ -51,6 +51,7 @@ class BenchSettings:
     repeats: int = 1
     synthetic_dir: str | None = None   # keep (and reuse) the synthetic pair here
     compile_on_cpu: bool = False
+    cuda_graphs: bool = True           # tandem's decode/verify steps as CUDA graphs (on CUDA)
 
     def check(self) -> None:
         if (self.config is None) == (self.synthetic is None):
@@ -103,7 +104,7 @@ def _kmax(draft_len) -> int:
 
 def resolve(s: BenchSettings) -> Setup:
     need = s.prompt_len + s.new_tokens
-    runtime = {"max_batch_size": max(s.batch_sizes)}
+    runtime = {"max_batch_size": max(s.batch_sizes), "cuda_graphs": s.cuda_graphs}
     if s.config is not None:
         from runtime.config import load_config
 
@@ -116,6 +117,7 @@ def resolve(s: BenchSettings) -> Setup:
         d["runtime"]["max_batch_size"] = max(d["runtime"]["max_batch_size"],
                                              runtime["max_batch_size"])
         d["runtime"]["max_seq_len"] = max(d["runtime"]["max_seq_len"], need + _kmax(k) + 8)
+        d["runtime"]["cuda_graphs"] = s.cuda_graphs
         return Setup(cfg.draft.model, cfg.target.model, cfg.draft.devices[0].torch_device,
                      cfg.target.devices[0].torch_device, getattr(torch, d["draft"]["dtype"]),
                      getattr(torch, d["target"]["dtype"]), len(cfg.target.devices), d, k)
@@ -246,7 +248,8 @@ class Bench:
         self.progress("loading the target in-process")
         try:
             holder = TandemTarget(st.target, st.target_dtype, st.target_device,
-                                  max(self.s.batch_sizes), cache_len)
+                                  max(self.s.batch_sizes), cache_len, kmax + 1,
+                                  self.s.cuda_graphs)
         except Exception as exc:  # noqa: BLE001 - reported in the table, exit code 1
             traceback.print_exc()
             reason = f"{type(exc).__name__}: {exc}"
@@ -274,22 +277,26 @@ class Bench:
 
     def _step_costs(self, st: Setup, holder: TandemTarget, cache_len: int) -> None:
         from runtime.models import load_model
+        from runtime.models.step_runner import StepRunner
 
         self.progress("measuring draft and target step costs (c)")
         try:
             draft = load_model(st.draft, st.draft_dtype, st.draft_device)
             draft.allocate_cache(max(self.s.batch_sizes), cache_len)
+            draft_runner = StepRunner(draft, st.draft_device, max(self.s.batch_sizes), 1,
+                                      self.s.cuda_graphs)
             pos = self.s.prompt_len + self.s.new_tokens // 2
             ks = range(1, MAX_AUTO_DRAFT_LEN + 1) if st.draft_len == "auto" \
                 else [int(st.draft_len)]
             for bsz in self.s.batch_sizes:
-                costs = {"draft_step_s": metrics.step_time(draft, st.draft_device, bsz, 1, pos),
+                costs = {"draft_step_s": metrics.step_time(draft_runner, st.draft_device, bsz,
+                                                           1, pos),
                          "target_decode_step_s": metrics.step_time(
-                             holder.model, st.target_device, bsz, 1, pos),
+                             holder.runner, st.target_device, bsz, 1, pos),
                          "target_verify_step_s": {k: metrics.step_time(
-                             holder.model, st.target_device, bsz, k + 1, pos) for k in ks}}
+                             holder.runner, st.target_device, bsz, k + 1, pos) for k in ks}}
                 self.step_costs[bsz] = costs
-            del draft
+            del draft, draft_runner
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             self.info["c_source"] = f"not measured: {type(exc).__name__}: {exc}"

@@ -15,14 +15,6 @@ from runtime.models.model_args import ModelArgs
 from runtime.models.rope import apply_rotary
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    # [B, Hkv, L, D] -> [B, Hkv * n_rep, L, D]; query head h uses kv head h // n_rep
-    if n_rep == 1:
-        return x
-    b, h_kv, length, d = x.shape
-    return x[:, :, None].expand(b, h_kv, n_rep, length, d).reshape(b, h_kv * n_rep, length, d)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -55,11 +47,27 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         k_all, v_all = self.kv_cache.update(batch, k, v)                   # [B, L, Hkv, D]
-        n_rep = self.n_heads // self.n_kv_heads
-        q = q.transpose(1, 2)                                              # [B, H, T, D]
-        k_all = repeat_kv(k_all.transpose(1, 2), n_rep)                    # [B, H, L, D]
-        v_all = repeat_kv(v_all.transpose(1, 2), n_rep)                    # [B, H, L, D]
-        out = F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=batch.mask(self.sliding_window))    # [B, H, T, D]
-        out = out.transpose(1, 2).reshape(bsz, seq, self.n_heads * self.head_dim)
-        return self.o_proj(out)                                            # [B, T, hidden]
+        out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window))
+        return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention without copying keys/values per query head.
+
+    q [B, T, H, D]; k, v [B, L, Hkv, D]; mask [B, 1, T, L] bool -> [B, T, H, D].
+    The n_rep = H / Hkv query heads that share a KV head are stacked along the query axis
+    (query head h uses KV head h // n_rep, like transformers' repeat_kv), so attention reads
+    each KV head once; every query row has its own softmax, so stacking changes nothing."""
+    bsz, seq, n_heads, dim = q.shape
+    n_kv = k.shape[2]
+    n_rep = n_heads // n_kv
+    q = q.view(bsz, seq, n_kv, n_rep, dim).permute(0, 2, 3, 1, 4)          # [B, Hkv, r, T, D]
+    q = q.reshape(bsz, n_kv, n_rep * seq, dim)                             # [B, Hkv, r*T, D]
+    length = mask.shape[-1]
+    mask = mask[:, :, None].expand(bsz, 1, n_rep, seq, length)             # [B, 1, r, T, L]
+    mask = mask.reshape(bsz, 1, n_rep * seq, length)                       # [B, 1, r*T, L]
+    out = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)           # [B, Hkv, r*T, D]
+    out = out.view(bsz, n_kv, n_rep, seq, dim).permute(0, 3, 1, 2, 4)      # [B, T, Hkv, r, D]
+    return out.reshape(bsz, seq, n_heads, dim)

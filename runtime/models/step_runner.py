@@ -1,0 +1,109 @@
+"""Decode and verify steps at static shapes, replayed from CUDA graphs.
+
+A step appends at most `max_step_len` tokens per row (the draft's decode steps, the target's
+k + 1 verify positions). The caller knows every length on the host, so a StepRunner never
+reads the device: it pads the batch to a bucket size (padding rows have n_valid 0 and write
+only the KV cache's scratch row), rounds the attended KV length up to a bucket, copies the
+inputs into static buffers and runs `model.forward_static` on them. On CUDA each
+(batch bucket, step length, KV bucket) is captured once as a CUDA graph on first use and
+replayed from then on: one launch per step instead of one per kernel. On CPU the same
+static path runs eagerly, so CPU tests cover the padding and bucketing the graphs use.
+
+Longer calls (prefill) and models without `forward_static` run eagerly at their own shape.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.hostcopy import copy_into, to_device
+
+KV_BUCKET_MIN = 256      # smallest attended KV length of a static step
+KV_BUCKET_LINEAR = 2048  # KV buckets double up to here, then grow by this much
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """[1, 2, 4, ...] below max_batch, then max_batch itself."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_batch]
+
+
+def kv_bucket(kv_len: int, cache_len: int) -> int:
+    """The attended length for kv_len valid positions: 256, 512, 1024, 2048, then multiples
+    of 2048, never beyond the cache."""
+    size = KV_BUCKET_MIN
+    while size < kv_len and size < KV_BUCKET_LINEAR:
+        size *= 2
+    if size < kv_len:
+        size = -(-kv_len // KV_BUCKET_LINEAR) * KV_BUCKET_LINEAR
+    return min(size, cache_len)
+
+
+class StepRunner:
+    def __init__(self, model, device: torch.device, max_batch: int, max_step_len: int,
+                 cuda_graphs: bool = True):
+        self.model, self.device = model, device
+        self.max_batch, self.max_step_len = max_batch, max_step_len
+        self.static = hasattr(model, "forward_static")
+        self.capture = cuda_graphs and self.static and device.type == "cuda"
+        self.buckets = batch_buckets(max_batch)
+        self.ids = torch.zeros(max_batch, max_step_len, dtype=torch.long, device=device)
+        self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
+        self.out: torch.Tensor | None = None       # [max_batch, max_step_len, V] logits
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None                            # one memory pool shared by all graphs
+
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+            n_valid: list[int]) -> torch.Tensor:
+        """ids [B, T] on the device; per-row slot, start position and valid length on the
+        host -> logits [B, T, V]. Static steps return a view that the next call overwrites."""
+        bsz, seq = ids.shape
+        kv_len = max(s + n for s, n in zip(starts, n_valid))
+        if not self.static:
+            return self.model.forward_extend(
+                ids, *(to_device(v, torch.long, self.device) for v in (slots, starts, n_valid)))
+        if bsz > self.max_batch or seq > self.max_step_len:
+            return self.model.forward_static(
+                ids, *(to_device(v, torch.long, self.device) for v in (slots, starts, n_valid)),
+                kv_len)
+        padded = next(b for b in self.buckets if b >= bsz)
+        key = (padded, seq, kv_bucket(kv_len, self.model.max_seq_len))
+        if self.capture and key not in self.graphs:
+            self._capture(key)
+        pad = [0] * (padded - bsz)
+        self.ids[:bsz, :seq].copy_(ids)
+        copy_into(self.meta[:, :padded], [slots + pad, starts + pad, n_valid + pad])
+        if self.capture:
+            self.graphs[key].replay()
+        else:
+            self._forward(*key)
+        return self.out[:bsz, :seq]
+
+    def _forward(self, bsz: int, seq: int, kv_len: int) -> None:
+        slots, starts, n_valid = self.meta[:, :bsz]
+        logits = self.model.forward_static(self.ids[:bsz, :seq], slots, starts, n_valid,
+                                           kv_len)                         # [b, T, V]
+        if self.out is None:  # first call is never inside a capture (warm-up comes first)
+            self.out = torch.empty(self.max_batch, self.max_step_len, logits.shape[-1],
+                                   dtype=logits.dtype, device=self.device)
+        self.out[:bsz, :seq].copy_(logits)
+
+    def _capture(self, key: tuple[int, int, int]) -> None:
+        """Warm up on a side stream, then record one step. Every row is padding while this
+        runs (n_valid 0), so warm-up writes nothing but the cache's scratch row."""
+        self.meta[:, : key[0]].zero_()
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._forward(*key)
+        current.wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._forward(*key)
+        self.graphs[key] = graph

@@ -1,0 +1,106 @@
+"""runtime.models.step_runner (static-shape decode/verify steps, CUDA graphs on CUDA),
+grouped-query attention and the KV cache memory budget, on CPU: the static path that the
+graphs capture must give the logits of the dynamic forward_extend."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.models import load_model
+from runtime.models.attention import grouped_attention
+from runtime.models.kv_budget import cache_bytes, check_kv_budget
+from runtime.models.step_runner import StepRunner, batch_buckets, kv_bucket
+from runtime.shards import DraftShard
+from tests.checkpoints import build_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+CPU = torch.device("cpu")
+CACHE_LEN = 300   # above the first KV bucket (256), so both a bucket and the cap are used
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("runner") / "llama", seed=3)
+
+
+def fresh(path: str, slots: int = 8):
+    model = load_model(path, torch.float32, CPU)
+    model.allocate_cache(slots, CACHE_LEN)
+    return model
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert [kv_bucket(n, 10_000) for n in (1, 256, 257, 1500, 2049, 4097)] == \
+        [256, 256, 512, 2048, 4096, 6144]
+    assert kv_bucket(290, CACHE_LEN) == CACHE_LEN
+
+
+def test_grouped_attention_equals_repeated_kv():
+    g = torch.Generator().manual_seed(0)
+    bsz, seq, heads, kv_heads, dim, length = 2, 3, 6, 2, 8, 7
+    q = torch.randn(bsz, seq, heads, dim, generator=g)
+    k = torch.randn(bsz, length, kv_heads, dim, generator=g)
+    v = torch.randn(bsz, length, kv_heads, dim, generator=g)
+    mask = torch.rand(bsz, 1, seq, length, generator=g) > 0.3
+    mask[..., 0] = True
+    rep = heads // kv_heads
+    k_rep = k.repeat_interleave(rep, dim=2).transpose(1, 2)              # [B, H, L, D]
+    v_rep = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep, attn_mask=mask)
+    out = grouped_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_static_steps_equal_dynamic_forward(model_path):
+    """Batch 3 (padded to 4), ragged step lengths, KV lengths crossing the 256 bucket."""
+    dynamic, static = fresh(model_path), fresh(model_path)
+    runner = StepRunner(static, CPU, max_batch=8, max_step_len=4)
+    g = torch.Generator().manual_seed(1)
+    slots, lengths = [5, 0, 2], [250, 3, 40]
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+    for model in (dynamic, static):
+        for slot, prompt in zip(slots, prompts):
+            model.forward_extend(torch.tensor([prompt]), torch.tensor([slot]),
+                                 torch.tensor([0]), torch.tensor([len(prompt)]))
+    starts = list(lengths)
+    for step in range(5):
+        n_valid = [1 + (step + b) % 4 for b in range(3)]
+        ids = torch.randint(3, 96, (3, 4), generator=g)
+        want = dynamic.forward_extend(ids, torch.tensor(slots), torch.tensor(starts),
+                                      torch.tensor(n_valid))
+        got = runner.run(ids, slots, starts, n_valid)
+        for b, n in enumerate(n_valid):
+            torch.testing.assert_close(got[b, :n], want[b, :n], rtol=1e-4, atol=1e-4)
+        starts = [s + n for s, n in zip(starts, n_valid)]
+    assert max(starts) > 256 and runner.graphs == {}     # no capture on CPU
+
+
+def test_draft_shard_with_and_without_static_steps(model_path):
+    """Proposals are identical whether steps run at static or dynamic shapes."""
+    proposals = []
+    for graphs in (True, False):
+        shard = DraftShard(fresh(model_path), CPU, 8, CACHE_LEN, max_step_len=2,
+                           cuda_graphs=graphs)
+        shard.runner.static = graphs
+        shard.prefill([1, 4], [[5, 6, 7, 8], [9, 10]])
+        proposals.append(shard.propose([1, 4], 5)[0].tolist())
+    assert proposals[0] == proposals[1]
+
+
+def test_cache_bytes_match_allocation(model_path):
+    model = fresh(model_path, slots=3)
+    allocated = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                    if name.endswith(("k_cache", "v_cache")))
+    assert cache_bytes(model, 3, CACHE_LEN) == allocated
+
+
+def test_kv_budget_too_small_names_the_key(model_path):
+    model = load_model(model_path, torch.float32, CPU)
+    check_kv_budget("target", model, 4, 64, None, CPU)               # fits in free memory
+    with pytest.raises(MemoryError, match=r"target KV cache needs .* target.kv_cache_memory"):
+        check_kv_budget("target", model, 4096, 4096, 1e-6, CPU)
