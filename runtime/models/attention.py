@@ -10,9 +10,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models import fused
 from runtime.models.cache import ExtendBatch, KVCache
 from runtime.models.model_args import ModelArgs
-from runtime.models.rope import apply_rotary
+
+SMALL_QUERY = 64   # up to this many query rows per KV head: explicit matmul-softmax-matmul
+
+
+def concat_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weights (and biases) of Linears stacked along the output axis; each Linear's weight is
+    replaced by a view of the stack, so the fused copy costs no extra memory."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([lin.bias.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        stop = start + lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start:stop], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start:stop], requires_grad=False)
+        start = stop
+    return weight, bias
 
 
 class Attention(nn.Module):
@@ -29,6 +48,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
+        self.qkv_weight: torch.Tensor | None = None   # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q, k and v; their weights become views of it."""
+        self.qkv_weight, self.qkv_bias = concat_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
         ref = next(self.parameters())  # dtype and device of the (possibly sharded) weights
@@ -41,10 +65,17 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("allocate_cache() must be called before forward_extend()")
         bsz, seq, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim)     # [B, T, H, D]
-        k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.qkv_weight is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+                [h * d, h_kv * d, h_kv * d], dim=-1)
+        q, k = fused.rotary(q.reshape(bsz * seq, h, d), k.reshape(bsz * seq, h_kv, d),
+                            cos.flatten(0, 1), sin.flatten(0, 1))
+        q = q.view(bsz, seq, h, d)                                         # [B, T, H, D]
+        k = k.view(bsz, seq, h_kv, d)                                      # [B, T, Hkv, D]
+        v = v.reshape(bsz, seq, h_kv, d)                                   # [B, T, Hkv, D]
 
         k_all, v_all = self.kv_cache.update(batch, k, v)                   # [B, L, Hkv, D]
         out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window))
@@ -62,12 +93,18 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bsz, seq, n_heads, dim = q.shape
     n_kv = k.shape[2]
     n_rep = n_heads // n_kv
+    length = mask.shape[-1]
     q = q.view(bsz, seq, n_kv, n_rep, dim).permute(0, 2, 3, 1, 4)          # [B, Hkv, r, T, D]
     q = q.reshape(bsz, n_kv, n_rep * seq, dim)                             # [B, Hkv, r*T, D]
-    length = mask.shape[-1]
-    mask = mask[:, :, None].expand(bsz, 1, n_rep, seq, length)             # [B, 1, r, T, L]
-    mask = mask.reshape(bsz, 1, n_rep * seq, length)                       # [B, 1, r*T, L]
-    out = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)           # [B, Hkv, r*T, D]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)                            # [B, Hkv, L, D]
+    if n_rep * seq <= SMALL_QUERY:   # decode / verify: a few query rows over a short KV
+        scores = torch.matmul(q, k.transpose(-1, -2))                      # [B, Hkv, r*T, L]
+        probs = fused.masked_softmax(scores.view(bsz, n_kv, n_rep, seq, length),
+                                     mask[:, :, None], dim ** -0.5)        # [B, Hkv, r, T, L]
+        out = torch.matmul(probs.view(bsz, n_kv, n_rep * seq, length), v)  # [B, Hkv, r*T, D]
+    else:
+        mask = mask[:, :, None].expand(bsz, 1, n_rep, seq, length)         # [B, 1, r, T, L]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.reshape(bsz, 1, n_rep * seq, length))  # [B, Hkv, r*T, D]
     out = out.view(bsz, n_kv, n_rep, seq, dim).permute(0, 3, 1, 2, 4)      # [B, T, Hkv, r, D]
     return out.reshape(bsz, seq, n_heads, dim)

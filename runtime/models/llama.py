@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.attention import Attention
+from runtime.models import fused
+from runtime.models.attention import Attention, concat_rows
 from runtime.models.base import check_extend_args
 from runtime.models.cache import ExtendBatch
 from runtime.models.model_args import ModelArgs
@@ -19,10 +20,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        return fused.rms_norm(x.flatten(0, -2), self.weight,
+                              self.variance_epsilon).view(x.shape)
 
 
 class MLP(nn.Module):
@@ -32,9 +31,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up_weight: torch.Tensor | None = None   # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One [2I, hidden] GEMM for gate and up; their weights become views of it."""
+        self.gate_up_weight, self.gate_up_bias = concat_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # x [B, T, hidden]
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)    # [B, T, 2I]
+        return self.down_proj(fused.silu_mul(gate_up.flatten(0, 1)).view(*x.shape[:2], -1))
 
 
 class DecoderLayer(nn.Module):
@@ -47,8 +55,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ExtendBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x [B, T, hidden]
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        norm = self.post_attention_layernorm
+        x, h = fused.add_rms_norm(x.flatten(0, 1), attn.flatten(0, 1), norm.weight,
+                                  norm.variance_epsilon)
+        return x.view(attn.shape) + self.mlp(h.view(attn.shape))
 
 
 class LlamaModel(nn.Module):
@@ -84,6 +96,12 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up into one GEMM each (after loading, TP shards included)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
         if num_slots < 1 or max_seq_len < 1:

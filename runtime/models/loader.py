@@ -139,9 +139,11 @@ def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
         apply_tp(model, tp, gather_logits=gather_logits)
     source = open_weights(path, model, config)
     try:
-        return load_weights(model, source, dtype, device)
+        model = load_weights(model, source, dtype, device)
     finally:
         source.close()
+    model.fuse_projections()
+    return model
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,

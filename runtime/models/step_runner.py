@@ -6,7 +6,8 @@ reads the device: it pads the batch to a bucket size (padding rows have n_valid 
 only the KV cache's scratch row), rounds the attended KV length up to a bucket, copies the
 inputs into static buffers and runs `model.forward_static` on them. On CUDA each
 (batch bucket, step length, KV bucket) is captured once as a CUDA graph on first use and
-replayed from then on: one launch per step instead of one per kernel. On CPU the same
+replayed from then on: one launch per step instead of one per kernel; the elementwise
+pieces of each layer are torch.compile'd first (runtime/models/fused.py). On CPU the same
 static path runs eagerly, so CPU tests cover the padding and bucketing the graphs use.
 
 Longer calls (prefill) and models without `forward_static` run eagerly at their own shape.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from runtime.hostcopy import copy_into, to_device
+from runtime.models import fused
 
 KV_BUCKET_MIN = 256      # smallest attended KV length of a static step
 KV_BUCKET_LINEAR = 2048  # KV buckets double up to here, then grow by this much
@@ -48,6 +50,8 @@ class StepRunner:
         self.max_batch, self.max_step_len = max_batch, max_step_len
         self.static = hasattr(model, "forward_static")
         self.capture = cuda_graphs and self.static and device.type == "cuda"
+        if self.capture:   # fused elementwise kernels; graphs then replay them
+            fused.compile_kernels(device)
         self.buckets = batch_buckets(max_batch)
         self.ids = torch.zeros(max_batch, max_step_len, dtype=torch.long, device=device)
         self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
