@@ -223,6 +223,7 @@ class RuntimeConfig(_Checked):
     step_timeout_s: float = _checked(120.0, _positive_float)
     heartbeat_s: float = _checked(1.0, _positive_float)
     cuda_graphs: bool = _checked(True, _bool)
+    draft_ahead: bool = _checked(True, _bool)   # draft the next round while control travels
 
 
 @dataclass(frozen=True)

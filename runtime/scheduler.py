@@ -78,7 +78,11 @@ class Scheduler:
         self.total_tokens = 0
         self.proposed_total = 0
         self.accepted_total = 0
-        self.round_time = 0.0
+        self.round_time = 0.0      # orchestrator's wall time of round commands
+        self.worker_time = 0.0     # slowest worker's own time inside those rounds
+        self.between_time = 0.0    # orchestrator time from one round's end to the next's start
+        self.betweens = 0
+        self.last_round_end: float | None = None
         self.prefill_time = 0.0
         self.prefills = 0
         self.rounds = 0
@@ -90,6 +94,14 @@ class Scheduler:
             for phase, seconds in result.get("timing", {}).items():
                 key = f"rank{rank}.{phase}"
                 self.timing[key] = self.timing.get(key, 0.0) + seconds
+
+    def overheads(self) -> dict:
+        """Mean seconds per round: the workers' own time, the control plane (command sent to
+        last result received, less the workers' time) and the orchestrator between rounds."""
+        rounds = max(self.rounds, 1)
+        return {"mean_worker_round_s": self.worker_time / rounds,
+                "mean_control_s": (self.round_time - self.worker_time) / rounds,
+                "mean_between_rounds_s": self.between_time / max(self.betweens, 1)}
 
     def profile(self) -> dict:
         """Mean seconds per round of each worker phase (empty unless profiling)."""
@@ -113,14 +125,20 @@ class Scheduler:
         events = self._retire_cancelled()
         self._admit()
         if not self.running:
+            self.last_round_end = None
             return events
         slots = sorted(self.running)
         k = self.controller.choose(len(slots))
         start = time.perf_counter()
+        if self.last_round_end is not None:
+            self.between_time += start - self.last_round_end
+            self.betweens += 1
         results = self.pool.command({"type": "round", "slots": slots, "k": k},
                                     self.step_timeout_s)
-        elapsed = time.perf_counter() - start
+        self.last_round_end = time.perf_counter()
+        elapsed = self.last_round_end - start
         self.round_time += elapsed
+        self.worker_time += max(r.get("worker_s", 0.0) for r in results.values())
         result = next(r for r in results.values() if "tokens" in r)
         self._add_timing(results)
         finished = []

@@ -159,7 +159,7 @@ class Server:
                 "mean_round_s": sched.round_time / sched.rounds if sched.rounds else 0.0,
                 "mean_prefill_s": sched.prefill_time / sched.prefills if sched.prefills
                 else 0.0,
-                "profile": sched.profile(), "uptime_s": elapsed}
+                **sched.overheads(), "profile": sched.profile(), "uptime_s": elapsed}
 
     def close(self) -> None:
         self.sock.close(0)

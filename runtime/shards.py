@@ -6,7 +6,7 @@ cache). Invariant: cache_len + len(pending) == committed. Rollback is a length u
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -96,6 +96,42 @@ class ModelShard:
 
 
 class DraftShard(ModelShard):
+    """Besides proposing on command, the draft can propose the next round ahead of time
+    (`propose_ahead`, right after a commit): the GPU then drafts while the verdict travels to
+    the orchestrator and the next command travels back. A round that matches (same slots,
+    k no larger) takes those proposals; anything else restores the slots' states first
+    (rollback is a length update, stale KV positions are overwritten)."""
+
+    ahead: tuple | None = None   # (slots, k, tokens, probs, saved slot states)
+
+    def propose_ahead(self, slots: list[int], k: int) -> None:
+        saved = [replace(self.slots[s], pending=list(self.slots[s].pending)) for s in slots]
+        try:
+            tokens, probs = self.propose(slots, k)
+        except ValueError:     # a slot's cache is full: this round will not happen
+            self._restore(slots, saved)
+            return
+        self.ahead = (slots, k, tokens, probs, saved)
+
+    def take_ahead(self, slots: list[int], k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The proposals made ahead for exactly these slots (first k of them), or None."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        ahead_slots, ahead_k, tokens, probs, saved = ahead
+        if ahead_slots == slots and k <= ahead_k:
+            return tokens[:, :k], None if probs is None else probs[:, :k]
+        self._restore(ahead_slots, saved)
+        return None
+
+    def drop_ahead(self) -> None:
+        self.take_ahead([], 0)
+
+    def _restore(self, slots: list[int], saved: list[SlotState]) -> None:
+        for slot, state in zip(slots, saved):
+            self.slots[slot] = state
+
     def propose(self, slots: list[int], k: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode k tokens per slot: tokens [B, k] on the device and, when sampling, the

@@ -40,28 +40,30 @@ def test_buckets():
     assert kv_bucket(290, CACHE_LEN) == CACHE_LEN
 
 
-def test_grouped_attention_equals_repeated_kv():
+@pytest.mark.parametrize("seq", [3, 40], ids=["matmul-softmax", "sdpa"])
+def test_grouped_attention_equals_repeated_kv(seq):
     g = torch.Generator().manual_seed(0)
-    bsz, seq, heads, kv_heads, dim, length = 2, 3, 6, 2, 8, 7
+    bsz, heads, kv_heads, dim, length = 2, 6, 2, 8, 47
     q = torch.randn(bsz, seq, heads, dim, generator=g)
-    k = torch.randn(bsz, length, kv_heads, dim, generator=g)
-    v = torch.randn(bsz, length, kv_heads, dim, generator=g)
+    k = torch.randn(bsz, kv_heads, length, dim, generator=g)
+    v = torch.randn(bsz, kv_heads, length, dim, generator=g)
     mask = torch.rand(bsz, 1, seq, length, generator=g) > 0.3
     mask[..., 0] = True
     rep = heads // kv_heads
-    k_rep = k.repeat_interleave(rep, dim=2).transpose(1, 2)              # [B, H, L, D]
-    v_rep = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+    k_rep = k.repeat_interleave(rep, dim=1)                               # [B, H, L, D]
+    v_rep = v.repeat_interleave(rep, dim=1)
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep, attn_mask=mask)
     out = grouped_attention(q, k, v, mask)
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
-def test_static_steps_equal_dynamic_forward(model_path):
+@pytest.mark.parametrize("slots", [[5, 0, 2], [0, 1, 2]], ids=["gather", "contiguous"])
+def test_static_steps_equal_dynamic_forward(model_path, slots):
     """Batch 3 (padded to 4), ragged step lengths, KV lengths crossing the 256 bucket."""
     dynamic, static = fresh(model_path), fresh(model_path)
     runner = StepRunner(static, CPU, max_batch=8, max_step_len=4)
     g = torch.Generator().manual_seed(1)
-    slots, lengths = [5, 0, 2], [250, 3, 40]
+    lengths = [250, 3, 40]
     prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
     for model in (dynamic, static):
         for slot, prompt in zip(slots, prompts):

@@ -358,9 +358,9 @@ def test_kv_heads_split_and_replicated(tp2, tp3):
 def test_kv_cache_sized_per_rank(tp2, tp3):
     # [num_slots * max_seq_len + 1, local KV heads, head_dim]
     for res in tp2:
-        assert res["llama_v97"]["cache_shape"] == [3 * 32 + 1, 1, 16]
+        assert res["llama_v97"]["cache_shape"] == [3, 1, 32 + 1, 16]
     for res in tp3:
-        assert res["qwen2_tied"]["cache_shape"] == [3 * 32 + 1, 1, 16]
+        assert res["qwen2_tied"]["cache_shape"] == [3, 1, 32 + 1, 16]
 
 
 def test_uneven_mlp_split_and_tied_embeddings(tp3):

@@ -15,39 +15,41 @@ from torch import nn
 class KVCache(nn.Module):
     """Keys and values of one layer for `num_slots` sequences of up to `max_seq_len` tokens.
 
-    Storage is flat, [num_slots * max_seq_len + 1, n_kv_heads, head_dim]: row
-    slot * max_seq_len + pos holds (slot, pos) and the last row is scratch space that absorbs the
-    padding tokens of a ragged batch, so writing needs no host sync and never touches valid data.
+    Storage is [num_slots, n_kv_heads, max_seq_len + 1, head_dim]: one slot's heads are
+    contiguous runs of positions, so a batch of slots 0..B-1 reads its keys as a plain view
+    (no gather) that matmul takes as one strided batch. Position max_seq_len of every slot is
+    scratch space that absorbs the padding tokens of a ragged batch, so writing needs no host
+    sync and never touches valid data.
     """
 
     def __init__(self, num_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str | None = None):
         super().__init__()
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        rows = num_slots * max_seq_len + 1
-        shape = (rows, n_kv_heads, head_dim)
+        shape = (num_slots, n_kv_heads, max_seq_len + 1, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
 
-    @property
-    def scratch_row(self) -> int:
-        return self.num_slots * self.max_seq_len
+    def _write(self, buf: torch.Tensor, batch: "ExtendBatch", x: torch.Tensor) -> None:
+        # x [B, T, Hkv, D] -> buf[slot, :, pos] for every token (scratch pos for padding)
+        buf.transpose(1, 2).index_put_((batch.write_slots, batch.write_pos),
+                                       x.flatten(0, 1).to(buf.dtype))
 
-    def _slots_view(self, buf: torch.Tensor) -> torch.Tensor:
-        # [num_slots, max_seq_len, Hkv, D] view without the scratch row
-        return buf[: self.scratch_row].view(self.num_slots, self.max_seq_len, *buf.shape[1:])
+    def _read(self, buf: torch.Tensor, batch: "ExtendBatch") -> torch.Tensor:
+        # -> [B, Hkv, L, D]: a view for slots 0..B-1, else a gather
+        if batch.contiguous:
+            return buf[: batch.slots.shape[0], :, : batch.kv_len]
+        return buf[batch.slots, :, : batch.kv_len]
 
     def update(self, batch: "ExtendBatch", k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, T, Hkv, D]; return this batch's keys/values [B, L, Hkv, D], L = kv_len."""
-        idx = (batch.write_rows,)                                        # [B*T]
-        self.k_cache.index_put_(idx, k.flatten(0, 1).to(self.k_cache.dtype))
-        self.v_cache.index_put_(idx, v.flatten(0, 1).to(self.v_cache.dtype))
-        k_all = self._slots_view(self.k_cache)[batch.slots, : batch.kv_len]
-        v_all = self._slots_view(self.v_cache)[batch.slots, : batch.kv_len]
-        return k_all, v_all
+        """Write k, v [B, T, Hkv, D]; return this batch's keys/values [B, Hkv, L, D],
+        L = kv_len."""
+        self._write(self.k_cache, batch, k)
+        self._write(self.v_cache, batch, v)
+        return self._read(self.k_cache, batch), self._read(self.v_cache, batch)
 
 
 @dataclass
@@ -56,20 +58,24 @@ class ExtendBatch:
     slots: torch.Tensor        # [B] cache slot of each row
     positions: torch.Tensor    # [B, T] absolute position of each token
     valid: torch.Tensor        # [B, T] bool, t < n_valid[b]
-    write_rows: torch.Tensor   # [B*T] flat cache row of each token (scratch row for padding)
+    write_slots: torch.Tensor  # [B*T] cache slot of each token
+    write_pos: torch.Tensor    # [B*T] cache position of each token (scratch for padding)
     kv_len: int                # attend over cache positions [0, kv_len)
+    contiguous: bool = False   # slots == 0..B-1: read the cache without a gather
     _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, slots: torch.Tensor, start_pos: torch.Tensor, n_valid: torch.Tensor,
-              seq_len: int, kv_len: int, max_seq_len: int, num_slots: int) -> "ExtendBatch":
+              seq_len: int, kv_len: int, max_seq_len: int, contiguous: bool = False
+              ) -> "ExtendBatch":
         offsets = torch.arange(seq_len, device=start_pos.device)           # [T]
         positions = start_pos[:, None] + offsets[None, :]                  # [B, T]
         valid = offsets[None, :] < n_valid[:, None]                        # [B, T]
-        rows = slots[:, None] * max_seq_len + positions                    # [B, T]
-        rows = torch.where(valid, rows, torch.full_like(rows, num_slots * max_seq_len))
+        write_pos = torch.where(valid, positions, torch.full_like(positions, max_seq_len))
+        write_slots = slots[:, None].expand_as(positions)                  # [B, T]
         return cls(slots=slots, positions=positions, valid=valid,
-                   write_rows=rows.flatten(), kv_len=kv_len)
+                   write_slots=write_slots.flatten(), write_pos=write_pos.flatten(),
+                   kv_len=kv_len, contiguous=contiguous)
 
     def mask(self, window: int | None = None) -> torch.Tensor:
         """Boolean attention mask [B, 1, T, L]: causal, optionally a sliding window of `window`

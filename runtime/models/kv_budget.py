@@ -22,7 +22,7 @@ def cache_bytes(model, num_slots: int, cache_len: int) -> int | None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(layers[0], "self_attn"):
         return None
-    rows = num_slots * cache_len + 1
+    rows = num_slots * (cache_len + 1)   # + a scratch position per slot
     total = 0
     for layer in layers:
         attn = layer.self_attn

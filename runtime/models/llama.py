@@ -127,13 +127,14 @@ class LlamaForCausalLM(nn.Module):
         return self.forward_static(input_ids, slots, start_pos, n_valid, kv_len)
 
     def forward_static(self, input_ids: torch.Tensor, slots: torch.Tensor,
-                       start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int
-                       ) -> torch.Tensor:
+                       start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int,
+                       contiguous: bool = False) -> torch.Tensor:
         """forward without checks or host synchronisation: the caller guarantees the
-        arguments are valid and kv_len >= max(start_pos + n_valid). Shapes depend only on
+        arguments are valid and kv_len >= max(start_pos + n_valid); `contiguous` promises
+        slots == 0..B-1 (the cache is then read without a gather). Shapes depend only on
         input_ids.shape and kv_len, so a CUDA graph can capture it (runtime.models.step_runner)."""
         batch = ExtendBatch.build(slots, start_pos, n_valid, input_ids.shape[1], kv_len,
-                                  self.max_seq_len, self.num_slots)
+                                  self.max_seq_len, contiguous)
         input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
         cos, sin = self.rotary_emb(batch.positions, self.model.norm.weight.dtype)  # [B, T, D]
         hidden = self.model(input_ids, cos, sin, batch)                    # [B, T, hidden]

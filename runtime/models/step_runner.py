@@ -3,7 +3,7 @@
 A step appends at most `max_step_len` tokens per row (the draft's decode steps, the target's
 k + 1 verify positions). The caller knows every length on the host, so a StepRunner never
 reads the device: it pads the batch to a bucket size (padding rows have n_valid 0 and write
-only the KV cache's scratch row), rounds the attended KV length up to a bucket, copies the
+only the KV cache's scratch positions), rounds the attended KV length up to a bucket, copies the
 inputs into static buffers and runs `model.forward_static` on them. On CUDA each
 (batch bucket, step length, KV bucket) is captured once as a CUDA graph on first use and
 replayed from then on: one launch per step instead of one per kernel; the elementwise
@@ -56,7 +56,7 @@ class StepRunner:
         self.ids = torch.zeros(max_batch, max_step_len, dtype=torch.long, device=device)
         self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
         self.out: torch.Tensor | None = None       # [max_batch, max_step_len, V] logits
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None                            # one memory pool shared by all graphs
 
     @torch.no_grad()
@@ -74,31 +74,34 @@ class StepRunner:
                 ids, *(to_device(v, torch.long, self.device) for v in (slots, starts, n_valid)),
                 kv_len)
         padded = next(b for b in self.buckets if b >= bsz)
-        key = (padded, seq, kv_bucket(kv_len, self.model.max_seq_len))
+        contiguous = slots == list(range(bsz))   # then padding rows take the next slots
+        key = (padded, seq, kv_bucket(kv_len, self.model.max_seq_len), contiguous)
         if self.capture and key not in self.graphs:
             self._capture(key)
         pad = [0] * (padded - bsz)
+        pad_slots = list(range(bsz, padded)) if contiguous else pad
         self.ids[:bsz, :seq].copy_(ids)
-        copy_into(self.meta[:, :padded], [slots + pad, starts + pad, n_valid + pad])
+        copy_into(self.meta[:, :padded], [slots + pad_slots, starts + pad, n_valid + pad])
         if self.capture:
             self.graphs[key].replay()
         else:
             self._forward(*key)
         return self.out[:bsz, :seq]
 
-    def _forward(self, bsz: int, seq: int, kv_len: int) -> None:
+    def _forward(self, bsz: int, seq: int, kv_len: int, contiguous: bool) -> None:
         slots, starts, n_valid = self.meta[:, :bsz]
         logits = self.model.forward_static(self.ids[:bsz, :seq], slots, starts, n_valid,
-                                           kv_len)                         # [b, T, V]
+                                           kv_len, contiguous)             # [b, T, V]
         if self.out is None:  # first call is never inside a capture (warm-up comes first)
             self.out = torch.empty(self.max_batch, self.max_step_len, logits.shape[-1],
                                    dtype=logits.dtype, device=self.device)
         self.out[:bsz, :seq].copy_(logits)
 
-    def _capture(self, key: tuple[int, int, int]) -> None:
+    def _capture(self, key: tuple[int, int, int, bool]) -> None:
         """Warm up on a side stream, then record one step. Every row is padding while this
-        runs (n_valid 0), so warm-up writes nothing but the cache's scratch row."""
+        runs (n_valid 0), so warm-up writes nothing but the cache's scratch positions."""
         self.meta[:, : key[0]].zero_()
+        self.meta[0, : key[0]] = torch.arange(key[0], device=self.device)  # distinct slots
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The single-H200 measurements in README.md ("GPU performance"), phase by phase:
+#   bash examples/h200_bench.sh OUTDIR check k4 auto-0.02 eps-0.05 auto-0.2 batch16
+# Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
+set -u
+OUT=${1:?usage: h200_bench.sh OUTDIR PHASE...}; shift
+mkdir -p "$OUT"
+SYN=${SYN:-/tmp/tandem-syn}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+bench() {   # bench PHASE ARGS...: the 8b synthetic pair, bf16, 128-token prompts, 256 new
+    local phase=$1; shift
+    python -m launcher bench --synthetic 8b --device cuda:0 --dtype bfloat16 \
+        --prompt-len 128 --new-tokens 256 --synthetic-dir "$SYN" --out "$OUT/$phase.json" \
+        "$@" > "$OUT/$phase.log" 2>&1
+    echo "== $phase (rc $?)"; grep '^|' "$OUT/$phase.log"
+}
+for phase in "$@"; do
+    case $phase in
+        check) python examples/graphs_check.py --shape 1b --out "$OUT/check.json" \
+                   > "$OUT/check.log" 2>&1; echo "== check (rc $?)"; tail -20 "$OUT/check.log" ;;
+        k4) bench k4 --batch-sizes 1 --eps 0.02 --draft-len 4 ;;
+        auto-0.02) bench auto-0.02 --batch-sizes 1 --eps 0.02 --draft-len auto \
+                       --modes target,spec ;;
+        eps-0.05) bench eps-0.05 --batch-sizes 1 --eps 0.05 --draft-len 4 \
+                      --modes target,spec,hf-assisted ;;
+        auto-0.2) bench auto-0.2 --batch-sizes 1 --eps 0.2 --draft-len auto --modes target,spec ;;
+        batch16) bench batch16 --batch-sizes 1,16 --eps 0.01 --draft-len 4 --modes target,spec ;;
+        k[0-9]*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len "${phase#k}" \
+                     --modes spec ;;
+        *) echo "unknown phase $phase"; exit 2 ;;
+    esac
+done

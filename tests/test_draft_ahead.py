@@ -1,0 +1,64 @@
+"""DraftShard.propose_ahead / take_ahead: drafting the next round before its command arrives
+must give exactly the proposals (and states) of drafting on command."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.models import load_model
+from runtime.shards import DraftShard
+from tests.checkpoints import build_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+CPU = torch.device("cpu")
+SAMPLED = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ahead") / "llama", seed=5)
+
+
+def shard(path: str, acceptance: str = "tokens") -> DraftShard:
+    s = DraftShard(load_model(path, torch.float32, CPU), CPU, 4, 64, acceptance, max_step_len=2)
+    s.prefill([0, 2], [[5, 6, 7], [8, 9, 10, 11]], [SAMPLED, SAMPLED])
+    return s
+
+
+def one_round(s: DraftShard, slots: list[int], k: int, accepted: list[int]):
+    """Propose (or take what was proposed ahead), then commit a made-up verdict."""
+    tokens, probs = s.take_ahead(slots, k) or s.propose(slots, k)
+    drafts = tokens.tolist()
+    s.commit(slots, drafts, accepted, [40 + a for a in accepted])
+    return drafts, probs
+
+
+@pytest.mark.parametrize("acceptance", ["tokens", "logits"])
+def test_ahead_equals_on_command(model_path, acceptance):
+    ahead, plain = shard(model_path, acceptance), shard(model_path, acceptance)
+    slots = [0, 2]
+    for k, accepted in [(4, [4, 1]), (4, [0, 4]), (3, [3, 2]), (2, [2, 2])]:
+        got, got_q = one_round(ahead, slots, k, accepted)
+        want, want_q = one_round(plain, slots, k, accepted)
+        assert got == want
+        if acceptance == "logits":
+            torch.testing.assert_close(got_q, want_q)
+        ahead.propose_ahead(slots, 4)        # the next round may use k <= 4
+    ahead.drop_ahead()
+    assert [vars(s) for s in ahead.slots] == [vars(s) for s in plain.slots]
+
+
+def test_mismatch_restores_states(model_path):
+    s = shard(model_path)
+    before = [vars(st).copy() for st in s.slots]
+    s.propose_ahead([0, 2], 2)
+    assert s.slots[0].cache_len != before[0]["cache_len"]
+    assert s.take_ahead([0], 2) is None            # other slots: dropped and rolled back
+    assert [vars(st) for st in s.slots] == before
+    s.propose_ahead([0, 2], 2)
+    assert s.take_ahead([0, 2], 3) is None         # larger k than drafted ahead
+    assert [vars(st) for st in s.slots] == before
+    s.propose_ahead([0, 2], 2)
+    s.drop_ahead()                                 # prefill/release arrived instead
+    assert [vars(st) for st in s.slots] == before and s.ahead is None
