@@ -130,19 +130,22 @@ class Scheduler:
         slots = sorted(self.running)
         k = self.controller.choose(len(slots))
         start = time.perf_counter()
-        if self.last_round_end is not None:
-            self.between_time += start - self.last_round_end
+        previous_end = self.last_round_end
+        if previous_end is not None:
+            self.between_time += start - previous_end
             self.betweens += 1
         results = self.pool.command({"type": "round", "slots": slots, "k": k},
                                     self.step_timeout_s)
         self.last_round_end = time.perf_counter()
         elapsed = self.last_round_end - start
+        # a round's cost is end to end: with draft-ahead the draft ran before the command
+        cost = self.last_round_end - (previous_end if previous_end is not None else start)
         self.round_time += elapsed
         self.worker_time += max(r.get("worker_s", 0.0) for r in results.values())
         result = next(r for r in results.values() if "tokens" in r)
         self._add_timing(results)
         finished = []
-        self.controller.observe(k, result["accepted"], elapsed)
+        self.controller.observe(k, result["accepted"], cost)
         for slot, tokens, accepted in zip(slots, result["tokens"], result["accepted"]):
             seq = self.running[slot]
             events.append(self._append(seq, tokens, accepted, k))
@@ -165,6 +168,7 @@ class Scheduler:
                                "params": [s.worker_params() for s in admitted]},
                               self.step_timeout_s)
             self.prefill_time += time.perf_counter() - start
+            self.last_round_end = None   # the next round's cost must not include this prefill
             self.prefills += 1
 
     def _append(self, seq: Sequence, tokens: list[int], accepted: int, k: int) -> Event:

@@ -115,15 +115,19 @@ class DraftShard(ModelShard):
 
     def take_ahead(self, slots: list[int], k: int
                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The proposals made ahead for exactly these slots (first k of them), or None."""
+        """The proposals made ahead for exactly these slots: their first k, or all of them
+        continued to k; None (after rolling back) for other slots."""
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return None
         ahead_slots, ahead_k, tokens, probs, saved = ahead
-        if ahead_slots == slots and k <= ahead_k:
+        if ahead_slots != slots:
+            self._restore(ahead_slots, saved)
+            return None
+        if k <= ahead_k:
             return tokens[:, :k], None if probs is None else probs[:, :k]
-        self._restore(ahead_slots, saved)
-        return None
+        return self._continue(slots, list(tokens.unbind(1)),
+                              [] if probs is None else list(probs.unbind(1)), k)
 
     def drop_ahead(self) -> None:
         self.take_ahead([], 0)
@@ -136,8 +140,6 @@ class DraftShard(ModelShard):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode k tokens per slot: tokens [B, k] on the device and, when sampling, the
         distributions q [B, k, V] they were drawn from."""
-        sampling = self.sampling(slots)
-        index = self.committed_index(slots)                               # [B]
         pending = [self.slots[s].pending for s in slots]
         logits = self.forward_rows(slots, pending)                       # [B, T, V]
         if all(len(p) == 1 for p in pending):
@@ -145,14 +147,24 @@ class DraftShard(ModelShard):
         else:
             last = to_device([len(p) - 1 for p in pending], torch.long, self.device)
             logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
-        tokens, probs = [], []
-        for i in range(k):
-            if i:
-                logits = self._step(slots, tokens[-1][:, None])[:, -1]    # [B, V]
+        token, q = draft_choose(logits, self.sampling(slots), self.committed_index(slots),
+                                self.acceptance)
+        return self._continue(slots, [token], [] if q is None else [q], k)
+
+    def _continue(self, slots: list[int], tokens: list[torch.Tensor],
+                  probs: list[torch.Tensor], k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode from the proposals so far (tokens [B] each, their q [B, V] when sampling)
+        until there are k: tokens [B, k], q [B, k, V] or None."""
+        sampling = self.sampling(slots)
+        index = self.committed_index(slots)                               # [B]
+        for i in range(len(tokens), k):
+            logits = self._step(slots, tokens[-1][:, None])[:, -1]        # [B, V]
             token, q = draft_choose(logits, sampling, index + i, self.acceptance)
             tokens.append(token)
-            probs.append(q)
-        q_all = None if probs[0] is None else torch.stack(probs, dim=1)   # [B, k, V]
+            if q is not None:
+                probs.append(q)
+        q_all = torch.stack(probs, dim=1) if probs else None              # [B, k, V]
         return torch.stack(tokens, dim=1), q_all                          # [B, k]
 
     def commit(self, slots: list[int], draft_tokens: list[list[int]], accepted: list[int],

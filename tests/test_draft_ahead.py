@@ -38,13 +38,13 @@ def one_round(s: DraftShard, slots: list[int], k: int, accepted: list[int]):
 def test_ahead_equals_on_command(model_path, acceptance):
     ahead, plain = shard(model_path, acceptance), shard(model_path, acceptance)
     slots = [0, 2]
-    for k, accepted in [(4, [4, 1]), (4, [0, 4]), (3, [3, 2]), (2, [2, 2])]:
+    for k, accepted in [(4, [4, 1]), (4, [0, 4]), (3, [3, 2]), (6, [6, 1]), (2, [2, 2])]:
         got, got_q = one_round(ahead, slots, k, accepted)
         want, want_q = one_round(plain, slots, k, accepted)
         assert got == want
         if acceptance == "logits":
             torch.testing.assert_close(got_q, want_q)
-        ahead.propose_ahead(slots, 4)        # the next round may use k <= 4
+        ahead.propose_ahead(slots, 4)        # the next round's k: fewer, or continued to more
     ahead.drop_ahead()
     assert [vars(s) for s in ahead.slots] == [vars(s) for s in plain.slots]
 
@@ -55,9 +55,6 @@ def test_mismatch_restores_states(model_path):
     s.propose_ahead([0, 2], 2)
     assert s.slots[0].cache_len != before[0]["cache_len"]
     assert s.take_ahead([0], 2) is None            # other slots: dropped and rolled back
-    assert [vars(st) for st in s.slots] == before
-    s.propose_ahead([0, 2], 2)
-    assert s.take_ahead([0, 2], 3) is None         # larger k than drafted ahead
     assert [vars(st) for st in s.slots] == before
     s.propose_ahead([0, 2], 2)
     s.drop_ahead()                                 # prefill/release arrived instead
