@@ -20,6 +20,7 @@ import zmq
 from launcher.discovery import LaunchEnv
 from parallel import groups as pgroups
 from parallel.topology import LaunchError, Topology, topology_from_config
+from runtime import auth
 from runtime.config import TandemConfig
 from runtime.errors import EngineDeadError
 from runtime.pool import WorkerPool
@@ -201,10 +202,16 @@ def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
     try:
         _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s, liveness,
                              listener)
+        # no key file: a random key for this launch, so that no other local process can
+        # forge a worker's frames; the workers get it with the address
+        key = None if auth.control_key() is not None else auth.launch_key()
         pool = WorkerPool(topology.worker_ranks, context, bind=control_bind(),
                           heartbeat_s=rt.heartbeat_s,
-                          dead_after_s=max(10.0, 10 * rt.heartbeat_s), liveness=liveness)
-        pgroups.broadcast_address(pool.address)
+                          dead_after_s=max(10.0, 10 * rt.heartbeat_s), liveness=liveness,
+                          key=key)
+        log.info("control plane at %s (%s)", pool.address,
+                 "key file" if key is None else "key of this launch")
+        pgroups.broadcast_control(pool.address, key)
         pool.handshake(config.to_dict(), rt.startup_timeout_s)
         pgroups.build_groups(topology, rt.step_timeout_s)
         pool.wait_for("ready", rt.startup_timeout_s)

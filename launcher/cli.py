@@ -143,6 +143,9 @@ def _worker(args) -> int:
 
     rank = args.rank
     if args.rank_from_mpi:
+        from launcher.discovery import survive_mpi_fault_notice
+
+        survive_mpi_fault_notice()
         from mpi4py import MPI
 
         parent = MPI.Comm.Get_parent()

@@ -10,6 +10,7 @@ Four launch forms (INTERFACE.md) map to these methods:
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -54,6 +55,14 @@ def under_mpi() -> bool:
     return any(key in os.environ for key in MPI_ENV_KEYS)
 
 
+def survive_mpi_fault_notice() -> None:
+    """MPICH's hydra, run with -disable-auto-cleanup, tells the surviving ranks that one died
+    with SIGUSR1, whose default action ends the process: ignore it (silently: hydra may end
+    the job on any output after a failure), so that rank 0 lives to name the dead rank (it
+    finds out on its own)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def discover() -> LaunchEnv:
     if os.environ.get("TANDEM_LAUNCH") == "spawn":  # Engine.launch's child: always spawn
         return LaunchEnv("spawn", 0, None, None)
@@ -61,6 +70,7 @@ def discover() -> LaunchEnv:
         return LaunchEnv("torchrun", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                          "env://")
     if under_mpi():
+        survive_mpi_fault_notice()
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD

@@ -102,6 +102,9 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
             print(f"tandem: HTTP API at {front.url}", file=sys.stderr, flush=True)
         server.serve(stop)
     except EngineDeadError as exc:
+        # the failure replies leave first: under MPICH's hydra a word on stderr after a rank
+        # died can end every rank at once
+        time.sleep(0.02)
         print(f"tandem: error: engine died: {exc}", file=sys.stderr)
         code = EXIT_DEAD
         time.sleep(0.2)  # let the failure replies leave

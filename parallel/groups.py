@@ -17,6 +17,7 @@ import torch.distributed as dist
 from parallel.topology import Topology
 
 ADDRESS_BYTES = 256
+KEY_BYTES = 32         # runtime.auth.LAUNCH_KEY_BYTES
 
 
 @dataclass(frozen=True)
@@ -60,17 +61,26 @@ def build_groups(topology: Topology, timeout_s: float) -> Groups:
                   bridge_ranks=tuple(topology.worker_ranks))
 
 
-def broadcast_address(address: str | None) -> str:
-    """Rank 0 tells every rank where its control socket listens (world group, gloo)."""
-    buf = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8)
+def broadcast_control(address: str | None, key: bytes | None = None
+                      ) -> tuple[str, bytes | None]:
+    """Rank 0 tells every rank where its control socket listens and, if it made one for this
+    launch, the HMAC key of the control frames (world group, gloo). Returns (address, key);
+    the key is None where rank 0 sent none (a key file on every rank, or no key)."""
+    buf = torch.zeros(ADDRESS_BYTES + 1 + KEY_BYTES, dtype=torch.uint8)
     if dist.get_rank() == 0:
         raw = address.encode()
         if len(raw) >= ADDRESS_BYTES:
             raise ValueError(f"control address too long: {address!r}")
+        if key is not None and len(key) != KEY_BYTES:
+            raise ValueError(f"launch key must be {KEY_BYTES} bytes, got {len(key)}")
         buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        if key is not None:
+            buf[ADDRESS_BYTES] = 1
+            buf[ADDRESS_BYTES + 1:] = torch.tensor(list(key), dtype=torch.uint8)
     dist.broadcast(buf, src=0)
-    raw = bytes(buf.tolist()).rstrip(b"\0")
-    return raw.decode()
+    raw = bytes(buf.tolist())
+    address = raw[:ADDRESS_BYTES].rstrip(b"\0").decode()
+    return address, (raw[ADDRESS_BYTES + 1:] if raw[ADDRESS_BYTES] else None)
 
 
 def destroy() -> None:

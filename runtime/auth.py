@@ -1,16 +1,20 @@
 """Control-plane authentication: an HMAC-SHA256 of every frame under a shared key read from a
 file. Required whenever a socket listens beyond loopback (a non-loopback `server.address`, or
-TANDEM_CONTROL_HOST for the workers' control plane); optional otherwise."""
+TANDEM_CONTROL_HOST for the workers' control plane); optional otherwise for clients. The
+workers' control plane is always authenticated: without a key file, rank 0 makes a random key
+per launch (launch_key) and hands it to the workers over torch.distributed."""
 from __future__ import annotations
 
 import hashlib
 import hmac
 import ipaddress
 import os
+import secrets
 import socket
 
 MAC_BYTES = 32
 MIN_KEY_BYTES = 16
+LAUNCH_KEY_BYTES = 32
 
 
 class AuthError(ValueError):
@@ -83,6 +87,17 @@ def control_key() -> bytes | None:
         path = os.environ.get(CONTROL_KEY_ENV)
         _control_key.append(load_key(path) if path else None)
     return _control_key[0]
+
+
+def launch_key() -> bytes:
+    """A fresh random key for one launch's control plane, when no key file is configured:
+    rank 0 hands it to the workers over the world group (parallel.groups.broadcast_control)."""
+    return secrets.token_bytes(LAUNCH_KEY_BYTES)
+
+
+def use_control_key(key: bytes) -> None:
+    """From now on control_key() is `key` (a worker, given rank 0's launch key)."""
+    _control_key[:] = [key]
 
 
 def check_control_bind(address: str) -> None:

@@ -44,12 +44,18 @@ def check_cuda(cfg: TandemConfig) -> None:
 
 def check_files(cfg: TandemConfig) -> None:
     from runtime.models.checkpoint import inspect_checkpoint
+    from runtime.tokenizer import check_tokenizer_path
 
     for name, model in model_lists(cfg):
         if not os.path.exists(model.model):
             raise ConfigError(f"{name}.model", f"{model.model} does not exist")
-    if cfg.tokenizer is not None and not os.path.exists(cfg.tokenizer):
-        raise ConfigError("tokenizer", f"{cfg.tokenizer} does not exist")
+    if cfg.tokenizer is not None:
+        if not os.path.exists(cfg.tokenizer):
+            raise ConfigError("tokenizer", f"{cfg.tokenizer} does not exist")
+        try:
+            check_tokenizer_path(cfg.tokenizer)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError("tokenizer", str(exc)) from None
     infos = {}
     for name, model in model_lists(cfg):
         try:

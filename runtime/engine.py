@@ -1,14 +1,17 @@
 """Engine.launch: start orchestrator + workers (`tandem serve` in a child process) and hand
 back a Client connected to it. The config is validated here first, so a bad config raises
-ConfigError before any process starts."""
+ConfigError before any process starts. The server's stderr passes through a thread of ours
+to our stderr; when the server exits, EngineDeadError carries its last error line."""
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 import yaml
 
@@ -16,11 +19,67 @@ from runtime.client import Client
 from runtime.config import TandemConfig, load_config
 from runtime.errors import EngineDeadError
 
+ERROR_PREFIX = "tandem: error: "
+TAIL_LINES = 20
+MAX_DETAIL_CHARS = 2000
+
+
+class StderrTail:
+    """Forwards a child's stderr pipe to our stderr line by line (on a daemon thread) and
+    keeps its last lines, so that the child's own account of a failure can be reported."""
+
+    def __init__(self, pipe, forward=None):
+        self._pipe = pipe
+        self._forward = forward
+        self.lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="tandem-stderr", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with self._pipe:
+            for raw in iter(self._pipe.readline, b""):
+                line = raw.decode(errors="replace")
+                self._write(line)
+                text = line.strip()
+                if text.startswith(ERROR_PREFIX):
+                    self.last_error = text[len(ERROR_PREFIX):]
+                if text:
+                    self.lines.append(text)
+
+    def _write(self, line: str) -> None:
+        out = self._forward or sys.stderr
+        if out is None:
+            return
+        try:
+            out.write(line)
+            out.flush()
+        except (OSError, ValueError):   # our stderr is closed: keep reading, stop writing
+            self._forward = _Discard()
+
+    def detail(self, wait_s: float = 2.0) -> str | None:
+        """The child's last "tandem: error:" line, else its last line (e.g. a traceback's
+        exception); waits up to wait_s for the pipe to close (every writer gone)."""
+        self._thread.join(wait_s)
+        text = self.last_error or (self.lines[-1] if self.lines else None)
+        return None if text is None else text[:MAX_DETAIL_CHARS]
+
+
+class _Discard:
+    def write(self, _text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
 
 class Engine(Client):
-    def __init__(self, address: str, process: subprocess.Popen, tmpdir: str, **kwargs):
+    def __init__(self, address: str, process: subprocess.Popen, tmpdir: str,
+                 stderr: StderrTail | None = None, **kwargs):
         self._process = process
         self._tmpdir = tmpdir
+        self._stderr = stderr
+        self._gone: str | None = None
         super().__init__(address, **kwargs)
 
     @classmethod
@@ -34,21 +93,27 @@ class Engine(Client):
         address = f"ipc://{tmpdir}/server.sock"
         cmd = [sys.executable, "-m", "launcher", "serve", path, "--address", address]
         env = dict(os.environ, TANDEM_LAUNCH="spawn")
-        process = subprocess.Popen(cmd, start_new_session=True, env=env)
-        engine = cls(address, process, tmpdir)
+        process = subprocess.Popen(cmd, start_new_session=True, env=env,
+                                   stderr=subprocess.PIPE)
+        engine = cls(address, process, tmpdir, StderrTail(process.stderr))
         timeout = startup_timeout_s or cfg.runtime.startup_timeout_s
         try:
-            engine.info(timeout_s=timeout)
+            engine.info(timeout_s=timeout)   # fails as soon as the server process exits
         except BaseException:
             engine.close()
             raise
         return engine
 
     def _process_gone(self) -> str | None:
-        code = self._process.poll()
-        if code is None:
-            return None
-        return f"tandem server (pid {self._process.pid}) exited with code {code}"
+        """Why the server is gone (its exit code and last error line); None while it runs."""
+        if self._gone is None:
+            code = self._process.poll()
+            if code is None:
+                return None
+            reason = f"tandem server (pid {self._process.pid}) exited with code {code}"
+            detail = self._stderr.detail() if self._stderr is not None else None
+            self._gone = f"{reason}: {detail}" if detail else reason
+        return self._gone
 
     def info(self, timeout_s: float = 30.0) -> dict:
         try:

@@ -33,7 +33,8 @@ class Orchestrator:
     def _load(self) -> None:
         try:
             info = inspect_checkpoint(self.config.target.model)
-            tokenizer = load_tokenizer(self.config.tokenizer_path)
+            tokenizer = load_tokenizer(self.config.tokenizer_path,
+                                       required=self.config.tokenizer is not None)
         except BaseException as exc:  # noqa: BLE001 - re-raised by attach()
             self._load_error = exc
             return

@@ -12,6 +12,7 @@ heartbeats stopped), not the peer.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -29,6 +30,8 @@ log = logging.getLogger("tandem.pool")
 # After a rank reports an error, wait at most this long for the process that caused it
 # (a peer that died without a word) to show up before reporting the error as it is.
 ATTRIBUTION_GRACE_S = 0.5
+MAX_DRAIN = 10000   # frames read per drain (the socket's receive high-water mark)
+DROP_LOG_S = 5.0    # at most one warning about dropped frames per this many seconds
 
 Liveness = Callable[..., "str | None"]   # liveness(exclude=ranks) -> why a rank is gone
 
@@ -37,15 +40,16 @@ class WorkerPool:
     def __init__(self, worker_ranks: tuple[int, ...], context: zmq.Context,
                  bind: str = "tcp://127.0.0.1", heartbeat_s: float = 1.0,
                  dead_after_s: float = 30.0,
-                 liveness: Liveness | None = None):
+                 liveness: Liveness | None = None, key: bytes | None = None):
         self.ranks = tuple(worker_ranks)
         auth.check_control_bind(bind)
-        self.key = auth.control_key()      # HMAC of every frame when set
+        # HMAC of every frame: the launch's key, else the key file's (if any)
+        self.key = key if key is not None else auth.control_key()
         self.sock = context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 1000)
-        self.sock.setsockopt(zmq.RCVHWM, 10000)
+        self.sock.setsockopt(zmq.RCVHWM, MAX_DRAIN)
         port = self.sock.bind_to_random_port(bind)
         self.address = f"{bind}:{port}"
         self.heartbeat_s = heartbeat_s
@@ -58,6 +62,8 @@ class WorkerPool:
         self.processes: dict[int, tuple[str, int]] = {}   # rank -> (host, pid), from hello
         self.failures: dict[int, str] = {}                # rank -> the error it reported
         self._failed_at: float | None = None
+        self._inbox: collections.deque[dict] = collections.deque()   # drained, not yet used
+        self._drops, self._drop_logged = 0, -DROP_LOG_S                # dropped frames
         self.beacon = Beacon(context, bind, heartbeat_s, self.key)
 
     # --- low level -----------------------------------------------------------------------
@@ -76,17 +82,17 @@ class WorkerPool:
             self.dead = reason
         raise EngineDeadError(self.dead)
 
-    def _poll_one(self, timeout_ms: int) -> dict | None:
-        if not self.sock.poll(timeout_ms):
-            return None
+    def _read(self) -> dict | None:
+        """Receive one frame (one must be waiting): the valid message in it, else None.
+        Records the sender's heartbeat and any error it reports."""
         parts = self.sock.recv_multipart()
         if len(parts) != 2:
-            log.warning("dropped a frame with %d parts", len(parts))
+            self._dropped(f"a frame with {len(parts)} parts")
             return None
         try:
             msg = protocol.decode(parts[1], self.key)
         except protocol.ProtocolError as exc:
-            log.warning("dropped a worker frame: %s", exc)
+            self._dropped(f"a worker frame: {exc}")
             return None
         rank = msg.get("rank")
         if rank in self.last_seen:
@@ -95,16 +101,43 @@ class WorkerPool:
             self._worker_failed(rank, msg["message"])
         return msg
 
+    def _dropped(self, what: str) -> None:
+        """Log a dropped frame: the first at once, then at most one line per
+        DROP_LOG_S with the count (a local process could flood us with forgeries)."""
+        self._drops += 1
+        now = time.monotonic()
+        if now - self._drop_logged >= DROP_LOG_S:
+            more = f" (and {self._drops - 1} more since the last report)" \
+                if self._drops > 1 else ""
+            log.warning("dropped %s%s", what, more)
+            self._drops, self._drop_logged = 0, now
+
+    def _drain(self) -> None:
+        """Read every frame already queued on the socket: heartbeats count before ages are
+        judged (after a stall of this process, live ranks' beats are waiting there). At most
+        MAX_DRAIN frames, so that a flood cannot keep us here."""
+        for _ in range(MAX_DRAIN):
+            if not self.sock.poll(0):
+                return
+            msg = self._read()
+            if msg is not None and msg["type"] != "heartbeat":
+                self._inbox.append(msg)
+
+    def _poll_one(self, timeout_ms: int) -> dict | None:
+        if self._inbox:
+            return self._inbox.popleft()
+        if not self.sock.poll(timeout_ms):
+            return None
+        return self._read()
+
     def _worker_failed(self, rank: int, message: str) -> None:
-        """A rank reported an error: die now naming the rank that caused it if one is gone,
-        else give the cause ATTRIBUTION_GRACE_S to show (check_alive dies after that)."""
-        log.warning("rank %s reported an error: %s", rank, message)
+        """A rank reported an error: check_alive (next, once the queue is drained) dies
+        naming the rank that caused it if one is gone, else gives the cause
+        ATTRIBUTION_GRACE_S to show."""
+        log.info("rank %s reported an error: %s", rank, message)   # reported by _die
         self.failures.setdefault(rank, message)
         if self._failed_at is None:
             self._failed_at = time.monotonic()
-        cause = self._gone(exclude=self.failures)
-        if cause:
-            self._die(f"{cause}; {self._failure_summary()}")
 
     def _failure_summary(self) -> str:
         first = next(iter(self.failures.values()))
@@ -138,6 +171,7 @@ class WorkerPool:
         """Raise EngineDeadError if a rank died, failed or went silent."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        self._drain()
         if self.liveness is not None:
             reason = self.liveness(exclude=self.failures)
             if reason:
@@ -189,10 +223,12 @@ class WorkerPool:
         return {rank: m["result"] for rank, m in done.items()}
 
     def idle(self, timeout_ms: int = 50) -> None:
-        """Between steps: drain heartbeats, notice failures."""
+        """Between steps: wait up to timeout_ms for a frame, drain the queue (stale replies
+        are dropped), notice failures."""
+        if not self._inbox and self.sock.poll(timeout_ms):
+            self._read()
         self.check_alive()
-        while self._poll_one(timeout_ms) is not None:
-            timeout_ms = 0
+        self._inbox.clear()
 
     def shutdown(self) -> None:
         for rank in self.ranks:

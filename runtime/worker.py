@@ -73,6 +73,7 @@ class WorkerExit(Exception):
 
 
 SIGNAL_GRACE_S = 5.0   # after SIGINT/SIGTERM, wait this long for the orchestrator's shutdown
+ERROR_GRACE_S = 3.0    # after reporting an error, as long (launcher.bootstrap.DEAD_GRACE_S)
 
 
 class Worker:
@@ -87,6 +88,7 @@ class Worker:
         self.groups: pgroups.Groups | None = None
         self.draft: DraftShard | None = None
         self.target: TargetShard | None = None
+        self.ahead_args: tuple[list[int], int] | None = None   # next round to draft ahead
         self.device = torch.device("cpu")
         self.pulse: Pulse | None = None
         self.profile = os.environ.get("TANDEM_PROFILE") == "1"
@@ -216,16 +218,48 @@ class Worker:
             try:
                 result = self.handle(msg)
             except Exception as exc:
-                # tell the orchestrator first: under mpirun every rank may be killed soon
+                # tell the orchestrator first and let it tell the clients before this rank
+                # writes a word or exits: under mpirun either may end every rank at once
                 self.send({"type": "error", "rank": self.rank, "step": step,
                            "message": f"rank {self.rank}: {type(exc).__name__}: {exc}"})
+                self.await_shutdown(ERROR_GRACE_S)
                 log.error("rank %d step %d failed:\n%s", self.rank, step, traceback.format_exc())
                 raise
             self.send({"type": "done", "rank": self.rank, "step": step, "result": result})
+            self.draft_ahead()
+
+    def draft_ahead(self) -> None:
+        """After a round's result is sent: queue the next round's draft on the GPU, so it runs
+        while the orchestrator decides and its next command travels (runtime.shards)."""
+        ahead, self.ahead_args = self.ahead_args, None
+        if ahead is None:
+            return
+        try:
+            self.draft.propose_ahead(*ahead)
+        except Exception:  # noqa: BLE001 - the next round proposes on command and reports
+            log.warning("rank %d: drafting ahead failed:\n%s", self.rank, traceback.format_exc())
+            self.draft.drop_ahead()
+
+    def await_shutdown(self, timeout_s: float) -> None:
+        """After reporting an error, wait (at most timeout_s, or until the orchestrator goes
+        silent) for its shutdown, so that it can name the cause to the clients first: MPICH's
+        hydra tears the whole job down as soon as a rank exits after another one died."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.pulse is not None and \
+                self.pulse.orchestrator_silent_s < 3 * self.pulse.period_s:
+            if self.sock.poll(100):
+                try:
+                    if protocol.decode(self.sock.recv(), auth.control_key())["type"] == \
+                            "shutdown":
+                        return
+                except protocol.ProtocolError:
+                    pass
 
     def handle(self, msg: dict) -> dict:
         kind = msg["type"]
         slots = protocol.int_list(msg["slots"], f"{kind}.slots")
+        if kind != "round" and self.draft is not None:
+            self.draft.drop_ahead()
         if kind == "prefill":
             prompts = [protocol.int_list(p, "prefill.prompts") for p in msg["prompts"]]
             params = [check_sampling(p) for p in msg["params"]]
@@ -250,6 +284,7 @@ class Worker:
         if not 1 <= k <= self.config.speculation.max_draft_len:
             raise ValueError(f"round.k must be in 1..{self.config.speculation.max_draft_len}, "
                              f"got {k}")
+        start = time.perf_counter()
         shard = self.target or self.draft
         batch, dev = len(slots), self.device
         need_q = self.config.speculation.acceptance == "logits" and \
@@ -258,7 +293,8 @@ class Worker:
         draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)
         draft_probs = None
         if self.draft is not None:
-            draft_tokens, draft_probs = self.draft.propose(slots, k)      # [B, k], [B, k, V]
+            ahead = self.draft.take_ahead(slots, k)
+            draft_tokens, draft_probs = ahead or self.draft.propose(slots, k)  # [B, k], [B, k, V]
         clock.lap("draft_s")
         bridge_broadcast(draft_tokens, self.topology.draft_leader, self.groups.bridge)
         clock.lap("draft_tokens_transfer_s")
@@ -282,7 +318,10 @@ class Worker:
             self.draft.commit(slots, drafts, accepted, next_tokens)
         if self.target is not None:
             self.target.commit(slots, accepted, next_tokens)
+        if self.draft is not None and self.config.runtime.draft_ahead:
+            self.ahead_args = (slots, k)   # drafted once the result is sent (draft_ahead)
         result = {"timing": clock.laps} if self.profile else {}
+        result["worker_s"] = time.perf_counter() - start
         if self.rank == self.topology.target_leader:
             result["tokens"] = [d[:a] + [n] for d, a, n in zip(drafts, accepted, next_tokens)]
             result["accepted"] = accepted

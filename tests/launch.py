@@ -39,16 +39,20 @@ def world_size(draft_devices, target_devices) -> int:
     return 1 + len(dict.fromkeys([*draft_devices, *target_devices]))
 
 
-def command(form: str, world: int, args: list[str]) -> list[str]:
+def command(form: str, world: int, args: list[str], mpi_args: tuple[str, ...] = ()
+            ) -> list[str]:
+    """The command line of one launch form; `mpi_args` go to mpirun (e.g.
+    "-disable-auto-cleanup")."""
     if form == "spawn":
         return [sys.executable, "-m", "launcher", *args]
     if form == "torchrun":
         return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={world}",
                 "-m", "launcher", *args]
     if form == "mpirun":
-        return [_mpirun(), "-n", str(world), sys.executable, "-m", "launcher", *args]
+        return [_mpirun(), *mpi_args, "-n", str(world), sys.executable, "-m", "launcher",
+                *args]
     if form == "mpi-spawn":
-        return [_mpirun(), "-n", "1", sys.executable, "-m", "launcher", *args]
+        return [_mpirun(), *mpi_args, "-n", "1", sys.executable, "-m", "launcher", *args]
     raise ValueError(form)
 
 

@@ -103,3 +103,72 @@ def test_server_beyond_loopback_serves_only_keyed_clients(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     launch.assert_group_gone(proc.pid)
+
+
+def test_forged_worker_frames_are_dropped(tmp_path):
+    """No key file: rank 0 makes a key for this launch and hands it to the workers over
+    torch.distributed; a local process that connects to the workers' control socket and
+    forges their "error" and "done" frames is ignored (logged), and the output is right."""
+    import re
+    import signal
+    import threading
+    import time
+
+    import zmq
+
+    from runtime import Client
+
+    target = checkpoints.build_checkpoint(tmp_path / "t", "llama", seed=0)
+    draft = checkpoints.build_near_draft(target, tmp_path / "d", noise=0.05)
+    cfg = launch.write_config(tmp_path / "c.yaml", draft, target)
+    address = f"ipc://{tmp_path}/server.sock"
+    env = dict(launch.clean_env(), TANDEM_LOG="INFO")
+    env.pop(auth.CONTROL_KEY_ENV, None)
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(launch.command("spawn", 3, ["serve", cfg, "--address", address]),
+                                stderr=err, start_new_session=True, env=env)
+    stop = threading.Event()
+
+    def forge(control: str) -> None:
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(control)
+        wrong = protocol.encode({"type": "error", "rank": 2, "step": 1, "message": "x"},
+                                b"k" * 32)
+        while not stop.wait(0.05):
+            sock.send(protocol.encode({"type": "error", "rank": 1, "step": 1,
+                                       "message": "FORGED-ERROR"}))
+            sock.send(wrong)
+            for step in range(1, 41):
+                sock.send(protocol.encode({"type": "done", "rank": 2, "step": step, "result": {
+                    "tokens": [[7]], "accepted": [0]}}))
+        sock.close(0)
+        context.term()
+
+    try:
+        with Client(address, dead_after_s=120) as client:
+            client.info(timeout_s=120)
+            ids = client.generate(prompt_token_ids=[1, 5, 9, 13], max_new_tokens=24).token_ids
+            control = re.search(r"control plane at (tcp://\S+) \(key of this launch\)",
+                                err_path.read_text()).group(1)
+            forger = threading.Thread(target=forge, args=(control,), daemon=True)
+            forger.start()
+            time.sleep(0.5)
+            for _ in range(3):
+                out = client.generate(prompt_token_ids=[1, 5, 9, 13], max_new_tokens=24)
+                assert out.token_ids == ids
+            stop.set()
+            forger.join(10)
+        log = err_path.read_text()
+        assert "dropped a worker frame: frame signature does not match" in log, log[-2000:]
+        assert "FORGED-ERROR" not in log, log[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, err_path.read_text()[-2000:]
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    launch.assert_group_gone(proc.pid)

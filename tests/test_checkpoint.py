@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -121,3 +123,29 @@ def test_tokenizer_none_without_files(tmp_path):
 def test_tokenizer_missing_path(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_bad_tokenizer_path_fails_before_transformers_loads(tmp_path):
+    """A missing path, a file that is no .gguf, or (when a tokenizer is required) a dir
+    without tokenizer files: a clear error before the slow transformers import."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "vocab.txt").write_text("a b c")
+    code = f"""
+import sys
+from runtime.tokenizer import load_tokenizer
+cases = [({str(tmp_path / "nope")!r}, False, FileNotFoundError, "does not exist"),
+         ({str(tmp_path / "vocab.txt")!r}, False, ValueError, "not a .gguf file"),
+         ({str(tmp_path / "empty")!r}, True, FileNotFoundError, "no tokenizer files")]
+for path, required, error, words in cases:
+    try:
+        load_tokenizer(path, required=required)
+    except error as exc:
+        assert words in str(exc), exc
+    else:
+        raise AssertionError(path)
+assert load_tokenizer({str(tmp_path / "empty")!r}) is None
+assert "transformers" not in sys.modules
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert res.returncode == 0, res.stderr[-2000:]

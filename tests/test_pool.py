@@ -1,0 +1,92 @@
+"""runtime.pool.WorkerPool on loopback with fake workers (DEALER sockets of this process):
+heartbeats queued while the orchestrator stalled count before heartbeat ages are judged."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from runtime import EngineDeadError, protocol
+from runtime.pool import WorkerPool
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def pool():
+    context = zmq.Context()
+    pool = WorkerPool((1, 2), context, heartbeat_s=0.1, dead_after_s=1.0)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        context.destroy(linger=0)
+
+
+def dealer(pool: WorkerPool, rank: int) -> zmq.Socket:
+    sock = pool.sock.context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
+    sock.connect(pool.address)
+    return sock
+
+
+def send(sock: zmq.Socket, pool: WorkerPool, msg: dict) -> None:
+    sock.send(protocol.encode(msg, pool.key))
+
+
+def beating(pool: WorkerPool, stop: threading.Event) -> threading.Thread:
+    """Ranks 1 and 2 heartbeat every 0.1 s from a thread until `stop` is set."""
+    def run() -> None:
+        socks = [dealer(pool, rank) for rank in pool.ranks]
+        try:
+            while not stop.wait(0.1):
+                for rank, sock in zip(pool.ranks, socks):
+                    send(sock, pool, {"type": "heartbeat", "rank": rank})
+        finally:
+            for sock in socks:
+                sock.close(0)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("call", ["check_alive", "idle", "wait_for"])
+def test_stalled_orchestrator_does_not_misread_live_workers(pool, call):
+    """The pool does not poll for 2 s (twice dead_after_s: a long prefill, a GC pause) while
+    both workers keep heartbeating: their queued beats count, nobody is declared dead."""
+    stop = threading.Event()
+    thread = beating(pool, stop)
+    try:
+        time.sleep(2.0)                       # the stall: nothing reads the socket
+        if call == "check_alive":
+            pool.check_alive()
+        elif call == "idle":
+            pool.idle(0)
+        else:
+            with pytest.raises(EngineDeadError, match="did not answer 'done'"):
+                pool.wait_for("done", 0.5)    # times out waiting, not on heartbeats
+        assert pool.dead is None or "heartbeat" not in pool.dead
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_error_after_stall_is_not_blamed_on_a_live_rank(pool):
+    """Rank 1 reports an error, then rank 2's heartbeat (queued behind it, as after a stall):
+    the error is reported as rank 1's, not as rank 2 having gone silent."""
+    pool.dead_after_s = 10.0
+    sock = dealer(pool, 1)
+    try:
+        time.sleep(2.0)                       # both ranks' last beats are 2 s old now
+        send(sock, pool, {"type": "heartbeat", "rank": 1})
+        send(sock, pool, {"type": "error", "rank": 1, "step": 1, "message": "rank 1: boom"})
+        send(sock, pool, {"type": "heartbeat", "rank": 2})
+        time.sleep(0.2)                       # all three are queued
+        with pytest.raises(EngineDeadError) as info:
+            pool.wait_for("done", 5.0, step=1)
+        assert str(info.value) == "rank 1: boom", str(info.value)
+    finally:
+        sock.close(0)
