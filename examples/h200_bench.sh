@@ -18,7 +18,7 @@ for phase in "$@"; do
     case $phase in
         check) python examples/graphs_check.py --shape 1b --out "$OUT/check.json" \
                    > "$OUT/check.log" 2>&1; echo "== check (rc $?)"; tail -20 "$OUT/check.log" ;;
-        k4) bench k4 --batch-sizes 1 --eps 0.02 --draft-len 4 ;;
+        k4) bench k4 --batch-sizes 1 --eps 0.02 --draft-len 4 ${K4_MODES:-} ;;
         auto-0.02) bench auto-0.02 --batch-sizes 1 --eps 0.02 --draft-len auto \
                        --modes target,spec ;;
         eps-0.05) bench eps-0.05 --batch-sizes 1 --eps 0.05 --draft-len 4 \

@@ -97,11 +97,16 @@ class Engine(Client):
                                    stderr=subprocess.PIPE)
         engine = cls(address, process, tmpdir, StderrTail(process.stderr))
         timeout = startup_timeout_s or cfg.runtime.startup_timeout_s
+        running_dead_after_s, engine.dead_after_s = engine.dead_after_s, timeout
         try:
-            engine.info(timeout_s=timeout)   # fails as soon as the server process exits
+            # the server answers once its workers have loaded (and captured their CUDA
+            # graphs), which may take longer than the silence allowed later on; a server
+            # process that exits still fails this at once
+            engine.info(timeout_s=timeout)
         except BaseException:
             engine.close()
             raise
+        engine.dead_after_s = running_dead_after_s
         return engine
 
     def _process_gone(self) -> str | None:

@@ -201,8 +201,20 @@ class Worker:
         check_kv_budget(key, model, rt.max_batch_size, cache_len, model_cfg.kv_cache_memory,
                         self.device)
         graphs = rt.cuda_graphs and model_cfg.tp_size == 1
-        return cls(model, self.device, rt.max_batch_size, cache_len,
-                   self.config.speculation.acceptance, step_len, graphs)
+        shard = cls(model, self.device, rt.max_batch_size, cache_len,
+                    self.config.speculation.acceptance, step_len, graphs)
+        lens = list(range(1, step_len + 1)) if key == "draft" else \
+            [k + 1 for k in self.draft_lens()]
+        start = time.perf_counter()
+        count = shard.runner.capture_all(lens)
+        if count:
+            log.info("rank %d: %s: %d CUDA graphs captured in %.1f s", self.rank, key, count,
+                     time.perf_counter() - start)
+        return shard
+
+    def draft_lens(self) -> list[int]:
+        spec = self.config.speculation
+        return [spec.draft_len] if spec.fixed_draft_len else list(range(1, spec.max_draft_len + 1))
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:

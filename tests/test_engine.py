@@ -137,3 +137,23 @@ def test_killed_worker_raises_engine_dead(models, tmp_path):
     finally:
         engine.close()
     launch.assert_group_gone(server)
+
+
+class ImpatientEngine(Engine):
+    """Declares a running server dead after 0.2 s of silence: far less than a startup."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, dead_after_s=0.2, **kwargs)
+
+
+def test_launch_waits_for_a_slow_startup_then_restores_the_liveness_limit(models, tmp_path):
+    """Loading (and on GPUs capturing CUDA graphs) may outlast the silence allowed to a
+    running server: launch waits up to the startup timeout instead."""
+    cfg = launch.write_config(tmp_path / "c.yaml", *models, max_seq_len=64)
+    start = time.monotonic()
+    with ImpatientEngine.launch(cfg) as eng:
+        assert time.monotonic() - start > 0.2       # the startup took longer than the limit
+        assert eng.dead_after_s == 0.2
+        eng.dead_after_s = 30.0                     # generating may be silent longer
+        out = eng.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
+        assert len(out.token_ids) == 4

@@ -32,6 +32,17 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def kv_buckets(cache_len: int) -> list[int]:
+    """Every attended length kv_bucket can return for this cache."""
+    sizes, n = [], 1
+    while True:
+        size = kv_bucket(n, cache_len)
+        sizes.append(size)
+        if size >= cache_len:
+            return sizes
+        n = size + 1
+
+
 def kv_bucket(kv_len: int, cache_len: int) -> int:
     """The attended length for kv_len valid positions: 256, 512, 1024, 2048, then multiples
     of 2048, never beyond the cache."""
@@ -58,6 +69,21 @@ class StepRunner:
         self.out: torch.Tensor | None = None       # [max_batch, max_step_len, V] logits
         self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None                            # one memory pool shared by all graphs
+
+    @torch.no_grad()
+    def capture_all(self, step_lens: list[int]) -> int:
+        """Capture every graph a step of these lengths can need (each batch bucket and KV
+        bucket, slots 0..B-1 or not), so no request pays for a capture. Returns how many."""
+        if not self.capture:
+            return 0
+        for bsz in self.buckets:
+            for seq in step_lens:
+                for kv_len in kv_buckets(self.model.max_seq_len):
+                    for contiguous in (True, False):
+                        key = (bsz, seq, kv_len, contiguous)
+                        if key not in self.graphs:
+                            self._capture(key)
+        return len(self.graphs)
 
     @torch.no_grad()
     def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
