@@ -106,3 +106,17 @@ def test_kv_budget_too_small_names_the_key(model_path):
     check_kv_budget("target", model, 4, 64, None, CPU)               # fits in free memory
     with pytest.raises(MemoryError, match=r"target KV cache needs .* target.kv_cache_memory"):
         check_kv_budget("target", model, 4096, 4096, 1e-6, CPU)
+
+
+def test_capture_all_enumerates_shapes_shortest_kv_first(model_path, monkeypatch):
+    runner = StepRunner(fresh(model_path), CPU, max_batch=4, max_step_len=5)
+    assert runner.capture_all([5]) == 0                  # nothing to capture on CPU
+    captured = []
+    runner.capture = True
+    monkeypatch.setattr(runner, "_capture", lambda key: captured.append(key))
+    runner.capture_all([1, 5])
+    assert len(captured) == 3 * 2 * 2 * 2                # batch 1/2/4, T 1/5, KV 256/300, x2
+    assert captured[0] == (1, 1, 256, True) and captured[-1] == (4, 5, CACHE_LEN, False)
+    captured.clear()
+    runner.capture_all([1, 5], limit=5)
+    assert len(captured) == 5 and all(key[2] == 256 for key in captured)

@@ -21,6 +21,7 @@ from runtime.models import fused
 
 KV_BUCKET_MIN = 256      # smallest attended KV length of a static step
 KV_BUCKET_LINEAR = 2048  # KV buckets double up to here, then grow by this much
+MAX_STARTUP_GRAPHS = 512  # captured at startup at most; further shapes on first use
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -71,18 +72,19 @@ class StepRunner:
         self.pool = None                            # one memory pool shared by all graphs
 
     @torch.no_grad()
-    def capture_all(self, step_lens: list[int]) -> int:
-        """Capture every graph a step of these lengths can need (each batch bucket and KV
-        bucket, slots 0..B-1 or not), so no request pays for a capture. Returns how many."""
+    def capture_all(self, step_lens: list[int], limit: int = MAX_STARTUP_GRAPHS) -> int:
+        """Capture the graphs steps of these lengths can need (each batch bucket and KV
+        bucket, slots 0..B-1 or not), shortest KV first, at most `limit` of them: requests
+        then pay for no capture (longer contexts of very long max_seq_len configs capture on
+        first use). Returns how many graphs there are."""
         if not self.capture:
             return 0
-        for bsz in self.buckets:
-            for seq in step_lens:
-                for kv_len in kv_buckets(self.model.max_seq_len):
-                    for contiguous in (True, False):
-                        key = (bsz, seq, kv_len, contiguous)
-                        if key not in self.graphs:
-                            self._capture(key)
+        keys = [(bsz, seq, kv_len, contiguous)
+                for kv_len in kv_buckets(self.model.max_seq_len) for bsz in self.buckets
+                for seq in step_lens for contiguous in (True, False)]
+        for key in keys[:limit]:
+            if key not in self.graphs:
+                self._capture(key)
         return len(self.graphs)
 
     @torch.no_grad()
