@@ -156,16 +156,25 @@ class WorkerPool:
         host = socket.gethostname()
         for rank, (where, pid) in sorted(self.processes.items()):
             if rank not in exclude and where == host and not _process_runs(pid):
-                if self.liveness is not None:   # our child, a zombie by now: its exit status
-                    reason = self.liveness(exclude=set(self.ranks) - {rank})
-                    if reason:
-                        return reason
-                return f"rank {rank} (pid {pid}) died"
+                reason = self._exit_status(rank)
+                return reason or f"rank {rank} (pid {pid}) died"
         now = time.monotonic()
         for rank, seen in sorted(self.last_seen.items()):
             if rank not in exclude and now - seen > max(2 * self.heartbeat_s, 1.5):
                 return f"rank {rank} sent no heartbeat for {now - seen:.0f} s"
         return None
+
+    def _exit_status(self, rank: int, wait_s: float = 0.5) -> str | None:
+        """How our child `rank` ended (signal or exit code), once it can be reaped: the
+        kernel may still be tearing it down, or another thread may hold its wait lock."""
+        if self.liveness is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            reason = self.liveness(exclude=set(self.ranks) - {rank})
+            if reason or time.monotonic() > deadline:
+                return reason
+            time.sleep(0.01)
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if a rank died, failed or went silent."""

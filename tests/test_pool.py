@@ -2,6 +2,10 @@
 heartbeats queued while the orchestrator stalled count before heartbeat ages are judged."""
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -90,3 +94,29 @@ def test_error_after_stall_is_not_blamed_on_a_live_rank(pool):
         assert str(info.value) == "rank 1: boom", str(info.value)
     finally:
         sock.close(0)
+
+
+def test_dead_child_is_named_with_its_exit_status_once_it_can_be_reaped():
+    """A child whose process is gone but not yet reapable (the kernel is still tearing it
+    down, or another thread holds its wait lock) is named with its signal, not just 'died'."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    calls = []
+
+    def liveness(exclude=()):
+        calls.append(1)
+        if len(calls) < 5:          # the first looks find nothing to report yet
+            return None
+        code = child.poll()
+        return None if code is None else f"rank 1 (pid {child.pid}) was killed by SIGKILL"
+
+    context = zmq.Context()
+    pool = WorkerPool((1,), context, liveness=liveness)
+    try:
+        pool.processes[1] = (socket.gethostname(), child.pid)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert pool._gone() == f"rank 1 (pid {child.pid}) was killed by SIGKILL"
+        assert len(calls) >= 5
+    finally:
+        pool.close()
+        context.destroy(linger=0)
