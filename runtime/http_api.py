@@ -38,59 +38,57 @@ from runtime.http_args import (
 
 log = logging.getLogger("tandem.http")
 
-def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    state = {"model": model_name, "created": int(time.time())}
 
-    @app.exception_handler(HttpError)
-    async def _http_error(_request, exc: HttpError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+class _Routes:
+    """The endpoints over one HttpClient; create_app registers them on a FastAPI app."""
 
-    async def info() -> dict:
-        if client._info is None:
+    def __init__(self, client: HttpClient, model_name: str | None):
+        self.client = client
+        self.model = model_name
+        self.created = int(time.time())
+
+    async def info(self) -> dict:
+        if self.client._info is None:
             try:
-                await asyncio.to_thread(client.info, 30.0)
+                await asyncio.to_thread(self.client.info, 30.0)
             except EngineDeadError as exc:
                 raise HttpError(503, f"the engine is not available: {exc}",
                                 kind="server_error", code="engine_dead") from None
-        return client._info
+        return self.client._info
 
-    async def model_id() -> str:
-        if state["model"] is None:
-            path = str((await info()).get("model", "tandem"))
-            state["model"] = os.path.basename(path.rstrip("/")) or path
-        return state["model"]
+    async def model_id(self) -> str:
+        if self.model is None:
+            path = str((await self.info()).get("model", "tandem"))
+            self.model = os.path.basename(path.rstrip("/")) or path
+        return self.model
 
-    async def check_model(body: dict) -> str:
-        name = await model_id()
+    async def check_model(self, body: dict) -> str:
+        name = await self.model_id()
         requested = body.get("model")
         if not isinstance(requested, str) or not requested:
             raise HttpError(400, "model: expected the model's name", "model")
-        if requested not in (name, str((await info()).get("model"))):
+        if requested not in (name, str((await self.info()).get("model"))):
             raise HttpError(404, f"The model `{requested}` does not exist; this server "
                                  f"serves `{name}`", "model", code="model_not_found")
         return name
 
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": state["created"],
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created,
                 "owned_by": "tandem"}
 
-    @app.get("/health")
-    async def health():
+    async def health(self):
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card(await model_id())]}
+    async def models(self):
+        return {"object": "list", "data": [self.model_card(await self.model_id())]}
 
-    @app.get("/v1/models/{name:path}")
-    async def one_model(name: str):
-        if name != await model_id():
+    async def one_model(self, name: str):
+        if name != await self.model_id():
             raise HttpError(404, f"The model `{name}` does not exist", "model",
                             code="model_not_found")
-        return model_card(name)
+        return self.model_card(name)
 
-    async def read_body(request: Request) -> dict:
+    async def read_body(self, request: Request) -> dict:
         try:
             body = await request.json()
         except Exception:  # noqa: BLE001 - any undecodable body
@@ -99,14 +97,14 @@ def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
             raise HttpError(400, "the request body must be a JSON object")
         return body
 
-    async def submit(request: Request, build_kwargs: dict, stream: bool, max_name: str,
-                     prompt_name: str):
+    async def submit(self, request: Request, build_kwargs: dict, stream: bool,
+                     max_name: str, prompt_name: str):
         """(message id, waiter, first reply) once the server has answered; a 400/503
         HttpError if it refused the request."""
-        await info()  # cached after the first call; token-id validation needs it
+        await self.info()  # cached after the first call; token-id validation needs it
         try:
-            msg = client.build(stream=stream, **build_kwargs)
-            waiter = client.open_async(msg)
+            msg = self.client.build(stream=stream, **build_kwargs)
+            waiter = self.client.open_async(msg)
         except ValueError as exc:
             raise _value_error(exc, max_name, prompt_name) from None
         except EngineDeadError as exc:
@@ -126,13 +124,13 @@ def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
                 raise _failure(reply, max_name, prompt_name)
             if reply["type"] == "final":
                 done = True
-                client.finish(rid, cancel=False)
+                self.client.finish(rid, cancel=False)
             return rid, waiter, reply
         except BaseException:
-            client.finish(rid, cancel=not done)
+            self.client.finish(rid, cancel=not done)
             raise
 
-    async def collect(request: Request, rid: str, waiter: _AsyncWaiter, reply: dict,
+    async def collect(self, request: Request, rid: str, waiter: _AsyncWaiter, reply: dict,
                       max_name: str, prompt_name: str) -> list[dict]:
         """Wait for the final reply of a non-streamed request (cancelled if the HTTP client
         goes away meanwhile)."""
@@ -150,11 +148,12 @@ def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
                     raise _failure(reply, max_name, prompt_name)
             done = True
         finally:
-            client.finish(rid, cancel=not done)
+            self.client.finish(rid, cancel=not done)
         return sorted(reply["outputs"], key=lambda o: o["index"])
 
-    def stream_events(rid: str, waiter: _AsyncWaiter, first: dict, chunk, include_usage: bool,
-                      max_name: str, prompt_name: str, head: list[bytes]):
+    def stream_events(self, rid: str, waiter: _AsyncWaiter, first: dict, chunk,
+                      include_usage: bool, max_name: str, prompt_name: str,
+                      head: list[bytes]):
         async def events():
             done = first["type"] == "final"
             reply = first
@@ -185,25 +184,26 @@ def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
                         return
                     reply = await waiter.get()
             finally:
-                client.finish(rid, cancel=not done)
+                self.client.finish(rid, cancel=not done)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache",
                                           "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await read_body(request)
+    async def completions(self, request: Request):
+        body = await self.read_body(request)
         _check_args(body, _COMPLETION_ARGS)
-        name = await check_model(body)
+        name = await self.check_model(body)
         if "prompt" not in body:
             raise HttpError(400, "prompt: this argument is required", "prompt")
         kwargs = dict(_prompt_kwargs(body["prompt"]), params=_sampling(body, "max_tokens"))
         stream = bool(body.get("stream"))
-        rid, waiter, first = await submit(request, kwargs, stream, "max_tokens", "prompt")
+        rid, waiter, first = await self.submit(request, kwargs, stream, "max_tokens",
+                                               "prompt")
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if not stream:
-            outputs = await collect(request, rid, waiter, first, "max_tokens", "prompt")
+            outputs = await self.collect(request, rid, waiter, first, "max_tokens",
+                                         "prompt")
             return {"id": cid, "object": "text_completion", "created": created,
                     "model": name, "system_fingerprint": None,
                     "choices": [{"index": o["index"], "text": o["text"], "logprobs": None,
@@ -221,22 +221,22 @@ def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
             return out
 
         include = bool((body.get("stream_options") or {}).get("include_usage"))
-        return stream_events(rid, waiter, first, chunk, include, "max_tokens", "prompt", [])
+        return self.stream_events(rid, waiter, first, chunk, include, "max_tokens",
+                                  "prompt", [])
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read_body(request)
+    async def chat_completions(self, request: Request):
+        body = await self.read_body(request)
         _check_args(body, _CHAT_ARGS)
-        name = await check_model(body)
+        name = await self.check_model(body)
         max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
         kwargs = {"messages": _messages(body.get("messages")),
                   "params": _sampling(body, max_name)}
         stream = bool(body.get("stream"))
-        rid, waiter, first = await submit(request, kwargs, stream, max_name, "messages")
+        rid, waiter, first = await self.submit(request, kwargs, stream, max_name, "messages")
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if not stream:
-            outputs = await collect(request, rid, waiter, first, max_name, "messages")
+            outputs = await self.collect(request, rid, waiter, first, max_name, "messages")
             return {"id": cid, "object": "chat.completion", "created": created,
                     "model": name, "system_fingerprint": None,
                     "choices": [{"index": o["index"],
@@ -260,8 +260,23 @@ def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
         include = bool((body.get("stream_options") or {}).get("include_usage"))
         head = [_sse(chunk(0, None, None, include,
                            delta={"role": "assistant", "content": ""}))]
-        return stream_events(rid, waiter, first, chunk, include, max_name, "messages", head)
+        return self.stream_events(rid, waiter, first, chunk, include, max_name,
+                                  "messages", head)
 
+
+async def _http_error(_request, exc: HttpError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    routes = _Routes(client, model_name)
+    app.add_exception_handler(HttpError, _http_error)
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{name:path}", routes.one_model, methods=["GET"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     return app
 
 
