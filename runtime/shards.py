@@ -127,7 +127,8 @@ class DraftShard(ModelShard):
         if k <= ahead_k:
             return tokens[:, :k], None if probs is None else probs[:, :k]
         return self._continue(slots, list(tokens.unbind(1)),
-                              [] if probs is None else list(probs.unbind(1)), k)
+                              [] if probs is None else list(probs.unbind(1)), k,
+                              self.sampling(slots), self.committed_index(slots))
 
     def drop_ahead(self) -> None:
         self.take_ahead([], 0)
@@ -147,17 +148,16 @@ class DraftShard(ModelShard):
         else:
             last = to_device([len(p) - 1 for p in pending], torch.long, self.device)
             logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
-        token, q = draft_choose(logits, self.sampling(slots), self.committed_index(slots),
-                                self.acceptance)
-        return self._continue(slots, [token], [] if q is None else [q], k)
+        sampling, index = self.sampling(slots), self.committed_index(slots)   # index [B]
+        token, q = draft_choose(logits, sampling, index, self.acceptance)
+        return self._continue(slots, [token], [] if q is None else [q], k, sampling, index)
 
     def _continue(self, slots: list[int], tokens: list[torch.Tensor],
-                  probs: list[torch.Tensor], k: int
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  probs: list[torch.Tensor], k: int, sampling: BatchSampling,
+                  index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode from the proposals so far (tokens [B] each, their q [B, V] when sampling)
-        until there are k: tokens [B, k], q [B, k, V] or None."""
-        sampling = self.sampling(slots)
-        index = self.committed_index(slots)                               # [B]
+        until there are k: tokens [B, k], q [B, k, V] or None. index [B]: sequence index of
+        each row's first proposal."""
         for i in range(len(tokens), k):
             logits = self._step(slots, tokens[-1][:, None])[:, -1]        # [B, V]
             token, q = draft_choose(logits, sampling, index + i, self.acceptance)

@@ -182,18 +182,22 @@ class Worker:
             else:
                 tp = TPInfo(self.groups.draft_tp, spec.draft_tp_rank, draft_cfg.tp_size)
                 draft_model = load_model(draft_cfg.model, draft_cfg.torch_dtype, self.device, tp)
-            self.draft = self._shard(DraftShard, "draft", draft_model, step_len=2)
+            # decode steps: the pending token(s) (1 or 2), then one token at a time
+            self.draft = self._shard(DraftShard, "draft", draft_model, step_lens=[1, 2])
         if target_model is not None:
-            step_len = self.config.speculation.max_draft_len + 1
-            self.target = self._shard(TargetShard, "target", target_model, step_len)
+            spec_cfg = self.config.speculation   # verify steps: pending + k draft tokens
+            ks = [spec_cfg.draft_len] if spec_cfg.fixed_draft_len else \
+                list(range(1, spec_cfg.max_draft_len + 1))
+            self.target = self._shard(TargetShard, "target", target_model,
+                                      step_lens=[k + 1 for k in ks])
             if target_cfg.tp_size > 1:  # verify without gathering the vocabulary if greedy
                 self.target.vocab_parallel = VocabParallel.of(target_model,
                                                               self.groups.target_tp)
 
-    def _shard(self, cls, key: str, model, step_len: int):
-        """A shard with its KV cache preallocated within the model's memory budget; decode
-        and verify steps of up to step_len tokens run as CUDA graphs (tp 1 only for now:
-        NCCL collectives inside captured graphs are not validated yet)."""
+    def _shard(self, cls, key: str, model, step_lens: list[int]):
+        """A shard with its KV cache preallocated within the model's memory budget; steps of
+        these lengths run as CUDA graphs, all captured now (tp 1 only for now: NCCL
+        collectives inside captured graphs are not validated yet)."""
         from runtime.models.kv_budget import check_kv_budget
 
         rt, model_cfg = self.config.runtime, getattr(self.config, key)
@@ -202,19 +206,13 @@ class Worker:
                         self.device)
         graphs = rt.cuda_graphs and model_cfg.tp_size == 1
         shard = cls(model, self.device, rt.max_batch_size, cache_len,
-                    self.config.speculation.acceptance, step_len, graphs)
-        lens = list(range(1, step_len + 1)) if key == "draft" else \
-            [k + 1 for k in self.draft_lens()]
+                    self.config.speculation.acceptance, max(step_lens), graphs)
         start = time.perf_counter()
-        count = shard.runner.capture_all(lens)
+        count = shard.runner.capture_all(step_lens)
         if count:
             log.info("rank %d: %s: %d CUDA graphs captured in %.1f s", self.rank, key, count,
                      time.perf_counter() - start)
         return shard
-
-    def draft_lens(self) -> list[int]:
-        spec = self.config.speculation
-        return [spec.draft_len] if spec.fixed_draft_len else list(range(1, spec.max_draft_len + 1))
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:

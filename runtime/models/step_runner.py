@@ -94,13 +94,11 @@ class StepRunner:
         host -> logits [B, T, V]. Static steps return a view that the next call overwrites."""
         bsz, seq = ids.shape
         kv_len = max(s + n for s, n in zip(starts, n_valid))
-        if not self.static:
-            return self.model.forward_extend(
-                ids, *(to_device(v, torch.long, self.device) for v in (slots, starts, n_valid)))
-        if bsz > self.max_batch or seq > self.max_step_len:
-            return self.model.forward_static(
-                ids, *(to_device(v, torch.long, self.device) for v in (slots, starts, n_valid)),
-                kv_len)
+        if not self.static or bsz > self.max_batch or seq > self.max_step_len:  # eager
+            meta = [to_device(v, torch.long, self.device) for v in (slots, starts, n_valid)]
+            if not self.static:
+                return self.model.forward_extend(ids, *meta)
+            return self.model.forward_static(ids, *meta, kv_len)
         padded = next(b for b in self.buckets if b >= bsz)
         contiguous = slots == list(range(bsz))   # then padding rows take the next slots
         key = (padded, seq, kv_bucket(kv_len, self.model.max_seq_len), contiguous)
