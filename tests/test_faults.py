@@ -17,6 +17,7 @@ Detection bounds (runtime/pool.py, runtime/worker.py, launcher/bootstrap.py):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -142,15 +143,28 @@ def drain(stream) -> tuple[float, str]:
     return time.monotonic() - start, str(info.value)
 
 
-# --- 1. a dead worker --------------------------------------------------------------------
-@pytest.mark.parametrize("victim", [1, 2], ids=["draft-rank", "target-rank"])
-def test_engine_killed_worker_mid_request(victim, models, tmp_path):
-    engine = Engine.launch(config(models, tmp_path))
+@contextlib.contextmanager
+def launched(cfg: str):
+    """Engine.launch(cfg), its server's ranks found (rank -> pid) and every pid tracked: yields
+    (engine, ranks, pids); afterwards the engine is closed, anything left is killed and, if
+    the test passed, the server's process group must be gone."""
+    engine = Engine.launch(cfg)
     server = engine._process.pid
     pids = {server}
     try:
         ranks = ranks_of(server, W)
         pids |= set(ranks.values())
+        yield engine, ranks, pids
+    finally:
+        engine.close()
+        kill_all(pids)
+    launch.assert_group_gone(server)
+
+
+# --- 1. a dead worker --------------------------------------------------------------------
+@pytest.mark.parametrize("victim", [1, 2], ids=["draft-rank", "target-rank"])
+def test_engine_killed_worker_mid_request(victim, models, tmp_path):
+    with launched(config(models, tmp_path)) as (engine, ranks, pids):
         stream = in_flight(engine)
         os.kill(ranks[victim], signal.SIGKILL)
         took, error = drain(stream)
@@ -166,10 +180,6 @@ def test_engine_killed_worker_mid_request(victim, models, tmp_path):
             engine.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
         assert time.monotonic() - start < 1
         wait_gone(pids, 30)
-    finally:
-        engine.close()
-        kill_all(pids)
-    launch.assert_group_gone(server)
 
 
 @pytest.mark.parametrize("form", ["torchrun", "mpirun"])
@@ -243,21 +253,13 @@ def test_run_killed_worker_exits_1_naming_it(models, tmp_path):
 def test_killed_engine_server_takes_the_workers_down(models, tmp_path):
     """SIGKILL of `tandem serve` (spawned by Engine.launch) mid-request: the workers die with
     it (PR_SET_PDEATHSIG), the pending call raises at once (the Engine sees its process go)."""
-    engine = Engine.launch(config(models, tmp_path))
-    server = engine._process.pid
-    pids = {server}
-    try:
-        ranks = ranks_of(server, W)
-        pids |= set(ranks.values())
+    with launched(config(models, tmp_path)) as (engine, ranks, pids):
+        server = engine._process.pid
         stream = in_flight(engine)
         os.kill(server, signal.SIGKILL)
         took, error = drain(stream)
         assert took < 5 and f"(pid {server}) exited with code -9" in error, error
         assert wait_gone(pids, 30) < 30
-    finally:
-        engine.close()
-        kill_all(pids)
-    launch.assert_group_gone(server)
 
 
 @pytest.mark.parametrize("form", ["torchrun", "mpirun"])
@@ -276,12 +278,7 @@ def test_killed_rank0_takes_the_other_ranks_down(form, models, tmp_path):
 
 # --- 3. a hung rank ----------------------------------------------------------------------
 def test_engine_stopped_worker_is_dead_within_heartbeat_bound(models, tmp_path):
-    engine = Engine.launch(config(models, tmp_path))
-    server = engine._process.pid
-    pids = {server}
-    try:
-        ranks = ranks_of(server, W)
-        pids |= set(ranks.values())
+    with launched(config(models, tmp_path)) as (engine, ranks, pids):
         stream = in_flight(engine)
         os.kill(ranks[1], signal.SIGSTOP)
         took, error = drain(stream)
@@ -291,22 +288,13 @@ def test_engine_stopped_worker_is_dead_within_heartbeat_bound(models, tmp_path):
             engine.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
         assert engine._process.wait(30) == 1
         wait_gone(pids, 30)                            # the stopped worker was killed too
-    finally:
-        engine.close()
-        kill_all(pids)
-    launch.assert_group_gone(server)
 
 
 def test_step_timeout_bounds_a_stuck_collective(models, tmp_path):
     """The target rank keeps heartbeating while it waits in a collective for the stopped
     draft rank: runtime.step_timeout_s (here 3 s) ends the step well before the 10 s
     heartbeat bound, and the error names the stopped rank."""
-    engine = Engine.launch(config(models, tmp_path, step_timeout_s=3.0))
-    server = engine._process.pid
-    pids = {server}
-    try:
-        ranks = ranks_of(server, W)
-        pids |= set(ranks.values())
+    with launched(config(models, tmp_path, step_timeout_s=3.0)) as (engine, ranks, pids):
         stream = in_flight(engine)
         os.kill(ranks[1], signal.SIGSTOP)
         took, error = drain(stream)
@@ -314,10 +302,6 @@ def test_step_timeout_bounds_a_stuck_collective(models, tmp_path):
         assert "rank 1 sent no heartbeat" in error, error
         assert engine._process.wait(30) == 1
         wait_gone(pids, 30)
-    finally:
-        engine.close()
-        kill_all(pids)
-    launch.assert_group_gone(server)
 
 
 # --- 4. startup failures -----------------------------------------------------------------
