@@ -26,11 +26,17 @@ class KVCache(nn.Module):
                  dtype: torch.dtype, device: torch.device | str | None = None):
         super().__init__()
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        shape = (num_slots, n_kv_heads, max_seq_len + 1, head_dim)
+        shape = self.shape(num_slots, max_seq_len, n_kv_heads, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
+
+    @staticmethod
+    def shape(num_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int
+              ) -> tuple[int, int, int, int]:
+        """Shape of k_cache and of v_cache (a scratch position per slot included)."""
+        return (num_slots, n_kv_heads, max_seq_len + 1, head_dim)
 
     def _write(self, buf: torch.Tensor, batch: "ExtendBatch", x: torch.Tensor) -> None:
         # x [B, T, Hkv, D] -> buf[slot, :, pos] for every token (scratch pos for padding)

@@ -8,9 +8,12 @@ fit is a clear startup error naming the key, never an out-of-memory in the middl
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+
+from runtime.models.cache import KVCache
 
 GIB = 1024 ** 3
 RESERVE = 0.05   # of total device memory, kept free for activations when no budget is set
@@ -22,12 +25,11 @@ def cache_bytes(model, num_slots: int, cache_len: int) -> int | None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(layers[0], "self_attn"):
         return None
-    rows = num_slots * (cache_len + 1)   # + a scratch position per slot
     total = 0
     for layer in layers:
         attn = layer.self_attn
-        itemsize = attn.q_proj.weight.element_size()
-        total += 2 * rows * attn.n_kv_heads * attn.head_dim * itemsize
+        shape = KVCache.shape(num_slots, cache_len, attn.n_kv_heads, attn.head_dim)
+        total += 2 * math.prod(shape) * attn.q_proj.weight.element_size()   # K and V
     return total
 
 
