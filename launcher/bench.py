@@ -23,6 +23,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None,
                    help="synthetic pair's device, e.g. cuda:0 or cpu (default cuda:0 if "
                         "available)")
+    p.add_argument("--target-tp", type=int, default=1,
+                   help="synthetic target's tensor-parallel size: devices --device, +1, ...; "
+                        "the draft runs on --device (default 1)")
     p.add_argument("--batch-sizes", default="1", type=_int_list, help="e.g. 1,16")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -91,7 +94,8 @@ def main(args) -> int:
         batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         draft_len=args.draft_len, modes=args.modes, dtype=args.dtype, seed=args.seed,
         warmup=args.warmup, repeats=args.repeats, synthetic_dir=args.synthetic_dir,
-        compile_on_cpu=args.compile_on_cpu, cuda_graphs=args.cuda_graphs)
+        compile_on_cpu=args.compile_on_cpu, cuda_graphs=args.cuda_graphs,
+        target_tp=args.target_tp)
     try:
         settings.check()
         report = run_bench(settings)

@@ -4,10 +4,19 @@ Target: a Llama-shaped model (normal weights, std 0.02, seed 0). Draft: the targ
 layers sharing its embeddings, final norm and LM head. The target's layers from K on have
 o_proj and down_proj scaled by eps, so the draft's agreement with the target falls as eps
 grows. Every FLOP is real; acceptance is measured, never assumed.
+
+Each tensor is drawn from its own generator, seeded by (seed, tensor name), so a tensor has
+the same values however the pair is built or sharded. A pair is either written out as
+safetensors (`build_pair(materialize=True)`, what transformers needs) or kept as a recipe: a
+directory with config.json and synthetic.json, whose weights SyntheticWeights draws on the
+loading device, tensor by tensor (a 70b target then needs no 141 GB on disk, and each
+tensor-parallel rank draws only what it keeps plus one full tensor at a time). Values drawn
+on a GPU differ from the CPU's for the same seed, but not between GPUs of the same model.
 """
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -44,10 +53,66 @@ def _layer_shapes(s: dict) -> dict[str, tuple[int, ...]]:
             "post_attention_layernorm.weight": (h,)}
 
 
-def _tensor(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+RECIPE_FILE = "synthetic.json"
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of one tensor: the pair's seed and the tensor's name."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
+
+
+def draw_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype,
+                device: torch.device | str, scale: float = 1.0) -> torch.Tensor:
+    """One weight on `device`: ones for norms, else normal(0, 0.02) * scale."""
     if len(shape) == 1:
-        return torch.ones(shape, dtype=dtype)
-    return (torch.randn(shape, generator=gen, device=gen.device) * 0.02).to(dtype).cpu()
+        return torch.ones(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    return t.mul_(0.02 * scale).to(dtype)
+
+
+def tensor_plan(shape: str, role: str, draft_layers: int, eps: float
+                ) -> dict[str, tuple[tuple[int, ...], float]]:
+    """HF name -> (shape, scale) of every tensor of the draft or the target."""
+    s = SHAPES[shape]
+    embed = (s["vocab_size"], s["hidden_size"])
+    plan = {"model.embed_tokens.weight": (embed, 1.0),
+            "model.norm.weight": ((s["hidden_size"],), 1.0), "lm_head.weight": (embed, 1.0)}
+    layers = draft_layers if role == "draft" else s["num_hidden_layers"]
+    for layer in range(layers):
+        for name, shp in _layer_shapes(s).items():
+            scaled = layer >= draft_layers and name in ("self_attn.o_proj.weight",
+                                                        "mlp.down_proj.weight")
+            plan[f"model.layers.{layer}.{name}"] = (shp, eps if scaled else 1.0)
+    return plan
+
+
+class SyntheticWeights:
+    """The weights of a synthetic recipe directory, drawn on `device` when read (a
+    runtime.models.weights.WeightSource)."""
+
+    def __init__(self, directory: str | Path, device: torch.device | str = "cpu"):
+        recipe = json.loads((Path(directory) / RECIPE_FILE).read_text())
+        self.seed, self.device = int(recipe["seed"]), torch.device(device)
+        self.dtype = getattr(torch, recipe["dtype"])
+        self.plan = tensor_plan(recipe["shape"], recipe["role"], int(recipe["draft_layers"]),
+                                float(recipe["eps"]))
+
+    def names(self) -> set[str]:
+        return set(self.plan)
+
+    def get(self, name: str) -> torch.Tensor:
+        shape, scale = self.plan[name]
+        return draw_tensor(name, shape, self.seed, self.dtype, self.device, scale)
+
+    def get_shard(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        from runtime.models.weights import read_shard
+
+        full = self.get(name)
+        return read_shard(full.__getitem__, full.shape, dim, start, stop).clone()
+
+    def close(self) -> None:
+        pass
 
 
 SHARD_BYTES = 2 << 30   # target checkpoints are written in shards of about this size
@@ -96,16 +161,15 @@ class _ShardWriter:
 
 def build_pair(out_dir: str | Path, shape: str = "tiny", draft_layers: int = 2,
                eps: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float32,
-               shard_bytes: int = SHARD_BYTES, gen_device: str | torch.device = "cpu"
-               ) -> tuple[str, str]:
-    """Write draft/ and target/ checkpoints under out_dir; returns their paths.
+               shard_bytes: int = SHARD_BYTES, gen_device: str | torch.device = "cpu",
+               materialize: bool = True) -> tuple[str, str]:
+    """Write draft/ and target/ under out_dir; returns their paths.
 
-    Tensors are drawn one at a time (same values for the same seed whatever the sharding) and
-    written in shards, so host memory holds about one shard plus the draft at a time; use
-    dtype=torch.bfloat16 for the big shapes (8b: 16 GB on disk, 70b: 141 GB).
-    gen_device="cuda:0" draws the random numbers on that GPU (the CPU generator is
-    single-threaded: about 2 minutes for 8b, 20 for 70b); the values then differ from the
-    CPU's for the same seed, but are the same from run to run on the same setup."""
+    materialize=True writes safetensors shards, drawing one tensor at a time on gen_device
+    (host memory holds about one shard; 8b: 16 GB on disk in bf16, 70b: 141 GB; the CPU
+    generator takes minutes for 8b, so draw on a GPU when there is one). materialize=False
+    writes only config.json and the recipe (synthetic.json): loading then draws the weights
+    on the loading device."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if shape not in SHAPES:
@@ -114,29 +178,19 @@ def build_pair(out_dir: str | Path, shape: str = "tiny", draft_layers: int = 2,
     if not 1 <= draft_layers <= s["num_hidden_layers"]:
         raise ValueError(f"draft_layers must be in 1..{s['num_hidden_layers']}")
     out = Path(out_dir)
-    gen = torch.Generator(device=gen_device).manual_seed(seed)
-    draft = _ShardWriter(out / "draft", shard_bytes)
-    target = _ShardWriter(out / "target", shard_bytes)
-    shared = {"model.embed_tokens.weight": _tensor((s["vocab_size"], s["hidden_size"]), gen,
-                                                   dtype),
-              "model.norm.weight": torch.ones(s["hidden_size"], dtype=dtype),
-              "lm_head.weight": _tensor((s["vocab_size"], s["hidden_size"]), gen, dtype)}
-    for key, t in shared.items():
-        draft.add(key, t)
-        target.add(key, t)
-    del shared
-    for layer in range(s["num_hidden_layers"]):
-        for name, shp in _layer_shapes(s).items():
-            t = _tensor(shp, gen, dtype)
-            key = f"model.layers.{layer}.{name}"
-            if layer < draft_layers:
-                draft.add(key, t)
-            elif name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
-                t = t * eps
-            target.add(key, t)
     dtype_name = str(dtype).removeprefix("torch.")
-    for writer, layers in ((draft, draft_layers), (target, s["num_hidden_layers"])):
-        writer.close()
+    for role, layers in (("draft", draft_layers), ("target", s["num_hidden_layers"])):
+        path = out / role
+        if materialize:
+            writer = _ShardWriter(path, shard_bytes)
+            for name, (shp, scale) in tensor_plan(shape, role, draft_layers, eps).items():
+                writer.add(name, draw_tensor(name, shp, seed, dtype, gen_device, scale).cpu())
+            writer.close()
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            recipe = {"shape": shape, "role": role, "draft_layers": draft_layers, "eps": eps,
+                      "seed": seed, "dtype": dtype_name}
+            (path / RECIPE_FILE).write_text(json.dumps(recipe, indent=1))
         config = dict(_config(s, layers), torch_dtype=dtype_name)
-        (writer.path / "config.json").write_text(json.dumps(config, indent=1))
+        (path / "config.json").write_text(json.dumps(config, indent=1))
     return str(out / "draft"), str(out / "target")

@@ -196,17 +196,17 @@ class Worker:
 
     def _shard(self, cls, key: str, model, step_lens: list[int]):
         """A shard with its KV cache preallocated within the model's memory budget; steps of
-        these lengths run as CUDA graphs, all captured now (tp 1 only for now: NCCL
-        collectives inside captured graphs are not validated yet)."""
+        these lengths run as CUDA graphs, all captured now (a tensor-parallel shard's graphs
+        hold its NCCL all-reduces; every rank of the group captures the same shapes in the
+        same order)."""
         from runtime.models.kv_budget import check_kv_budget
 
         rt, model_cfg = self.config.runtime, getattr(self.config, key)
         cache_len = rt.max_seq_len + self.config.speculation.max_draft_len + 2
         check_kv_budget(key, model, rt.max_batch_size, cache_len, model_cfg.kv_cache_memory,
                         self.device)
-        graphs = rt.cuda_graphs and model_cfg.tp_size == 1
         shard = cls(model, self.device, rt.max_batch_size, cache_len,
-                    self.config.speculation.acceptance, max(step_lens), graphs)
+                    self.config.speculation.acceptance, max(step_lens), rt.cuda_graphs)
         start = time.perf_counter()
         count = shard.runner.capture_all(step_lens)
         if count:

@@ -139,6 +139,49 @@ def test_synthetic_shards_match_single_file(tmp_path):
                        a.get("model.layers.2.mlp.down_proj.weight"))
 
 
+def test_synthetic_recipe_draws_the_files_weights(tmp_path):
+    """A recipe (no weight files) loads the very tensors build_pair writes, whole or as one
+    tensor-parallel slice, and holds only config.json and synthetic.json."""
+    from runtime.models.loader import open_weights
+    from runtime.models.weights import SafetensorsWeights
+    from runtime.synthetic import build_pair
+
+    draft, target = build_pair(tmp_path / "files", "tiny", 2, eps=0.1)
+    recipe_draft, recipe_target = build_pair(tmp_path / "recipe", "tiny", 2, eps=0.1,
+                                             materialize=False)
+    assert sorted(p.name for p in (tmp_path / "recipe" / "target").iterdir()) == \
+        ["config.json", "synthetic.json"]
+    for files, recipe in ((draft, recipe_draft), (target, recipe_target)):
+        a, b = SafetensorsWeights(files), open_weights(recipe)
+        assert a.names() == b.names()
+        assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
+    b = open_weights(recipe_target)
+    name = "model.layers.3.mlp.gate_proj.weight"
+    assert torch.equal(b.get_shard(name, 0, 64, 128), b.get(name)[64:128])
+    assert torch.equal(b.get("model.layers.3.self_attn.o_proj.weight"),
+                       SafetensorsWeights(target).get("model.layers.3.self_attn.o_proj.weight"))
+
+
+def test_tensor_parallel_target_phase(tmp_path):
+    """--target-tp 2 (gloo on CPU): the target mode and the step costs come from two TP ranks
+    in their own processes, and the spec engine's tokens equal that target's."""
+    out = tmp_path / "tp.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", "bench", "--synthetic", "tiny", "--device", "cpu",
+         "--target-tp", "2", "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens",
+         str(NEW), "--draft-len", str(K), "--modes", "target,spec", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=launch.clean_env())
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert "TP ranks" in res.stderr
+    assert report["settings"]["target_tp"] == 2
+    for bsz in (1, 2):
+        assert rows(report, "target")[bsz]["status"] == "ok"
+        spec = rows(report, "spec")[bsz]
+        assert spec["tokens_equal_target"] is True
+        assert is_num(spec["c"]) and is_num(spec["efficiency"])
+
+
 def test_config_and_synthetic_together_is_a_usage_error(tmp_path, capsys):
     from launcher.cli import main
 

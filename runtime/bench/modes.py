@@ -68,19 +68,28 @@ class worker_backends:
 
 
 class TandemTarget:
-    """The target alone on tandem's model code, in-process, greedy."""
+    """The target alone on tandem's model code, in this process, greedy. With a TPInfo of size
+    > 1 this process is one rank of a tensor-parallel target (every rank runs the same calls;
+    see runtime/bench/tp_target.py) and the argmax runs over the vocab-parallel logits, as the
+    workers verify."""
 
     name = "target"
 
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device, max_batch: int,
-                 max_seq_len: int, max_step_len: int = 1, cuda_graphs: bool = True):
+                 max_seq_len: int, max_step_len: int = 1, cuda_graphs: bool = True, tp=None):
         from runtime.models import load_model
         from runtime.models.step_runner import StepRunner
 
         self.device = device
-        self.model = load_model(path, dtype, device)
+        parallel = tp is not None and tp.enabled
+        self.model = load_model(path, dtype, device, tp, gather_logits=not parallel)
         self.model.allocate_cache(max_batch, max_seq_len)
         self.runner = StepRunner(self.model, device, max_batch, max_step_len, cuda_graphs)
+        self.argmax = lambda logits: logits.argmax(-1)
+        if parallel:
+            from parallel.vocab import VocabParallel
+
+            self.argmax = VocabParallel.of(self.model, tp.group).argmax
 
     @torch.no_grad()   # not inference_mode: the step buffers are reused outside it
     def run(self, prompts: list[list[int]], new_tokens: int) -> Outcome:
@@ -91,11 +100,11 @@ class TandemTarget:
         ids = torch.tensor(prompts, dtype=torch.long, device=dev)
         slots = list(range(bsz))
         logits = self.runner.run(ids, slots, [0] * bsz, [length] * bsz)   # prefill: eager
-        token = logits[:, -1].argmax(-1)
+        token = self.argmax(logits[:, -1])
         out = [token]
         for i in range(new_tokens - 1):   # decode steps: CUDA graphs, no host sync
             logits = self.runner.run(token[:, None], slots, [length + i] * bsz, [1] * bsz)
-            token = logits[:, -1].argmax(-1)
+            token = self.argmax(logits[:, -1])
             out.append(token)
         generated = torch.stack(out, 1).tolist()      # the host sync that ends the call
         wall = time.perf_counter() - start
@@ -105,6 +114,16 @@ class TandemTarget:
     def close(self) -> None:
         del self.model
         free_memory()
+
+
+def timed(mode, prompts: list[list[int]], new_tokens: int, warmup: int,
+          repeats: int) -> Outcome:
+    """`warmup` untimed calls, then the median of `repeats` timed ones."""
+    for _ in range(warmup):
+        mode.run(prompts, new_tokens)
+    runs = sorted((mode.run(prompts, new_tokens) for _ in range(repeats)),
+                  key=lambda o: o.wall_s)
+    return runs[(len(runs) - 1) // 2]
 
 
 class TandemSpec:

@@ -19,7 +19,8 @@ import torch
 
 from runtime.bench import metrics
 from runtime.bench.modes import (MODES, HFAssisted, HFGenerate, Outcome, Skipped, TandemSpec,
-                                 TandemTarget, free_memory, worker_backends)
+                                 free_memory, timed, worker_backends)
+from runtime.bench.tp_target import TargetJob, measure, run_tensor_parallel
 from runtime.bench.report import hardware, now, row, versions
 
 log = logging.getLogger("tandem.bench")
@@ -50,6 +51,8 @@ class BenchSettings:
     warmup: int = 1
     repeats: int = 1
     synthetic_dir: str | None = None   # keep (and reuse) the synthetic pair here
+    target_tp: int = 1                 # synthetic only: target on this many devices from
+                                       # --device on, the draft on the first of them
     compile_on_cpu: bool = False
     cuda_graphs: bool = True           # tandem's decode/verify steps as CUDA graphs (on CUDA)
 
@@ -68,8 +71,11 @@ class BenchSettings:
             raise ValueError("--draft-len: an integer >= 1 or 'auto'")
         if self.warmup < 0 or self.repeats < 1:
             raise ValueError("--warmup must be >= 0 and --repeats >= 1")
-        if self.config is not None and self.device is not None:
-            raise ValueError("--device applies to --synthetic; a CONFIG names its devices")
+        if self.config is not None and (self.device is not None or self.target_tp != 1):
+            raise ValueError("--device and --target-tp apply to --synthetic; a CONFIG names "
+                             "its devices")
+        if self.target_tp < 1:
+            raise ValueError("--target-tp must be >= 1")
 
 
 @dataclass
@@ -78,13 +84,20 @@ class Setup:
     draft: str
     target: str
     draft_device: torch.device
-    target_device: torch.device
+    target_devices: list[torch.device]
     draft_dtype: torch.dtype
     target_dtype: torch.dtype
-    target_tp: int
     engine_config: dict
     draft_len: int | str
     cleanup: str | None = None
+
+    @property
+    def target_device(self) -> torch.device:
+        return self.target_devices[0]
+
+    @property
+    def target_tp(self) -> int:
+        return len(self.target_devices)
 
 
 def _torch_device(name: str) -> torch.device:
@@ -119,18 +132,21 @@ def resolve(s: BenchSettings) -> Setup:
         d["runtime"]["max_seq_len"] = max(d["runtime"]["max_seq_len"], need + _kmax(k) + 8)
         d["runtime"]["cuda_graphs"] = s.cuda_graphs
         return Setup(cfg.draft.model, cfg.target.model, cfg.draft.devices[0].torch_device,
-                     cfg.target.devices[0].torch_device, getattr(torch, d["draft"]["dtype"]),
-                     getattr(torch, d["target"]["dtype"]), len(cfg.target.devices), d, k)
+                     [dev.torch_device for dev in cfg.target.devices],
+                     getattr(torch, d["draft"]["dtype"]), getattr(torch, d["target"]["dtype"]),
+                     d, k)
     from runtime.synthetic import build_pair
 
     device = _torch_device(s.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     k = s.draft_len if s.draft_len is not None else 4
+    # transformers needs weight files; tandem alone draws the weights where it loads them
+    materialize = any(m.startswith("hf") for m in s.modes)
     cleanup = None
     if s.synthetic_dir:
         root = f"{s.synthetic_dir}/{s.synthetic}-k{s.draft_layers}-eps{s.eps:g}-" \
-               f"{dtype_name}-seed{s.seed}-{device.type}"
+               f"{dtype_name}-seed{s.seed}-{device.type}{'' if materialize else '-recipe'}"
     else:
         root = cleanup = tempfile.mkdtemp(prefix="tandem-bench-")
     if os.path.isfile(f"{root}/done"):
@@ -142,18 +158,21 @@ def resolve(s: BenchSettings) -> Setup:
         try:
             # the random numbers are drawn on the GPU when there is one (much faster)
             draft, target = build_pair(root, s.synthetic, s.draft_layers, s.eps, s.seed, dtype,
-                                       gen_device=device)
+                                       gen_device=device, materialize=materialize)
         except BaseException:
             shutil.rmtree(cleanup or root, ignore_errors=True)
             raise
         open(f"{root}/done", "w").close()
-    dev = _engine_device(device)
-    config = {"draft": {"model": draft, "devices": [dev], "dtype": dtype_name},
-              "target": {"model": target, "devices": [dev], "dtype": dtype_name},
+    targets = [device] + [torch.device(device.type, (device.index or 0) + i)
+                          for i in range(1, s.target_tp)]
+    config = {"draft": {"model": draft, "devices": [_engine_device(device)],
+                        "dtype": dtype_name},
+              "target": {"model": target, "devices": [_engine_device(d) for d in targets],
+                         "dtype": dtype_name},
               "speculation": {"draft_len": k, "acceptance": "tokens"},
               "runtime": {**runtime, "max_seq_len": need + _kmax(k) + 8,
                           "startup_timeout_s": 3600}}
-    return Setup(draft, target, device, device, dtype, dtype, 1, config, k, cleanup)
+    return Setup(draft, target, device, targets, dtype, dtype, config, k, cleanup)
 
 
 def make_prompts(target: str, s: BenchSettings) -> list[list[int]]:
@@ -164,14 +183,6 @@ def make_prompts(target: str, s: BenchSettings) -> list[list[int]]:
     gen = torch.Generator().manual_seed(s.seed)
     ids = torch.randint(0, vocab, (max(s.batch_sizes), s.prompt_len), generator=gen)
     return ids.tolist()
-
-
-def _timed(mode, prompts, new_tokens: int, s: BenchSettings) -> Outcome:
-    for _ in range(s.warmup):
-        mode.run(prompts, new_tokens)
-    runs = [mode.run(prompts, new_tokens) for _ in range(s.repeats)]
-    runs.sort(key=lambda o: o.wall_s)
-    return runs[(len(runs) - 1) // 2]
 
 
 def _ok_row(name: str, bsz: int, out: Outcome, **values) -> dict:
@@ -213,7 +224,8 @@ class Bench:
             for bsz in self.s.batch_sizes:
                 self.progress(f"{name}: batch {bsz}")
                 try:
-                    out = _timed(mode, self.prompts[:bsz], self.s.new_tokens, self.s)
+                    out = timed(mode, self.prompts[:bsz], self.s.new_tokens, self.s.warmup,
+                                self.s.repeats)
                 except Skipped as exc:
                     self.rows.append(row(name, bsz, "skipped", str(exc)))
                     continue
@@ -229,27 +241,28 @@ class Bench:
         finally:
             mode.close()
 
-    # -- the in-process phase: target mode, bandwidth, step costs -------------------------------
+    # -- the target phase: target mode, bandwidth, step costs ---------------------------------
     def _in_process(self, st: Setup) -> None:
-        wanted = {"target", "spec"} & set(self.s.modes)
-        if not wanted:
-            return
-        if st.target_tp > 1:
-            reason = (f"the in-process target runs TP 1 only; the config's target has TP "
-                      f"{st.target_tp}")
-            if "target" in self.s.modes:
-                self.rows += [row("target", b, "skipped", reason) for b in self.s.batch_sizes]
-            self.info["c_source"] = f"not measured: {reason}"
+        if not {"target", "spec"} & set(self.s.modes):
             return
         kmax = _kmax(st.draft_len)
-        cache_len = self.s.prompt_len + self.s.new_tokens + kmax + 1
         self.progress("measuring the copy bandwidth")
         self.info["copy_bandwidth_bytes_per_s"] = metrics.copy_bandwidth(st.target_device)
-        self.progress("loading the target in-process")
+        job = TargetJob(
+            path=st.target, dtype=str(st.target_dtype).removeprefix("torch."),
+            devices=[str(d) if d.type == "cuda" else "cpu" for d in st.target_devices],
+            max_batch=max(self.s.batch_sizes),
+            cache_len=self.s.prompt_len + self.s.new_tokens + kmax + 1, max_step_len=kmax + 1,
+            cuda_graphs=self.s.cuda_graphs, prompts=self.prompts,
+            batch_sizes=self.s.batch_sizes, new_tokens=self.s.new_tokens,
+            warmup=self.s.warmup, repeats=self.s.repeats, run_target="target" in self.s.modes,
+            verify_ks=(list(range(1, kmax + 1)) if st.draft_len == "auto" else [kmax])
+            if "spec" in self.s.modes else [],
+            position=self.s.prompt_len + self.s.new_tokens // 2)
+        where = f"on {st.target_tp} TP ranks" if st.target_tp > 1 else "in-process"
+        self.progress(f"target phase {where}: loading")
         try:
-            holder = TandemTarget(st.target, st.target_dtype, st.target_device,
-                                  max(self.s.batch_sizes), cache_len, kmax + 1,
-                                  self.s.cuda_graphs)
+            report = run_tensor_parallel(job) if st.target_tp > 1 else measure(job)
         except Exception as exc:  # noqa: BLE001 - reported in the table, exit code 1
             traceback.print_exc()
             reason = f"{type(exc).__name__}: {exc}"
@@ -257,46 +270,37 @@ class Bench:
                 self.rows += [row("target", b, "failed", reason) for b in self.s.batch_sizes]
             self.info["c_source"] = f"not measured: {reason}"
             return
-        try:
-            self.info["target_weight_bytes"] = metrics.weight_bytes_per_step(holder.model)
-            for bsz in self.s.batch_sizes if "target" in self.s.modes else ():
-                self.progress(f"target: batch {bsz}")
-                try:
-                    out = _timed(holder, self.prompts[:bsz], self.s.new_tokens, self.s)
-                except Exception as exc:  # noqa: BLE001
-                    traceback.print_exc()
-                    self.rows.append(row("target", bsz, "failed",
-                                         f"{type(exc).__name__}: {exc}"))
-                    continue
-                self.tokens[("target", bsz)] = out.extra.get("token_ids")
-                self.rows.append(_ok_row("target", bsz, out))
-            if "spec" in self.s.modes:
-                self._step_costs(st, holder, cache_len)
-        finally:
-            holder.close()
+        self.info["target_weight_bytes"] = report["weight_bytes"]
+        for key, out in report["target"].items():
+            if isinstance(out, str):
+                self.rows.append(row("target", int(key), "failed", out))
+                continue
+            out = Outcome(**out)
+            self.tokens[("target", int(key))] = out.extra.get("token_ids")
+            self.rows.append(_ok_row("target", int(key), out))
+        if isinstance(report["steps"], str):
+            self.info["c_source"] = f"not measured: {report['steps']}"
+        elif report["steps"]:
+            self._draft_costs(st, job, report["steps"])
 
-    def _step_costs(self, st: Setup, holder: TandemTarget, cache_len: int) -> None:
+    def _draft_costs(self, st: Setup, job: TargetJob, target_steps: dict) -> None:
         from runtime.models import load_model
         from runtime.models.step_runner import StepRunner
 
-        self.progress("measuring draft and target step costs (c)")
+        self.progress("measuring the draft step cost (c)")
         try:
             draft = load_model(st.draft, st.draft_dtype, st.draft_device)
-            draft.allocate_cache(max(self.s.batch_sizes), cache_len)
-            draft_runner = StepRunner(draft, st.draft_device, max(self.s.batch_sizes), 1,
-                                      self.s.cuda_graphs)
-            pos = self.s.prompt_len + self.s.new_tokens // 2
-            ks = range(1, MAX_AUTO_DRAFT_LEN + 1) if st.draft_len == "auto" \
-                else [int(st.draft_len)]
+            draft.allocate_cache(job.max_batch, job.cache_len)
+            runner = StepRunner(draft, st.draft_device, job.max_batch, 1, self.s.cuda_graphs)
             for bsz in self.s.batch_sizes:
-                costs = {"draft_step_s": metrics.step_time(draft_runner, st.draft_device, bsz,
-                                                           1, pos),
-                         "target_decode_step_s": metrics.step_time(
-                             holder.runner, st.target_device, bsz, 1, pos),
-                         "target_verify_step_s": {k: metrics.step_time(
-                             holder.runner, st.target_device, bsz, k + 1, pos) for k in ks}}
-                self.step_costs[bsz] = costs
-            del draft, draft_runner
+                steps = target_steps[str(bsz)]
+                self.step_costs[bsz] = {
+                    "draft_step_s": metrics.step_time(runner, st.draft_device, bsz, 1,
+                                                      job.position),
+                    "target_decode_step_s": steps["target_decode_step_s"],
+                    "target_verify_step_s": {int(k): v for k, v in
+                                             steps["target_verify_step_s"].items()}}
+            del draft, runner
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             self.info["c_source"] = f"not measured: {type(exc).__name__}: {exc}"

@@ -23,6 +23,7 @@ from torch import nn
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_args import ModelArgs, unsupported_reason
 from runtime.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
+from runtime.synthetic import RECIPE_FILE, SyntheticWeights
 
 if TYPE_CHECKING:
     from parallel.tensor_parallel import TPInfo
@@ -65,9 +66,12 @@ def build_model(config: Any) -> LlamaForCausalLM:
 
 
 def open_weights(path: str | os.PathLike, model: nn.Module | None = None,
-                 config: Any = None) -> WeightSource:
-    """Weight source of a checkpoint; GGUF needs the config and the model's parameter names."""
+                 config: Any = None, device: torch.device | str = "cpu") -> WeightSource:
+    """Weight source of a checkpoint; GGUF needs the config and the model's parameter names.
+    A synthetic recipe (runtime.synthetic) draws its tensors on `device`."""
     directory, gguf_file = _resolve(path)
+    if gguf_file is None and (directory / RECIPE_FILE).is_file():
+        return SyntheticWeights(directory, device)
     if gguf_file is None:
         return SafetensorsWeights(directory)
     if model is None or config is None:
@@ -137,7 +141,7 @@ def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
         from parallel.tensor_parallel import apply_tp
 
         apply_tp(model, tp, gather_logits=gather_logits)
-    source = open_weights(path, model, config)
+    source = open_weights(path, model, config, device)
     try:
         model = load_weights(model, source, dtype, device)
     finally:
