@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# The single-H200 measurements in README.md ("GPU performance"), phase by phase:
+# The H200 measurements in README.md ("GPU performance"), phase by phase:
 #   bash examples/h200_bench.sh OUTDIR check k4 auto-0.02 eps-0.05 auto-0.2 batch16
+#   bash examples/h200_bench.sh OUTDIR tp2-smoke 70b-0.01      # two H200s: target TP 2
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
+# EXTRA="--no-cuda-graphs" (say) is added to every bench command.
 set -u
 OUT=${1:?usage: h200_bench.sh OUTDIR PHASE...}; shift
 mkdir -p "$OUT"
 SYN=${SYN:-/tmp/tandem-syn}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-bench() {   # bench PHASE ARGS...: the 8b synthetic pair, bf16, 128-token prompts, 256 new
+bench() {   # bench PHASE ARGS...: a synthetic pair (8b unless --synthetic follows), bf16,
+            # 128-token prompts, 256 new tokens
     local phase=$1; shift
+    local start=$SECONDS
     python -m launcher bench --synthetic 8b --device cuda:0 --dtype bfloat16 \
         --prompt-len 128 --new-tokens 256 --synthetic-dir "$SYN" --out "$OUT/$phase.json" \
-        "$@" > "$OUT/$phase.log" 2>&1
-    echo "== $phase (rc $?)"; grep '^|' "$OUT/$phase.log"
+        ${EXTRA:-} "$@" > "$OUT/$phase.log" 2>&1
+    echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
 }
 for phase in "$@"; do
     case $phase in
@@ -25,6 +29,10 @@ for phase in "$@"; do
                       --modes target,spec,hf-assisted ;;
         auto-0.2) bench auto-0.2 --batch-sizes 1 --eps 0.2 --draft-len auto --modes target,spec ;;
         batch16) bench batch16 --batch-sizes 1,16 --eps 0.01 --draft-len 4 --modes target,spec ;;
+        tp2-smoke) bench tp2-smoke --synthetic 1b --target-tp 2 --new-tokens 64 --eps 0.02 \
+                       --draft-len 4 --modes target,spec ;;
+        70b-*) bench "$phase" --synthetic 70b --target-tp 2 --batch-sizes 1 \
+                   --eps "${phase#70b-}" --draft-len "${K70:-4}" --modes target,spec ;;
         k[0-9]*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len "${phase#k}" \
                      --modes spec ;;
         *) echo "unknown phase $phase"; exit 2 ;;

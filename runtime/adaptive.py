@@ -1,49 +1,92 @@
 """Adaptive draft length (`speculation.draft_len: auto`).
 
 Each round the scheduler asks for k and reports back what happened. The controller keeps
-- alpha: the per-token acceptance probability, estimated as accepted / reached over recent
-  rounds (a draft token is "reached" when all tokens before it were accepted), and
-- the round cost T(k) = t_verify + k * t_draft per batch-size bucket, fitted by least squares
-  over recent (k, round seconds) observations,
+
+- acceptance per draft position j = 1..max_k: decayed counts of how often draft token j was
+  reached (tested: j <= k and every token before it accepted) and accepted. The conditional
+  acceptance a_j = (accepted_j + PRIOR * alpha) / (reached_j + PRIOR) shrinks each position
+  toward the pooled acceptance alpha (accepted / reached over all positions), so a position
+  seen rarely or never falls back to alpha. A position's counts decay only in rounds that
+  reach it, so positions tested only by exploration still build up evidence;
+- the round cost T(k) per batch-size bucket: the median of the recent rounds run at that k
+  when there are at least MIN_COST_OBS of them, otherwise t_verify + k * t_draft from a least
+  squares line over the bucket's recent (k, seconds) observations. Measured costs capture
+  what a line cannot (verify shapes that change cost in steps, fixed per-round overhead);
+  the line only fills in k values not measured lately,
+
 and picks the k in 1..max_k that maximises expected tokens per second,
-(1 - alpha^(k+1)) / (1 - alpha) / T(k). Until it has seen two different k it explores.
+E[tokens | k] / T(k) with E[tokens | k] = 1 + sum_{j<=k} a_1 * ... * a_j.
+Until it has seen two different k it alternates a short and a long k. Afterwards one round in
+EXPLORE_EVERY runs a neighbour of the best k, alternately above and below, so the k values
+around the choice stay measured; and, half-way between those, a round may run the most
+promising k whose cost is only read off the line, when the line puts it within PLAUSIBLE of
+the best rate, so a step the line cannot see (a cheaper k far from the current one) is found.
 """
 from __future__ import annotations
 
 from collections import deque
+from statistics import median
 
-WINDOW = 64            # recent rounds kept per batch-size bucket for the cost fit
+WINDOW = 64            # recent rounds kept per batch-size bucket for the cost line
 EXPLORE_EVERY = 16     # one round in this many tries a neighbour of the best k
-DECAY = 0.98           # weight of the past in the acceptance estimate
+DECAY = 0.98           # weight of the past in the pooled acceptance, per round
+POS_DECAY = 0.99       # weight of the past in a position's counts, per round reaching it
+PRIOR = 2.0            # pseudo-observations pulling a position's acceptance toward alpha
+PER_K = 8              # recent round costs kept per (bucket, k)
+MIN_COST_OBS = 3       # measured rounds at k needed to trust their median over the line
+MAX_COST_AGE = 512     # rounds after which a measured cost no longer counts as recent
+PLAUSIBLE = 0.8        # unmeasured k predicted within this share of the best get measured
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens committed per round with k drafts at per-token acceptance alpha."""
+    """Tokens committed per round with k drafts at i.i.d. per-token acceptance alpha."""
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_by_position(accept: list[float]) -> list[float]:
+    """E[tokens | k] for k = 1..len(accept), given conditional acceptance per position."""
+    expected, reach, total = [], 1.0, 1.0
+    for a in accept:
+        reach *= a
+        total += reach
+        expected.append(total)
+    return expected
+
+
 class DraftLenController:
+    """Chooses the draft length per round; a fixed draft length bypasses it entirely."""
+
     def __init__(self, fixed: int | None, max_k: int):
         self.fixed = fixed
         self.max_k = max_k
-        self.accepted_w = 1.0       # prior: alpha = 0.5
+        self.accepted_w = 1.0       # pooled prior: alpha = 0.5
         self.reached_w = 2.0
+        self.pos_accepted = [0.0] * max_k
+        self.pos_reached = [0.0] * max_k
         self.costs: dict[int, deque] = {}
+        self.costs_at: dict[tuple[int, int], deque] = {}
         self.rounds = 0
         self.last_k = fixed or min(4, max_k)
 
     @property
     def alpha(self) -> float:
+        """Pooled per-token acceptance over all draft positions."""
         return self.accepted_w / self.reached_w
+
+    def position_acceptance(self) -> list[float]:
+        """Conditional acceptance a_j for j = 1..max_k, shrunk toward the pooled alpha."""
+        alpha = self.alpha
+        return [(acc + PRIOR * alpha) / (reached + PRIOR)
+                for acc, reached in zip(self.pos_accepted, self.pos_reached)]
 
     def _bucket(self, batch: int) -> int:
         return max(1, batch).bit_length()
 
-    def _fit(self, batch: int) -> tuple[float, float] | None:
-        """(t_verify, t_draft) for this batch size, or None until two k values were seen."""
-        obs = self.costs.get(self._bucket(batch))
+    def _fit(self, bucket: int) -> tuple[float, float] | None:
+        """(t_verify, t_draft) for this bucket, or None until two k values were seen."""
+        obs = self.costs.get(bucket)
         if not obs or len({k for k, _ in obs}) < 2:
             return None
         n = len(obs)
@@ -53,29 +96,70 @@ class DraftLenController:
         slope = max(0.0, sum((k - mk) * (t - mt) for k, t in obs) / var)
         return max(1e-9, mt - slope * mk), slope
 
+    def round_costs(self, batch: int) -> tuple[list[float], list[bool]] | None:
+        """Estimated seconds per round for k = 1..max_k and whether each was measured
+        (rather than read off the line), or None until two k values were seen."""
+        bucket = self._bucket(batch)
+        fit = self._fit(bucket)
+        if fit is None:
+            return None
+        t_verify, t_draft = fit
+        costs, measured = [], []
+        for k in range(1, self.max_k + 1):
+            recent = [t for r, t in self.costs_at.get((bucket, k), ())
+                      if self.rounds - r <= MAX_COST_AGE]
+            measured.append(len(recent) >= MIN_COST_OBS)
+            costs.append(median(recent) if measured[-1] else t_verify + k * t_draft)
+        return costs, measured
+
     def choose(self, batch: int) -> int:
+        """Draft length for the next round of `batch` sequences."""
         if self.fixed is not None:
             return self.fixed
         self.rounds += 1
-        fit = self._fit(batch)
-        if fit is None:                          # explore: alternate low and high k
+        estimate = self.round_costs(batch)
+        if estimate is None:                     # explore: alternate low and high k
             self.last_k = 2 if self.rounds % 2 else min(self.max_k, 6)
             return self.last_k
-        t_verify, t_draft = fit
-        best = max(range(1, self.max_k + 1),
-                   key=lambda k: expected_tokens(self.alpha, k) / (t_verify + k * t_draft))
-        if self.rounds % EXPLORE_EVERY == 0:     # keep the cost fit honest around the best
-            best = min(self.max_k, best + 1) if self.rounds % (2 * EXPLORE_EVERY) else \
+        costs, measured = estimate
+        rates = [e / t for e, t in
+                 zip(expected_tokens_by_position(self.position_acceptance()), costs)]
+        self.last_k = self._explore(rates, measured)
+        return self.last_k
+
+    def _explore(self, rates: list[float], measured: list[bool]) -> int:
+        """The k with the best rate, or on exploration rounds a k worth measuring."""
+        best = 1 + rates.index(max(rates))
+        if self.rounds % EXPLORE_EVERY == 0:     # keep the neighbours' estimates fresh
+            return min(self.max_k, best + 1) if self.rounds % (2 * EXPLORE_EVERY) else \
                 max(1, best - 1)
-        self.last_k = best
+        if self.rounds % EXPLORE_EVERY == EXPLORE_EVERY // 2:
+            # the line may misjudge k values far from those run lately: measure the most
+            # promising unmeasured one, if the line says it is close to the best
+            rate, k = max(((r, k) for k, (r, m) in enumerate(zip(rates, measured), 1)
+                           if not m), default=(0.0, best))
+            if rate >= PLAUSIBLE * rates[best - 1]:
+                return k
         return best
 
     def observe(self, k: int, accepted: list[int], round_s: float) -> None:
         """One round: k drafts per sequence, accepted drafts per sequence, wall seconds."""
         if self.fixed is not None or not accepted:
             return
-        reached = sum(min(a + 1, k) for a in accepted)    # drafts that were tested
+        self._observe_acceptance(k, accepted)
+        bucket = self._bucket(len(accepted))
+        self.costs.setdefault(bucket, deque(maxlen=WINDOW)).append((k, round_s))
+        self.costs_at.setdefault((bucket, k), deque(maxlen=PER_K)).append(
+            (self.rounds, round_s))
+
+    def _observe_acceptance(self, k: int, accepted: list[int]) -> None:
+        """Update the pooled and per-position counts with one round's outcomes."""
+        reached = [min(a + 1, k) for a in accepted]       # drafts that were tested
         self.accepted_w = DECAY * self.accepted_w + sum(accepted)
-        self.reached_w = DECAY * self.reached_w + reached
-        obs = self.costs.setdefault(self._bucket(len(accepted)), deque(maxlen=WINDOW))
-        obs.append((k, round_s))
+        self.reached_w = DECAY * self.reached_w + sum(reached)
+        for j in range(min(k, self.max_k)):
+            n_reached = sum(1 for r in reached if r > j)
+            if n_reached:
+                self.pos_accepted[j] = POS_DECAY * self.pos_accepted[j] + \
+                    sum(1 for a in accepted if a > j)
+                self.pos_reached[j] = POS_DECAY * self.pos_reached[j] + n_reached

@@ -5,18 +5,31 @@ import random
 
 import pytest
 
-from runtime.adaptive import DraftLenController, expected_tokens
+from runtime.adaptive import DraftLenController, expected_tokens, expected_tokens_by_position
 
 pytestmark = pytest.mark.timeout(30)
 
-
-def best_k(alpha: float, t_verify: float, t_draft: float, max_k: int) -> int:
-    return max(range(1, max_k + 1),
-               key=lambda k: expected_tokens(alpha, k) / (t_verify + k * t_draft))
+DECAYING = [0.95, 0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2]     # conditional acceptance by position
 
 
-def simulate(alpha: float, t_verify: float, t_draft: float, rounds: int = 600,
-             batch: int = 2) -> list[int]:
+def linear(t_verify: float, t_draft: float):
+    return lambda k: t_verify + k * t_draft
+
+
+def stepped(k: int) -> float:
+    """A verify shape that costs more from k = 5 on, with a fixed per-round overhead."""
+    return (1.0 if k <= 4 else 1.5) + 0.06 * k
+
+
+def best_k(accept: list[float], cost, max_k: int = 8) -> int:
+    """The k with the most expected tokens per second under the true model."""
+    rates = [e / cost(k) for k, e in enumerate(expected_tokens_by_position(accept), 1)]
+    return 1 + rates.index(max(rates))
+
+
+def simulate(accept: list[float], cost, rounds: int = 600,
+             batch: int = 2) -> tuple[list[int], DraftLenController]:
+    """Run the controller against per-position acceptance `accept` and round cost `cost`."""
     rng = random.Random(0)
     ctl = DraftLenController(None, max_k=8)
     chosen = []
@@ -25,12 +38,18 @@ def simulate(alpha: float, t_verify: float, t_draft: float, rounds: int = 600,
         accepted = []
         for _ in range(batch):
             a = 0
-            while a < k and rng.random() < alpha:
+            while a < k and rng.random() < accept[a]:
                 a += 1
             accepted.append(a)
-        ctl.observe(k, accepted, t_verify + k * t_draft + rng.uniform(0, 0.01 * t_verify))
+        ctl.observe(k, accepted, cost(k) * (1 + rng.uniform(0, 0.01)))
         chosen.append(k)
-    return chosen
+    return chosen, ctl
+
+
+def assert_converged(chosen: list[int], target: int, share: float) -> None:
+    tail = chosen[-200:]
+    assert max(set(tail), key=tail.count) == target
+    assert tail.count(target) > share * len(tail)
 
 
 @pytest.mark.parametrize("alpha,t_verify,t_draft", [
@@ -39,11 +58,26 @@ def simulate(alpha: float, t_verify: float, t_draft: float, rounds: int = 600,
     (0.1, 1.0, 0.3),      # poor draft: k = 1
 ])
 def test_converges_to_the_best_k(alpha, t_verify, t_draft):
-    chosen = simulate(alpha, t_verify, t_draft)
-    target = best_k(alpha, t_verify, t_draft, 8)
-    tail = chosen[-200:]
-    assert max(set(tail), key=tail.count) == target
-    assert tail.count(target) > 0.8 * len(tail)
+    chosen, _ = simulate([alpha] * 8, linear(t_verify, t_draft))
+    assert_converged(chosen, best_k([alpha] * 8, linear(t_verify, t_draft)), 0.8)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_position_dependent_acceptance(batch):
+    """Acceptance that decays along the draft: per-position estimates find the best k,
+    where one pooled i.i.d. alpha would propose longer drafts."""
+    cost = linear(1.0, 0.1)
+    chosen, ctl = simulate(DECAYING, cost, batch=batch)
+    target = best_k(DECAYING, cost)
+    assert_converged(chosen, target, 0.75)
+    pooled_rule = best_k([ctl.alpha] * 8, cost)      # the geometric model on what was seen
+    assert pooled_rule > target
+
+
+def test_cost_not_linear_in_k():
+    """A step in the round cost: measured per-k costs find the best k a line misses."""
+    chosen, _ = simulate([0.8] * 8, stepped)
+    assert_converged(chosen, best_k([0.8] * 8, stepped), 0.75)
 
 
 def test_fixed_draft_len_is_kept():
@@ -57,3 +91,5 @@ def test_expected_tokens():
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.0, 4) == 1.0
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    assert expected_tokens_by_position([0.5, 0.5]) == [1.5, 1.75]
+    assert expected_tokens_by_position([1.0, 0.0, 1.0]) == [2.0, 2.0, 2.0]
