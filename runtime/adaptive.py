@@ -14,8 +14,11 @@ Each round the scheduler asks for k and reports back what happened. The controll
   what a line cannot (verify shapes that change cost in steps, fixed per-round overhead);
   the line only fills in k values not measured lately,
 
-and picks the k in 1..max_k that maximises expected tokens per second,
-E[tokens | k] / T(k) with E[tokens | k] = 1 + sum_{j<=k} a_1 * ... * a_j.
+and picks the k in 0..max_k that maximises expected tokens per second,
+E[tokens | k] / T(k) with E[tokens | k] = 1 + sum_{j<=k} a_1 * ... * a_j. k = 0 is a
+target-only round: no draft, the target decodes up to TARGET_ONLY_STEPS tokens on one command
+(so the control round trip is paid once for all of them), at 1 token per measured step; it
+wins when the draft is rarely right, and every other exploration round then tries k = 1.
 Until it has seen two different k it alternates a short and a long k. Afterwards one round in
 EXPLORE_EVERY runs a neighbour of the best k, alternately above and below, so the k values
 around the choice stay measured; and, half-way between those, a round may run the most
@@ -27,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 from statistics import median
 
+TARGET_ONLY_STEPS = 8  # decode steps of one target-only (k = 0) round
 WINDOW = 64            # recent rounds kept per batch-size bucket for the cost line
 EXPLORE_EVERY = 16     # one round in this many tries a neighbour of the best k
 DECAY = 0.98           # weight of the past in the pooled acceptance, per round
@@ -97,15 +101,17 @@ class DraftLenController:
         return max(1e-9, mt - slope * mk), slope
 
     def round_costs(self, batch: int) -> tuple[list[float], list[bool]] | None:
-        """Estimated seconds per round for k = 1..max_k and whether each was measured
-        (rather than read off the line), or None until two k values were seen."""
+        """Estimated seconds per round for k = 0..max_k (k = 0: per target-only step) and
+        whether each was measured (rather than read off the line: a target-only step is
+        taken to cost the line's intercept, one verify of the pending token with its
+        control round trip, until measured), or None until two k values were seen."""
         bucket = self._bucket(batch)
         fit = self._fit(bucket)
         if fit is None:
             return None
         t_verify, t_draft = fit
         costs, measured = [], []
-        for k in range(1, self.max_k + 1):
+        for k in range(0, self.max_k + 1):
             recent = [t for r, t in self.costs_at.get((bucket, k), ())
                       if self.rounds - r <= MAX_COST_AGE]
             measured.append(len(recent) >= MIN_COST_OBS)
@@ -122,32 +128,38 @@ class DraftLenController:
             self.last_k = 2 if self.rounds % 2 else min(self.max_k, 6)
             return self.last_k
         costs, measured = estimate
-        rates = [e / t for e, t in
-                 zip(expected_tokens_by_position(self.position_acceptance()), costs)]
+        expected = [1.0] + expected_tokens_by_position(self.position_acceptance())
+        rates = [e / t for e, t in zip(expected, costs)]
         self.last_k = self._explore(rates, measured)
         return self.last_k
 
     def _explore(self, rates: list[float], measured: list[bool]) -> int:
-        """The k with the best rate, or on exploration rounds a k worth measuring."""
-        best = 1 + rates.index(max(rates))
+        """The k with the best rate, or on exploration rounds a k worth measuring
+        (rates[k] for k = 0..max_k)."""
+        best = rates.index(max(rates))
         if self.rounds % EXPLORE_EVERY == 0:     # keep the neighbours' estimates fresh
             return min(self.max_k, best + 1) if self.rounds % (2 * EXPLORE_EVERY) else \
-                max(1, best - 1)
+                max(0, best - 1)
         if self.rounds % EXPLORE_EVERY == EXPLORE_EVERY // 2:
             # the line may misjudge k values far from those run lately: measure the most
             # promising unmeasured one, if the line says it is close to the best
-            rate, k = max(((r, k) for k, (r, m) in enumerate(zip(rates, measured), 1)
+            rate, k = max(((r, k) for k, (r, m) in enumerate(zip(rates, measured))
                            if not m), default=(0.0, best))
-            if rate >= PLAUSIBLE * rates[best - 1]:
+            if rate >= PLAUSIBLE * rates[best]:
                 return k
         return best
 
-    def observe(self, k: int, accepted: list[int], round_s: float) -> None:
-        """One round: k drafts per sequence, accepted drafts per sequence, wall seconds."""
+    def observe(self, k: int, accepted: list[int], round_s: float, steps: int = 1) -> None:
+        """One round: k drafts per sequence, accepted drafts per sequence, wall seconds; a
+        target-only round (k = 0) of `steps` decode steps is kept as seconds per step."""
         if self.fixed is not None or not accepted:
             return
-        self._observe_acceptance(k, accepted)
         bucket = self._bucket(len(accepted))
+        if k == 0:
+            self.costs_at.setdefault((bucket, 0), deque(maxlen=PER_K)).append(
+                (self.rounds, round_s / steps))
+            return
+        self._observe_acceptance(k, accepted)
         self.costs.setdefault(bucket, deque(maxlen=WINDOW)).append((k, round_s))
         self.costs_at.setdefault((bucket, k), deque(maxlen=PER_K)).append(
             (self.rounds, round_s))

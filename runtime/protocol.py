@@ -40,7 +40,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # orchestrator -> worker
     "init": {"config": MAP, "heartbeat": STR},
     "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST},
-    "round": {"step": INT, "slots": LIST, "k": INT},
+    "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT},   # steps: k = 0 only
     "release": {"step": INT, "slots": LIST},
     "shutdown": {},
     # client -> server
@@ -58,6 +58,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 OPTIONAL: dict[str, set[str]] = {
     "generate": {"prompts", "prompt_ids", "chat", "messages"},
+    "round": {"steps"},
 }
 
 

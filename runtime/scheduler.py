@@ -7,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.adaptive import DraftLenController
+from runtime.adaptive import TARGET_ONLY_STEPS, DraftLenController
 from runtime.config import MAX_AUTO_DRAFT_LEN
 from runtime.params import SamplingParams
 from runtime.pool import WorkerPool
@@ -25,6 +25,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     rounds: int = 0
+    target_only_rounds: int = 0      # rounds without a draft (draft_len auto, k = 0)
     proposed: int = 0                # draft tokens proposed
     accepted: int = 0                # draft tokens accepted
     emitted_per_round: list[int] = field(default_factory=list)
@@ -46,6 +47,7 @@ class Sequence:
             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
             "mean_accepted_tokens": sum(self.emitted_per_round) / rounds if self.rounds else 0.0,
             "rounds": self.rounds,
+            "target_only_rounds": self.target_only_rounds,
             "tokens_per_s": len(self.generated) / elapsed if elapsed > 0 else 0.0,
             "accepted_per_position": list(self.accepted_at),
             "prompt_tokens": len(self.prompt_ids),
@@ -134,8 +136,12 @@ class Scheduler:
         if previous_end is not None:
             self.between_time += start - previous_end
             self.betweens += 1
-        results = self.pool.command({"type": "round", "slots": slots, "k": k},
-                                    self.step_timeout_s)
+        command, steps = {"type": "round", "slots": slots, "k": k}, 1
+        if k == 0:   # target-only: several decode steps on one command, none past a limit
+            steps = min(TARGET_ONLY_STEPS, *(self.running[s].params.max_new_tokens -
+                                             len(self.running[s].generated) for s in slots))
+            command["steps"] = steps
+        results = self.pool.command(command, self.step_timeout_s)
         self.last_round_end = time.perf_counter()
         elapsed = self.last_round_end - start
         # a round's cost is end to end: with draft-ahead the draft ran before the command
@@ -145,7 +151,7 @@ class Scheduler:
         result = next(r for r in results.values() if "tokens" in r)
         self._add_timing(results)
         finished = []
-        self.controller.observe(k, result["accepted"], cost)
+        self.controller.observe(k, result["accepted"], cost, steps)
         for slot, tokens, accepted in zip(slots, result["tokens"], result["accepted"]):
             seq = self.running[slot]
             events.append(self._append(seq, tokens, accepted, k))
@@ -173,6 +179,7 @@ class Scheduler:
 
     def _append(self, seq: Sequence, tokens: list[int], accepted: int, k: int) -> Event:
         seq.rounds += 1
+        seq.target_only_rounds += k == 0
         seq.proposed += k
         seq.accepted += accepted
         self.proposed_total += k

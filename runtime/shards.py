@@ -87,6 +87,16 @@ class ModelShard:
     def model_free_slot(self):
         return getattr(self.model, "free_slot", None)
 
+    def append_decoded(self, slots: list[int], rows: list[list[int]]) -> None:
+        """Commit tokens the target decoded alone (a target-only round). Whatever of
+        pending + rows the cache does not hold stays pending: on the target (whose decode
+        steps cached all but the last) that is the last token; on the draft, all of them."""
+        for slot, row in zip(slots, rows):
+            state = self.slots[slot]
+            state.committed += len(row)
+            uncached = state.committed - state.cache_len     # >= 1
+            state.pending = (state.pending + row)[-uncached:]
+
     def release(self, slots: list[int]) -> None:
         for slot in slots:
             self._check_slot(slot)
@@ -191,13 +201,39 @@ class TargetShard(ModelShard):
         pending = to_device([self.slots[s].pending for s in slots], torch.long, self.device)
         ids = torch.cat([pending, draft_tokens], dim=1)                   # [B, k+1]
         logits = self._step(slots, ids)                                   # [B, k+1, V(local)]
-        sampling = self.sampling(slots)
+        return self._choose(draft_tokens, logits, self.sampling(slots),
+                            self.committed_index(slots), draft_probs)
+
+    def _choose(self, draft_tokens: torch.Tensor, logits: torch.Tensor,
+                sampling: BatchSampling, first_index: torch.Tensor,
+                draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [B], next_token [B]) from the target's logits [B, k+1, V(local)]."""
         if self.vocab_parallel is not None:
             if sampling.greedy:
                 return accept_choices(draft_tokens, self.vocab_parallel.argmax(logits))
             logits = self.vocab_parallel.gather(logits)                   # [B, k+1, V]
-        return target_verify(draft_tokens, logits, sampling,
-                             self.committed_index(slots), self.acceptance, draft_probs)
+        if draft_probs is None and self.acceptance == "logits" and not sampling.greedy \
+                and draft_tokens.shape[1] == 0:
+            draft_probs = logits.new_zeros(*draft_tokens.shape, logits.shape[-1])
+        return target_verify(draft_tokens, logits, sampling, first_index, self.acceptance,
+                             draft_probs)
+
+    def decode(self, slots: list[int], steps: int) -> torch.Tensor:
+        """`steps` decode steps with no draft: each appends the pending token and picks the
+        next one as verify would with every draft rejected (k = 0). Tokens [B, steps] stay
+        on the device (no host sync); commit them with append_decoded."""
+        no_drafts = torch.zeros(len(slots), 0, dtype=torch.long, device=self.device)
+        pending = [self.slots[s].pending for s in slots]
+        if any(len(p) != 1 for p in pending):
+            raise RuntimeError("target-only decode needs exactly one pending token per slot")
+        token = to_device(pending, torch.long, self.device)                # [B, 1]
+        sampling, first = self.sampling(slots), self.committed_index(slots)
+        tokens = []
+        for i in range(steps):
+            logits = self._step(slots, token)                             # [B, 1, V(local)]
+            token = self._choose(no_drafts, logits, sampling, first + i, None)[1][:, None]
+            tokens.append(token)
+        return torch.cat(tokens, dim=1)                                   # [B, steps]
 
     def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:
         for slot, a, nxt in zip(slots, accepted, next_tokens):

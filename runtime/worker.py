@@ -284,9 +284,33 @@ class Worker:
                 if shard is not None:
                     shard.release(slots)
             return {}
+        if kind == "round" and msg["k"] == 0:
+            return self.decode_target_only(slots, msg.get("steps", 1))
         if kind == "round":
             return self.speculate(slots, msg["k"])
         raise protocol.ProtocolError(f"worker cannot handle {kind!r}")
+
+    def decode_target_only(self, slots: list[int], steps: int) -> dict:
+        """A round without a draft (draft_len auto, k = 0): the target decodes `steps` tokens
+        per slot, exactly those a round that rejected every draft would take, then they move
+        to the draft, which feeds them to its cache with its next proposal."""
+        if not 1 <= steps <= self.config.runtime.max_seq_len:
+            raise ValueError(f"round.steps must be >= 1 for a target-only round, got {steps}")
+        start = time.perf_counter()
+        if self.draft is not None:
+            self.draft.drop_ahead()
+        tokens = torch.zeros(len(slots), steps, dtype=torch.long, device=self.device)
+        if self.target is not None:
+            tokens = self.target.decode(slots, steps)                     # [B, steps]
+        bridge_broadcast(tokens, self.topology.target_leader, self.groups.bridge)
+        rows = tokens.tolist()                                            # the one sync
+        for shard in (self.draft, self.target):
+            if shard is not None:
+                shard.append_decoded(slots, rows)
+        result = {"worker_s": time.perf_counter() - start}
+        if self.rank == self.topology.target_leader:
+            result["tokens"], result["accepted"] = rows, [0] * len(slots)
+        return result
 
     def speculate(self, slots: list[int], k: int) -> dict:
         """One round: draft k tokens, move them (and q for `logits` acceptance) to the target,

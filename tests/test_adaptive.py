@@ -5,26 +5,35 @@ import random
 
 import pytest
 
-from runtime.adaptive import DraftLenController, expected_tokens, expected_tokens_by_position
+from runtime.adaptive import (TARGET_ONLY_STEPS, DraftLenController, expected_tokens,
+                              expected_tokens_by_position)
 
 pytestmark = pytest.mark.timeout(30)
 
 DECAYING = [0.95, 0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2]     # conditional acceptance by position
 
 
-def linear(t_verify: float, t_draft: float):
-    return lambda k: t_verify + k * t_draft
+def linear(t_verify: float, t_draft: float, overhead: float = 0.0):
+    """Round cost: verify + k drafts; a target-only round (k = 0) of `steps` decode steps
+    pays the per-round overhead once."""
+    def cost(k: int, steps: int = 1) -> float:
+        if k == 0:
+            return overhead + steps * (t_verify - overhead)
+        return t_verify + k * t_draft
+    return cost
 
 
-def stepped(k: int) -> float:
+def stepped(k: int, steps: int = 1) -> float:
     """A verify shape that costs more from k = 5 on, with a fixed per-round overhead."""
-    return (1.0 if k <= 4 else 1.5) + 0.06 * k
+    return steps * 1.0 if k == 0 else (1.0 if k <= 4 else 1.5) + 0.06 * k
 
 
 def best_k(accept: list[float], cost, max_k: int = 8) -> int:
-    """The k with the most expected tokens per second under the true model."""
-    rates = [e / cost(k) for k, e in enumerate(expected_tokens_by_position(accept), 1)]
-    return 1 + rates.index(max(rates))
+    """The k (0 = target-only) with the most expected tokens per second under the true
+    model."""
+    expected = [float(TARGET_ONLY_STEPS)] + expected_tokens_by_position(accept)
+    rates = [e / cost(k, TARGET_ONLY_STEPS if k == 0 else 1) for k, e in enumerate(expected)]
+    return rates.index(max(rates))
 
 
 def simulate(accept: list[float], cost, rounds: int = 600,
@@ -41,7 +50,8 @@ def simulate(accept: list[float], cost, rounds: int = 600,
             while a < k and rng.random() < accept[a]:
                 a += 1
             accepted.append(a)
-        ctl.observe(k, accepted, cost(k) * (1 + rng.uniform(0, 0.01)))
+        steps = TARGET_ONLY_STEPS if k == 0 else 1
+        ctl.observe(k, accepted, cost(k, steps) * (1 + rng.uniform(0, 0.01)), steps)
         chosen.append(k)
     return chosen, ctl
 
@@ -55,7 +65,8 @@ def assert_converged(chosen: list[int], target: int, share: float) -> None:
 @pytest.mark.parametrize("alpha,t_verify,t_draft", [
     (0.9, 1.0, 0.05),     # good draft, cheap: long proposals
     (0.6, 1.0, 0.1),
-    (0.1, 1.0, 0.3),      # poor draft: k = 1
+    (0.3, 1.0, 0.1),      # weak draft: k = 1
+    (0.1, 1.0, 0.3),      # poor draft: target-only rounds (k = 0)
 ])
 def test_converges_to_the_best_k(alpha, t_verify, t_draft):
     chosen, _ = simulate([alpha] * 8, linear(t_verify, t_draft))
@@ -93,3 +104,19 @@ def test_expected_tokens():
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
     assert expected_tokens_by_position([0.5, 0.5]) == [1.5, 1.75]
     assert expected_tokens_by_position([1.0, 0.0, 1.0]) == [2.0, 2.0, 2.0]
+
+
+def test_target_only_rounds_amortise_the_overhead():
+    """A poor draft: the line's intercept (one verify with its control overhead) makes a
+    target-only step look close to k = 1, so it is measured; measured, its amortised
+    overhead makes it the best, and k = 1 is still probed now and then."""
+    cost = linear(1.0, 0.05, overhead=0.3)
+    assert best_k([0.15] * 8, cost) == 0 and cost(1) / 1.15 < 1.0   # k = 1 beats 1 / verify
+    chosen, _ = simulate([0.15] * 8, cost)
+    assert_converged(chosen, 0, 0.8)
+    assert 1 in chosen[-200:]
+
+
+def test_good_draft_never_runs_target_only():
+    chosen, _ = simulate([0.85] * 8, linear(1.0, 0.1, overhead=0.3))
+    assert 0 not in chosen

@@ -75,3 +75,20 @@ def test_auto_draft_len_equals_target(models, reference, tmp_path):
         args += ["--prompt-ids", ",".join(map(str, prompt))]
     outs = launch.run_json("spawn", 3, args)
     assert [o["token_ids"] for o in outs] == reference("target")
+
+
+def test_auto_with_a_disagreeing_draft_runs_target_only_rounds(models, tmp_path):
+    """draft_len auto with a draft that is almost never right: the controller turns to
+    target-only rounds (k = 0, several target steps per command), probes k = 1 now and then,
+    and the output is still the target's greedy output."""
+    new_tokens = 96
+    cfg = launch.write_config(tmp_path / "c.yaml", models["other"], models["target"],
+                              ["cpu:0"], ["cpu:1"], draft_len="auto")
+    args = ["run", cfg, "--max-new-tokens", str(new_tokens)]
+    for prompt in PROMPTS:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    outs = launch.run_json("spawn", 3, args)
+    reference = checkpoints.GreedyReference(models, PROMPTS, new_tokens)
+    assert [o["token_ids"] for o in outs] == reference("target")
+    assert all(o["stats"]["target_only_rounds"] > 0 for o in outs), [o["stats"] for o in outs]
+    assert all(o["stats"]["target_only_rounds"] < o["stats"]["rounds"] for o in outs)

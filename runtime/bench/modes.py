@@ -145,20 +145,21 @@ class TandemSpec:
         outs = outs if isinstance(outs, list) else [outs]
         rounds = sum(o.stats.get("rounds", 0) for o in outs)
         tokens = sum(len(o.token_ids) for o in outs)
-        kept = tested = 0
+        kept = tested = drafting = 0
         proposed_weighted = 0.0
-        for o in outs:
-            r = o.stats.get("rounds", 0)
+        for o in outs:   # rounds that drafted (a target-only round tests no draft token)
+            r = o.stats.get("rounds", 0) - o.stats.get("target_only_rounds", 0)
             positions = o.stats.get("accepted_per_position")
             if positions is not None and r:
                 kept += sum(positions)
                 tested += r + sum(positions[:-1])
             proposed_weighted += o.stats.get("acceptance_rate", 0.0) * r
+            drafting += r
         alpha = kept / tested if tested else None   # == metrics.alpha_from_positions summed
         mat = sum(o.stats.get("mean_accepted_tokens", 0.0) * o.stats.get("rounds", 0)
                   for o in outs)
         return Outcome(tokens=tokens, wall_s=wall,
-                       acceptance_rate=proposed_weighted / rounds if rounds else None,
+                       acceptance_rate=proposed_weighted / drafting if drafting else None,
                        mean_accepted_tokens=mat / rounds if rounds else None,
                        alpha=alpha, rounds=rounds,
                        extra={"token_ids": [list(o.token_ids) for o in outs],

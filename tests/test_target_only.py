@@ -1,0 +1,81 @@
+"""Target-only rounds (draft_len auto, k = 0): the target decodes several tokens on one
+command. They must be exactly the tokens verify rounds with every draft rejected would take,
+and leave both shards' states as if those tokens had been committed one by one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.models import load_model
+from runtime.shards import DraftShard, TargetShard
+from tests.checkpoints import build_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+CPU = torch.device("cpu")
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+SAMPLED = {"temperature": 0.9, "top_k": 0, "top_p": 0.95, "seed": 11}
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
+SLOTS = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("target_only") / "llama", seed=3)
+
+
+def make(cls, path, params, acceptance="tokens"):
+    shard = cls(load_model(path, torch.float32, CPU), CPU, 4, 64, acceptance, max_step_len=5)
+    shard.prefill(SLOTS, PROMPTS, [params, params])
+    return shard
+
+
+def states(shard):
+    return [(s.committed, s.cache_len, list(s.pending)) for s in shard.slots]
+
+
+@pytest.mark.parametrize("acceptance,params", [("tokens", GREEDY), ("tokens", SAMPLED),
+                                               ("logits", SAMPLED)])
+def test_decode_equals_rounds_that_reject_every_draft(model_path, acceptance, params):
+    alone, rounds = make(TargetShard, model_path, params, acceptance), \
+        make(TargetShard, model_path, params, acceptance)
+    rows = alone.decode(SLOTS, 5).tolist()
+    alone.append_decoded(SLOTS, rows)
+    expected = [[] for _ in SLOTS]
+    no_drafts = torch.zeros(len(SLOTS), 0, dtype=torch.long)
+    vocab = alone.model.vocab_size
+    probs = torch.zeros(len(SLOTS), 0, vocab) if acceptance == "logits" else None
+    for _ in range(5):
+        accepted, nxt = rounds.verify(SLOTS, no_drafts, probs)
+        assert accepted.tolist() == [0, 0]
+        rounds.commit(SLOTS, [0, 0], nxt.tolist())
+        for row, tok in zip(expected, nxt.tolist()):
+            row.append(tok)
+    assert rows == expected
+    assert states(alone) == states(rounds)
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6]])   # the caches hold the same positions too
+    p = torch.full((2, 3, vocab), 1 / vocab) if acceptance == "logits" else None
+    assert [t.tolist() for t in alone.verify(SLOTS, drafts, p)] == \
+        [t.tolist() for t in rounds.verify(SLOTS, drafts, p)]
+
+
+def test_draft_takes_the_decoded_tokens_as_pending(model_path):
+    """A draft that was handed decoded tokens proposes what a draft whose prompt already
+    held them proposes."""
+    handed = make(DraftShard, model_path, GREEDY)
+    rows = [[20, 21, 22], [30, 31, 32]]
+    handed.append_decoded(SLOTS, rows)
+    assert [s.pending for s in (handed.slots[0], handed.slots[2])] == \
+        [[7, 20, 21, 22], [12, 30, 31, 32]]
+    fresh = DraftShard(load_model(model_path, torch.float32, CPU), CPU, 4, 64, "tokens",
+                       max_step_len=5)
+    fresh.prefill(SLOTS, [p + r for p, r in zip(PROMPTS, rows)], [GREEDY, GREEDY])
+    assert handed.propose(SLOTS, 3)[0].tolist() == fresh.propose(SLOTS, 3)[0].tolist()
+    assert [s[:2] for s in states(handed)] == [s[:2] for s in states(fresh)]
+
+
+def test_decode_needs_one_pending_token(model_path):
+    shard = make(TargetShard, model_path, GREEDY)
+    shard.slots[0].pending = [1, 2]
+    with pytest.raises(RuntimeError, match="one pending token"):
+        shard.decode(SLOTS, 2)
