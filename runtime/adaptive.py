@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 from statistics import median
 
-TARGET_ONLY_STEPS = 8  # decode steps of one target-only (k = 0) round
+TARGET_ONLY_STEPS = 16  # decode steps of one target-only (k = 0) round
 WINDOW = 64            # recent rounds kept per batch-size bucket for the cost line
 EXPLORE_EVERY = 16     # one round in this many tries a neighbour of the best k
 DECAY = 0.98           # weight of the past in the pooled acceptance, per round

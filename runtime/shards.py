@@ -228,10 +228,17 @@ class TargetShard(ModelShard):
             raise RuntimeError("target-only decode needs exactly one pending token per slot")
         token = to_device(pending, torch.long, self.device)                # [B, 1]
         sampling, first = self.sampling(slots), self.committed_index(slots)
+        argmax = None
+        if sampling.greedy:   # what _choose takes with no drafts, in one kernel
+            argmax = self.vocab_parallel.argmax if self.vocab_parallel is not None else \
+                (lambda logits: logits.argmax(dim=-1))
         tokens = []
         for i in range(steps):
             logits = self._step(slots, token)                             # [B, 1, V(local)]
-            token = self._choose(no_drafts, logits, sampling, first + i, None)[1][:, None]
+            if argmax is not None:
+                token = argmax(logits)                                    # [B, 1]
+            else:
+                token = self._choose(no_drafts, logits, sampling, first + i, None)[1][:, None]
             tokens.append(token)
         return torch.cat(tokens, dim=1)                                   # [B, steps]
 
