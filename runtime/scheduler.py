@@ -28,6 +28,7 @@ class Sequence:
     target_only_rounds: int = 0      # rounds without a draft (draft_len auto, k = 0)
     proposed: int = 0                # draft tokens proposed
     accepted: int = 0                # draft tokens accepted
+    tested: int = 0                  # draft tokens tested (every token up to the first reject)
     emitted_per_round: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     t_end: float | None = None
@@ -50,6 +51,7 @@ class Sequence:
             "target_only_rounds": self.target_only_rounds,
             "tokens_per_s": len(self.generated) / elapsed if elapsed > 0 else 0.0,
             "accepted_per_position": list(self.accepted_at),
+            "tested_draft_tokens": self.tested,
             "prompt_tokens": len(self.prompt_ids),
         }
 
@@ -182,6 +184,7 @@ class Scheduler:
         seq.target_only_rounds += k == 0
         seq.proposed += k
         seq.accepted += accepted
+        seq.tested += min(accepted + 1, k)
         self.proposed_total += k
         self.accepted_total += accepted
         if len(seq.accepted_at) < self.draft_len:

@@ -58,6 +58,9 @@ def test_greedy_equals_target(case, form, models, reference, tmp_path):
         assert set(stats) >= {"acceptance_rate", "mean_accepted_tokens", "rounds",
                               "tokens_per_s"}
         assert out["finish_reason"] in ("length", "stop")
+        # every round tests draft token 1, and token i+1 only when it kept token i
+        positions = stats["accepted_per_position"]
+        assert stats["tested_draft_tokens"] == stats["rounds"] + sum(positions[:k - 1])
         if case == "draft-is-target":
             assert stats["acceptance_rate"] > 0.9
     rates = [o["stats"]["acceptance_rate"] for o in outs]

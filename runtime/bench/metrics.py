@@ -2,10 +2,9 @@
 
 - theoretical_speedup: Leviathan et al. (2023), eq. for the expected walltime improvement,
   (1 - a^(k+1)) / ((1 - a)(k c + 1)), with a the per-token acceptance probability.
-- alpha_from_positions: that per-token probability, estimated from the rounds: every round
-  tests draft token 1, and tests token i+1 only when token i was kept, so
-  alpha = kept / tested (the fraction of *proposed* tokens kept, tandem's `acceptance_rate`,
-  is lower: positions after a rejection count as proposed but are never tested).
+- alpha_from_tokens_per_round: that per-token probability from the mean tokens per round at
+  a fixed k (for modes that report no per-token counts; tandem's rounds count the draft
+  tokens they tested, so its alpha is kept / tested exactly).
 - copy_bandwidth: bytes moved (read + written) per second by a large on-device copy.
 - weight_bytes_per_step: the target's weight bytes one decode step reads.
 - step_time: seconds of one forward_extend of our model code (a decode or verify step).
@@ -27,16 +26,6 @@ def theoretical_speedup(alpha: float, k: int, c: float) -> float:
         raise ValueError(f"need k >= 1 and c >= 0, got k={k}, c={c}")
     tokens_per_round = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
     return tokens_per_round / (k * c + 1.0)
-
-
-def alpha_from_positions(accepted_per_position: Sequence[int], rounds: int) -> float | None:
-    """Per-token acceptance probability from `accepted_per_position[i]` (rounds that kept draft
-    token i+1) and the number of rounds; None without rounds."""
-    if rounds <= 0:
-        return None
-    kept = sum(accepted_per_position)
-    tested = rounds + sum(accepted_per_position[:-1])
-    return kept / tested if tested else None
 
 
 def alpha_from_tokens_per_round(mean_tokens: float, k: int) -> float:

@@ -149,13 +149,11 @@ class TandemSpec:
         proposed_weighted = 0.0
         for o in outs:   # rounds that drafted (a target-only round tests no draft token)
             r = o.stats.get("rounds", 0) - o.stats.get("target_only_rounds", 0)
-            positions = o.stats.get("accepted_per_position")
-            if positions is not None and r:
-                kept += sum(positions)
-                tested += r + sum(positions[:-1])
+            kept += sum(o.stats.get("accepted_per_position", ()))
+            tested += o.stats.get("tested_draft_tokens", 0)
             proposed_weighted += o.stats.get("acceptance_rate", 0.0) * r
             drafting += r
-        alpha = kept / tested if tested else None   # == metrics.alpha_from_positions summed
+        alpha = kept / tested if tested else None   # kept / tested draft tokens, exactly
         mat = sum(o.stats.get("mean_accepted_tokens", 0.0) * o.stats.get("rounds", 0)
                   for o in outs)
         return Outcome(tokens=tokens, wall_s=wall,
