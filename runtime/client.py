@@ -21,8 +21,10 @@ from runtime import auth, protocol
 from runtime.errors import EngineDeadError
 from runtime.outputs import GenerationOutput, StreamDelta
 from runtime.params import SamplingParams, check_prompt_ids
+from runtime.procwatch import ProcessWatch
 
 _END = object()
+WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead local worker
 
 
 class Client:
@@ -56,6 +58,9 @@ class Client:
         sock.setsockopt(zmq.SNDHWM, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         sock.connect(self.address)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        self._watch = ProcessWatch(poller)   # the server's processes, once it says which
         last_ping = 0.0
         try:
             while not self._closed.is_set():
@@ -64,10 +69,13 @@ class Client:
                 if now - last_ping >= self.ping_s:
                     last_ping = now
                     self._try_send(sock, {"type": "ping", "id": "ping"})
-                if sock.poll(20):
+                ready = dict(poller.poll(20))
+                self._watch.collect(ready)
+                if sock in ready:
                     self._receive(sock.recv())
                 self._check_dead()
         finally:
+            self._watch.close()
             sock.close(0)
 
     def _try_send(self, sock: zmq.Socket, msg: dict) -> None:
@@ -91,6 +99,8 @@ class Client:
             return
         self._last_heard = time.monotonic()
         if msg["type"] == "pong":
+            if self._info is None:
+                self._watch_processes(msg["info"])
             self._info = msg["info"]
             waiter = self._waiters.get(msg["id"])
         else:
@@ -98,8 +108,34 @@ class Client:
         if waiter is not None:
             waiter.put(msg)
 
+    def _watch_processes(self, info: dict) -> None:
+        """Watch the server's processes that run on this host (pidfds)."""
+        try:
+            self._watch.add("server", *info["server"])
+            for rank, (host, pid) in info["processes"].items():
+                self._watch.add(int(rank), host, pid)
+        except (KeyError, TypeError, ValueError):   # an older or foreign server: no table
+            pass
+
+    def _worker_death(self) -> str | None:
+        """A worker on this host died and the server has not told us why: name the first
+        rank that died, at once if the server is gone too (under mpirun the process manager
+        may kill it before it can report), else after WORKER_DEATH_GRACE_S."""
+        deaths = [(key, pid, at) for key, pid, at in self._watch.ended if key != "server"]
+        if not deaths:
+            return None
+        rank, pid, at = deaths[0]
+        if any(key == "server" for key, _, _ in self._watch.ended):
+            return f"rank {rank} (pid {pid}) died; the server exited before it reported it"
+        if time.monotonic() - at > WORKER_DEATH_GRACE_S:
+            return f"rank {rank} (pid {pid}) died; the server did not report it within " \
+                   f"{WORKER_DEATH_GRACE_S:.0f} s"
+        return None
+
     def _check_dead(self) -> None:
-        reason = self._process_gone()
+        # a dead worker first: it names the cause that a dead server's exit would hide
+        reason = self._worker_death() if self._waiters else None
+        reason = reason or self._process_gone()
         if reason is None and self._waiters and \
                 time.monotonic() - self._last_heard > self.dead_after_s:
             reason = f"server at {self.address} silent for {self.dead_after_s:.0f} s"

@@ -3,7 +3,9 @@ hands results back. Used in-process by `tandem run` and by the server loop of `t
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import socket
 import threading
 
 from runtime.config import TandemConfig
@@ -58,7 +60,11 @@ class Orchestrator:
     def info(self) -> dict:
         return {"vocab_size": self.vocab_size, "max_seq_len": self.config.runtime.max_seq_len,
                 "has_tokenizer": self.tokenizer is not None,
-                "model": self.config.target.model}
+                "model": self.config.target.model,
+                # where the processes run: a client on this host watches them (runtime.client)
+                "server": [socket.gethostname(), os.getpid()],
+                "processes": {str(rank): [host, pid] for rank, (host, pid) in
+                              sorted((self.pool.processes if self.pool else {}).items())}}
 
     # --- requests ------------------------------------------------------------------------
     def encode(self, text: str, chat: bool = False) -> list[int]:

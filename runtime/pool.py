@@ -24,6 +24,7 @@ import zmq
 from runtime import auth, protocol
 from runtime.errors import EngineDeadError
 from runtime.heartbeat import Beacon
+from runtime.procwatch import ProcessWatch
 
 log = logging.getLogger("tandem.pool")
 
@@ -64,6 +65,9 @@ class WorkerPool:
         self._failed_at: float | None = None
         self._inbox: collections.deque[dict] = collections.deque()   # drained, not yet used
         self._drops, self._drop_logged = 0, -DROP_LOG_S                # dropped frames
+        self._poller = zmq.Poller()                  # the socket and the local workers' pidfds
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._watch = ProcessWatch(self._poller)     # the workers on this host
         self.beacon = Beacon(context, bind, heartbeat_s, self.key)
 
     # --- low level -----------------------------------------------------------------------
@@ -126,9 +130,16 @@ class WorkerPool:
     def _poll_one(self, timeout_ms: int) -> dict | None:
         if self._inbox:
             return self._inbox.popleft()
-        if not self.sock.poll(timeout_ms):
+        if not self._poll(timeout_ms):
             return None
         return self._read()
+
+    def _poll(self, timeout_ms: int) -> bool:
+        """Wait up to timeout_ms for a frame; True when one is waiting. A local worker whose
+        process ends meanwhile wakes us too, and is noted for check_alive."""
+        ready = dict(self._poller.poll(timeout_ms))
+        self._watch.collect(ready)
+        return self.sock in ready
 
     def _worker_failed(self, rank: int, message: str) -> None:
         """A rank reported an error: check_alive (next, once the queue is drained) dies
@@ -185,6 +196,8 @@ class WorkerPool:
             reason = self.liveness(exclude=self.failures)
             if reason:
                 self._die(f"{reason}; {self._failure_summary()}" if self.failures else reason)
+        if self._watch.ended:
+            self._local_worker_ended()
         if self._failed_at is not None:
             cause = self._gone(exclude=self.failures)
             if cause:
@@ -195,6 +208,16 @@ class WorkerPool:
         for rank, seen in self.last_seen.items():
             if now - seen > self.dead_after_s:
                 self._die(f"rank {rank} sent no heartbeat for {now - seen:.0f} s")
+
+    def _local_worker_ended(self) -> None:
+        """A local worker's process ended: name it (or the rank that caused a reported
+        failure), with its exit status when it is our child."""
+        cause = self._gone(exclude=self.failures)
+        if self.failures:
+            self._die(f"{cause}; {self._failure_summary()}" if cause else
+                      self._failure_summary())
+        rank, pid, _ = self._watch.ended[0]
+        self._die(cause or f"rank {rank} (pid {pid}) exited")
 
     def wait_for(self, kind: str, timeout_s: float, step: int | None = None) -> dict[int, dict]:
         """Collect one `kind` message from every worker (matching `step` if given)."""
@@ -219,6 +242,8 @@ class WorkerPool:
     def handshake(self, config: dict, timeout_s: float) -> None:
         hellos = self.wait_for("hello", timeout_s)
         self.processes = {rank: (m["host"], m["pid"]) for rank, m in hellos.items()}
+        for rank, (host, pid) in sorted(self.processes.items()):
+            self._watch.add(rank, host, pid)
         self.send_all({"type": "init", "config": config, "heartbeat": self.beacon.address})
 
     def command(self, msg: dict, timeout_s: float) -> dict[int, dict]:
@@ -234,7 +259,7 @@ class WorkerPool:
     def idle(self, timeout_ms: int = 50) -> None:
         """Between steps: wait up to timeout_ms for a frame, drain the queue (stale replies
         are dropped), notice failures."""
-        if not self._inbox and self.sock.poll(timeout_ms):
+        if not self._inbox and self._poll(timeout_ms):
             self._read()
         self.check_alive()
         self._inbox.clear()
@@ -248,6 +273,7 @@ class WorkerPool:
                 pass
 
     def close(self) -> None:
+        self._watch.close()
         self.beacon.stop()
         self.sock.close(0)
 

@@ -187,8 +187,8 @@ def test_serve_killed_worker_under_launcher(form, models, tmp_path):
     """torchrun: rank 0 names the dead rank to the client and on stderr. mpirun runs with
     -disable-auto-cleanup (README): without it MPICH's hydra SIGKILLs every rank ~0.1 s
     after one dies; with it, it still may as soon as it reaps a rank killed by a signal, so
-    rank 0 names the rank when it wins that race (most runs), else the client hears
-    nothing more and hydra's banner reports the failure."""
+    rank 0 names the rank when it wins that race (most runs); when it loses, the client
+    names it: it watches the server's processes on its host and sees which died first."""
     mpi_args = ("-disable-auto-cleanup",) if form == "mpirun" else ()
     served = Served(form, W, config(models, tmp_path), mpi_args)
     try:
@@ -207,10 +207,12 @@ def test_serve_killed_worker_under_launcher(form, models, tmp_path):
             assert re.search(r"rank\s*: 2 \(local_rank: 2\)\s*\n\s*exitcode\s*: -9", err)
             assert took < 10 and named in error, error
         else:
-            assert named in error or named in err or "TERMINATED" in err, (error, err)
-            print(f"mpirun: rank 0 {'named the dead rank' if named in error else 'lost the race'}"
-                  f" ({took:.1f} s)")
-            assert took < 15
+            # rank 0 names it when it wins the race with hydra; else the client, which
+            # watches the server's local processes, does
+            assert named in error, (error, err[-3000:])
+            assert took < 10
+            print(f"mpirun: {'the client' if 'before it reported' in error else 'rank 0'} "
+                  f"named the dead rank ({took:.1f} s)")
     finally:
         served.close()
 

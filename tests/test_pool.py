@@ -2,6 +2,7 @@
 heartbeats queued while the orchestrator stalled count before heartbeat ages are judged."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -118,5 +119,46 @@ def test_dead_child_is_named_with_its_exit_status_once_it_can_be_reaped():
         assert pool._gone() == f"rank 1 (pid {child.pid}) was killed by SIGKILL"
         assert len(calls) >= 5
     finally:
+        pool.close()
+        context.destroy(linger=0)
+
+
+@pytest.fixture
+def orphan():
+    """A process on this host that is not our child (as workers are under mpirun and
+    torchrun): a shell starts it in the background and exits."""
+    out = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, timeout=10)
+    pid = int(out.stdout.strip())
+    yield pid
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux)")
+@pytest.mark.parametrize("call", ["wait_for", "idle"])
+def test_local_worker_that_is_not_our_child_is_named_at_once(orphan, call):
+    """A local worker killed while the pool waits is named within a second, not after the
+    heartbeat limit (30 s here): the pool watches the pidfds of the workers on its host."""
+    context = zmq.Context()
+    pool = WorkerPool((1,), context, heartbeat_s=0.1, dead_after_s=30.0)
+    sock = dealer(pool, 1)
+    try:
+        send(sock, pool, {"type": "hello", "rank": 1, "pid": orphan,
+                          "host": socket.gethostname()})
+        pool.handshake({}, 10)
+        threading.Timer(0.3, os.kill, (orphan, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {orphan}\) (died|exited)"):
+            if call == "wait_for":
+                pool.wait_for("done", 20)
+            else:
+                while time.monotonic() - start < 20:
+                    pool.idle(50)
+        assert time.monotonic() - start < 1.5
+    finally:
+        sock.close(0)
         pool.close()
         context.destroy(linger=0)

@@ -1,0 +1,50 @@
+"""Knowing at once when a process on this host ends, our child or not (under mpirun and
+torchrun the workers are not the server's children, nor the server the client's): a pidfd
+per process (Linux 5.3+), polled together with zmq sockets. Elsewhere nothing is watched and
+heartbeats and silence limits still tell."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Hashable
+
+import zmq
+
+
+class ProcessWatch:
+    def __init__(self, poller: zmq.Poller):
+        self.poller = poller
+        self.fds: dict[int, tuple[Hashable, int]] = {}       # pidfd -> (key, pid)
+        self.ended: list[tuple[Hashable, int, float]] = []    # (key, pid, when seen), in order
+
+    def add(self, key: Hashable, host: str, pid: int) -> None:
+        """Watch process `pid` if it runs on this host (and is not this process)."""
+        if host != socket.gethostname() or pid == os.getpid():
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.ended.append((key, pid, time.monotonic()))
+            return
+        except (AttributeError, OSError):     # no pidfd_open on this system
+            return
+        self.fds[fd] = (key, pid)
+        self.poller.register(fd, zmq.POLLIN)
+
+    def collect(self, ready: dict) -> None:
+        """Note the watched processes whose pidfd is in `ready` (zmq.Poller.poll's result,
+        as a dict) as ended, and stop watching them."""
+        for fd in [fd for fd in self.fds if fd in ready]:
+            key, pid = self.fds.pop(fd)
+            self.ended.append((key, pid, time.monotonic()))
+            self._forget(fd)
+
+    def close(self) -> None:
+        for fd in list(self.fds):
+            self._forget(fd)
+        self.fds.clear()
+
+    def _forget(self, fd: int) -> None:
+        self.poller.unregister(fd)
+        os.close(fd)
