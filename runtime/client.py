@@ -21,7 +21,7 @@ from runtime import auth, protocol
 from runtime.errors import EngineDeadError
 from runtime.outputs import GenerationOutput, StreamDelta
 from runtime.params import SamplingParams, check_prompt_ids
-from runtime.procwatch import ProcessWatch
+from runtime.procwatch import ProcessWatch, parent_pid
 
 _END = object()
 WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead local worker
@@ -109,33 +109,46 @@ class Client:
             waiter.put(msg)
 
     def _watch_processes(self, info: dict) -> None:
-        """Watch the server's processes that run on this host (pidfds)."""
+        """Watch the server's processes that run on this host (pidfds): the server, and the
+        workers that are not its children (mpirun, torchrun). Its own children it watches
+        itself, and they die with it."""
         try:
-            self._watch.add("server", *info["server"])
+            server_host, server_pid = info["server"]
+            self._watch.add("server", server_host, server_pid)
             for rank, (host, pid) in info["processes"].items():
-                self._watch.add(int(rank), host, pid)
+                if parent_pid(pid) != server_pid:
+                    self._watch.add(int(rank), host, pid)
         except (KeyError, TypeError, ValueError):   # an older or foreign server: no table
             pass
 
     def _worker_death(self) -> str | None:
         """A worker on this host died and the server has not told us why: name the first
-        rank that died, at once if the server is gone too (under mpirun the process manager
-        may kill it before it can report), else after WORKER_DEATH_GRACE_S."""
+        rank that died, at once if the server ended after it (under mpirun the process
+        manager may kill the server before it can report), else after
+        WORKER_DEATH_GRACE_S. A server that ended first (or seen in the same poll) is the
+        cause itself: its workers die with it."""
         deaths = [(key, pid, at) for key, pid, at in self._watch.ended if key != "server"]
         if not deaths:
             return None
         rank, pid, at = deaths[0]
-        if any(key == "server" for key, _, _ in self._watch.ended):
-            return f"rank {rank} (pid {pid}) died; the server exited before it reported it"
+        server_at = self._server_end()
+        if server_at is not None:
+            return None if server_at <= at else \
+                f"rank {rank} (pid {pid}) died; the server exited before it reported it"
         if time.monotonic() - at > WORKER_DEATH_GRACE_S:
             return f"rank {rank} (pid {pid}) died; the server did not report it within " \
                    f"{WORKER_DEATH_GRACE_S:.0f} s"
         return None
 
+    def _server_end(self) -> float | None:
+        return next((at for key, _, at in self._watch.ended if key == "server"), None)
+
     def _check_dead(self) -> None:
-        # a dead worker first: it names the cause that a dead server's exit would hide
+        # a worker that died before the server names the cause the server's exit would hide
         reason = self._worker_death() if self._waiters else None
         reason = reason or self._process_gone()
+        if reason is None and self._server_end() is not None:
+            reason = f"tandem server (pid {self._info['server'][1]}) is gone"
         if reason is None and self._waiters and \
                 time.monotonic() - self._last_heard > self.dead_after_s:
             reason = f"server at {self.address} silent for {self.dead_after_s:.0f} s"

@@ -267,8 +267,8 @@ class WorkerPool:
     def shutdown(self) -> None:
         for rank in self.ranks:
             try:
-                self.sock.send_multipart([f"w{rank}".encode(),
-                                          protocol.encode({"type": "shutdown"}, self.key)], zmq.NOBLOCK)
+                frame = protocol.encode({"type": "shutdown"}, self.key)
+                self.sock.send_multipart([f"w{rank}".encode(), frame], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 

@@ -12,11 +12,22 @@ from typing import Hashable
 import zmq
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of process `pid` on this host (from /proc), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class ProcessWatch:
     def __init__(self, poller: zmq.Poller):
         self.poller = poller
         self.fds: dict[int, tuple[Hashable, int]] = {}       # pidfd -> (key, pid)
-        self.ended: list[tuple[Hashable, int, float]] = []    # (key, pid, when seen), in order
+        # (key, pid, when seen), in order; ends seen in one poll share their time: which of
+        # them came first cannot be told
+        self.ended: list[tuple[Hashable, int, float]] = []
 
     def add(self, key: Hashable, host: str, pid: int) -> None:
         """Watch process `pid` if it runs on this host (and is not this process)."""
@@ -35,9 +46,10 @@ class ProcessWatch:
     def collect(self, ready: dict) -> None:
         """Note the watched processes whose pidfd is in `ready` (zmq.Poller.poll's result,
         as a dict) as ended, and stop watching them."""
+        now = time.monotonic()
         for fd in [fd for fd in self.fds if fd in ready]:
             key, pid = self.fds.pop(fd)
-            self.ended.append((key, pid, time.monotonic()))
+            self.ended.append((key, pid, now))
             self._forget(fd)
 
     def close(self) -> None:

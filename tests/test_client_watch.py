@@ -110,6 +110,27 @@ def test_pending_call_names_the_dead_local_worker(server_dies):
         kill(worker_pid)
 
 
+def test_a_server_that_died_first_is_the_cause():
+    """The server dies, then its worker (as with PR_SET_PDEATHSIG): the server is named,
+    not the worker, and at once."""
+    server_pid, worker_pid = orphan(), orphan()
+    server = FakeServer(server_pid, worker_pid)
+    client = Client(server.address, dead_after_s=30)
+    try:
+        client.info(10)
+        kill(server_pid)
+        time.sleep(0.05)
+        kill(worker_pid)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=f"tandem server \\(pid {server_pid}\\) is gone"):
+            client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
+        assert time.monotonic() - start < 1.0
+    finally:
+        client.close()
+        server.close()
+        kill(worker_pid)
+
+
 def test_no_process_table_no_watch():
     """A server that sends no process table (an older one): nothing is watched."""
     server_pid, worker_pid = orphan(), orphan()
