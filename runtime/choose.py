@@ -72,6 +72,8 @@ def target_verify(draft_tokens: torch.Tensor, logits: torch.Tensor, sampling: Ba
     if acceptance == "tokens":
         return accept_tokens(draft_tokens, p, u_target)
     if draft_probs is None:
-        raise ValueError("acceptance 'logits' needs the draft's probabilities")
+        if k > 0:
+            raise ValueError("acceptance 'logits' needs the draft's probabilities")
+        draft_probs = p.new_zeros(*draft_tokens.shape, p.shape[-1])       # [B, 0, V]
     u_accept = rng.uniform(sampling.seed, index[:, :k], rng.STREAM_ACCEPT)  # [B, k]
     return accept_rejection(draft_tokens, draft_probs, p, u_accept, u_target)

@@ -24,7 +24,7 @@ import zmq
 from runtime import auth, protocol
 from runtime.errors import EngineDeadError
 from runtime.heartbeat import Beacon
-from runtime.procwatch import ProcessWatch
+from runtime.procwatch import ProcessWatch, proc_stat
 
 log = logging.getLogger("tandem.pool")
 
@@ -280,9 +280,7 @@ class WorkerPool:
 
 def _process_runs(pid: int) -> bool:
     """Whether process `pid` of this host is running (not gone, not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    fields = proc_stat(pid)
+    if not fields:
         return not os.path.isdir("/proc/self")   # no procfs: cannot tell, assume it runs
-    return state not in ("Z", "X", "x")
+    return fields[0] not in ("Z", "X", "x")

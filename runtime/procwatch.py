@@ -12,12 +12,22 @@ from typing import Hashable
 import zmq
 
 
-def parent_pid(pid: int) -> int | None:
-    """The parent of process `pid` on this host (from /proc), or None if unknown."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, parent pid, ...), or
+    None when there is no such process (or no procfs)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process `pid` on this host, or None if unknown."""
+    fields = proc_stat(pid)
+    try:
+        return int(fields[1]) if fields else None
+    except (IndexError, ValueError):
         return None
 
 

@@ -212,9 +212,6 @@ class TargetShard(ModelShard):
             if sampling.greedy:
                 return accept_choices(draft_tokens, self.vocab_parallel.argmax(logits))
             logits = self.vocab_parallel.gather(logits)                   # [B, k+1, V]
-        if draft_probs is None and self.acceptance == "logits" and not sampling.greedy \
-                and draft_tokens.shape[1] == 0:
-            draft_probs = logits.new_zeros(*draft_tokens.shape, logits.shape[-1])
         return target_verify(draft_tokens, logits, sampling, first_index, self.acceptance,
                              draft_probs)
 

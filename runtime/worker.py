@@ -295,7 +295,8 @@ class Worker:
         per slot, exactly those a round that rejected every draft would take, then they move
         to the draft, which feeds them to its cache with its next proposal."""
         if not 1 <= steps <= self.config.runtime.max_seq_len:
-            raise ValueError(f"round.steps must be >= 1 for a target-only round, got {steps}")
+            raise ValueError(f"round.steps of a target-only round must be in "
+                             f"1..{self.config.runtime.max_seq_len}, got {steps}")
         start = time.perf_counter()
         if self.draft is not None:
             self.draft.drop_ahead()

@@ -48,10 +48,8 @@ def test_greedy_equals_target(case, form, models, reference, tmp_path):
     draft, target, k, draft_devices, target_devices = CASES[case]
     cfg = launch.write_config(tmp_path / "c.yaml", models[draft], models[target],
                               draft_devices, target_devices, draft_len=k)
-    args = ["run", cfg, "--max-new-tokens", str(NEW_TOKENS)]
-    for prompt in PROMPTS:
-        args += ["--prompt-ids", ",".join(map(str, prompt))]
-    outs = launch.run_json(form, launch.world_size(draft_devices, target_devices), args)
+    outs = launch.run_json(form, launch.world_size(draft_devices, target_devices),
+                           run_args(cfg, NEW_TOKENS))
     assert [o["token_ids"] for o in outs] == reference(target)
     for out in outs:
         stats = out["stats"]
@@ -70,13 +68,23 @@ def test_greedy_equals_target(case, form, models, reference, tmp_path):
         assert 0.0 < sum(rates) / len(rates) < 1.0
 
 
-def test_auto_draft_len_equals_target(models, reference, tmp_path):
-    cfg = launch.write_config(tmp_path / "c.yaml", models["near"], models["target"],
-                              ["cpu:0"], ["cpu:1"], draft_len="auto")
-    args = ["run", cfg, "--max-new-tokens", str(NEW_TOKENS)]
+def run_args(cfg: str, new_tokens: int) -> list[str]:
+    """`tandem run` of every prompt in PROMPTS."""
+    args = ["run", cfg, "--max-new-tokens", str(new_tokens)]
     for prompt in PROMPTS:
         args += ["--prompt-ids", ",".join(map(str, prompt))]
-    outs = launch.run_json("spawn", 3, args)
+    return args
+
+
+def run_auto(models, draft: str, new_tokens: int, tmp_path) -> list[dict]:
+    """`draft_len: auto`, draft on cpu:0 and the target on cpu:1, spawn launch."""
+    cfg = launch.write_config(tmp_path / "c.yaml", models[draft], models["target"],
+                              ["cpu:0"], ["cpu:1"], draft_len="auto")
+    return launch.run_json("spawn", 3, run_args(cfg, new_tokens))
+
+
+def test_auto_draft_len_equals_target(models, reference, tmp_path):
+    outs = run_auto(models, "near", NEW_TOKENS, tmp_path)
     assert [o["token_ids"] for o in outs] == reference("target")
 
 
@@ -85,12 +93,7 @@ def test_auto_with_a_disagreeing_draft_runs_target_only_rounds(models, tmp_path)
     target-only rounds (k = 0, several target steps per command), probes k = 1 now and then,
     and the output is still the target's greedy output."""
     new_tokens = 96
-    cfg = launch.write_config(tmp_path / "c.yaml", models["other"], models["target"],
-                              ["cpu:0"], ["cpu:1"], draft_len="auto")
-    args = ["run", cfg, "--max-new-tokens", str(new_tokens)]
-    for prompt in PROMPTS:
-        args += ["--prompt-ids", ",".join(map(str, prompt))]
-    outs = launch.run_json("spawn", 3, args)
+    outs = run_auto(models, "other", new_tokens, tmp_path)
     reference = checkpoints.GreedyReference(models, PROMPTS, new_tokens)
     assert [o["token_ids"] for o in outs] == reference("target")
     assert all(o["stats"]["target_only_rounds"] > 0 for o in outs), [o["stats"] for o in outs]
