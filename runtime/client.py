@@ -1,7 +1,8 @@
 """Client handle for a running tandem server (`tandem serve`, or the one Engine.launch starts).
 
 One I/O thread owns the ZeroMQ socket; calls from any thread hand it messages through a
-queue and wait on their own reply queue, so one Client serves many threads and streams at once.
+queue (and wake it through a pipe, so a message leaves at once) and wait on their own reply
+queue, so one Client serves many threads and streams at once.
 A server that stops answering (no reply to pings within `dead_after_s`) or whose process has
 exited makes every waiting call raise EngineDeadError.
 """
@@ -28,6 +29,7 @@ WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead loca
 
 
 class Client:
+    POLL_MS = 20   # the I/O thread's longest wait (pings, liveness checks); messages wake it
     def __init__(self, address: str, *, auth_key_file: str | None = None,
                  dead_after_s: float = 30.0, ping_s: float = 1.0):
         self.address = address
@@ -36,6 +38,9 @@ class Client:
         self.ping_s = ping_s
         self._context = zmq.Context()
         self._outbox: queue.Queue = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()   # a byte here wakes the I/O thread's poll
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._waiters: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
@@ -60,6 +65,7 @@ class Client:
         sock.connect(self.address)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         self._watch = ProcessWatch(poller)   # the server's processes, once it says which
         last_ping = 0.0
         try:
@@ -69,7 +75,9 @@ class Client:
                 if now - last_ping >= self.ping_s:
                     last_ping = now
                     self._try_send(sock, {"type": "ping", "id": "ping"})
-                ready = dict(poller.poll(20))
+                ready = dict(poller.poll(self.POLL_MS))
+                if self._wake_r in ready:
+                    self._drain_wake()
                 self._watch.collect(ready)
                 if sock in ready:
                     self._receive(sock.recv())
@@ -82,6 +90,24 @@ class Client:
         try:
             sock.send(protocol.encode(msg, self._key), zmq.NOBLOCK)
         except zmq.Again:
+            pass
+
+    def _post(self, msg: dict) -> None:
+        """Queue msg for the I/O thread and wake it."""
+        self._outbox.put(msg)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass   # the pipe is full (a wake is pending) or closed (the client is closing)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
             pass
 
     def _flush_outbox(self, sock: zmq.Socket) -> None:
@@ -178,7 +204,7 @@ class Client:
                 raise EngineDeadError(self._dead)
             self._waiters[msg["id"]] = waiter
         self._last_heard = max(self._last_heard, time.monotonic() - 1.0)
-        self._outbox.put(msg)
+        self._post(msg)
         return waiter
 
     def _close_waiter(self, rid: str) -> None:
@@ -206,7 +232,7 @@ class Client:
                     if time.monotonic() > deadline:
                         raise EngineDeadError(f"no answer from {self.address} "
                                               f"within {timeout_s:.0f} s") from None
-                    self._outbox.put({"type": "ping", "id": rid})
+                    self._post({"type": "ping", "id": rid})
                     continue
                 if msg["type"] == "failed":
                     raise EngineDeadError(msg["message"])
@@ -291,12 +317,18 @@ class Client:
         finally:
             self._close_waiter(msg["id"])
             if not finished and self._dead is None and not self._closed.is_set():
-                self._outbox.put({"type": "cancel", "id": msg["id"]})
+                self._post({"type": "cancel", "id": msg["id"]})
 
     def close(self) -> None:
         self._closed.set()
+        self._wake()   # the I/O thread sees _closed at once
         self._thread.join(5)
         self._context.term()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __enter__(self):
         return self

@@ -142,7 +142,7 @@ class HttpClient(Client):
     def finish(self, rid: str, cancel: bool) -> None:
         self._close_waiter(rid)
         if cancel and self._dead is None and not self._closed.is_set():
-            self._outbox.put({"type": "cancel", "id": rid})
+            self._post({"type": "cancel", "id": rid})
 
     def build(self, *, prompt=None, prompt_token_ids=None, messages=None, params: dict,
               stream: bool) -> dict:

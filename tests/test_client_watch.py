@@ -146,3 +146,21 @@ def test_no_process_table_no_watch():
         client.close()
         server.close()
         kill(server_pid)
+
+
+def test_a_call_leaves_at_once():
+    """A message handed to the I/O thread wakes it: even with an hour-long poll interval, each
+    call is answered at once (the fake server answers pings)."""
+    class SlowPollClient(Client):
+        POLL_MS = 3_600_000
+
+    server = FakeServer(os.getpid(), os.getpid())
+    client = SlowPollClient(server.address, dead_after_s=30)
+    try:
+        start = time.monotonic()
+        for _ in range(5):
+            assert client.info(10)["model"] == "fake"
+        assert time.monotonic() - start < 5.0
+    finally:
+        client.close()
+        server.close()

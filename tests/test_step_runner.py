@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from runtime.models import load_model
 from runtime.models.attention import grouped_attention
+from runtime.models.fused import stack_heads
 from runtime.models.kv_budget import cache_bytes, check_kv_budget
 from runtime.models.step_runner import StepRunner, batch_buckets, kv_bucket
 from runtime.shards import DraftShard
@@ -53,7 +54,7 @@ def test_grouped_attention_equals_repeated_kv(seq):
     k_rep = k.repeat_interleave(rep, dim=1)                               # [B, H, L, D]
     v_rep = v.repeat_interleave(rep, dim=1)
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), k_rep, v_rep, attn_mask=mask)
-    out = grouped_attention(q, k, v, mask)
+    out = grouped_attention(stack_heads(q, kv_heads), k, v, mask, seq)
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
@@ -120,3 +121,40 @@ def test_capture_all_enumerates_shapes_shortest_kv_first(model_path, monkeypatch
     captured.clear()
     runner.capture_all([1, 5], limit=5)
     assert len(captured) == 5 and all(key[2] == 256 for key in captured)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("slots", [[0, 1], [3, 1]], ids=["contiguous", "gather"])
+def test_compiled_kernels_equal_eager(model_path, slots):
+    """runtime.models.fused compiled by torch.compile (on GPUs the graphs replay these): the
+    same logits as the eager functions through prefill, decode and verify steps, and the KV
+    cache written in place (the compiled rotary_write mutates the cache tensors themselves)."""
+    from runtime.models import fused
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (70, 9)]
+    steps = [torch.randint(3, 96, (2, t), generator=g) for t in (1, 1, 4, 1, 3)]
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        model = fresh(model_path)
+        caches = [layer.self_attn.kv_cache.k_cache for layer in model.model.layers]
+        pointers = [c.data_ptr() for c in caches]
+        runner = StepRunner(model, CPU, max_batch=4, max_step_len=4)
+        if compiled:
+            assert fused.compile_kernels(CPU)
+        try:
+            out = [runner.run(torch.tensor([p]), [s], [0], [len(p)])[0, -1].clone()
+                   for s, p in zip(slots, prompts)]
+            starts = [len(p) for p in prompts]
+            for ids in steps:
+                n = [ids.shape[1], max(1, ids.shape[1] - 1)]    # ragged valid lengths
+                out.append(runner.run(ids, slots, starts, n).clone())
+                starts = [s + k for s, k in zip(starts, n)]
+        finally:
+            fused.use_eager()
+        assert [c.data_ptr() for c in caches] == pointers
+        assert all(c.abs().sum() > 0 for c in caches)
+        return out
+
+    for want, got in zip(run(False), run(True)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

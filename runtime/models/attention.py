@@ -71,31 +71,27 @@ class Attention(nn.Module):
         else:
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
                 [h * d, h_kv * d, h_kv * d], dim=-1)
-        q, k = fused.rotary(q.reshape(bsz * seq, h, d), k.reshape(bsz * seq, h_kv, d),
-                            cos.flatten(0, 1), sin.flatten(0, 1))
-        q = q.view(bsz, seq, h, d)                                         # [B, T, H, D]
-        k = k.view(bsz, seq, h_kv, d)                                      # [B, T, Hkv, D]
-        v = v.reshape(bsz, seq, h_kv, d)                                   # [B, T, Hkv, D]
-
-        k_all, v_all = self.kv_cache.update(batch, k, v)                   # [B, Hkv, L, D]
-        out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window))
+        cache = self.kv_cache
+        q = fused.rotary_write(q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d),
+                               v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache,
+                               cache.v_cache, batch.write_slots, batch.write_pos)
+        # q [B, Hkv, r*T, D]: heads stacked (fused.stack_heads)
+        k_all, v_all = cache.read(batch)                                   # [B, Hkv, L, D]
+        out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
         return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
+                      mask: torch.Tensor, seq: int) -> torch.Tensor:
     """Grouped-query attention without copying keys/values per query head.
 
-    q [B, T, H, D]; k, v [B, Hkv, L, D]; mask [B, 1, T, L] bool -> [B, T, H, D].
-    The n_rep = H / Hkv query heads that share a KV head are stacked along the query axis
-    (query head h uses KV head h // n_rep, like transformers' repeat_kv), so attention reads
-    each KV head once; every query row has its own softmax, so stacking changes nothing."""
-    bsz, seq, n_heads, dim = q.shape
-    n_kv = k.shape[1]
-    n_rep = n_heads // n_kv
+    q [B, Hkv, r*T, D] (the r = H / Hkv query heads of each KV head stacked along the query
+    axis: fused.stack_heads); k, v [B, Hkv, L, D]; mask [B, 1, T, L] bool -> [B, T, H, D].
+    Attention reads each KV head once; every query row has its own softmax, so stacking
+    changes nothing."""
+    bsz, n_kv, rows, dim = q.shape
+    n_rep, n_heads = rows // seq, rows // seq * n_kv
     length = mask.shape[-1]
-    q = q.view(bsz, seq, n_kv, n_rep, dim).permute(0, 2, 3, 1, 4)          # [B, Hkv, r, T, D]
-    q = q.reshape(bsz, n_kv, n_rep * seq, dim)                             # [B, Hkv, r*T, D]
     if n_rep * seq <= SMALL_QUERY:   # decode / verify: a few query rows over a short KV
         scores = torch.matmul(q, k.transpose(-1, -2))                      # [B, Hkv, r*T, L]
         probs = fused.masked_softmax(scores.view(bsz, n_kv, n_rep, seq, length),

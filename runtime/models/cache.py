@@ -38,24 +38,15 @@ class KVCache(nn.Module):
         """Shape of k_cache and of v_cache (a scratch position per slot included)."""
         return (num_slots, n_kv_heads, max_seq_len + 1, head_dim)
 
-    def _write(self, buf: torch.Tensor, batch: "ExtendBatch", x: torch.Tensor) -> None:
-        # x [B, T, Hkv, D] -> buf[slot, :, pos] for every token (scratch pos for padding)
-        buf.transpose(1, 2).index_put_((batch.write_slots, batch.write_pos),
-                                       x.flatten(0, 1).to(buf.dtype))
-
-    def _read(self, buf: torch.Tensor, batch: "ExtendBatch") -> torch.Tensor:
-        # -> [B, Hkv, L, D]: a view for slots 0..B-1, else a gather
+    def read(self, batch: "ExtendBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        """This batch's keys and values [B, Hkv, L, D], L = kv_len: views for slots 0..B-1,
+        else gathers. (Writing is fused with RoPE: runtime.models.fused.rotary_write.)"""
         if batch.contiguous:
-            return buf[: batch.slots.shape[0], :, : batch.kv_len]
-        return buf[batch.slots, :, : batch.kv_len]
-
-    def update(self, batch: "ExtendBatch", k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, T, Hkv, D]; return this batch's keys/values [B, Hkv, L, D],
-        L = kv_len."""
-        self._write(self.k_cache, batch, k)
-        self._write(self.v_cache, batch, v)
-        return self._read(self.k_cache, batch), self._read(self.v_cache, batch)
+            rows = batch.slots.shape[0]
+            return (self.k_cache[:rows, :, : batch.kv_len],
+                    self.v_cache[:rows, :, : batch.kv_len])
+        return (self.k_cache[batch.slots, :, : batch.kv_len],
+                self.v_cache[batch.slots, :, : batch.kv_len])
 
 
 @dataclass

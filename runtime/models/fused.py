@@ -4,8 +4,10 @@ Eager by default (CPU, tests). On CUDA, `compile_kernels()` swaps in torch.compi
 so each piece runs as one fused kernel instead of five to ten small ones: at batch 1 a decode
 step is a few hundred small kernels whose fixed cost, not the weight reads, dominated.
 Callers look the functions up on this module at call time (`fused.rms_norm(...)`), so the swap
-reaches every model in the process. Inputs are flattened to [tokens, ...] so that one compiled
-kernel serves every batch size and step length (dynamic shapes).
+reaches every model in the process. torch.compile's default shape handling applies: the first
+shape seen is compiled static (the batch-1 decode step gets kernels specialised to it), and a
+dimension seen to change is then compiled dynamic, so a handful of kernels serve every batch
+size, step length and KV length while the feature dimensions stay static (vectorised).
 """
 from __future__ import annotations
 
@@ -37,11 +39,34 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE of q [N, H, D] and k [N, Hkv, D] with cos, sin [N, D] (transformers' rotate_half)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+def stack_heads(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """q [B, T, H, D] -> [B, Hkv, r*T, D], r = H / Hkv: the r query heads that share a KV head
+    stacked along the query axis (head h uses KV head h // r, like transformers' repeat_kv),
+    so attention reads each KV head once (runtime.models.attention.grouped_attention)."""
+    bsz, seq, n_heads, dim = q.shape
+    q = q.view(bsz, seq, n_kv, n_heads // n_kv, dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, r, T, D]
+    return q.reshape(bsz, n_kv, n_heads // n_kv * seq, dim)
+
+
+def write_cache(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                x: torch.Tensor) -> None:
+    """cache [S, Hkv, L, D][slot, :, pos] = x [B, T, Hkv, D] for every token, in place (see
+    runtime.models.cache.ExtendBatch: padding tokens go to a scratch position)."""
+    cache.transpose(1, 2).index_put_((slots, positions), x.flatten(0, 1).to(cache.dtype))
+
+
+def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE (transformers' rotate_half) of q [B, T, H, D] and k [B, T, Hkv, D] with cos, sin
+    [B, T, D]; the rotated k and v [B, T, Hkv, D] are written to the caches at (slots,
+    positions) [B*T], and q is returned with its heads stacked for attention
+    [B, Hkv, r*T, D] (stack_heads). Compiled, the rotations, the layout change and both
+    cache writes are a kernel or two (in place: torch.compile keeps the cache mutations)."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    write_cache(k_cache, slots, positions, _rotate(k, cos, sin))
+    write_cache(v_cache, slots, positions, v)
+    return stack_heads(_rotate(q, cos, sin), k.shape[2])
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -56,21 +81,21 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> to
     return masked.softmax(dim=-1).to(scores.dtype)
 
 
-_EAGER = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, rotary, silu_mul, masked_softmax)}
+_EAGER = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, rotary_write, silu_mul,
+                                      masked_softmax)}
 _compiled = False
 
 
-def _probe(device: torch.device) -> None:
-    """Call every function once on small inputs: torch.compile compiles lazily, so a missing
-    compiler would otherwise surface in the middle of a request."""
+def _probe(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return silu_mul(x) * weight + 1.0
+
+
+def _check_compiler(device: torch.device) -> None:
+    """Compile and run a small function: torch.compile compiles lazily, so a missing compiler
+    would otherwise surface in the middle of a request. (A separate function: calling the
+    real ones at toy shapes would make torch.compile treat every dimension as dynamic.)"""
     x = torch.randn(2, 8, device=device, dtype=torch.bfloat16)
-    w = torch.ones(8, device=device, dtype=torch.bfloat16)
-    rms_norm(x, w, 1e-5)
-    add_rms_norm(x, x, w, 1e-5)
-    q, k, cs = (torch.randn(2, n, 8, device=device) for n in (4, 2, 1))
-    rotary(q, k, cs[:, 0], cs[:, 0])
-    silu_mul(x)
-    masked_softmax(x, x > 0, 0.5)
+    torch.compile(_probe, fullgraph=True)(x, torch.ones(4, device=device, dtype=x.dtype))
 
 
 def compile_kernels(device: torch.device) -> bool:
@@ -81,9 +106,12 @@ def compile_kernels(device: torch.device) -> bool:
     if _compiled:
         return True
     try:
-        globals().update({name: torch.compile(fn, dynamic=True, fullgraph=True)
+        _check_compiler(device)
+        for name in ("recompile_limit", "cache_size_limit"):   # shapes: see the docstring
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+        globals().update({name: torch.compile(fn, fullgraph=True)
                           for name, fn in _EAGER.items()})
-        _probe(device)
     except Exception as exc:  # noqa: BLE001 - fall back to eager, say why
         globals().update(_EAGER)
         log.warning("torch.compile failed, decoder pieces stay eager: %s: %s",

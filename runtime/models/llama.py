@@ -53,14 +53,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ExtendBatch) -> torch.Tensor:
-        # x [B, T, hidden]
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        norm = self.post_attention_layernorm
-        x, h = fused.add_rms_norm(x.flatten(0, 1), attn.flatten(0, 1), norm.weight,
-                                  norm.variance_epsilon)
-        return x.view(attn.shape) + self.mlp(h.view(attn.shape))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, batch: ExtendBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] the residual stream without `delta`, the previous layer's MLP
+        output (None for the first layer): adding it is fused into this layer's input norm.
+        Returns (residual stream, this layer's MLP output), likewise not yet added."""
+        x, h = add_then_norm(x, delta, self.input_layernorm)
+        x, h = add_then_norm(x, self.self_attn(h, cos, sin, batch), self.post_attention_layernorm)
+        return x, self.mlp(h)
+
+
+def add_then_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, norm(x + delta)) in one fused kernel; x and norm(x) when delta is None."""
+    if delta is None:
+        return x, norm(x)
+    s, h = fused.add_rms_norm(x.flatten(0, 1), delta.flatten(0, 1), norm.weight,
+                              norm.variance_epsilon)
+    return s.view(x.shape), h.view(x.shape)
 
 
 class LlamaModel(nn.Module):
@@ -72,10 +82,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ExtendBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                                   # [B, T, hidden]
+        x, delta = self.embed_tokens(input_ids), None                      # [B, T, hidden]
         for layer in self.layers:
-            x = layer(x, cos, sin, batch)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin, batch)
+        return add_then_norm(x, delta, self.norm)[1]
 
 
 class LlamaForCausalLM(nn.Module):
