@@ -28,7 +28,7 @@ for phase in "$@"; do
         eps-0.05) bench eps-0.05 --batch-sizes 1 --eps 0.05 --draft-len 4 \
                       --modes target,spec,hf-assisted ;;
         auto-0.2) bench auto-0.2 --batch-sizes 1 --eps 0.2 --draft-len auto --modes target,spec ;;
-        batch16) bench batch16 --batch-sizes 1,16 --eps 0.01 --draft-len 4 --modes target,spec ;;
+        batch16) bench batch16 --batch-sizes 1,16 --eps 0.02 --draft-len 4 --modes target,spec ;;
         tp2-smoke) bench tp2-smoke --synthetic 1b --target-tp 2 --new-tokens 64 --eps 0.02 \
                        --draft-len 4 --modes target,spec ;;
         70b-*) bench "$phase" --synthetic 70b --target-tp 2 --batch-sizes 1 \

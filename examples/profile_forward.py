@@ -86,6 +86,8 @@ def main() -> None:
                     help="tokens per step (1 decode, k+1 verify)")
     ap.add_argument("--role", default="target", choices=["draft", "target"])
     ap.add_argument("--gemm", action="store_true", help="also time F.linear per weight shape")
+    ap.add_argument("--slots", type=int, nargs="+", default=[2],
+                    help="KV cache slots (max batch) of each profiled configuration")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args()
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
@@ -93,16 +95,17 @@ def main() -> None:
     paths = build_pair(tempfile.mkdtemp(), a.shape, draft_layers=2, dtype=dtype,
                        materialize=False)
     model = load_model(paths[a.role == "target"], dtype, device)
-    model.allocate_cache(2, 1024)
     report = {"shape": a.shape, "role": a.role, "copy_TBps": copy_bandwidth(device) / 1e12}
-    for tokens in a.tokens:
-        eager = StepRunner(model, device, 2, 8, cuda_graphs=False)
-        report[f"eager_{tokens}_ms"] = 1e3 * step_time(eager, device, 1, tokens, POSITION)
-        graphs = StepRunner(model, device, 2, 8, cuda_graphs=True)
+    for slots, tokens in ((s, t) for s in a.slots for t in a.tokens):
+        model.allocate_cache(slots, 1024)
+        eager = StepRunner(model, device, slots, 8, cuda_graphs=False)
+        name = f"{tokens}" if a.slots == [2] else f"{tokens}_slots{slots}"
+        report[f"eager_{name}_ms"] = 1e3 * step_time(eager, device, 1, tokens, POSITION)
+        graphs = StepRunner(model, device, slots, 8, cuda_graphs=True)
         table = kernel_table(graphs, device, tokens)
-        report[f"graph_{tokens}"] = table
-        print(f"== {a.shape} {a.role} {tokens}-token step: eager "
-              f"{report[f'eager_{tokens}_ms']:.3f} ms, graph {table['step_ms']:.3f} ms, "
+        report[f"graph_{name}"] = table
+        print(f"== {a.shape} {a.role} {tokens}-token step, {slots} slots: eager "
+              f"{report[f'eager_{name}_ms']:.3f} ms, graph {table['step_ms']:.3f} ms, "
               f"kernels {table['kernel_ms']:.3f} ms ({table['kernels_per_step']:.0f} per step, "
               f"busy {table['busy_fraction']:.2f})", flush=True)
         for row in table["top"]:
