@@ -2,6 +2,7 @@
 # The H200 measurements in README.md ("GPU performance"), phase by phase:
 #   bash examples/h200_bench.sh OUTDIR check k4 auto-0.02 eps-0.05 auto-0.2 batch16
 #   bash examples/h200_bench.sh OUTDIR tp2-smoke 70b-0.01      # two H200s: target TP 2
+#   bash examples/h200_bench.sh OUTDIR profile spec-profile    # where the time goes
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command.
 set -u
@@ -33,6 +34,12 @@ for phase in "$@"; do
                        --draft-len 4 --modes target,spec ;;
         70b-*) bench "$phase" --synthetic 70b --target-tp 2 --batch-sizes 1 \
                    --eps "${phase#70b-}" --draft-len "${K70:-4}" --modes target,spec ;;
+        profile) python examples/profile_forward.py --shape 8b --tokens 1 5 --slots 1 16 --gemm \
+                     --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
+                 echo "== profile (rc $?)"; grep -A8 "^==" "$OUT/profile.log"
+                 grep "^gemm\|^copy" "$OUT/profile.log" ;;
+        spec-profile) TANDEM_PROFILE=1 bench spec-profile --batch-sizes 1 --eps 0.02 \
+                          --draft-len 4 --modes spec ;;   # phases: spec_server_stats.profile
         k[0-9]*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len "${phase#k}" \
                      --modes spec ;;
         *) echo "unknown phase $phase"; exit 2 ;;

@@ -169,3 +169,18 @@ def int_list(value: Any, name: str) -> list[int]:
             isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ProtocolError(f"{name}: expected a list of integers")
     return value
+
+
+def check_sampling(params) -> dict:
+    """Per-request sampling settings from a prefill message (the orchestrator validated
+    the request; this guards the worker against a malformed message)."""
+    if not isinstance(params, dict):
+        raise ProtocolError("prefill.params: expected maps")
+    try:
+        out = {"temperature": float(params["temperature"]), "top_k": int(params["top_k"] or 0),
+               "top_p": float(params["top_p"]), "seed": int(params["seed"])}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"prefill.params: {exc}") from None
+    if out["temperature"] < 0 or out["top_k"] < 0 or not 0 < out["top_p"] <= 1:
+        raise ProtocolError(f"prefill.params out of range: {out}")
+    return out

@@ -49,21 +49,6 @@ class StepClock:
             self._last = now
 
 
-def check_sampling(params) -> dict:
-    """Per-request sampling settings from a prefill message (the orchestrator validated
-    the request; this guards the worker against a malformed message)."""
-    if not isinstance(params, dict):
-        raise protocol.ProtocolError("prefill.params: expected maps")
-    try:
-        out = {"temperature": float(params["temperature"]), "top_k": int(params["top_k"] or 0),
-               "top_p": float(params["top_p"]), "seed": int(params["seed"])}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise protocol.ProtocolError(f"prefill.params: {exc}") from None
-    if out["temperature"] < 0 or out["top_k"] < 0 or not 0 < out["top_p"] <= 1:
-        raise protocol.ProtocolError(f"prefill.params out of range: {out}")
-    return out
-
-
 class WorkerExit(Exception):
     """Leave the worker loop (orphaned, or told to stop by a signal)."""
 
@@ -272,7 +257,7 @@ class Worker:
             self.draft.drop_ahead()
         if kind == "prefill":
             prompts = [protocol.int_list(p, "prefill.prompts") for p in msg["prompts"]]
-            params = [check_sampling(p) for p in msg["params"]]
+            params = [protocol.check_sampling(p) for p in msg["params"]]
             if not len(prompts) == len(params) == len(slots):
                 raise protocol.ProtocolError("prefill: slots, prompts, params differ in length")
             for shard in (self.draft, self.target):

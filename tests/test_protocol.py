@@ -49,3 +49,14 @@ def test_int_list():
     for bad in ([1, True], "12", [1.0]):
         with pytest.raises(protocol.ProtocolError, match="x"):
             protocol.int_list(bad, "x")
+
+
+def test_check_sampling_guards_prefill_params():
+    ok = {"temperature": 0.7, "top_k": None, "top_p": 0.9, "seed": 3}
+    assert protocol.check_sampling(ok) == {"temperature": 0.7, "top_k": 0, "top_p": 0.9,
+                                           "seed": 3}
+    for bad, match in (([1], "expected maps"), ({"temperature": 1.0}, "prefill.params"),
+                       (dict(ok, top_p=0.0), "out of range"),
+                       (dict(ok, temperature=-1), "out of range")):
+        with pytest.raises(protocol.ProtocolError, match=match):
+            protocol.check_sampling(bad)

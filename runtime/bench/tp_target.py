@@ -67,25 +67,25 @@ def measure(job: TargetJob, tp=None) -> dict:
         report = {"weight_bytes": metrics.weight_bytes_per_step(holder.model), "target": {},
                   "steps": {}}
         for bsz in job.batch_sizes if job.run_target else ():
-            try:
-                out = timed(holder, job.prompts[:bsz], job.new_tokens, job.warmup, job.repeats)
-                report["target"][str(bsz)] = asdict(out)
-            except Exception as exc:  # noqa: BLE001 - reported in the table
-                if parallel:
-                    raise            # the other ranks cannot go on alone
-                traceback.print_exc()
-                report["target"][str(bsz)] = f"{type(exc).__name__}: {exc}"
+            report["target"][str(bsz)] = _reported(parallel, lambda: asdict(timed(
+                holder, job.prompts[:bsz], job.new_tokens, job.warmup, job.repeats)))
         if job.verify_ks:
-            try:
-                report["steps"] = _step_costs(holder, device, job)
-            except Exception as exc:  # noqa: BLE001
-                if parallel:
-                    raise
-                traceback.print_exc()
-                report["steps"] = f"{type(exc).__name__}: {exc}"
+            report["steps"] = _reported(parallel, lambda: _step_costs(holder, device, job))
         return report
     finally:
         holder.close()
+
+
+def _reported(parallel: bool, measurement):
+    """measurement()'s result, or its error as text for the table. Under TP the error is
+    raised instead: the other ranks cannot go on alone."""
+    try:
+        return measurement()
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        if parallel:
+            raise
+        traceback.print_exc()
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _rank_main(rank: int, job_json: str, init_file: str, conn) -> None:
