@@ -99,7 +99,7 @@ def main() -> None:
     for slots, tokens in ((s, t) for s in a.slots for t in a.tokens):
         model.allocate_cache(slots, 1024)
         eager = StepRunner(model, device, slots, 8, cuda_graphs=False)
-        name = f"{tokens}" if a.slots == [2] else f"{tokens}_slots{slots}"
+        name = f"{tokens}_slots{slots}"
         report[f"eager_{name}_ms"] = 1e3 * step_time(eager, device, 1, tokens, POSITION)
         graphs = StepRunner(model, device, slots, 8, cuda_graphs=True)
         table = kernel_table(graphs, device, tokens)

@@ -30,6 +30,7 @@ WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead loca
 
 class Client:
     POLL_MS = 20   # the I/O thread's longest wait (pings, liveness checks); messages wake it
+
     def __init__(self, address: str, *, auth_key_file: str | None = None,
                  dead_after_s: float = 30.0, ping_s: float = 1.0):
         self.address = address
@@ -100,14 +101,14 @@ class Client:
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"w")
-        except (BlockingIOError, OSError):
+        except OSError:
             pass   # the pipe is full (a wake is pending) or closed (the client is closing)
 
     def _drain_wake(self) -> None:
         try:
             while os.read(self._wake_r, 4096):
                 pass
-        except (BlockingIOError, OSError):
+        except OSError:   # BlockingIOError: drained
             pass
 
     def _flush_outbox(self, sock: zmq.Socket) -> None:

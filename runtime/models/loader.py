@@ -7,7 +7,7 @@ the meta model before loading.
 
 Tensor parallelism: with a TPInfo of size > 1, load_model shards the meta model with
 parallel.tensor_parallel.apply_tp (imported only then: this package holds no collectives
-and never imports the distributed package), and load_weights reads, for every sharded
+and imports no communication library), and load_weights reads, for every sharded
 parameter, only the rank's slice (`model.tp_shards`: parameter name -> Shard, set by apply_tp).
 """
 from __future__ import annotations
