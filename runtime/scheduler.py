@@ -31,6 +31,7 @@ class Sequence:
     tested: int = 0                  # draft tokens tested (every token up to the first reject)
     emitted_per_round: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None     # when the first generated token was committed
     t_end: float | None = None
     cancelled: bool = False
     seed: int = 0                    # the request's seed, or one drawn for it
@@ -53,6 +54,8 @@ class Sequence:
             "accepted_per_position": list(self.accepted_at),
             "tested_draft_tokens": self.tested,
             "prompt_tokens": len(self.prompt_ids),
+            "time_to_first_token_s": None if self.t_first is None else
+            self.t_first - self.t_start,
         }
 
     def output(self) -> dict:
@@ -90,14 +93,15 @@ class Scheduler:
         self.prefill_time = 0.0
         self.prefills = 0
         self.rounds = 0
-        self.timing: dict[str, float] = {}   # "rank<r>.<phase>" -> seconds, with TANDEM_PROFILE=1
+        self.timing: dict[str, list] = {}   # "rank<r>.<phase>" -> [seconds, rounds] (profiling)
 
     def _add_timing(self, results: dict[int, dict]) -> None:
         self.rounds += 1
         for rank, result in results.items():
             for phase, seconds in result.get("timing", {}).items():
-                key = f"rank{rank}.{phase}"
-                self.timing[key] = self.timing.get(key, 0.0) + seconds
+                total = self.timing.setdefault(f"rank{rank}.{phase}", [0.0, 0])
+                total[0] += seconds
+                total[1] += 1
 
     def overheads(self) -> dict:
         """Mean seconds per round: the workers' own time, the control plane (command sent to
@@ -108,8 +112,9 @@ class Scheduler:
                 "mean_between_rounds_s": self.between_time / max(self.betweens, 1)}
 
     def profile(self) -> dict:
-        """Mean seconds per round of each worker phase (empty unless profiling)."""
-        return {k: v / max(self.rounds, 1) for k, v in sorted(self.timing.items())}
+        """Mean seconds of each worker phase over the rounds that had it (drafted rounds
+        and target-only rounds have different phases; empty unless profiling)."""
+        return {k: seconds / rounds for k, (seconds, rounds) in sorted(self.timing.items())}
 
     @property
     def has_work(self) -> bool:
@@ -202,6 +207,8 @@ class Scheduler:
         new, stopped = seq.stream.add(new)
         if stopped:
             seq.finish_reason = "stop"
+        if new and seq.t_first is None:
+            seq.t_first = time.perf_counter()
         seq.generated.extend(new)
         self.total_tokens += len(new)
         if seq.finish_reason is None and len(seq.generated) >= seq.params.max_new_tokens:

@@ -44,6 +44,13 @@ class ModelShard:
             raise ValueError(f"slot {slot} out of range 0..{len(self.slots) - 1}")
         return self.slots[slot]
 
+    def _save(self, slots: list[int]) -> list[SlotState]:
+        return [replace(self.slots[s], pending=list(self.slots[s].pending)) for s in slots]
+
+    def _restore(self, slots: list[int], saved: list[SlotState]) -> None:
+        for slot, state in zip(slots, saved):
+            self.slots[slot] = state
+
     def forward_rows(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
         """Append ragged `rows` to each slot's cache; returns logits [B, T, V]."""
         width = max(len(r) for r in rows)
@@ -115,7 +122,7 @@ class DraftShard(ModelShard):
     ahead: tuple | None = None   # (slots, k, tokens, probs, saved slot states)
 
     def propose_ahead(self, slots: list[int], k: int) -> None:
-        saved = [replace(self.slots[s], pending=list(self.slots[s].pending)) for s in slots]
+        saved = self._save(slots)
         try:
             tokens, probs = self.propose(slots, k)
         except ValueError:     # a slot's cache is full: this round will not happen
@@ -142,10 +149,6 @@ class DraftShard(ModelShard):
 
     def drop_ahead(self) -> None:
         self.take_ahead([], 0)
-
-    def _restore(self, slots: list[int], saved: list[SlotState]) -> None:
-        for slot, state in zip(slots, saved):
-            self.slots[slot] = state
 
     def propose(self, slots: list[int], k: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -218,13 +221,24 @@ class TargetShard(ModelShard):
     def decode(self, slots: list[int], steps: int) -> torch.Tensor:
         """`steps` decode steps with no draft: each appends the pending token and picks the
         next one as verify would with every draft rejected (k = 0). Tokens [B, steps] stay
-        on the device (no host sync); commit them with append_decoded."""
-        no_drafts = torch.zeros(len(slots), 0, dtype=torch.long, device=self.device)
+        on the device (no host sync); commit them with append_decoded. Steps decoded ahead
+        for these slots (decode_ahead) are taken first."""
         pending = [self.slots[s].pending for s in slots]
         if any(len(p) != 1 for p in pending):
             raise RuntimeError("target-only decode needs exactly one pending token per slot")
-        token = to_device(pending, torch.long, self.device)                # [B, 1]
-        sampling, first = self.sampling(slots), self.committed_index(slots)
+        done = self._take_ahead(slots, steps)                             # [B, m], m <= steps
+        token = to_device(pending, torch.long, self.device) if done is None else done[:, -1:]
+        tokens = [] if done is None else [done]
+        first = done.shape[1] if done is not None else 0
+        if first < steps:
+            tokens += self._decode_steps(slots, token, first, steps - first)
+        return torch.cat(tokens, dim=1)                                   # [B, steps]
+
+    def _decode_steps(self, slots: list[int], token: torch.Tensor, done: int, steps: int
+                      ) -> list[torch.Tensor]:
+        """`steps` more decode steps after `done` of them, feeding token [B, 1] first."""
+        no_drafts = torch.zeros(len(slots), 0, dtype=torch.long, device=self.device)
+        sampling, first = self.sampling(slots), self.committed_index(slots) + done
         argmax = None
         if sampling.greedy:   # what _choose takes with no drafts, in one kernel
             argmax = self.vocab_parallel.argmax if self.vocab_parallel is not None else \
@@ -237,7 +251,40 @@ class TargetShard(ModelShard):
             else:
                 token = self._choose(no_drafts, logits, sampling, first + i, None)[1][:, None]
             tokens.append(token)
-        return torch.cat(tokens, dim=1)                                   # [B, steps]
+        return tokens
+
+    # --- decoding ahead: the next target-only round's first steps while control travels -
+    ahead: tuple | None = None   # (slots, tokens [B, n], the slots' states they follow)
+
+    def decode_ahead(self, slots: list[int], steps: int) -> None:
+        """Queue `steps` decode steps of a target-only round that has not been asked for
+        yet, right after the last one was committed. The slots' states are left as they
+        were (only KV positions past their lengths are written): the next target-only
+        round for the same slots in the same states takes the tokens (decode); anything
+        else drops them."""
+        self.ahead = None
+        saved = self._save(slots)
+        try:
+            tokens = self.decode(slots, steps)
+        except (ValueError, RuntimeError):  # a full cache, no single pending token: not now
+            return
+        finally:
+            self._restore(slots, saved)
+        self.ahead = (slots, tokens, self._save(slots))
+
+    def _take_ahead(self, slots: list[int], steps: int) -> torch.Tensor | None:
+        """The first min(steps, n) tokens decoded ahead, with the slots' cache lengths
+        advanced over them, if they were decoded for exactly these slots in these states."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead[0] != slots or self._save(slots) != ahead[2]:
+            return None
+        taken = min(steps, ahead[1].shape[1])
+        for slot in slots:
+            self.slots[slot].cache_len += taken
+        return ahead[1][:, :taken]
+
+    def drop_ahead(self) -> None:
+        self.ahead = None
 
     def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:
         for slot, a, nxt in zip(slots, accepted, next_tokens):

@@ -24,29 +24,9 @@ from runtime import auth, protocol
 from runtime.config import TandemConfig, load_config
 from runtime.heartbeat import Pulse
 from runtime.shards import DraftShard, TargetShard
+from runtime.stepclock import StepClock
 
 log = logging.getLogger("tandem.worker")
-
-
-class StepClock:
-    """Wall time of each phase of a round (synchronising the device first), when profiling
-    (TANDEM_PROFILE=1); free otherwise."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        self.device, self.enabled = device, enabled
-        self.laps: dict[str, float] = {}
-        self._last = self._now() if enabled else 0.0
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        if self.enabled:
-            now = self._now()
-            self.laps[name] = now - self._last
-            self._last = now
 
 
 class WorkerExit(Exception):
@@ -58,6 +38,7 @@ class WorkerExit(Exception):
 
 
 SIGNAL_GRACE_S = 5.0   # after SIGINT/SIGTERM, wait this long for the orchestrator's shutdown
+DECODE_AHEAD_STEPS = 1  # target-only steps queued ahead: one outlasts a control round trip
 ERROR_GRACE_S = 3.0    # after reporting an error, as long (launcher.bootstrap.DEAD_GRACE_S)
 
 
@@ -74,6 +55,7 @@ class Worker:
         self.draft: DraftShard | None = None
         self.target: TargetShard | None = None
         self.ahead_args: tuple[list[int], int] | None = None   # next round to draft ahead
+        self.decode_ahead_slots: list[int] | None = None      # target-only round to start
         self.device = torch.device("cpu")
         self.pulse: Pulse | None = None
         self.profile = os.environ.get("TANDEM_PROFILE") == "1"
@@ -221,19 +203,26 @@ class Worker:
                 log.error("rank %d step %d failed:\n%s", self.rank, step, traceback.format_exc())
                 raise
             self.send({"type": "done", "rank": self.rank, "step": step, "result": result})
-            self.draft_ahead()
+            self.work_ahead()
 
-    def draft_ahead(self) -> None:
-        """After a round's result is sent: queue the next round's draft on the GPU, so it runs
-        while the orchestrator decides and its next command travels (runtime.shards)."""
-        ahead, self.ahead_args = self.ahead_args, None
-        if ahead is None:
-            return
-        try:
-            self.draft.propose_ahead(*ahead)
-        except Exception:  # noqa: BLE001 - the next round proposes on command and reports
-            log.warning("rank %d: drafting ahead failed:\n%s", self.rank, traceback.format_exc())
-            self.draft.drop_ahead()
+    def work_ahead(self) -> None:
+        """After a round's result is sent: queue the next round's first work on the GPU, so
+        it runs while the orchestrator decides and its next command travels
+        (runtime.shards): the draft's proposals after a drafted round, the target's first
+        DECODE_AHEAD_STEPS after a target-only one."""
+        jobs = []
+        if self.ahead_args is not None:
+            jobs.append((self.draft, "propose_ahead", self.ahead_args))
+        if self.decode_ahead_slots is not None:
+            jobs.append((self.target, "decode_ahead",
+                         (self.decode_ahead_slots, DECODE_AHEAD_STEPS)))
+        self.ahead_args = self.decode_ahead_slots = None
+        for shard, work, args in jobs:
+            try:
+                getattr(shard, work)(*args)
+            except Exception:  # noqa: BLE001 - the next round works on command and reports
+                log.warning("rank %d: %s failed:\n%s", self.rank, work, traceback.format_exc())
+                shard.drop_ahead()
 
     def await_shutdown(self, timeout_s: float) -> None:
         """After reporting an error, wait (at most timeout_s, or until the orchestrator goes
@@ -255,6 +244,8 @@ class Worker:
         slots = protocol.int_list(msg["slots"], f"{kind}.slots")
         if kind != "round" and self.draft is not None:
             self.draft.drop_ahead()
+        if not (kind == "round" and msg["k"] == 0) and self.target is not None:
+            self.target.drop_ahead()
         if kind == "prefill":
             prompts = [protocol.int_list(p, "prefill.prompts") for p in msg["prompts"]]
             params = [protocol.check_sampling(p) for p in msg["params"]]
@@ -285,15 +276,21 @@ class Worker:
         start = time.perf_counter()
         if self.draft is not None:
             self.draft.drop_ahead()
+        clock = StepClock(self.device, enabled=self.profile)
         tokens = torch.zeros(len(slots), steps, dtype=torch.long, device=self.device)
         if self.target is not None:
             tokens = self.target.decode(slots, steps)                     # [B, steps]
+        clock.lap("decode_s")
         bridge_broadcast(tokens, self.topology.target_leader, self.groups.bridge)
         rows = tokens.tolist()                                            # the one sync
+        clock.lap("tokens_transfer_s")
         for shard in (self.draft, self.target):
             if shard is not None:
                 shard.append_decoded(slots, rows)
-        result = {"worker_s": time.perf_counter() - start}
+        if self.target is not None and self.config.runtime.draft_ahead:
+            self.decode_ahead_slots = slots   # decoded once the result is sent (work_ahead)
+        result = {"timing": clock.laps} if self.profile else {}
+        result["worker_s"] = time.perf_counter() - start
         if self.rank == self.topology.target_leader:
             result["tokens"], result["accepted"] = rows, [0] * len(slots)
         return result

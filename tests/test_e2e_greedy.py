@@ -56,6 +56,8 @@ def test_greedy_equals_target(case, form, models, reference, tmp_path):
         assert set(stats) >= {"acceptance_rate", "mean_accepted_tokens", "rounds",
                               "tokens_per_s"}
         assert out["finish_reason"] in ("length", "stop")
+        # the first token comes before the last: tokens_per_s counts them all
+        assert 0 < stats["time_to_first_token_s"] < len(out["token_ids"]) / stats["tokens_per_s"]
         # every round tests draft token 1, and token i+1 only when it kept token i
         positions = stats["accepted_per_position"]
         assert stats["tested_draft_tokens"] == stats["rounds"] + sum(positions[:k - 1])

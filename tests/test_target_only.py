@@ -79,3 +79,55 @@ def test_decode_needs_one_pending_token(model_path):
     shard.slots[0].pending = [1, 2]
     with pytest.raises(RuntimeError, match="one pending token"):
         shard.decode(SLOTS, 2)
+
+
+def decode_calls(shard, calls):
+    """Target-only rounds of these (ahead steps before the round, steps) on SLOTS: every
+    round's tokens, committed one round after the other."""
+    rows = []
+    for ahead, steps in calls:
+        if ahead:
+            shard.decode_ahead(SLOTS, ahead)
+        out = shard.decode(SLOTS, steps).tolist()
+        shard.append_decoded(SLOTS, out)
+        rows.append(out)
+    return rows
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED])
+def test_steps_decoded_ahead_change_nothing(model_path, params):
+    """A round takes the steps decoded ahead (fewer, as many or more than it wants) and
+    decodes the rest: tokens and states equal those of rounds decoded on command."""
+    calls = [(0, 2), (1, 3), (4, 3), (2, 2), (1, 1)]
+    plain, ahead = make(TargetShard, model_path, params), make(TargetShard, model_path, params)
+    assert decode_calls(ahead, calls) == decode_calls(plain, [(0, s) for _, s in calls])
+    assert ahead.ahead is None and states(ahead) == states(plain)
+
+
+def test_steps_decoded_ahead_are_dropped_by_other_work(model_path):
+    """Ahead steps leave the states alone; for other slots, after a verify round or
+    dropped, they are not taken."""
+    plain, ahead = make(TargetShard, model_path, GREEDY), make(TargetShard, model_path, GREEDY)
+    ahead.decode_ahead(SLOTS, 3)
+    assert ahead.ahead is not None and states(ahead) == states(plain)
+    assert ahead.decode(SLOTS[:1], 2).tolist() == plain.decode(SLOTS[:1], 2).tolist()
+    assert states(ahead) == states(plain)
+    drafts = torch.tensor([[1, 2], [3, 4]])
+    for shard in (plain, ahead):   # a verify round, committed, between ahead and decode
+        if shard is ahead:
+            shard.decode_ahead(SLOTS, 2)
+        accepted, nxt = shard.verify(SLOTS, drafts)
+        shard.commit(SLOTS, accepted.tolist(), nxt.tolist())
+    assert ahead.decode(SLOTS, 2).tolist() == plain.decode(SLOTS, 2).tolist()
+    ahead.decode_ahead(SLOTS, 2)
+    ahead.drop_ahead()
+    assert [t.tolist() for t in ahead.verify(SLOTS, drafts)] == \
+        [t.tolist() for t in plain.verify(SLOTS, drafts)]
+    assert states(ahead) == states(plain)
+
+
+def test_decode_ahead_past_the_cache_does_nothing(model_path):
+    shard = make(TargetShard, model_path, GREEDY)
+    before = states(shard)
+    shard.decode_ahead(SLOTS, 100)     # beyond the 64-position cache: not now
+    assert shard.ahead is None and states(shard) == before

@@ -162,7 +162,9 @@ class TandemSpec:
                        alpha=alpha, rounds=rounds,
                        extra={"token_ids": [list(o.token_ids) for o in outs],
                               "server_tokens_per_s": [o.stats.get("tokens_per_s")
-                                                      for o in outs]})
+                                                      for o in outs],
+                              "time_to_first_token_s": [o.stats.get("time_to_first_token_s")
+                                                        for o in outs]})
 
     def server_stats(self) -> dict:
         return self.engine.stats()
