@@ -26,6 +26,7 @@ def models(tmp_path_factory):
     b = checkpoints.build_checkpoint(root / "b", "qwen2", seed=3, hidden_size=96,
                                      num_attention_heads=6, num_key_value_heads=1)
     return {"a": a, "a_near": checkpoints.build_near_draft(a, root / "a_near", noise=0.05),
+            "a_other": checkpoints.build_checkpoint(root / "a_other", "llama", seed=1),
             "b": b, "b_near": checkpoints.build_near_draft(b, root / "b_near", noise=0.05)}
 
 
@@ -64,6 +65,22 @@ def test_layout_equals_target(layout, form, models, reference, tmp_path):
                            args_for(cfg), timeout=300)
     assert [o["token_ids"] for o in outs] == reference(target)
     assert all(o["stats"]["acceptance_rate"] > 0 for o in outs)
+
+
+def test_auto_target_only_rounds_under_tp(models, tmp_path):
+    """draft_len auto with a draft that is almost never right, the target TP 2 sharing its
+    first device with the draft: target-only rounds (each decoding the next one's first
+    step ahead on both target ranks, dropped when a probe round drafts) keep the target's
+    greedy output."""
+    new_tokens = 64
+    cfg = launch.write_config(tmp_path / "c.yaml", models["a_other"], models["a"],
+                              ["cpu:0"], ["cpu:0", "cpu:1"], draft_len="auto")
+    outs = launch.run_json("spawn", 3, ["run", cfg, "--max-new-tokens", str(new_tokens),
+                                        *sum((["--prompt-ids", ",".join(map(str, p))]
+                                              for p in PROMPTS), [])], timeout=300)
+    reference = checkpoints.GreedyReference(models, PROMPTS, new_tokens)
+    assert [o["token_ids"] for o in outs] == reference("a")
+    assert all(0 < o["stats"]["target_only_rounds"] < o["stats"]["rounds"] for o in outs)
 
 
 def test_two_nodes_simulated(models, reference, tmp_path):
