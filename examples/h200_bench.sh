@@ -4,7 +4,8 @@
 #   bash examples/h200_bench.sh OUTDIR tp2-smoke 70b-0.01      # two H200s: target TP 2
 #   bash examples/h200_bench.sh OUTDIR profile spec-profile    # where the time goes
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
-# EXTRA="--no-cuda-graphs" (say) is added to every bench command.
+# EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
+# of REPEATS timed runs (default 3) after one warm-up run.
 set -u
 OUT=${1:?usage: h200_bench.sh OUTDIR PHASE...}; shift
 mkdir -p "$OUT"
@@ -16,7 +17,7 @@ bench() {   # bench PHASE ARGS...: a synthetic pair (8b unless --synthetic follo
     local start=$SECONDS
     python -m launcher bench --synthetic 8b --device cuda:0 --dtype bfloat16 \
         --prompt-len 128 --new-tokens 256 --synthetic-dir "$SYN" --out "$OUT/$phase.json" \
-        ${EXTRA:-} "$@" > "$OUT/$phase.log" 2>&1
+        --repeats "${REPEATS:-3}" ${EXTRA:-} "$@" > "$OUT/$phase.log" 2>&1
     echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
 }
 for phase in "$@"; do

@@ -40,7 +40,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # orchestrator -> worker
     "init": {"config": MAP, "heartbeat": STR},
     "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST},
-    "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT},   # steps: k = 0 only
+    # steps: k = 0 only; next_k: the next round's k, worked on ahead (runtime.worker)
+    "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT},
     "release": {"step": INT, "slots": LIST},
     "shutdown": {},
     # client -> server
@@ -58,7 +59,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 OPTIONAL: dict[str, set[str]] = {
     "generate": {"prompts", "prompt_ids", "chat", "messages"},
-    "round": {"steps"},
+    "round": {"steps", "next_k"},
 }
 
 

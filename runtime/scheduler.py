@@ -93,6 +93,8 @@ class Scheduler:
         self.prefill_time = 0.0
         self.prefills = 0
         self.rounds = 0
+        self.next_k: int | None = None      # the next round's k, sent ahead with this one
+        self.next_slots: list[int] = []     # ... for these slots
         self.timing: dict[str, list] = {}   # "rank<r>.<phase>" -> [seconds, rounds] (profiling)
 
     def _add_timing(self, results: dict[int, dict]) -> None:
@@ -137,13 +139,13 @@ class Scheduler:
             self.last_round_end = None
             return events
         slots = sorted(self.running)
-        k = self.controller.choose(len(slots))
+        k, next_k = self._draft_lens(slots)
         start = time.perf_counter()
         previous_end = self.last_round_end
         if previous_end is not None:
             self.between_time += start - previous_end
             self.betweens += 1
-        command, steps = {"type": "round", "slots": slots, "k": k}, 1
+        command, steps = {"type": "round", "slots": slots, "k": k, "next_k": next_k}, 1
         if k == 0:   # target-only: several decode steps on one command, none past a limit
             steps = min(TARGET_ONLY_STEPS, *(self.running[s].params.max_new_tokens -
                                              len(self.running[s].generated) for s in slots))
@@ -166,6 +168,18 @@ class Scheduler:
                 finished.append(seq)
         events.extend(self._retire(finished))
         return events
+
+    def _draft_lens(self, slots: list[int]) -> tuple[int, int]:
+        """(k of this round, k of the next one). The next round's k is chosen a round early,
+        without this round's outcome, so the workers start on exactly that work (the draft's
+        k proposals, or a target-only step) while this round's result and the next command
+        travel; a round that drafted ahead more than it uses would pay for the waste, and
+        the controller would read that as the cost of the smaller k."""
+        batch = len(slots)
+        k = self.next_k if self.next_k is not None and self.next_slots == slots else \
+            self.controller.choose(batch)
+        self.next_k, self.next_slots = self.controller.choose(batch), slots
+        return k, self.next_k
 
     def _admit(self) -> None:
         admitted = []

@@ -208,8 +208,8 @@ class Worker:
     def work_ahead(self) -> None:
         """After a round's result is sent: queue the next round's first work on the GPU, so
         it runs while the orchestrator decides and its next command travels
-        (runtime.shards): the draft's proposals after a drafted round, the target's first
-        DECODE_AHEAD_STEPS after a target-only one."""
+        (runtime.shards): the draft's proposals when the next round drafts (the command's
+        next_k), else the target's first DECODE_AHEAD_STEPS of a target-only round."""
         jobs = []
         if self.ahead_args is not None:
             jobs.append((self.draft, "propose_ahead", self.ahead_args))
@@ -242,29 +242,37 @@ class Worker:
     def handle(self, msg: dict) -> dict:
         kind = msg["type"]
         slots = protocol.int_list(msg["slots"], f"{kind}.slots")
-        if kind != "round" and self.draft is not None:
-            self.draft.drop_ahead()
-        if not (kind == "round" and msg["k"] == 0) and self.target is not None:
-            self.target.drop_ahead()
+        k = msg["k"] if kind == "round" else None
+        # work done ahead is kept only by the round it was done for (both check the slots)
+        for shard, keep in ((self.draft, k is not None and k > 0), (self.target, k == 0)):
+            if shard is not None and not keep:
+                shard.drop_ahead()
         if kind == "prefill":
             prompts = [protocol.int_list(p, "prefill.prompts") for p in msg["prompts"]]
             params = [protocol.check_sampling(p) for p in msg["params"]]
             if not len(prompts) == len(params) == len(slots):
                 raise protocol.ProtocolError("prefill: slots, prompts, params differ in length")
+        if kind in ("prefill", "release"):
             for shard in (self.draft, self.target):
-                if shard is not None:
+                if shard is not None and kind == "prefill":
                     shard.prefill(slots, prompts, params)
-            return {}
-        if kind == "release":
-            for shard in (self.draft, self.target):
-                if shard is not None:
+                elif shard is not None:
                     shard.release(slots)
             return {}
-        if kind == "round" and msg["k"] == 0:
-            return self.decode_target_only(slots, msg.get("steps", 1))
-        if kind == "round":
-            return self.speculate(slots, msg["k"])
-        raise protocol.ProtocolError(f"worker cannot handle {kind!r}")
+        if kind != "round":
+            raise protocol.ProtocolError(f"worker cannot handle {kind!r}")
+        next_k = msg.get("next_k", k)
+        if not 0 <= next_k <= self.config.speculation.max_draft_len:
+            raise ValueError(f"round.next_k must be in 0..{self.config.speculation.max_draft_len}"
+                             f", got {next_k}")
+        result = self.decode_target_only(slots, msg.get("steps", 1)) if k == 0 else \
+            self.speculate(slots, k)
+        if self.config.runtime.draft_ahead:   # started by work_ahead once result is sent
+            if next_k > 0 and self.draft is not None:
+                self.ahead_args = (slots, next_k)
+            if next_k == 0 and self.target is not None:
+                self.decode_ahead_slots = slots
+        return result
 
     def decode_target_only(self, slots: list[int], steps: int) -> dict:
         """A round without a draft (draft_len auto, k = 0): the target decodes `steps` tokens
@@ -274,8 +282,6 @@ class Worker:
             raise ValueError(f"round.steps of a target-only round must be in "
                              f"1..{self.config.runtime.max_seq_len}, got {steps}")
         start = time.perf_counter()
-        if self.draft is not None:
-            self.draft.drop_ahead()
         clock = StepClock(self.device, enabled=self.profile)
         tokens = torch.zeros(len(slots), steps, dtype=torch.long, device=self.device)
         if self.target is not None:
@@ -287,8 +293,6 @@ class Worker:
         for shard in (self.draft, self.target):
             if shard is not None:
                 shard.append_decoded(slots, rows)
-        if self.target is not None and self.config.runtime.draft_ahead:
-            self.decode_ahead_slots = slots   # decoded once the result is sent (work_ahead)
         result = {"timing": clock.laps} if self.profile else {}
         result["worker_s"] = time.perf_counter() - start
         if self.rank == self.topology.target_leader:
@@ -335,8 +339,6 @@ class Worker:
             self.draft.commit(slots, drafts, accepted, next_tokens)
         if self.target is not None:
             self.target.commit(slots, accepted, next_tokens)
-        if self.draft is not None and self.config.runtime.draft_ahead:
-            self.ahead_args = (slots, k)   # drafted once the result is sent (draft_ahead)
         result = {"timing": clock.laps} if self.profile else {}
         result["worker_s"] = time.perf_counter() - start
         if self.rank == self.topology.target_leader:

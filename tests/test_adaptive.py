@@ -36,14 +36,16 @@ def best_k(accept: list[float], cost, max_k: int = 8) -> int:
     return rates.index(max(rates))
 
 
-def simulate(accept: list[float], cost, rounds: int = 600,
-             batch: int = 2) -> tuple[list[int], DraftLenController]:
-    """Run the controller against per-position acceptance `accept` and round cost `cost`."""
+def simulate(accept: list[float], cost, rounds: int = 600, batch: int = 2,
+             early: bool = False) -> tuple[list[int], DraftLenController]:
+    """Run the controller against per-position acceptance `accept` and round cost `cost`;
+    `early`: each round's k is chosen before the previous round is observed, as the
+    scheduler does (runtime.scheduler.Scheduler._draft_lens)."""
     rng = random.Random(0)
     ctl = DraftLenController(None, max_k=8)
-    chosen = []
+    chosen, next_k = [], ctl.choose(batch) if early else None
     for _ in range(rounds):
-        k = ctl.choose(batch)
+        k, next_k = (next_k, ctl.choose(batch)) if early else (ctl.choose(batch), None)
         accepted = []
         for _ in range(batch):
             a = 0
@@ -68,8 +70,9 @@ def assert_converged(chosen: list[int], target: int, share: float) -> None:
     (0.3, 1.0, 0.1),      # weak draft: k = 1
     (0.1, 1.0, 0.3),      # poor draft: target-only rounds (k = 0)
 ])
-def test_converges_to_the_best_k(alpha, t_verify, t_draft):
-    chosen, _ = simulate([alpha] * 8, linear(t_verify, t_draft))
+@pytest.mark.parametrize("early", [False, True], ids=["now", "a-round-early"])
+def test_converges_to_the_best_k(alpha, t_verify, t_draft, early):
+    chosen, _ = simulate([alpha] * 8, linear(t_verify, t_draft), early=early)
     assert_converged(chosen, best_k([alpha] * 8, linear(t_verify, t_draft)), 0.8)
 
 
@@ -120,3 +123,48 @@ def test_target_only_rounds_amortise_the_overhead():
 def test_good_draft_never_runs_target_only():
     chosen, _ = simulate([0.85] * 8, linear(1.0, 0.1, overhead=0.3))
     assert 0 not in chosen
+
+
+class RecordingPool:
+    """Stands in for the workers: records commands, answers rounds with drafts accepted at
+    `accept` per position (seeded)."""
+
+    def __init__(self, accept: list[float]):
+        self.commands, self.accept, self.rng = [], accept, random.Random(1)
+
+    def command(self, msg: dict, timeout_s: float) -> dict:
+        self.commands.append(msg)
+        if msg["type"] != "round":
+            return {0: {}}
+        accepted, tokens = [], []
+        for _ in msg["slots"]:
+            a = 0
+            while a < msg["k"] and self.rng.random() < self.accept[a]:
+                a += 1
+            accepted.append(a)
+            tokens.append([7] * (msg.get("steps", 1) if msg["k"] == 0 else a + 1))
+        return {0: {"tokens": tokens, "accepted": accepted, "worker_s": 0.0}}
+
+
+def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
+    """The scheduler chooses each round's k a round early and sends it with the round before
+    (next_k), so the workers draft ahead (or decode ahead) exactly what the next round runs;
+    when the batch changes, the k is chosen afresh."""
+    from runtime.params import SamplingParams
+    from runtime.scheduler import Scheduler, Sequence
+    from runtime.textstream import TextStream
+
+    pool = RecordingPool([0.7] * 8)
+    sched = Scheduler(pool, num_slots=2, draft_len=None, eos_token_ids=(),
+                      step_timeout_s=5.0)
+    for i, n in enumerate((150, 300)):
+        sched.add(Sequence("r", i, [1, 2, 3], SamplingParams.from_kwargs(max_new_tokens=n),
+                           TextStream(None)))
+    while sched.has_work:
+        sched.step()
+    rounds = [c for c in pool.commands if c["type"] == "round"]
+    pairs = list(zip(rounds, rounds[1:]))
+    assert all(0 <= c["next_k"] <= 8 for c in rounds)
+    assert all(b["k"] == a["next_k"] for a, b in pairs if a["slots"] == b["slots"])
+    assert any(a["slots"] != b["slots"] for a, b in pairs)          # one finished first
+    assert len({c["k"] for c in rounds}) > 1                        # k did change

@@ -51,8 +51,12 @@ def stack_heads(q: torch.Tensor, n_kv: int) -> torch.Tensor:
 def write_cache(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                 x: torch.Tensor) -> None:
     """cache [S, Hkv, L, D][slot, :, pos] = x [B, T, Hkv, D] for every token, in place (see
-    runtime.models.cache.ExtendBatch: padding tokens go to a scratch position)."""
-    cache.transpose(1, 2).index_put_((slots, positions), x.flatten(0, 1).to(cache.dtype))
+    runtime.models.cache.ExtendBatch: padding tokens go to a scratch position). The write
+    indexes the cache tensor itself, not a transposed view of it: through a view, inductor
+    (torch 2.11, CUDA) copied the whole cache out and back in for every write."""
+    heads = torch.arange(cache.shape[1], device=cache.device)                 # [Hkv]
+    cache.index_put_((slots[:, None], heads[None, :], positions[:, None]),
+                     x.flatten(0, 1).to(cache.dtype))                       # [B*T, Hkv, D]
 
 
 def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
