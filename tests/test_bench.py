@@ -74,6 +74,13 @@ def test_target(report):
         assert r["status"] == "ok"
         assert 0 < r["roofline_fraction"] < 10     # CPU timing noise aside, a fraction
         assert r["acceptance_rate"] is None and r["c"] is None
+        assert_first_token_times(r)
+
+
+def assert_first_token_times(r):
+    """One time to first token per prompt, within the call's wall time."""
+    times = r["time_to_first_token_s"]
+    assert len(times) == r["batch_size"] and all(0 < t < r["wall_s"] for t in times), r
 
 
 def test_spec(report):
@@ -86,6 +93,7 @@ def test_spec(report):
         assert r["theoretical_speedup"] == pytest.approx(
             metrics.theoretical_speedup(r["alpha"], K, r["c"]))
         assert r["tokens_equal_target"] is True    # greedy float32: the target's own tokens
+        assert_first_token_times(r)
 
 
 def test_transformers_modes(report):

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
 
 import torch
 
@@ -45,6 +44,33 @@ def alpha_from_tokens_per_round(mean_tokens: float, k: int) -> float:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class DeviceClock:
+    """Seconds from `start()` to `mark()` as the device reaches them, without waiting for the
+    device at `mark()`; read `seconds()` after a later synchronisation. On CPU, host time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] \
+            if self.cuda else []
+        self.host: list[float] = []
+
+    def start(self) -> None:
+        self.host.append(time.perf_counter())
+        if self.cuda:
+            self.events[0].record()
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.events[1].record()
+        else:
+            self.host.append(time.perf_counter())
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self.events[0].elapsed_time(self.events[1]) / 1000.0
+        return self.host[1] - self.host[0]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.bench.metrics import sync
+from runtime.bench.metrics import DeviceClock, sync
 
 MODES = ("target", "spec", "hf", "hf-compiled", "hf-assisted")
 
@@ -97,10 +97,13 @@ class TandemTarget:
         bsz, length = len(prompts), len(prompts[0])
         sync(dev)
         start = time.perf_counter()
+        first = DeviceClock(dev)
+        first.start()
         ids = torch.tensor(prompts, dtype=torch.long, device=dev)
         slots = list(range(bsz))
         logits = self.runner.run(ids, slots, [0] * bsz, [length] * bsz)   # prefill: eager
         token = self.argmax(logits[:, -1])
+        first.mark()                                  # the first token, without a sync
         out = [token]
         for i in range(new_tokens - 1):   # decode steps: CUDA graphs, no host sync
             logits = self.runner.run(token[:, None], slots, [length + i] * bsz, [1] * bsz)
@@ -109,7 +112,8 @@ class TandemTarget:
         generated = torch.stack(out, 1).tolist()      # the host sync that ends the call
         wall = time.perf_counter() - start
         return Outcome(tokens=sum(len(r) for r in generated), wall_s=wall,
-                       extra={"token_ids": generated})
+                       extra={"token_ids": generated,
+                              "time_to_first_token_s": [first.seconds()] * bsz})
 
     def close(self) -> None:
         del self.model
