@@ -102,7 +102,9 @@ def test_ragged_batch_matches_single_rows(tiny):
         got = extend_ragged(batched, rows, pad=-1)   # out-of-vocab pad must be harmless
         for (slot, start, ids), logits in zip(rows, got):
             row_alone = extend(alone, slot, start, ids)
-            torch.testing.assert_close(logits, row_alone, atol=1e-5, rtol=0)
+            # float32 GEMMs of other shapes round differently (1.1e-5 seen on AVX-512 hosts);
+            # a masking or position fault moves logits by 1e-2 or more
+            torch.testing.assert_close(logits, row_alone, atol=5e-5, rtol=0)
             seq = seqs[[0, 1, None, 2][slot]]
             want = hf_logits(ref, seq[: start + len(ids)])[start:]
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
