@@ -5,6 +5,7 @@ seed, saved with `save_pretrained` (safetensors) into a temporary directory.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -57,24 +58,23 @@ def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
     return str(out_dir)
 
 
-def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int,
-              gguf_file: str | None = None) -> list[int]:
+def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """The target's own greedy continuation from transformers generate(), float32, CPU.
 
     Stops at the checkpoint's EOS like tandem does; the EOS token is included."""
     import transformers
 
-    if gguf_file is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, gguf_file=gguf_file, torch_dtype=torch.float32)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, torch_dtype=torch.float32)
-    model.eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path,
+                                                              torch_dtype=torch.float32)
+    return hf_generate(model.eval(), prompt_ids, max_new_tokens)
+
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """hf_greedy for an already loaded transformers model."""
     ids = torch.tensor([prompt_ids], dtype=torch.long)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -86,6 +86,27 @@ def smollm2_gguf() -> str:
     if not path.exists():
         raise FileNotFoundError(path)
     return str(path)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer():
+    """transformers' tokenizer read from the SmolLM2 GGUF (4-5 s), loaded once per test run."""
+    import transformers
+
+    path = smollm2_gguf()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                      gguf_file=os.path.basename(path))
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_transformers():
+    """transformers' float32 model de-quantized from the SmolLM2 GGUF (about 15 s), loaded
+    once per test run; callers must not change it."""
+    import transformers
+
+    path = smollm2_gguf()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
 
 
 def build_near_draft(target_dir: str, out_dir: str | os.PathLike, noise: float = 0.3,
@@ -109,11 +130,7 @@ def build_near_draft(target_dir: str, out_dir: str | os.PathLike, noise: float =
 def build_with_tokenizer(out_dir: str | os.PathLike, seed: int = 0, **overrides) -> str:
     """A tiny random Llama with SmolLM2's real tokenizer (vocab 49152) saved beside it, for
     tests of text prompts, detokenisation and stop strings."""
-    import transformers
-
-    path = smollm2_gguf()
-    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                     gguf_file=os.path.basename(path))
+    tok = smollm2_tokenizer()
     kwargs = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                   num_attention_heads=2, num_key_value_heads=1,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

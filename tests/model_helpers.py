@@ -78,12 +78,3 @@ def greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | No
         if token == eos_token_id or len(out) == max_new_tokens:
             return out
         logits = extend(model, slot, len(prompt) + len(out) - 1, [token])
-
-
-@torch.no_grad()
-def hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Like tests.checkpoints.hf_greedy, for an already loaded transformers model."""
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()

@@ -1,5 +1,8 @@
 """Greedy speculative decoding end to end, through every launch form: the output equals the
-target's own transformers greedy output token for token (float32, CPU)."""
+target's own transformers greedy output token for token (float32, CPU).
+
+Cases and launch forms are paired, not crossed: each case runs under two forms and each form
+under three cases (how a process is launched and what a round computes are independent)."""
 from __future__ import annotations
 
 import pytest
@@ -31,21 +34,25 @@ def reference(models):
     return checkpoints.GreedyReference(models, PROMPTS, NEW_TOKENS)
 
 
-# name: (draft, target, draft_len, draft devices, target devices)
+# name: (draft, target, draft_len, draft devices, target devices, launch forms)
 CASES = {
-    "disagreeing-draft": ("other", "target", 4, ["cpu:0"], ["cpu:1"]),
-    "draft-is-target": ("target", "target", 4, ["cpu:0"], ["cpu:0"]),
-    "k1": ("near", "target", 1, ["cpu:0"], ["cpu:1"]),
-    "k3": ("near", "target", 3, ["cpu:0"], ["cpu:1"]),
-    "k8": ("near", "target", 8, ["cpu:1"], ["cpu:0"]),
-    "qwen2": ("qwen_near", "qwen", 4, ["cpu:0"], ["cpu:1"]),
+    "disagreeing-draft": ("other", "target", 4, ["cpu:0"], ["cpu:1"], ("spawn", "mpirun")),
+    "draft-is-target": ("target", "target", 4, ["cpu:0"], ["cpu:0"], ("torchrun", "mpi-spawn")),
+    "k1": ("near", "target", 1, ["cpu:0"], ["cpu:1"], ("spawn", "torchrun")),
+    "k3": ("near", "target", 3, ["cpu:0"], ["cpu:1"], ("mpirun", "mpi-spawn")),
+    "k8": ("near", "target", 8, ["cpu:1"], ["cpu:0"], ("spawn", "mpi-spawn")),
+    "qwen2": ("qwen_near", "qwen", 4, ["cpu:0"], ["cpu:1"], ("torchrun", "mpirun")),
 }
+PAIRS = [(case, form) for case, spec in CASES.items() for form in spec[-1]]
 
 
-@pytest.mark.parametrize("form", launch.FORMS)
-@pytest.mark.parametrize("case", list(CASES))
+def test_pairs_cover_every_launch_form_evenly():
+    assert sorted(form for _, form in PAIRS) == sorted(launch.FORMS * 3)
+
+
+@pytest.mark.parametrize("case,form", PAIRS)
 def test_greedy_equals_target(case, form, models, reference, tmp_path):
-    draft, target, k, draft_devices, target_devices = CASES[case]
+    draft, target, k, draft_devices, target_devices, _ = CASES[case]
     cfg = launch.write_config(tmp_path / "c.yaml", models[draft], models[target],
                               draft_devices, target_devices, draft_len=k)
     outs = launch.run_json(form, launch.world_size(draft_devices, target_devices),

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import types
 from pathlib import Path
 
@@ -10,9 +9,10 @@ import pytest
 import torch
 
 from runtime.models import CausalLM, HFFallbackModel, LlamaForCausalLM, load_model
-from tests.checkpoints import build_checkpoint, hf_greedy, smollm2_gguf
+from tests.checkpoints import (build_checkpoint, hf_generate, hf_greedy, smollm2_gguf,
+                               smollm2_transformers)
 from tests.model_helpers import (build_fallback_checkpoint, build_sharded_checkpoint, extend,
-                                 extend_ragged, greedy, hf_generate, hf_logits)
+                                 extend_ragged, greedy, hf_logits)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -212,13 +212,8 @@ def test_rope_parameters_both_config_styles():
 @pytest.fixture(scope="module")
 def smollm2():
     """(gguf path, our model, transformers' model loaded with gguf_file=)."""
-    import transformers
-
     path = smollm2_gguf()
-    ours = load_model(path, F32, CPU)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=F32).eval()
-    return path, ours, ref
+    return path, load_model(path, F32, CPU), smollm2_transformers()
 
 
 SMOL_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 11173, 30, 216, 504, 3458]
