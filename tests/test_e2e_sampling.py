@@ -92,7 +92,7 @@ def test_sampled_output_follows_target(acceptance, draft_devices, target_devices
                                        tmp_path):
     draft, target = pair
     cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_devices,
-                              target_devices, draft_len=3, max_batch_size=64)
+                              target_devices, draft_len=3, max_batch_size=256)
     text = open(cfg).read().replace("acceptance: tokens", f"acceptance: {acceptance}")
     open(cfg, "w").write(text)
     with Engine.launch(cfg) as engine:
