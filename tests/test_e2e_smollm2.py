@@ -3,7 +3,6 @@ equals transformers' own greedy output, under both external launchers (the tiny-
 cover every launch form; `test_cli` runs this model's demo through spawn)."""
 from __future__ import annotations
 
-
 import pytest
 
 from tests import checkpoints, launch

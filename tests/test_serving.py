@@ -74,14 +74,7 @@ def hf_greedy_many(model_path: str, prompts: list[list[int]], new_tokens: list[i
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
-    outs = []
-    with torch.no_grad():
-        for ids, n in zip(prompts, new_tokens):
-            x = torch.tensor([ids], dtype=torch.long)
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 max_new_tokens=n, pad_token_id=0)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+    return [checkpoints.hf_generate(model, ids, n) for ids, n in zip(prompts, new_tokens)]
 
 
 def wait_until(client: Client, pred, timeout_s: float, poll_s: float = 0.05) -> dict:
