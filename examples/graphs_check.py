@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.models import load_model  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402
-from runtime.shards import DraftShard, TargetShard  # noqa: E402
-from runtime.synthetic import build_pair  # noqa: E402
+from runtime.worker.shards import DraftShard, TargetShard  # noqa: E402
+from runtime.models.synthetic import build_pair  # noqa: E402
 
 SLOTS, CACHE_LEN, K = 4, 640, 4
 

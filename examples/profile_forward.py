@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.bench.metrics import copy_bandwidth, step_time  # noqa: E402
 from runtime.models import load_model  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402
-from runtime.synthetic import build_pair  # noqa: E402
+from runtime.models.synthetic import build_pair  # noqa: E402
 
 POSITION, REPLAYS = 300, 5
 

@@ -20,10 +20,10 @@ import zmq
 from launcher.discovery import LaunchEnv
 from parallel import groups as pgroups
 from parallel.topology import LaunchError, Topology, topology_from_config
-from runtime import auth
+from runtime.control import auth
 from runtime.config import TandemConfig
 from runtime.errors import EngineDeadError
-from runtime.pool import WorkerPool
+from runtime.control.pool import WorkerPool
 
 log = logging.getLogger("tandem.launcher")
 DEAD_GRACE_S = 3.0   # after a failure: how long shutdown waits for a worker before SIGKILL
@@ -173,7 +173,7 @@ def _init_world_watching(init_method: str, world_size: int, timeout_s: float,
 def control_bind() -> str:
     """Where rank 0's control sockets listen: loopback, unless TANDEM_CONTROL_HOST names the
     address (IP or host name) that workers on other nodes reach it at (multi-node)."""
-    return f"tcp://{os.environ.get('TANDEM_CONTROL_HOST', '127.0.0.1')}"  # see runtime.auth
+    return f"tcp://{os.environ.get('TANDEM_CONTROL_HOST', '127.0.0.1')}"  # see runtime.control.auth
 
 
 def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:

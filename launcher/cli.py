@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(args)
     from launcher.bootstrap import control_bind
     from launcher.discovery import discover
-    from runtime.auth import check_control_bind
+    from runtime.control.auth import check_control_bind
     from parallel.topology import LaunchError, topology_from_config
     from runtime.config import ConfigError, default_config, load_config
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             else None
         http = None
         if args.command == "serve" and args.http is not None:
-            from runtime.http_api import parse_http_address
+            from runtime.api.http_api import parse_http_address
 
             http = parse_http_address(args.http, args.http_allow_remote)
         env = discover()
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LaunchError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
     if not env.is_orchestrator:
-        from runtime.worker import run_worker
+        from runtime.worker.process import run_worker
 
         return run_worker(env.rank, env.world_size, env.init_method,
                           config.runtime.startup_timeout_s)
@@ -139,7 +139,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _worker(args) -> int:
-    from runtime.worker import run_worker
+    from runtime.worker.process import run_worker
 
     rank = args.rank
     if args.rank_from_mpi:

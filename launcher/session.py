@@ -10,7 +10,7 @@ import time
 
 from launcher.bootstrap import start_cluster
 from launcher.discovery import LaunchEnv
-from runtime.auth import load_key
+from runtime.control.auth import load_key
 from runtime.config import TandemConfig
 from runtime.errors import EngineDeadError
 
@@ -21,7 +21,7 @@ EXIT_USAGE = 2
 
 def _start(config: TandemConfig, env: LaunchEnv):
     """(orchestrator, cluster), or None after printing why startup failed."""
-    from runtime.orchestrator import Orchestrator
+    from runtime.serving.orchestrator import Orchestrator
 
     orch = Orchestrator(config)  # loads the tokenizer while the workers load their shards
     try:
@@ -60,12 +60,12 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
                   http: tuple[str, int] | None = None) -> int:
     """Serve at server.address until SIGINT/SIGTERM; with `http` = (host, port) also the
     OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process."""
-    from runtime.server import Server
+    from runtime.serving.server import Server
 
     stop = threading.Event()
     http_sock = None
     if http is not None:
-        from runtime.http_api import bind_http
+        from runtime.api.http_api import bind_http
 
         try:  # bound before anything starts: a taken port is a usage error
             http_sock = bind_http(*http)
@@ -94,7 +94,7 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
         server = Server(orch.attach(cluster.pool), config.server.address, cluster.context, key)
         print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
         if http_sock is not None:
-            from runtime.http_api import HttpFront
+            from runtime.api.http_api import HttpFront
 
             front = HttpFront(config.server.address, http_sock,
                               auth_key_file=config.server.auth_key_file)

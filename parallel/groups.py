@@ -17,7 +17,39 @@ import torch.distributed as dist
 from parallel.topology import Topology
 
 ADDRESS_BYTES = 256
-KEY_BYTES = 32         # runtime.auth.LAUNCH_KEY_BYTES
+KEY_BYTES = 32         # runtime.control.auth.LAUNCH_KEY_BYTES
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """One rank's place in a tensor-parallel group. group None or size 1 = no TP."""
+    group: "dist.ProcessGroup | None"
+    rank: int          # rank within the group
+    size: int
+
+    def __post_init__(self):
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"bad TPInfo: rank {self.rank} of size {self.size}")
+        if self.group is None and self.size > 1:
+            raise ValueError(f"TPInfo of size {self.size} needs its process group")
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    @classmethod
+    def from_group(cls, group: "dist.ProcessGroup | None") -> "TPInfo":
+        """This rank's TPInfo in `group` (None: no TP)."""
+        if group is None:
+            return cls(None, 0, 1)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def check_group(self) -> None:
+        """ValueError unless the group agrees with this TPInfo's rank and size."""
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if (size, rank) != (self.size, self.rank):
+            raise ValueError(f"TPInfo says rank {self.rank} of {self.size}, but its group says "
+                             f"rank {rank} of {size}")
 
 
 @dataclass(frozen=True)

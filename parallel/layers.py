@@ -3,10 +3,12 @@
 Each is a subclass of the module it replaces, so parameter names stay the checkpoint's
 (`q_proj.weight`, ...) and the model code needs no change. Each holds only its rank's shard,
 knows which slice of the checkpoint tensor that is (`shards()`, read by the loader), and does
-its own communication with the group it was given. Built on the meta device by
-parallel.tensor_parallel.apply_tp; weights are loaded afterwards. Inference only.
+its own communication with the group it was given. Built on the meta device by a
+model's own plan (its apply_tp); weights are loaded afterwards. Inference only.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -14,7 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.mappings import all_gather_last_dim, all_reduce
-from runtime.models.weights import Shard
+
+
+class Shard(NamedTuple):
+    """Rows [start, stop) of a checkpoint tensor along `dim`. `stop` may lie past the tensor's
+    end: the missing rows are zeros (padding of the last vocab shard)."""
+    dim: int
+    start: int
+    stop: int
 
 
 class ColumnParallelLinear(nn.Linear):

@@ -7,12 +7,12 @@ __all__ = ["Engine", "Client", "EngineDeadError", "RequestError", "GenerationOut
 
 def __getattr__(name):  # lazy: importing runtime must not pull in torch for the client alone
     if name == "Engine":
-        from runtime.engine import Engine
+        from runtime.api.engine import Engine
         return Engine
     if name == "Client":
-        from runtime.client import Client
+        from runtime.api.client import Client
         return Client
     if name in ("GenerationOutput", "StreamDelta"):
-        from runtime import outputs
+        from runtime.api import outputs
         return getattr(outputs, name)
     raise AttributeError(name)

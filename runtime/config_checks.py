@@ -44,7 +44,7 @@ def check_cuda(cfg: TandemConfig) -> None:
 
 def check_files(cfg: TandemConfig) -> None:
     from runtime.models.checkpoint import inspect_checkpoint
-    from runtime.tokenizer import check_tokenizer_path
+    from runtime.serving.tokenizer import check_tokenizer_path
 
     for name, model in model_lists(cfg):
         if not os.path.exists(model.model):
@@ -73,7 +73,7 @@ def check_files(cfg: TandemConfig) -> None:
 
 
 def check_server_auth(server: ServerConfig, check_files: bool) -> None:
-    from runtime import auth
+    from runtime.control import auth
 
     if server.auth_key_file is None:
         if not auth.is_loopback(server.address):
@@ -88,7 +88,7 @@ def check_server_auth(server: ServerConfig, check_files: bool) -> None:
 
 
 def check_tp(cfg: TandemConfig, infos: dict) -> None:
-    from parallel.tensor_parallel import check_tp_shape
+    from runtime.models.parallelize import check_tp_shape
 
     for name, model in model_lists(cfg):
         info = infos[name]

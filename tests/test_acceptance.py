@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from runtime.acceptance import greedy_accept
+from runtime.speculation.acceptance import greedy_accept
 
 pytestmark = pytest.mark.timeout(30)
 

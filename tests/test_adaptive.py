@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from runtime.adaptive import (TARGET_ONLY_STEPS, DraftLenController, expected_tokens,
+from runtime.speculation.adaptive import (TARGET_ONLY_STEPS, DraftLenController, expected_tokens,
                               expected_tokens_by_position)
 
 pytestmark = pytest.mark.timeout(30)
@@ -40,7 +40,7 @@ def simulate(accept: list[float], cost, rounds: int = 600, batch: int = 2,
              early: bool = False) -> tuple[list[int], DraftLenController]:
     """Run the controller against per-position acceptance `accept` and round cost `cost`;
     `early`: each round's k is chosen before the previous round is observed, as the
-    scheduler does (runtime.scheduler.Scheduler._draft_lens)."""
+    scheduler does (runtime.serving.scheduler.Scheduler._draft_lens)."""
     rng = random.Random(0)
     ctl = DraftLenController(None, max_k=8)
     chosen, next_k = [], ctl.choose(batch) if early else None
@@ -151,8 +151,8 @@ def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
     (next_k), so the workers draft ahead (or decode ahead) exactly what the next round runs;
     when the batch changes, the k is chosen afresh."""
     from runtime.params import SamplingParams
-    from runtime.scheduler import Scheduler, Sequence
-    from runtime.textstream import TextStream
+    from runtime.serving.scheduler import Scheduler, Sequence
+    from runtime.serving.textstream import TextStream
 
     pool = RecordingPool([0.7] * 8)
     sched = Scheduler(pool, num_slots=2, draft_len=None, eos_token_ids=(),

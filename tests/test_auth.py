@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from runtime import auth, protocol
+from runtime.control import auth, protocol
 from tests import checkpoints, launch
 
 pytestmark = pytest.mark.timeout(120)

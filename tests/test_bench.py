@@ -128,7 +128,7 @@ def test_alpha_estimates():
 
 def test_synthetic_shards_match_single_file(tmp_path):
     from runtime.models.weights import SafetensorsWeights
-    from runtime.synthetic import build_pair
+    from runtime.models.synthetic import build_pair
 
     _, single = build_pair(tmp_path / "a", "tiny", 2, eps=0.1)
     draft, sharded = build_pair(tmp_path / "b", "tiny", 2, eps=0.1, shard_bytes=50_000)
@@ -148,7 +148,7 @@ def test_synthetic_recipe_draws_the_files_weights(tmp_path):
     tensor-parallel slice, and holds only config.json and synthetic.json."""
     from runtime.models.loader import open_weights
     from runtime.models.weights import SafetensorsWeights
-    from runtime.synthetic import build_pair
+    from runtime.models.synthetic import build_pair
 
     draft, target = build_pair(tmp_path / "files", "tiny", 2, eps=0.1)
     recipe_draft, recipe_target = build_pair(tmp_path / "recipe", "tiny", 2, eps=0.1,
@@ -195,7 +195,7 @@ def test_config_and_synthetic_together_is_a_usage_error(tmp_path, capsys):
 
 def test_resolve_config_and_devices(tmp_path):
     from runtime.bench import runner
-    from runtime.synthetic import build_pair
+    from runtime.models.synthetic import build_pair
 
     draft, target = build_pair(tmp_path, "tiny", 2)
     path = launch.write_config(tmp_path / "c.yaml", draft, target, draft_len=3)

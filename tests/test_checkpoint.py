@@ -1,4 +1,4 @@
-"""runtime.models.checkpoint (metadata only) and runtime.tokenizer."""
+"""runtime.models.checkpoint (metadata only) and runtime.serving.tokenizer."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from runtime.models.checkpoint import CheckpointInfo, inspect_checkpoint
-from runtime.tokenizer import load_tokenizer
+from runtime.serving.tokenizer import load_tokenizer
 from tests.checkpoints import build_checkpoint, smollm2_gguf
 
 pytestmark = pytest.mark.timeout(60)
@@ -132,7 +132,7 @@ def test_bad_tokenizer_path_fails_before_transformers_loads(tmp_path):
     (tmp_path / "vocab.txt").write_text("a b c")
     code = f"""
 import sys
-from runtime.tokenizer import load_tokenizer
+from runtime.serving.tokenizer import load_tokenizer
 cases = [({str(tmp_path / "nope")!r}, False, FileNotFoundError, "does not exist"),
          ({str(tmp_path / "vocab.txt")!r}, False, ValueError, "not a .gguf file"),
          ({str(tmp_path / "empty")!r}, True, FileNotFoundError, "no tokenizer files")]

@@ -13,8 +13,9 @@ import time
 import pytest
 import zmq
 
-from runtime import EngineDeadError, protocol
-from runtime.client import WORKER_DEATH_GRACE_S, Client
+from runtime import EngineDeadError
+from runtime.control import protocol
+from runtime.api.client import WORKER_DEATH_GRACE_S, Client
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open")]

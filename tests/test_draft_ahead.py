@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.models import load_model
-from runtime.shards import DraftShard
+from runtime.worker.shards import DraftShard
 from tests.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

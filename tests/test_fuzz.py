@@ -23,8 +23,9 @@ import yaml
 import zmq
 
 from launcher.bootstrap import control_bind
-from runtime import Client, protocol
-from runtime.pool import WorkerPool
+from runtime import Client
+from runtime.control import protocol
+from runtime.control.pool import WorkerPool
 from tests import checkpoints, launch
 
 pytestmark = pytest.mark.timeout(180)

@@ -295,7 +295,7 @@ def test_closing_a_stream_cancels_the_request(served):
 def test_standalone_front_on_a_running_server(served, tmp_path):
     port = launch.free_port()
     env = launch.clean_env()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.http_api", served["address"],
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.api.http_api", served["address"],
                              "--http", f"127.0.0.1:{port}", "--model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)

@@ -1,4 +1,4 @@
-"""runtime.pool.WorkerPool on loopback with fake workers (DEALER sockets of this process):
+"""runtime.control.pool.WorkerPool on loopback with fake workers (DEALER sockets of this process):
 heartbeats queued while the orchestrator stalled count before heartbeat ages are judged."""
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import time
 import pytest
 import zmq
 
-from runtime import EngineDeadError, protocol
-from runtime.pool import WorkerPool
+from runtime import EngineDeadError
+from runtime.control import protocol
+from runtime.control.pool import WorkerPool
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,7 +1,7 @@
 import msgpack
 import pytest
 
-from runtime import protocol
+from runtime.control import protocol
 
 pytestmark = pytest.mark.timeout(30)
 

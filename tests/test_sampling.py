@@ -11,10 +11,12 @@ from scipy import stats
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from runtime.rng import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, threefry2x32, uniform)
-from runtime.sampling import (accept_rejection, accept_tokens, count_accepted,
-                              gather_token_probs, rejection_test, residual_probs, sample_correction,
-                              sample_from, warp_probs)
+from runtime.speculation.acceptance import (accept_rejection, accept_tokens, count_accepted,
+                                            gather_token_probs, rejection_test, residual_probs,
+                                            sample_correction)
+from runtime.speculation.rng import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_TARGET, threefry2x32,
+                                     uniform)
+from runtime.speculation.sampling import sample_from, warp_probs
 
 pytestmark = pytest.mark.timeout(120)
 

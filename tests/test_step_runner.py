@@ -12,7 +12,7 @@ from runtime.models.attention import grouped_attention
 from runtime.models.fused import stack_heads
 from runtime.models.kv_budget import cache_bytes, check_kv_budget
 from runtime.models.step_runner import StepRunner, batch_buckets, kv_bucket
-from runtime.shards import DraftShard
+from runtime.worker.shards import DraftShard
 from tests.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

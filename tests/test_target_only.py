@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.models import load_model
-from runtime.shards import DraftShard, TargetShard
+from runtime.worker.shards import DraftShard, TargetShard
 from tests.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

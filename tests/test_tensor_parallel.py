@@ -1,4 +1,4 @@
-"""parallel.tensor_parallel: Megatron-style TP of our Llama-family model, on CPU with gloo.
+"""runtime.models.parallelize: Megatron-style TP of our Llama-family model, on CPU with gloo.
 
 One gloo world of 3 ranks is spawned per module; it runs every checkpoint variant with TP 2
 (ranks 0-1, a group of their own) and then TP 3. Each rank compares its TP logits with a TP 1
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.tensor_parallel import TPInfo
+from parallel.groups import TPInfo
 from runtime.models import load_model
 from tests.checkpoints import build_checkpoint
 from tests.model_helpers import build_sharded_checkpoint

@@ -1,6 +1,6 @@
 import pytest
 
-from runtime.textstream import TextStream
+from runtime.serving.textstream import TextStream
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from parallel.mappings import all_gather_last_dim, all_reduce, group_size
-from parallel.tensor_parallel import TPInfo, apply_tp, plan_tp
+from parallel.groups import TPInfo
+from runtime.models.parallelize import apply_tp, plan_tp
 from runtime.models import load_model
 from runtime.models.loader import build_model, load_config
 from runtime.models.model_args import ModelArgs

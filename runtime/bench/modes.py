@@ -136,7 +136,7 @@ class TandemSpec:
     name = "spec"
 
     def __init__(self, config: dict):
-        from runtime.engine import Engine
+        from runtime.api.engine import Engine
 
         self.draft_len = config["speculation"]["draft_len"]
         self.engine = Engine.launch(config)

@@ -135,7 +135,7 @@ def resolve(s: BenchSettings) -> Setup:
                      [dev.torch_device for dev in cfg.target.devices],
                      getattr(torch, d["draft"]["dtype"]), getattr(torch, d["target"]["dtype"]),
                      d, k)
-    from runtime.synthetic import build_pair
+    from runtime.models.synthetic import build_pair
 
     device = _torch_device(s.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")

@@ -91,7 +91,7 @@ def _reported(parallel: bool, measurement):
 def _rank_main(rank: int, job_json: str, init_file: str, conn) -> None:
     import torch.distributed as dist
 
-    from parallel.tensor_parallel import TPInfo
+    from parallel.groups import TPInfo
 
     job = TargetJob(**json.loads(job_json))
     size, device = len(job.devices), torch.device(job.devices[rank])

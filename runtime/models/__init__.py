@@ -1,7 +1,7 @@
 """Models behind a worker: our Llama-family implementation and a transformers fallback.
 
 load_model(path, dtype, device, tp=None) -> CausalLM (see runtime.models.base.CausalLM);
-`tp` (parallel.tensor_parallel.TPInfo) loads one tensor-parallel shard, see loader.load_model.
+`tp` (parallel.groups.TPInfo) loads one tensor-parallel shard, see loader.load_model.
 
 Exports resolve lazily, so importing a light submodule (runtime.models.checkpoint) does not
 import torch.

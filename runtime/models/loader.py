@@ -6,7 +6,7 @@ on the meta device and filled tensor by tensor; anything else gets HFFallbackMod
 the meta model before loading.
 
 Tensor parallelism: with a TPInfo of size > 1, load_model shards the meta model with
-parallel.tensor_parallel.apply_tp (imported only then: this package holds no collectives
+runtime.models.parallelize.apply_tp (imported only then: this package holds no collectives
 and imports no communication library), and load_weights reads, for every sharded
 parameter, only the rank's slice (`model.tp_shards`: parameter name -> Shard, set by apply_tp).
 """
@@ -23,10 +23,10 @@ from torch import nn
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_args import ModelArgs, unsupported_reason
 from runtime.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
-from runtime.synthetic import RECIPE_FILE, SyntheticWeights
+from runtime.models.synthetic import RECIPE_FILE, SyntheticWeights
 
 if TYPE_CHECKING:
-    from parallel.tensor_parallel import TPInfo
+    from parallel.groups import TPInfo
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def build_model(config: Any) -> LlamaForCausalLM:
 def open_weights(path: str | os.PathLike, model: nn.Module | None = None,
                  config: Any = None, device: torch.device | str = "cpu") -> WeightSource:
     """Weight source of a checkpoint; GGUF needs the config and the model's parameter names.
-    A synthetic recipe (runtime.synthetic) draws its tensors on `device`."""
+    A synthetic recipe (runtime.models.synthetic) draws its tensors on `device`."""
     directory, gguf_file = _resolve(path)
     if gguf_file is None and (directory / RECIPE_FILE).is_file():
         return SyntheticWeights(directory, device)
@@ -112,7 +112,7 @@ def load_weights(model: LlamaForCausalLM, source: WeightSource, dtype: torch.dty
                  device: torch.device | str) -> LlamaForCausalLM:
     """Fill every parameter of `model` (e.g. on meta) from `source`; move all to device.
 
-    Parameters listed in `model.tp_shards` (set by parallel.tensor_parallel.apply_tp) are read
+    Parameters listed in `model.tp_shards` (set by runtime.models.parallelize.apply_tp) are read
     as that shard only; the others are read whole (replicated)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     shards = getattr(model, "tp_shards", None) or {}
@@ -138,7 +138,7 @@ def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
                gather_logits: bool = True) -> LlamaForCausalLM:
     model = build_model(config)
     if _tp_enabled(tp):
-        from parallel.tensor_parallel import apply_tp
+        from runtime.models.parallelize import apply_tp
 
         apply_tp(model, tp, gather_logits=gather_logits)
     source = open_weights(path, model, config, device)
@@ -156,7 +156,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
     our LlamaForCausalLM for llama / mistral / qwen2, else HFFallbackModel. Eval mode, on
     `device`, in `dtype`.
 
-    `tp` (parallel.tensor_parallel.TPInfo): None or size 1 loads the whole model. Otherwise
+    `tp` (parallel.groups.TPInfo): None or size 1 loads the whole model. Otherwise
     this rank's tensor-parallel shard is built and only its slices are read; every rank of
     the group must call load_model. forward_extend then returns the full [B, T, V] logits on
     every rank, or with gather_logits=False only this rank's vocab slice (see apply_tp)."""

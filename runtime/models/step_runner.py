@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.hostcopy import copy_into, to_device
+from runtime.models.hostcopy import copy_into, to_device
 from runtime.models import fused
 
 KV_BUCKET_MIN = 256      # smallest attended KV length of a static step

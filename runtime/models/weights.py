@@ -1,7 +1,7 @@
 """Weight sources: read checkpoint tensors by HF parameter name, whole or one shard of them.
 
 `get(name)` reads a whole tensor; `get_shard(name, dim, start, stop)` reads rows [start, stop)
-along `dim` (a tensor-parallel rank's slice, see parallel.tensor_parallel). Rows past the end of
+along `dim` (a tensor-parallel rank's slice, see runtime.models.parallelize). Rows past the end of
 the tensor come back as zeros: that is how a vocab that does not divide by the TP size is padded.
 
 SafetensorsWeights reads lazily: get_shard goes through safe_open(...).get_slice(name)[...], so
@@ -16,20 +16,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-class Shard(NamedTuple):
-    """Rows [start, stop) of a checkpoint tensor along `dim`. `stop` may lie past the tensor's
-    end: the missing rows are zeros (padding of the last vocab shard)."""
-    dim: int
-    start: int
-    stop: int
 
 
 class WeightSource(Protocol):

@@ -1,7 +1,7 @@
 """Turning logits into tokens for one batch: the draft's proposals and the target's verdict,
 greedy or sampled, under either acceptance mode.
 
-Uniforms come from runtime.rng keyed by (request seed, absolute index of the token being
+Uniforms come from runtime.speculation.rng keyed by (request seed, absolute index of the token being
 decided, stream), so every TP rank makes the same choice and a seed reproduces its output.
 """
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import rng
-from runtime.acceptance import greedy_accept
-from runtime.hostcopy import to_device
-from runtime.sampling import accept_rejection, accept_tokens, sample_from, warp_probs
+from runtime.speculation import rng
+from runtime.speculation.acceptance import accept_rejection, accept_tokens, greedy_accept
+from runtime.models.hostcopy import to_device
+from runtime.speculation.sampling import sample_from, warp_probs
 
 
 @dataclass(frozen=True)

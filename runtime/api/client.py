@@ -18,11 +18,11 @@ from typing import Iterator
 
 import zmq
 
-from runtime import auth, protocol
+from runtime.control import auth, protocol
 from runtime.errors import EngineDeadError
-from runtime.outputs import GenerationOutput, StreamDelta
+from runtime.api.outputs import GenerationOutput, StreamDelta
 from runtime.params import SamplingParams, check_prompt_ids
-from runtime.procwatch import ProcessWatch, parent_pid
+from runtime.control.procwatch import ProcessWatch, parent_pid
 
 _END = object()
 WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead local worker

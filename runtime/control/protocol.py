@@ -10,7 +10,7 @@ from typing import Any
 
 import msgpack
 
-from runtime import auth
+from runtime.control import auth
 
 # Decoding may cost many times a frame's size (an empty list is 1 byte of msgpack, ~64 bytes
 # of Python): frames are capped at 16 MiB (millions of token ids) and the lists and maps of
@@ -40,7 +40,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # orchestrator -> worker
     "init": {"config": MAP, "heartbeat": STR},
     "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST},
-    # steps: k = 0 only; next_k: the next round's k, worked on ahead (runtime.worker)
+    # steps: k = 0 only; next_k: the next round's k, worked on ahead (runtime.worker.process)
     "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT},
     "release": {"step": INT, "slots": LIST},
     "shutdown": {},
@@ -68,7 +68,7 @@ class ProtocolError(ValueError):
 
 
 def encode(msg: dict, key: bytes | None = None) -> bytes:
-    """msgpack bytes of a checked message, HMAC-signed when a key is given (runtime.auth)."""
+    """msgpack bytes of a checked message, HMAC-signed when a key is given (runtime.control.auth)."""
     check(msg)
     return auth.sign(msgpack.packb(msg, use_bin_type=True), key)
 
@@ -185,3 +185,12 @@ def check_sampling(params) -> dict:
     if out["temperature"] < 0 or out["top_k"] < 0 or not 0 < out["top_p"] <= 1:
         raise ProtocolError(f"prefill.params out of range: {out}")
     return out
+
+
+def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict]]:
+    """(prompts, sampling params) of a prefill message, one of each per slot."""
+    prompts = [int_list(p, "prefill.prompts") for p in msg["prompts"]]
+    params = [check_sampling(p) for p in msg["params"]]
+    if not len(prompts) == len(params) == len(msg["slots"]):
+        raise ProtocolError("prefill: slots, prompts, params differ in length")
+    return prompts, params

@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from runtime import auth, protocol
+from runtime.control import auth, protocol
 
 
 class Beacon:

@@ -8,7 +8,7 @@ GET /health. Streaming answers are server-sent events in OpenAI's chunk format, 
 Two ways to run it:
 - inside `tandem serve CONFIG --http HOST:PORT` (a thread of the serving process; see
   `launcher/session.py`), or
-- on its own, in front of a running server: `python -m runtime.http_api ADDRESS --http
+- on its own, in front of a running server: `python -m runtime.api.http_api ADDRESS --http
   HOST:PORT`.
 It binds to loopback unless `--http-allow-remote` is given; it has no authentication.
 
@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.errors import EngineDeadError
-from runtime.http_args import (
+from runtime.api.http_args import (
     DISCONNECT_POLL_S, _COMPLETION_ARGS, _CHAT_ARGS, HttpError, parse_http_address,
     bind_http, connect_address, socket_url, _AsyncWaiter, HttpClient, _check_args,
     _sampling, _messages, _prompt_kwargs, _value_error, _failure, _usage, _finish, _sse)
@@ -342,7 +342,7 @@ class HttpFront:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m runtime.http_api",
+        prog="python -m runtime.api.http_api",
         description="OpenAI-compatible HTTP API in front of a running `tandem serve`.")
     parser.add_argument("address", help="the server's address, e.g. tcp://127.0.0.1:5555")
     parser.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to listen on "

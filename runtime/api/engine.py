@@ -15,7 +15,7 @@ import threading
 
 import yaml
 
-from runtime.client import Client
+from runtime.api.client import Client
 from runtime.config import TandemConfig, load_config
 from runtime.errors import EngineDeadError
 

@@ -11,10 +11,10 @@ import threading
 from runtime.config import TandemConfig
 from runtime.models.checkpoint import inspect_checkpoint
 from runtime.params import SamplingParams, check_prompt_ids
-from runtime.pool import WorkerPool
-from runtime.scheduler import Event, Scheduler, Sequence
-from runtime.textstream import TextStream
-from runtime.tokenizer import load_tokenizer
+from runtime.control.pool import WorkerPool
+from runtime.serving.scheduler import Event, Scheduler, Sequence
+from runtime.serving.textstream import TextStream
+from runtime.serving.tokenizer import load_tokenizer
 
 log = logging.getLogger("tandem.orchestrator")
 
@@ -61,7 +61,7 @@ class Orchestrator:
         return {"vocab_size": self.vocab_size, "max_seq_len": self.config.runtime.max_seq_len,
                 "has_tokenizer": self.tokenizer is not None,
                 "model": self.config.target.model,
-                # where the processes run: a client on this host watches them (runtime.client)
+                # where the processes run: a client on this host watches them (runtime.api.client)
                 "server": [socket.gethostname(), os.getpid()],
                 "processes": {str(rank): [host, pid] for rank, (host, pid) in
                               sorted((self.pool.processes if self.pool else {}).items())}}

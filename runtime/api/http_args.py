@@ -10,7 +10,7 @@ import logging
 import re
 import socket
 
-from runtime.client import Client
+from runtime.api.client import Client
 from runtime.params import SamplingParams
 
 log = logging.getLogger("tandem.http")

@@ -21,10 +21,10 @@ from typing import Callable, Collection
 
 import zmq
 
-from runtime import auth, protocol
+from runtime.control import auth, protocol
 from runtime.errors import EngineDeadError
-from runtime.heartbeat import Beacon
-from runtime.procwatch import ProcessWatch, proc_stat
+from runtime.control.heartbeat import Beacon
+from runtime.control.procwatch import ProcessWatch, proc_stat
 
 log = logging.getLogger("tandem.pool")
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from runtime.acceptance import accept_choices
-from runtime.choose import BatchSampling, draft_choose, target_verify
-from runtime.hostcopy import to_device
+from runtime.speculation.acceptance import accept_choices
+from runtime.speculation.choose import BatchSampling, draft_choose, target_verify
+from runtime.models.hostcopy import to_device
 from runtime.models.step_runner import StepRunner
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
@@ -24,6 +24,23 @@ class SlotState:
     cache_len: int = 0
     pending: list[int] = field(default_factory=list)
     sampling: dict = field(default_factory=lambda: dict(GREEDY))
+
+
+@dataclass
+class DraftAhead:
+    """Proposals drafted before their round's command arrived (DraftShard.propose_ahead)."""
+    slots: list[int]
+    tokens: torch.Tensor                # [B, k] on the device
+    probs: torch.Tensor | None          # [B, k, V] q when sampling, else None
+    saved: list[SlotState]              # the slots' states before drafting: the rollback
+
+
+@dataclass
+class TargetAhead:
+    """Target-only decode steps queued before their round's command (decode_ahead)."""
+    slots: list[int]
+    tokens: torch.Tensor                # [B, n] on the device
+    states: list[SlotState]             # the slots' states the tokens follow
 
 
 class ModelShard:
@@ -119,7 +136,7 @@ class DraftShard(ModelShard):
     k no larger) takes those proposals; anything else restores the slots' states first
     (rollback is a length update, stale KV positions are overwritten)."""
 
-    ahead: tuple | None = None   # (slots, k, tokens, probs, saved slot states)
+    ahead: DraftAhead | None = None
 
     def propose_ahead(self, slots: list[int], k: int) -> None:
         saved = self._save(slots)
@@ -128,7 +145,7 @@ class DraftShard(ModelShard):
         except ValueError:     # a slot's cache is full: this round will not happen
             self._restore(slots, saved)
             return
-        self.ahead = (slots, k, tokens, probs, saved)
+        self.ahead = DraftAhead(slots, tokens, probs, saved)
 
     def take_ahead(self, slots: list[int], k: int
                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -137,11 +154,11 @@ class DraftShard(ModelShard):
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return None
-        ahead_slots, ahead_k, tokens, probs, saved = ahead
-        if ahead_slots != slots:
-            self._restore(ahead_slots, saved)
+        if ahead.slots != slots:
+            self._restore(ahead.slots, ahead.saved)
             return None
-        if k <= ahead_k:
+        tokens, probs = ahead.tokens, ahead.probs
+        if k <= tokens.shape[1]:
             return tokens[:, :k], None if probs is None else probs[:, :k]
         return self._continue(slots, list(tokens.unbind(1)),
                               [] if probs is None else list(probs.unbind(1)), k,
@@ -254,7 +271,7 @@ class TargetShard(ModelShard):
         return tokens
 
     # --- decoding ahead: the next target-only round's first steps while control travels -
-    ahead: tuple | None = None   # (slots, tokens [B, n], the slots' states they follow)
+    ahead: TargetAhead | None = None
 
     def decode_ahead(self, slots: list[int], steps: int) -> None:
         """Queue `steps` decode steps of a target-only round that has not been asked for
@@ -270,18 +287,18 @@ class TargetShard(ModelShard):
             return
         finally:
             self._restore(slots, saved)
-        self.ahead = (slots, tokens, self._save(slots))
+        self.ahead = TargetAhead(slots, tokens, self._save(slots))
 
     def _take_ahead(self, slots: list[int], steps: int) -> torch.Tensor | None:
         """The first min(steps, n) tokens decoded ahead, with the slots' cache lengths
         advanced over them, if they were decoded for exactly these slots in these states."""
         ahead, self.ahead = self.ahead, None
-        if ahead is None or ahead[0] != slots or self._save(slots) != ahead[2]:
+        if ahead is None or ahead.slots != slots or self._save(slots) != ahead.states:
             return None
-        taken = min(steps, ahead[1].shape[1])
+        taken = min(steps, ahead.tokens.shape[1])
         for slot in slots:
             self.slots[slot].cache_len += taken
-        return ahead[1][:, :taken]
+        return ahead.tokens[:, :taken]
 
     def drop_ahead(self) -> None:
         self.ahead = None

@@ -7,11 +7,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.adaptive import TARGET_ONLY_STEPS, DraftLenController
+from runtime.speculation.adaptive import TARGET_ONLY_STEPS, DraftLenController
 from runtime.config import MAX_AUTO_DRAFT_LEN
 from runtime.params import SamplingParams
-from runtime.pool import WorkerPool
-from runtime.textstream import TextStream
+from runtime.control.pool import WorkerPool
+from runtime.serving.textstream import TextStream
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""Megatron-style tensor parallelism for our Llama-family model, applied from outside it.
+"""The Llama-family model's tensor-parallel plan: Megatron-style, applied from outside it.
 
 `apply_tp(model, tp)` (cf. gpt-fast's `apply_tp(model)`, torchtitan's `apply_tp(model, mesh)`)
 takes a LlamaForCausalLM built on the meta device (runtime.models.loader.build_model), before
-its weights are loaded, and swaps its layers for the tensor-parallel ones of parallel.layers:
+its weights are loaded, and swaps its layers for the generic tensor-parallel ones of
+parallel.layers (this plan lives beside the model, as torchtitan's parallelize.py does):
 
 - q/k/v_proj, gate/up_proj: column-parallel (output features and biases split);
 - o_proj, down_proj: row-parallel (input features split), all-reduce, then the (whole) bias;
@@ -32,40 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from parallel.groups import TPInfo
 from parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                              VocabParallelEmbedding)
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_args import ModelArgs
 
-__all__ = ["TPInfo", "TPPlan", "apply_tp", "plan_tp"]
-
-
-@dataclass(frozen=True)
-class TPInfo:
-    """One rank's place in a tensor-parallel group. group None or size 1 = no TP."""
-    group: "dist.ProcessGroup | None"
-    rank: int          # rank within the group
-    size: int
-
-    def __post_init__(self):
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"bad TPInfo: rank {self.rank} of size {self.size}")
-        if self.group is None and self.size > 1:
-            raise ValueError(f"TPInfo of size {self.size} needs its process group")
-
-    @property
-    def enabled(self) -> bool:
-        return self.size > 1
-
-    @classmethod
-    def from_group(cls, group: "dist.ProcessGroup | None") -> "TPInfo":
-        """This rank's TPInfo in `group` (None: no TP)."""
-        if group is None:
-            return cls(None, 0, 1)
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+__all__ = ["TPPlan", "apply_tp", "check_tp_shape", "plan_tp"]
 
 
 @dataclass(frozen=True)
@@ -140,13 +116,6 @@ def plan_tp(args: ModelArgs, rank: int, size: int) -> TPPlan:
     )
 
 
-def _check_group(tp: TPInfo) -> None:
-    size, rank = dist.get_world_size(tp.group), dist.get_rank(tp.group)
-    if (size, rank) != (tp.size, tp.rank):
-        raise ValueError(f"TPInfo says rank {tp.rank} of {tp.size}, but its group says rank "
-                         f"{rank} of {size}")
-
-
 def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool = True) -> None:
     """Shard `model` (on the meta device, weights not yet loaded) for rank tp.rank of tp.size,
     in place. No-op for tp None or size 1. Then load with runtime.models.loader.load_weights,
@@ -161,7 +130,7 @@ def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool 
     if any(not p.is_meta for p in model.parameters()):
         raise ValueError("apply_tp shards a model built on the meta device "
                          "(runtime.models.loader.build_model) before its weights are loaded")
-    _check_group(tp)
+    tp.check_group()
     args, group = model.args, tp.group
     plan = plan_tp(args, tp.rank, tp.size)
     meta = torch.device("meta")

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from runtime import protocol
+from runtime.control import protocol
 from runtime.errors import EngineDeadError
-from runtime.orchestrator import Orchestrator
-from runtime.scheduler import Event
+from runtime.serving.orchestrator import Orchestrator
+from runtime.serving.scheduler import Event
 
 log = logging.getLogger("tandem.server")
 CLIENT_TIMEOUT_S = 10.0   # a client with requests in flight pings every second
@@ -29,7 +29,7 @@ class Server:
     def __init__(self, orch: Orchestrator, address: str, context: zmq.Context,
                  key: bytes | None = None):
         self.orch = orch
-        self.key = key          # HMAC key: every frame in and out is signed (runtime.auth)
+        self.key = key          # HMAC key: every frame in and out is signed (runtime.control.auth)
         self.sock = context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 10000)

@@ -1,0 +1,266 @@
+"""The worker process: one device, the draft shard, the target shard or both.
+
+Control arrives over ZeroMQ (msgpack, runtime.control.protocol); bulk tensors (draft tokens, the
+accept verdict) move between the groups over torch.distributed on the worker's device.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import zmq
+
+from parallel import groups as pgroups
+from parallel.topology import Topology, WorkerSpec, topology_from_config
+from runtime.control import auth, protocol
+from runtime.config import TandemConfig, load_config
+from runtime.control.heartbeat import Pulse
+from runtime.worker.loading import load_shards
+from runtime.worker.round import (NextWork, RoundParts, decode_target_only, drop_stale_ahead,
+                                  speculate, work_ahead)
+
+log = logging.getLogger("tandem.worker")
+
+
+class WorkerExit(Exception):
+    """Leave the worker loop (orphaned, or told to stop by a signal)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+SIGNAL_GRACE_S = 5.0   # after SIGINT/SIGTERM, wait this long for the orchestrator's shutdown
+ERROR_GRACE_S = 3.0    # after reporting an error, as long (launcher.bootstrap.DEAD_GRACE_S)
+
+
+class Worker:
+    def __init__(self, rank: int, world_size: int, sock: zmq.Socket, address: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.sock = sock
+        self.address = address
+        self.config: TandemConfig | None = None
+        self.topology: Topology | None = None
+        self.spec: WorkerSpec | None = None
+        self.groups: pgroups.Groups | None = None
+        self.parts: RoundParts | None = None    # what a round touches on this rank
+        self.next_work: NextWork | None = None  # the announced next round, to start ahead
+        self.device = torch.device("cpu")
+        self.pulse: Pulse | None = None
+        self.signalled_at: float | None = None
+
+    def on_signal(self, signum, _frame) -> None:
+        """SIGINT/SIGTERM (e.g. forwarded by torchrun or mpirun): the orchestrator gets it too
+        and sends shutdown; exit cleanly on that, or on our own after a grace period."""
+        log.warning("rank %d: received signal %d", self.rank, signum)
+        if self.signalled_at is None:
+            self.signalled_at = time.monotonic()
+
+    # --- control plane -------------------------------------------------------------------
+    def send(self, msg: dict) -> None:
+        self.sock.send(protocol.encode(msg, auth.control_key()))
+
+    def recv(self, timeout_s: float) -> dict:
+        """Next valid message from the orchestrator; WorkerExit when it has gone silent
+        (before init: no message within timeout_s; after: no beacon beat for timeout_s)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.signalled_at is not None:
+                # no shutdown will come from an orchestrator that stopped beating (killed
+                # together with us, e.g. torchrun tearing the job down after rank 0 died)
+                orphaned = self.pulse is not None and \
+                    self.pulse.orchestrator_silent_s > 3 * self.pulse.period_s
+                if orphaned or time.monotonic() - self.signalled_at > SIGNAL_GRACE_S:
+                    raise WorkerExit("stopped by signal", code=0)
+            if self.pulse is not None:
+                if self.pulse.orchestrator_silent_s > timeout_s:
+                    raise WorkerExit(f"orchestrator silent for {timeout_s:.0f} s; exiting")
+            elif time.monotonic() > deadline:
+                raise WorkerExit(f"no word from the orchestrator within {timeout_s:.0f} s")
+            if not self.sock.poll(200):
+                continue
+            frame = self.sock.recv()
+            try:
+                return protocol.decode(frame, auth.control_key())
+            except protocol.ProtocolError as exc:
+                log.warning("rank %d: dropped control frame: %s", self.rank, exc)
+
+    # --- startup -------------------------------------------------------------------------
+    def start(self, startup_timeout_s: float) -> None:
+        self.send({"type": "hello", "rank": self.rank, "pid": os.getpid(),
+                   "host": socket.gethostname()})
+        msg = self.recv(startup_timeout_s)
+        if msg["type"] != "init":
+            raise WorkerExit(f"expected init, got {msg['type']}")
+        self.config = load_config(msg["config"], check_files=False, check_devices=False)
+        self.pulse = Pulse(self.sock.context, self.rank, self.address, msg["heartbeat"],
+                           self.config.runtime.heartbeat_s)
+        self.topology = topology_from_config(self.config)
+        self.topology.check_world_size(self.world_size)
+        self.spec = self.topology.worker(self.rank)
+        self.groups = pgroups.build_groups(self.topology, self.config.runtime.step_timeout_s)
+        self.device = self.spec.device.torch_device
+        if self.device.type == "cuda":
+            # multi-node: config ids are global, each node numbers its own GPUs from 0
+            self.device = torch.device("cuda", self.device.index % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+            # cuDNN attention builds a new plan for every new KV length (tens of ms each);
+            # the KV length changes every round, so use the flash / memory-efficient kernels
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        else:  # CPU workers share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self.topology.workers)))
+        try:
+            draft, target = load_shards(self.config, self.spec, self.groups, self.device,
+                                        self.rank)
+        except Exception as exc:
+            self.send({"type": "error", "rank": self.rank, "step": -1,
+                       "message": f"rank {self.rank} failed to load: {type(exc).__name__}: {exc}"})
+            raise
+        self.parts = RoundParts(draft, target, self.groups.bridge,
+                                self.topology.draft_leader, self.topology.target_leader,
+                                self.rank, self.device, self.config.speculation.acceptance,
+                                profile=os.environ.get("TANDEM_PROFILE") == "1")
+        self.send({"type": "ready", "rank": self.rank})
+
+    # --- serving loop --------------------------------------------------------------------
+    def serve(self) -> None:
+        silent_s = max(10.0, 10 * self.config.runtime.heartbeat_s)
+        while True:
+            msg = self.recv(silent_s)
+            kind = msg["type"]
+            if kind == "heartbeat":
+                continue
+            if kind == "shutdown":
+                return
+            step = msg.get("step", -1)
+            try:
+                result = self.handle(msg)
+            except Exception as exc:
+                # tell the orchestrator first and let it tell the clients before this rank
+                # writes a word or exits: under mpirun either may end every rank at once
+                self.send({"type": "error", "rank": self.rank, "step": step,
+                           "message": f"rank {self.rank}: {type(exc).__name__}: {exc}"})
+                self.await_shutdown(ERROR_GRACE_S)
+                log.error("rank %d step %d failed:\n%s", self.rank, step, traceback.format_exc())
+                raise
+            self.send({"type": "done", "rank": self.rank, "step": step, "result": result})
+            self.work_ahead()
+
+    def work_ahead(self) -> None:
+        """Start the announced next round's first work (runtime.worker.round.work_ahead)."""
+        nxt, self.next_work = self.next_work, None
+        if nxt is not None:
+            failure = work_ahead(self.parts, nxt)
+            if failure is not None:
+                log.warning("rank %d: work ahead failed: %s: %s", self.rank,
+                            type(failure).__name__, failure)
+
+    def await_shutdown(self, timeout_s: float) -> None:
+        """After reporting an error, wait (at most timeout_s, or until the orchestrator goes
+        silent) for its shutdown, so that it can name the cause to the clients first: MPICH's
+        hydra tears the whole job down as soon as a rank exits after another one died."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.pulse is not None and \
+                self.pulse.orchestrator_silent_s < 3 * self.pulse.period_s:
+            if self.sock.poll(100):
+                try:
+                    if protocol.decode(self.sock.recv(), auth.control_key())["type"] == \
+                            "shutdown":
+                        return
+                except protocol.ProtocolError:
+                    pass
+
+    def handle(self, msg: dict) -> dict:
+        """Dispatch one command: prefill, release, or a round (runtime.worker.round)."""
+        kind = msg["type"]
+        slots = protocol.int_list(msg["slots"], f"{kind}.slots")
+        k = msg["k"] if kind == "round" else None
+        drop_stale_ahead(self.parts, k)
+        shards = [s for s in (self.parts.draft, self.parts.target) if s is not None]
+        if kind == "prefill":
+            prompts, params = protocol.check_prefill(msg)
+            for shard in shards:
+                shard.prefill(slots, prompts, params)
+            return {}
+        if kind == "release":
+            for shard in shards:
+                shard.release(slots)
+            return {}
+        if kind != "round":
+            raise protocol.ProtocolError(f"worker cannot handle {kind!r}")
+        steps, next_k = self._check_round(msg)
+        result = decode_target_only(self.parts, slots, steps) if k == 0 else \
+            speculate(self.parts, slots, k)
+        if self.config.runtime.draft_ahead:   # started by work_ahead once result is sent
+            self.next_work = NextWork(slots, next_k)
+        return result
+
+    def _check_round(self, msg: dict) -> tuple[int, int]:
+        """(steps, next_k) of a round command, every number in its range."""
+        max_k, max_len = self.config.speculation.max_draft_len, self.config.runtime.max_seq_len
+        k, steps, next_k = msg["k"], msg.get("steps", 1), msg.get("next_k", msg["k"])
+        if not 0 <= k <= max_k:
+            raise ValueError(f"round.k must be in 0..{max_k}, got {k}")
+        if not 0 <= next_k <= max_k:
+            raise ValueError(f"round.next_k must be in 0..{max_k}, got {next_k}")
+        if k == 0 and not 1 <= steps <= max_len:
+            raise ValueError(f"round.steps of a target-only round must be in 1..{max_len}, "
+                             f"got {steps}")
+        return steps, next_k
+
+    def close(self) -> None:
+        if self.pulse is not None:
+            self.pulse.stop()
+
+
+def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: float) -> int:
+    """Entry of every worker rank, whatever launched it. Returns the exit code."""
+    logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
+                        format=f"[tandem rank {rank}] %(levelname)s %(message)s")
+    pgroups.init_world(rank, world_size, init_method, startup_timeout_s)
+    address, key = pgroups.broadcast_control(None)
+    if key is not None:             # rank 0's key for this launch (no key file configured)
+        auth.use_control_key(key)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.connect(address)
+    worker = Worker(rank, world_size, sock, address)
+    signal.signal(signal.SIGTERM, worker.on_signal)
+    signal.signal(signal.SIGINT, worker.on_signal)
+    code = 0
+    try:
+        worker.start(startup_timeout_s)
+        worker.serve()
+    except WorkerExit as exc:
+        log.warning("rank %d: %s", rank, exc)
+        code = exc.code
+    except Exception:
+        log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
+        code = 1
+    finally:
+        worker.close()
+        # after a failure, give the error message (already queued) a moment to leave
+        sock.close(linger=0 if code == 0 else 1000)
+        context.term()
+        if code == 0:
+            pgroups.destroy()
+    if "mpi4py.MPI" not in sys.modules:
+        # All is closed: skip the interpreter's teardown (seconds spent freeing torch's
+        # modules on a busy host), which every orchestrator shutdown would wait for. An MPI
+        # rank takes the normal way out: MPI must be finalized.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

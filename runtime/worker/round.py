@@ -1,0 +1,155 @@
+"""One speculation round on this rank, top to bottom (cf. gpt-fast's `speculative_decode`).
+
+Every worker of the round runs the same function; what a rank does at each step depends on
+the shards it hosts (draft, target or both). Tensors stay on the device and cross between
+the draft and the target groups over the bridge group (NCCL on GPU, gloo on CPU):
+
+    draft proposes k tokens          tokens [B, k], q [B, k, V] for `logits` acceptance
+      -> bridge -> target              (draft leader -> every worker)
+    target verifies and accepts      one forward over pending + k tokens: accepted [B], next [B]
+      -> bridge -> draft               (target leader -> every worker)
+    both commit                      caches roll back to the accepted length (length updates)
+
+The worker process (runtime.worker.process) only dispatches commands here.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from parallel.transfer import bridge_broadcast
+from runtime.worker.shards import DraftShard, TargetShard
+from runtime.worker.stepclock import StepClock
+
+DECODE_AHEAD_STEPS = 1  # target-only steps queued ahead: one outlasts a control round trip
+
+
+@dataclass
+class RoundParts:
+    """What a round touches on this rank."""
+    draft: DraftShard | None            # this rank's draft shard, if it hosts one
+    target: TargetShard | None          # this rank's target shard, if it hosts one
+    bridge: "torch.distributed.ProcessGroup | None"   # every worker (None: one worker)
+    draft_leader: int                   # global rank that sends the draft tokens
+    target_leader: int                  # global rank that sends the verdict and reports it
+    rank: int
+    device: torch.device
+    acceptance: str                     # tokens | logits
+    profile: bool = False               # time each phase (TANDEM_PROFILE=1)
+
+    @property
+    def reports(self) -> bool:
+        return self.rank == self.target_leader
+
+
+@dataclass(frozen=True)
+class NextWork:
+    """The round after this one, as the orchestrator announced it (its next_k): what to
+    start on once this round's result has left (see work_ahead)."""
+    slots: list[int]
+    k: int                              # 0: a target-only round
+
+
+def speculate(parts: RoundParts, slots: list[int], k: int) -> dict:
+    """Draft k tokens, move them (and q for `logits` acceptance) to the target, verify, move
+    the verdict back, roll both caches to the accepted length. The result: the target
+    leader's committed tokens per slot ([accepted drafts] + [correction or bonus token])."""
+    start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
+    batch, dev = len(slots), parts.device
+    shard = parts.target or parts.draft
+    need_q = parts.acceptance == "logits" and not shard.sampling(slots).greedy
+    # 1. draft: k proposals per slot (drafted ahead while the last verdict travelled, or now)
+    draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)    # [B, k]
+    draft_probs = None                                                     # [B, k, V] q
+    if parts.draft is not None:
+        ahead = parts.draft.take_ahead(slots, k)
+        draft_tokens, draft_probs = ahead or parts.draft.propose(slots, k)
+    clock.lap("draft_s")
+    # 2. draft -> target
+    bridge_broadcast(draft_tokens, parts.draft_leader, parts.bridge)
+    clock.lap("draft_tokens_transfer_s")
+    if need_q:
+        if draft_probs is None:
+            draft_probs = torch.zeros(batch, k, shard.model.vocab_size, device=dev)
+        bridge_broadcast(draft_probs, parts.draft_leader, parts.bridge)
+    clock.lap("draft_probs_transfer_s")
+    # 3. target: one forward over pending + k drafts; accept a prefix, add one token of its own
+    verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)         # [B, 2]
+    if parts.target is not None:
+        accepted, next_token = parts.target.verify(slots, draft_tokens,
+                                                   draft_probs if need_q else None)
+        verdict = torch.stack([accepted, next_token], dim=1)
+    clock.lap("verify_s")
+    # 4. target -> draft
+    bridge_broadcast(verdict, parts.target_leader, parts.bridge)
+    clock.lap("verdict_transfer_s")
+    # 5. both commit: the round's one host sync
+    rows = torch.cat([draft_tokens, verdict], dim=1).tolist()             # [B, k+2]
+    drafts = [row[:k] for row in rows]
+    accepted, next_tokens = [row[k] for row in rows], [row[k + 1] for row in rows]
+    if parts.draft is not None:
+        parts.draft.commit(slots, drafts, accepted, next_tokens)
+    if parts.target is not None:
+        parts.target.commit(slots, accepted, next_tokens)
+    tokens = [d[:a] + [n] for d, a, n in zip(drafts, accepted, next_tokens)]
+    return _result(parts, start, clock, tokens, accepted)
+
+
+def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> dict:
+    """A round without a draft (draft_len auto, k = 0): the target decodes `steps` tokens
+    per slot, exactly those a round that rejected every draft would take, then they move
+    to the draft, which feeds them to its cache with its next proposal."""
+    start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
+    tokens = torch.zeros(len(slots), steps, dtype=torch.long, device=parts.device)
+    if parts.target is not None:
+        tokens = parts.target.decode(slots, steps)                        # [B, steps]
+    clock.lap("decode_s")
+    bridge_broadcast(tokens, parts.target_leader, parts.bridge)
+    rows = tokens.tolist()                                                # the one sync
+    clock.lap("tokens_transfer_s")
+    for shard in (parts.draft, parts.target):
+        if shard is not None:
+            shard.append_decoded(slots, rows)
+    return _result(parts, start, clock, rows, [0] * len(slots))
+
+
+def _result(parts: RoundParts, start: float, clock: StepClock, tokens: list[list[int]],
+            accepted: list[int]) -> dict:
+    """The worker's reply: its own time (and phases when profiling); the committed tokens
+    and accepted counts from the target leader only."""
+    result = {"timing": clock.laps} if parts.profile else {}
+    result["worker_s"] = time.perf_counter() - start
+    if parts.reports:
+        result["tokens"], result["accepted"] = tokens, accepted
+    return result
+
+
+def drop_stale_ahead(parts: RoundParts, k: int | None) -> None:
+    """Work done ahead is kept only by the round it was done for: drafts by a drafting round,
+    decode steps by a target-only round (each shard then checks the slots); anything else
+    (a prefill, a release, the other kind of round) drops it."""
+    for shard, keep in ((parts.draft, k is not None and k > 0), (parts.target, k == 0)):
+        if shard is not None and not keep:
+            shard.drop_ahead()
+
+
+def work_ahead(parts: RoundParts, nxt: NextWork) -> Exception | None:
+    """After a round's result is sent: queue the next round's first work on the device, so
+    it runs while the orchestrator decides and its next command travels: the draft's
+    proposals when the next round drafts, else the target's first DECODE_AHEAD_STEPS of a
+    target-only round. A failure drops the work (the next round works on command) and is
+    returned for the log."""
+    shard = parts.draft if nxt.k > 0 else parts.target
+    if shard is None:
+        return None
+    try:
+        if nxt.k > 0:
+            parts.draft.propose_ahead(nxt.slots, nxt.k)
+        else:
+            parts.target.decode_ahead(nxt.slots, DECODE_AHEAD_STEPS)
+    except Exception as exc:  # noqa: BLE001 - logged by the caller, the work dropped
+        shard.drop_ahead()
+        return exc
+    return None
