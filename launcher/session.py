@@ -42,8 +42,9 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool)
         seqs = orch.make_sequences("run", request["prompts"], request["prompt_ids"],
                                    request["params"], chat=request["chat"])
         for out in orch.run_until_done(seqs):
-            if orch.scheduler.timing:
-                out["stats"]["profile"] = orch.scheduler.profile()
+            profile = orch.profile()
+            if profile:
+                out["stats"]["profile"] = profile
             _print_output(out, as_json)
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)

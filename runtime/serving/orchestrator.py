@@ -1,5 +1,7 @@
 """Rank 0: turns requests into sequences (tokenise, validate), drives the scheduler, and
-hands results back. Used in-process by `tandem run` and by the server loop of `tandem serve`."""
+hands results back. Used in-process by `tandem run` and by the server loop of `tandem serve`.
+It is the one door into serving: callers use submit / step / cancel / has_work / idle /
+stats / profile, never the scheduler or the worker pool behind it."""
 from __future__ import annotations
 
 import logging
@@ -22,8 +24,8 @@ log = logging.getLogger("tandem.orchestrator")
 class Orchestrator:
     def __init__(self, config: TandemConfig):
         self.config = config
-        self.pool: WorkerPool | None = None
-        self.scheduler: Scheduler | None = None
+        self._pool: WorkerPool | None = None
+        self._scheduler: Scheduler | None = None
         self.vocab_size = 0
         self.tokenizer = None
         self.eos_token_ids: tuple[int, ...] = ()
@@ -50,8 +52,8 @@ class Orchestrator:
         self._loader.join()
         if self._load_error is not None:
             raise self._load_error
-        self.pool = pool
-        self.scheduler = Scheduler(pool, self.config.runtime.max_batch_size,
+        self._pool = pool
+        self._scheduler = Scheduler(pool, self.config.runtime.max_batch_size,
                                    self.config.speculation.fixed_draft_len,
                                    self.eos_token_ids,
                                    self.config.runtime.step_timeout_s)
@@ -64,7 +66,7 @@ class Orchestrator:
                 # where the processes run: a client on this host watches them (runtime.api.client)
                 "server": [socket.gethostname(), os.getpid()],
                 "processes": {str(rank): [host, pid] for rank, (host, pid) in
-                              sorted((self.pool.processes if self.pool else {}).items())}}
+                              sorted((self._pool.processes if self._pool else {}).items())}}
 
     # --- requests ------------------------------------------------------------------------
     def encode(self, text: str, chat: bool = False) -> list[int]:
@@ -126,12 +128,33 @@ class Orchestrator:
                                  TextStream(self.tokenizer, sampling.stop), seed=seed))
         return seqs
 
+    # --- the one door into serving ------------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            self.scheduler.add(seq)
+            self._scheduler.add(seq)
 
     def step(self) -> list[Event]:
-        return self.scheduler.step()
+        """One scheduler step: admit, one round, retire; the events it produced."""
+        return self._scheduler.step()
+
+    def cancel(self, request_id: str) -> None:
+        self._scheduler.cancel(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self._scheduler.has_work
+
+    def idle(self) -> None:
+        """Nothing to run: see to the workers (heartbeats, deaths) without waiting."""
+        self._pool.idle(0)
+
+    def stats(self) -> dict:
+        return self._scheduler.metrics.snapshot(len(self._scheduler.running),
+                                               len(self._scheduler.queue))
+
+    def profile(self) -> dict:
+        """Mean seconds of each worker phase per round (empty unless TANDEM_PROFILE=1)."""
+        return self._scheduler.metrics.profile()
 
     def run_until_done(self, seqs: list[Sequence]) -> list[dict]:
         self.submit(seqs)

@@ -11,6 +11,7 @@ from runtime.speculation.adaptive import TARGET_ONLY_STEPS, DraftLenController
 from runtime.config import MAX_AUTO_DRAFT_LEN
 from runtime.params import SamplingParams
 from runtime.control.pool import WorkerPool
+from runtime.serving.metrics import ServingMetrics
 from runtime.serving.textstream import TextStream
 
 
@@ -82,41 +83,9 @@ class Scheduler:
         self.free_slots = list(range(num_slots))
         self.queue: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
-        self.total_tokens = 0
-        self.proposed_total = 0
-        self.accepted_total = 0
-        self.round_time = 0.0      # orchestrator's wall time of round commands
-        self.worker_time = 0.0     # slowest worker's own time inside those rounds
-        self.between_time = 0.0    # orchestrator time from one round's end to the next's start
-        self.betweens = 0
-        self.last_round_end: float | None = None
-        self.prefill_time = 0.0
-        self.prefills = 0
-        self.rounds = 0
+        self.metrics = ServingMetrics()
         self.next_k: int | None = None      # the next round's k, sent ahead with this one
         self.next_slots: list[int] = []     # ... for these slots
-        self.timing: dict[str, list] = {}   # "rank<r>.<phase>" -> [seconds, rounds] (profiling)
-
-    def _add_timing(self, results: dict[int, dict]) -> None:
-        self.rounds += 1
-        for rank, result in results.items():
-            for phase, seconds in result.get("timing", {}).items():
-                total = self.timing.setdefault(f"rank{rank}.{phase}", [0.0, 0])
-                total[0] += seconds
-                total[1] += 1
-
-    def overheads(self) -> dict:
-        """Mean seconds per round: the workers' own time, the control plane (command sent to
-        last result received, less the workers' time) and the orchestrator between rounds."""
-        rounds = max(self.rounds, 1)
-        return {"mean_worker_round_s": self.worker_time / rounds,
-                "mean_control_s": (self.round_time - self.worker_time) / rounds,
-                "mean_between_rounds_s": self.between_time / max(self.betweens, 1)}
-
-    def profile(self) -> dict:
-        """Mean seconds of each worker phase over the rounds that had it (drafted rounds
-        and target-only rounds have different phases; empty unless profiling)."""
-        return {k: seconds / rounds for k, (seconds, rounds) in sorted(self.timing.items())}
 
     @property
     def has_work(self) -> bool:
@@ -136,29 +105,19 @@ class Scheduler:
         events = self._retire_cancelled()
         self._admit()
         if not self.running:
-            self.last_round_end = None
+            self.metrics.idle()
             return events
         slots = sorted(self.running)
         k, next_k = self._draft_lens(slots)
-        start = time.perf_counter()
-        previous_end = self.last_round_end
-        if previous_end is not None:
-            self.between_time += start - previous_end
-            self.betweens += 1
         command, steps = {"type": "round", "slots": slots, "k": k, "next_k": next_k}, 1
         if k == 0:   # target-only: several decode steps on one command, none past a limit
             steps = min(TARGET_ONLY_STEPS, *(self.running[s].params.max_new_tokens -
                                              len(self.running[s].generated) for s in slots))
             command["steps"] = steps
+        start = self.metrics.round_begins()
         results = self.pool.command(command, self.step_timeout_s)
-        self.last_round_end = time.perf_counter()
-        elapsed = self.last_round_end - start
-        # a round's cost is end to end: with draft-ahead the draft ran before the command
-        cost = self.last_round_end - (previous_end if previous_end is not None else start)
-        self.round_time += elapsed
-        self.worker_time += max(r.get("worker_s", 0.0) for r in results.values())
+        cost = self.metrics.round_ends(start, results)
         result = next(r for r in results.values() if "tokens" in r)
-        self._add_timing(results)
         finished = []
         self.controller.observe(k, result["accepted"], cost, steps)
         for slot, tokens, accepted in zip(slots, result["tokens"], result["accepted"]):
@@ -194,9 +153,7 @@ class Scheduler:
                                "prompts": [s.prompt_ids for s in admitted],
                                "params": [s.worker_params() for s in admitted]},
                               self.step_timeout_s)
-            self.prefill_time += time.perf_counter() - start
-            self.last_round_end = None   # the next round's cost must not include this prefill
-            self.prefills += 1
+            self.metrics.prefill_done(time.perf_counter() - start)
 
     def _append(self, seq: Sequence, tokens: list[int], accepted: int, k: int) -> Event:
         seq.rounds += 1
@@ -204,8 +161,6 @@ class Scheduler:
         seq.proposed += k
         seq.accepted += accepted
         seq.tested += min(accepted + 1, k)
-        self.proposed_total += k
-        self.accepted_total += accepted
         if len(seq.accepted_at) < self.draft_len:
             seq.accepted_at.extend([0] * (self.draft_len - len(seq.accepted_at)))
         for i in range(accepted):
@@ -224,7 +179,7 @@ class Scheduler:
         if new and seq.t_first is None:
             seq.t_first = time.perf_counter()
         seq.generated.extend(new)
-        self.total_tokens += len(new)
+        self.metrics.committed(k, accepted, len(new))
         if seq.finish_reason is None and len(seq.generated) >= seq.params.max_new_tokens:
             seq.finish_reason = "length"
         return Event("delta", seq, new, seq.stream.delta(final=seq.finish_reason is not None))

@@ -40,7 +40,6 @@ class Server:
         self.client_seen: dict[bytes, float] = {}   # identity -> last frame (clients ping)
         self.client_timeout_s = CLIENT_TIMEOUT_S
         self._last_sweep = time.monotonic()
-        self.started = time.monotonic()
 
     def reply(self, identity: bytes, msg: dict) -> None:
         try:
@@ -54,16 +53,16 @@ class Server:
             while not stop.is_set():
                 # what has arrived (waiting up to 50 ms when idle), but a bounded number of
                 # frames: clients that keep sending (pings, stats) must not starve the rounds
-                timeout = 0 if self.orch.scheduler.has_work else 50
+                timeout = 0 if self.orch.has_work else 50
                 for _ in range(MAX_FRAMES_PER_TURN):
                     if not self.sock.poll(timeout):
                         break
                     self.handle_frame(self.sock.recv_multipart())
                     timeout = 0
-                if self.orch.scheduler.has_work:
+                if self.orch.has_work:
                     self.dispatch(self.orch.step())
                 else:
-                    self.orch.pool.idle(0)
+                    self.orch.idle()
                 self.sweep_clients()
         except EngineDeadError as exc:
             self.fail_all(str(exc), "dead")
@@ -93,10 +92,10 @@ class Server:
         elif kind == "cancel":
             if msg["id"] in self.pending and self.pending[msg["id"]].identity == identity:
                 del self.pending[msg["id"]]
-                self.orch.scheduler.cancel(msg["id"])
+                self.orch.cancel(msg["id"])
         elif kind == "stats":
             self.reply(identity, {"type": "stats_reply", "id": msg["id"],
-                                  "stats": self.stats()})
+                                  "stats": self.orch.stats()})
         elif kind == "generate":
             self.admit(identity, msg)
         else:
@@ -143,23 +142,10 @@ class Server:
             if now - self.client_seen.get(pend.identity, now) > self.client_timeout_s:
                 log.warning("client gone; cancelling request %s", rid)
                 del self.pending[rid]
-                self.orch.scheduler.cancel(rid)
+                self.orch.cancel(rid)
         for identity, seen in list(self.client_seen.items()):
             if now - seen > 10 * self.client_timeout_s:
                 del self.client_seen[identity]
-
-    def stats(self) -> dict:
-        sched = self.orch.scheduler
-        elapsed = time.monotonic() - self.started
-        return {"running": len(sched.running), "queued": len(sched.queue),
-                "tokens_generated": sched.total_tokens, "rounds": sched.rounds,
-                "acceptance_rate": sched.accepted_total / sched.proposed_total
-                if sched.proposed_total else 0.0,
-                "tokens_per_s": sched.total_tokens / elapsed if elapsed > 0 else 0.0,
-                "mean_round_s": sched.round_time / sched.rounds if sched.rounds else 0.0,
-                "mean_prefill_s": sched.prefill_time / sched.prefills if sched.prefills
-                else 0.0,
-                **sched.overheads(), "profile": sched.profile(), "uptime_s": elapsed}
 
     def close(self) -> None:
         self.sock.close(0)

@@ -1,0 +1,89 @@
+"""Serving counters and timers, kept outside the scheduler (cf. nano-vllm): the scheduler
+tells this module what happened (a round began and ended, a prefill ran, tokens were
+committed); what the server reports is derived here."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServingMetrics:
+    tokens_generated: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    rounds: int = 0
+    round_time: float = 0.0      # orchestrator's wall time of round commands
+    worker_time: float = 0.0     # slowest worker's own time inside those rounds
+    between_time: float = 0.0    # orchestrator time from one round's end to the next's start
+    betweens: int = 0
+    prefill_time: float = 0.0
+    prefills: int = 0
+    timing: dict[str, list] = field(default_factory=dict)  # "rank<r>.<phase>" -> [s, rounds]
+    started: float = field(default_factory=time.monotonic)
+    _last_round_end: float | None = None   # None: the next round follows no round directly
+    _round_from: float = 0.0               # where the running round's cost began
+
+    def round_begins(self) -> float:
+        """A round command is about to be sent; returns its start time."""
+        start = time.perf_counter()
+        previous_end = self._last_round_end
+        if previous_end is not None:
+            self.between_time += start - previous_end
+            self.betweens += 1
+        # a round's cost is end to end: with draft-ahead the draft ran before the command
+        self._round_from = previous_end if previous_end is not None else start
+        return start
+
+    def round_ends(self, start: float, results: dict[int, dict]) -> float:
+        """The round's results are in (one per rank); returns the round's cost in seconds."""
+        end = self._last_round_end = time.perf_counter()
+        self.rounds += 1
+        self.round_time += end - start
+        self.worker_time += max(r.get("worker_s", 0.0) for r in results.values())
+        for rank, result in results.items():
+            for phase, seconds in result.get("timing", {}).items():
+                total = self.timing.setdefault(f"rank{rank}.{phase}", [0.0, 0])
+                total[0] += seconds
+                total[1] += 1
+        return end - self._round_from
+
+    def idle(self) -> None:
+        """Nothing runs: the next round's cost must not include the wait."""
+        self._last_round_end = None
+
+    def prefill_done(self, seconds: float) -> None:
+        self.prefill_time += seconds
+        self.prefills += 1
+        self._last_round_end = None   # the next round's cost must not include this prefill
+
+    def committed(self, proposed: int, accepted: int, tokens: int) -> None:
+        """A sequence's round outcome: k drafts proposed, `accepted` kept, `tokens` new."""
+        self.draft_tokens_proposed += proposed
+        self.draft_tokens_accepted += accepted
+        self.tokens_generated += tokens
+
+    def overheads(self) -> dict:
+        """Mean seconds per round: the workers' own time, the control plane (command sent to
+        last result received, less the workers' time) and the orchestrator between rounds."""
+        rounds = max(self.rounds, 1)
+        return {"mean_worker_round_s": self.worker_time / rounds,
+                "mean_control_s": (self.round_time - self.worker_time) / rounds,
+                "mean_between_rounds_s": self.between_time / max(self.betweens, 1)}
+
+    def profile(self) -> dict:
+        """Mean seconds of each worker phase over the rounds that had it (drafted rounds
+        and target-only rounds have different phases; empty unless profiling)."""
+        return {k: seconds / rounds for k, (seconds, rounds) in sorted(self.timing.items())}
+
+    def snapshot(self, running: int, queued: int) -> dict:
+        """The server's stats reply."""
+        elapsed = time.monotonic() - self.started
+        proposed = self.draft_tokens_proposed
+        return {"running": running, "queued": queued,
+                "tokens_generated": self.tokens_generated, "rounds": self.rounds,
+                "acceptance_rate": self.draft_tokens_accepted / proposed if proposed else 0.0,
+                "tokens_per_s": self.tokens_generated / elapsed if elapsed > 0 else 0.0,
+                "mean_round_s": self.round_time / self.rounds if self.rounds else 0.0,
+                "mean_prefill_s": self.prefill_time / self.prefills if self.prefills else 0.0,
+                **self.overheads(), "profile": self.profile(), "uptime_s": elapsed}
