@@ -22,7 +22,7 @@ bench() {   # bench PHASE ARGS...: a synthetic pair (8b unless --synthetic follo
 }
 for phase in "$@"; do
     case $phase in
-        check) python examples/graphs_check.py --shape 1b --out "$OUT/check.json" \
+        check) python examples/gpu/graphs_check.py --shape 1b --out "$OUT/check.json" \
                    > "$OUT/check.log" 2>&1; echo "== check (rc $?)"; tail -20 "$OUT/check.log" ;;
         k4) bench k4 --batch-sizes 1 --eps 0.02 --draft-len 4 ${K4_MODES:-} ;;
         auto-0.02) bench auto-0.02 --batch-sizes 1 --eps 0.02 --draft-len auto \
@@ -35,7 +35,7 @@ for phase in "$@"; do
                        --draft-len 4 --modes target,spec ;;
         70b-*) bench "$phase" --synthetic 70b --target-tp 2 --batch-sizes 1 \
                    --eps "${phase#70b-}" --draft-len "${K70:-4}" --modes target,spec ;;
-        profile) python examples/profile_forward.py --shape 8b --tokens 1 5 --slots 1 16 --gemm \
+        profile) python examples/gpu/profile_forward.py --shape 8b --tokens 1 5 --slots 1 16 --gemm \
                      --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
                  echo "== profile (rc $?)"; grep -A8 "^==" "$OUT/profile.log"
                  grep "^gemm\|^copy" "$OUT/profile.log" ;;

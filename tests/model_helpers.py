@@ -1,4 +1,4 @@
-"""Helpers for tests/test_models.py: extra tiny checkpoints and forward_extend drivers."""
+"""Helpers for tests/unit/models/test_models.py: extra tiny checkpoints and forward_extend drivers."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Tensor parallelism without a process group: the sharding plan, TPInfo, the collectives'
 no-op path, shard reads, and the rule that model code never touches torch.distributed.
-(tests/test_tensor_parallel.py runs the sharded models in a gloo world.)"""
+(tests/e2e/test_tensor_parallel.py runs the sharded models in a gloo world.)"""
 from __future__ import annotations
 
 import re
@@ -125,7 +125,7 @@ def test_gguf_shard_is_a_slice_of_the_dequantized_tensor():
 
 
 def test_no_torch_distributed_in_model_code():
-    root = Path(__file__).resolve().parents[1] / "runtime" / "models"
+    root = Path(__file__).resolve().parents[3] / "runtime" / "models"
     pattern = re.compile(r"^\s*(import torch\.distributed|from torch\.distributed|"
                          r"from torch import .*\bdistributed\b)", re.M)
     offenders = [p.name for p in root.glob("*.py") if pattern.search(p.read_text())]

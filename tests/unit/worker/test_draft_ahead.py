@@ -7,17 +7,11 @@ import torch
 
 from runtime.models import load_model
 from runtime.worker.shards import DraftShard
-from tests.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
 CPU = torch.device("cpu")
 SAMPLED = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "seed": 7}
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("ahead") / "llama", seed=5)
 
 
 def shard(path: str, acceptance: str = "tokens") -> DraftShard:
@@ -35,8 +29,8 @@ def one_round(s: DraftShard, slots: list[int], k: int, accepted: list[int]):
 
 
 @pytest.mark.parametrize("acceptance", ["tokens", "logits"])
-def test_ahead_equals_on_command(model_path, acceptance):
-    ahead, plain = shard(model_path, acceptance), shard(model_path, acceptance)
+def test_ahead_equals_on_command(llama_path, acceptance):
+    ahead, plain = shard(llama_path, acceptance), shard(llama_path, acceptance)
     slots = [0, 2]
     for k, accepted in [(4, [4, 1]), (4, [0, 4]), (3, [3, 2]), (6, [6, 1]), (2, [2, 2])]:
         got, got_q = one_round(ahead, slots, k, accepted)
@@ -49,8 +43,8 @@ def test_ahead_equals_on_command(model_path, acceptance):
     assert [vars(s) for s in ahead.slots] == [vars(s) for s in plain.slots]
 
 
-def test_mismatch_restores_states(model_path):
-    s = shard(model_path)
+def test_mismatch_restores_states(llama_path):
+    s = shard(llama_path)
     before = [vars(st).copy() for st in s.slots]
     s.propose_ahead([0, 2], 2)
     assert s.slots[0].cache_len != before[0]["cache_len"]

@@ -5,7 +5,7 @@ Prints the step time with and without CUDA graphs, the kernels of one replayed s
 name (count, GPU time), the GPU-busy fraction of the step (kernel time / step time), and with
 --gemm the bandwidth cuBLAS reaches on each of the model's weight shapes at a few row counts.
 
-    python examples/profile_forward.py --shape 8b --device cuda:0 --tokens 1 --gemm
+    python examples/gpu/profile_forward.py --shape 8b --device cuda:0 --tokens 1 --gemm
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.bench.metrics import copy_bandwidth, step_time  # noqa: E402
 from runtime.models import load_model  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402

@@ -13,17 +13,11 @@ from runtime.models.fused import stack_heads
 from runtime.models.kv_budget import cache_bytes, check_kv_budget
 from runtime.models.step_runner import StepRunner, batch_buckets, kv_bucket
 from runtime.worker.shards import DraftShard
-from tests.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
 CPU = torch.device("cpu")
 CACHE_LEN = 300   # above the first KV bucket (256), so both a bucket and the cap are used
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("runner") / "llama", seed=3)
 
 
 def fresh(path: str, slots: int = 8):
@@ -59,9 +53,9 @@ def test_grouped_attention_equals_repeated_kv(seq):
 
 
 @pytest.mark.parametrize("slots", [[5, 0, 2], [0, 1, 2]], ids=["gather", "contiguous"])
-def test_static_steps_equal_dynamic_forward(model_path, slots):
+def test_static_steps_equal_dynamic_forward(llama_path, slots):
     """Batch 3 (padded to 4), ragged step lengths, KV lengths crossing the 256 bucket."""
-    dynamic, static = fresh(model_path), fresh(model_path)
+    dynamic, static = fresh(llama_path), fresh(llama_path)
     runner = StepRunner(static, CPU, max_batch=8, max_step_len=4)
     g = torch.Generator().manual_seed(1)
     lengths = [250, 3, 40]
@@ -83,11 +77,11 @@ def test_static_steps_equal_dynamic_forward(model_path, slots):
     assert max(starts) > 256 and runner.graphs == {}     # no capture on CPU
 
 
-def test_draft_shard_with_and_without_static_steps(model_path):
+def test_draft_shard_with_and_without_static_steps(llama_path):
     """Proposals are identical whether steps run at static or dynamic shapes."""
     proposals = []
     for graphs in (True, False):
-        shard = DraftShard(fresh(model_path), CPU, 8, CACHE_LEN, max_step_len=2,
+        shard = DraftShard(fresh(llama_path), CPU, 8, CACHE_LEN, max_step_len=2,
                            cuda_graphs=graphs)
         shard.runner.static = graphs
         shard.prefill([1, 4], [[5, 6, 7, 8], [9, 10]])
@@ -95,22 +89,22 @@ def test_draft_shard_with_and_without_static_steps(model_path):
     assert proposals[0] == proposals[1]
 
 
-def test_cache_bytes_match_allocation(model_path):
-    model = fresh(model_path, slots=3)
+def test_cache_bytes_match_allocation(llama_path):
+    model = fresh(llama_path, slots=3)
     allocated = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
                     if name.endswith(("k_cache", "v_cache")))
     assert cache_bytes(model, 3, CACHE_LEN) == allocated
 
 
-def test_kv_budget_too_small_names_the_key(model_path):
-    model = load_model(model_path, torch.float32, CPU)
+def test_kv_budget_too_small_names_the_key(llama_path):
+    model = load_model(llama_path, torch.float32, CPU)
     check_kv_budget("target", model, 4, 64, None, CPU)               # fits in free memory
     with pytest.raises(MemoryError, match=r"target KV cache needs .* target.kv_cache_memory"):
         check_kv_budget("target", model, 4096, 4096, 1e-6, CPU)
 
 
-def test_capture_all_enumerates_shapes_shortest_kv_first(model_path, monkeypatch):
-    runner = StepRunner(fresh(model_path), CPU, max_batch=4, max_step_len=5)
+def test_capture_all_enumerates_shapes_shortest_kv_first(llama_path, monkeypatch):
+    runner = StepRunner(fresh(llama_path), CPU, max_batch=4, max_step_len=5)
     assert runner.capture_all([5]) == 0                  # nothing to capture on CPU
     captured = []
     runner.capture = True
@@ -125,7 +119,7 @@ def test_capture_all_enumerates_shapes_shortest_kv_first(model_path, monkeypatch
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("slots", [[0, 1], [3, 1]], ids=["contiguous", "gather"])
-def test_compiled_kernels_equal_eager(model_path, slots):
+def test_compiled_kernels_equal_eager(llama_path, slots):
     """runtime.models.fused compiled by torch.compile (on GPUs the graphs replay these): the
     same logits as the eager functions through prefill, decode and verify steps, and the KV
     cache written in place (the compiled rotary_write mutates the cache tensors themselves)."""
@@ -136,7 +130,7 @@ def test_compiled_kernels_equal_eager(model_path, slots):
     steps = [torch.randint(3, 96, (2, t), generator=g) for t in (1, 1, 4, 1, 3)]
 
     def run(compiled: bool) -> list[torch.Tensor]:
-        model = fresh(model_path)
+        model = fresh(llama_path)
         caches = [layer.self_attn.kv_cache.k_cache for layer in model.model.layers]
         pointers = [c.data_ptr() for c in caches]
         runner = StepRunner(model, CPU, max_batch=4, max_step_len=4)

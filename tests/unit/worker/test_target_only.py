@@ -8,7 +8,6 @@ import torch
 
 from runtime.models import load_model
 from runtime.worker.shards import DraftShard, TargetShard
-from tests.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,11 +16,6 @@ GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
 SAMPLED = {"temperature": 0.9, "top_k": 0, "top_p": 0.95, "seed": 11}
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
 SLOTS = [0, 2]
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("target_only") / "llama", seed=3)
 
 
 def make(cls, path, params, acceptance="tokens"):
@@ -36,9 +30,9 @@ def states(shard):
 
 @pytest.mark.parametrize("acceptance,params", [("tokens", GREEDY), ("tokens", SAMPLED),
                                                ("logits", SAMPLED)])
-def test_decode_equals_rounds_that_reject_every_draft(model_path, acceptance, params):
-    alone, rounds = make(TargetShard, model_path, params, acceptance), \
-        make(TargetShard, model_path, params, acceptance)
+def test_decode_equals_rounds_that_reject_every_draft(llama_path, acceptance, params):
+    alone, rounds = make(TargetShard, llama_path, params, acceptance), \
+        make(TargetShard, llama_path, params, acceptance)
     rows = alone.decode(SLOTS, 5).tolist()
     alone.append_decoded(SLOTS, rows)
     expected = [[] for _ in SLOTS]
@@ -59,23 +53,23 @@ def test_decode_equals_rounds_that_reject_every_draft(model_path, acceptance, pa
         [t.tolist() for t in rounds.verify(SLOTS, drafts, p)]
 
 
-def test_draft_takes_the_decoded_tokens_as_pending(model_path):
+def test_draft_takes_the_decoded_tokens_as_pending(llama_path):
     """A draft that was handed decoded tokens proposes what a draft whose prompt already
     held them proposes."""
-    handed = make(DraftShard, model_path, GREEDY)
+    handed = make(DraftShard, llama_path, GREEDY)
     rows = [[20, 21, 22], [30, 31, 32]]
     handed.append_decoded(SLOTS, rows)
     assert [s.pending for s in (handed.slots[0], handed.slots[2])] == \
         [[7, 20, 21, 22], [12, 30, 31, 32]]
-    fresh = DraftShard(load_model(model_path, torch.float32, CPU), CPU, 4, 64, "tokens",
+    fresh = DraftShard(load_model(llama_path, torch.float32, CPU), CPU, 4, 64, "tokens",
                        max_step_len=5)
     fresh.prefill(SLOTS, [p + r for p, r in zip(PROMPTS, rows)], [GREEDY, GREEDY])
     assert handed.propose(SLOTS, 3)[0].tolist() == fresh.propose(SLOTS, 3)[0].tolist()
     assert [s[:2] for s in states(handed)] == [s[:2] for s in states(fresh)]
 
 
-def test_decode_needs_one_pending_token(model_path):
-    shard = make(TargetShard, model_path, GREEDY)
+def test_decode_needs_one_pending_token(llama_path):
+    shard = make(TargetShard, llama_path, GREEDY)
     shard.slots[0].pending = [1, 2]
     with pytest.raises(RuntimeError, match="one pending token"):
         shard.decode(SLOTS, 2)
@@ -95,19 +89,19 @@ def decode_calls(shard, calls):
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED])
-def test_steps_decoded_ahead_change_nothing(model_path, params):
+def test_steps_decoded_ahead_change_nothing(llama_path, params):
     """A round takes the steps decoded ahead (fewer, as many or more than it wants) and
     decodes the rest: tokens and states equal those of rounds decoded on command."""
     calls = [(0, 2), (1, 3), (4, 3), (2, 2), (1, 1)]
-    plain, ahead = make(TargetShard, model_path, params), make(TargetShard, model_path, params)
+    plain, ahead = make(TargetShard, llama_path, params), make(TargetShard, llama_path, params)
     assert decode_calls(ahead, calls) == decode_calls(plain, [(0, s) for _, s in calls])
     assert ahead.ahead is None and states(ahead) == states(plain)
 
 
-def test_steps_decoded_ahead_are_dropped_by_other_work(model_path):
+def test_steps_decoded_ahead_are_dropped_by_other_work(llama_path):
     """Ahead steps leave the states alone; for other slots, after a verify round or
     dropped, they are not taken."""
-    plain, ahead = make(TargetShard, model_path, GREEDY), make(TargetShard, model_path, GREEDY)
+    plain, ahead = make(TargetShard, llama_path, GREEDY), make(TargetShard, llama_path, GREEDY)
     ahead.decode_ahead(SLOTS, 3)
     assert ahead.ahead is not None and states(ahead) == states(plain)
     assert ahead.decode(SLOTS[:1], 2).tolist() == plain.decode(SLOTS[:1], 2).tolist()
@@ -126,8 +120,8 @@ def test_steps_decoded_ahead_are_dropped_by_other_work(model_path):
     assert states(ahead) == states(plain)
 
 
-def test_decode_ahead_past_the_cache_does_nothing(model_path):
-    shard = make(TargetShard, model_path, GREEDY)
+def test_decode_ahead_past_the_cache_does_nothing(llama_path):
+    shard = make(TargetShard, llama_path, GREEDY)
     before = states(shard)
     shard.decode_ahead(SLOTS, 100)     # beyond the 64-position cache: not now
     assert shard.ahead is None and states(shard) == before

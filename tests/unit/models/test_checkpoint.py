@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +133,7 @@ def test_bad_tokenizer_path_fails_before_transformers_loads(tmp_path):
     (tmp_path / "vocab.txt").write_text("a b c")
     code = f"""
 import sys
+from pathlib import Path
 from runtime.serving.tokenizer import load_tokenizer
 cases = [({str(tmp_path / "nope")!r}, False, FileNotFoundError, "does not exist"),
          ({str(tmp_path / "vocab.txt")!r}, False, ValueError, "not a .gguf file"),
@@ -147,5 +149,5 @@ assert load_tokenizer({str(tmp_path / "empty")!r}) is None
 assert "transformers" not in sys.modules
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+                         timeout=60, cwd=str(Path(__file__).resolve().parents[3]))
     assert res.returncode == 0, res.stderr[-2000:]

@@ -36,10 +36,9 @@ MAX_SEQ_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tokenized_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    target = checkpoints.build_with_tokenizer(root / "target", seed=0)
-    draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
+    draft, target = tokenized_pair
     cfg = root / "c.yaml"
     launch.write_config(cfg, draft, target, ("cpu:0",), ("cpu:0",), max_seq_len=MAX_SEQ_LEN)
     config = yaml.safe_load(cfg.read_text())

@@ -6,8 +6,8 @@
    verification run under torch.cuda.set_sync_debug_mode("error").
 3. Step times, eager vs graphs, for the target's decode and verify steps.
 
-    python examples/graphs_check.py --shape 1b --out graphs.json     # on a GPU
-    python examples/graphs_check.py --shape tiny --device cpu         # CPU smoke run
+    python examples/gpu/graphs_check.py --shape 1b --out graphs.json     # on a GPU
+    python examples/gpu/graphs_check.py --shape tiny --device cpu         # CPU smoke run
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models import load_model  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402
 from runtime.worker.shards import DraftShard, TargetShard  # noqa: E402

@@ -7,8 +7,8 @@ device 0 and the target on device 1, temperature-1 sampling with `tokens` vs `lo
 acceptance (tokens/s), and a profiled run giving the time per round spent moving the draft's
 probabilities. Prints a markdown table and writes JSON.
 
-    python examples/gpu_check.py --shape 1b --out results.json          # on a 2-GPU machine
-    python examples/gpu_check.py --shape tiny --cpu                      # CPU smoke run
+    python examples/gpu/gpu_check.py --shape 1b --out results.json          # on a 2-GPU machine
+    python examples/gpu/gpu_check.py --shape tiny --cpu                      # CPU smoke run
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import time
 
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models.synthetic import build_pair  # noqa: E402
 
 LAYOUTS = {  # name: (draft devices, target devices)

@@ -16,28 +16,20 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine")
-    target = checkpoints.build_with_tokenizer(root / "target", seed=0)
-    draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
-    return draft, target
-
-
-@pytest.fixture(scope="module")
-def engine(models, tmp_path_factory):
-    cfg = launch.write_config(tmp_path_factory.mktemp("cfg") / "c.yaml", *models,
+def engine(tokenized_pair, tmp_path_factory):
+    cfg = launch.write_config(tmp_path_factory.mktemp("cfg") / "c.yaml", *tokenized_pair,
                               max_seq_len=128)
     with Engine.launch(cfg) as eng:
         yield eng
 
 
-def test_generate_text_equals_target_greedy(engine, models):
+def test_generate_text_equals_target_greedy(engine, tokenized_pair):
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(models[1])
+    tok = transformers.AutoTokenizer.from_pretrained(tokenized_pair[1])
     out = engine.generate("Once upon a time", max_new_tokens=20)
     ids = tok.encode("Once upon a time")
-    assert out.token_ids == checkpoints.hf_greedy(models[1], ids, 20)
+    assert out.token_ids == checkpoints.hf_greedy(tokenized_pair[1], ids, 20)
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     assert out.finish_reason == "length"
     assert {"acceptance_rate", "mean_accepted_tokens", "rounds", "tokens_per_s"} <= set(
@@ -116,8 +108,8 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def test_killed_worker_raises_engine_dead(models, tmp_path):
-    cfg = launch.write_config(tmp_path / "c.yaml", *models, max_seq_len=128)
+def test_killed_worker_raises_engine_dead(tokenized_pair, tmp_path):
+    cfg = launch.write_config(tmp_path / "c.yaml", *tokenized_pair, max_seq_len=128)
     engine = Engine.launch(cfg)
     try:
         server = engine._process.pid
@@ -146,10 +138,11 @@ class ImpatientEngine(Engine):
         super().__init__(*args, dead_after_s=0.2, **kwargs)
 
 
-def test_launch_waits_for_a_slow_startup_then_restores_the_liveness_limit(models, tmp_path):
+def test_launch_waits_for_a_slow_startup_then_restores_the_liveness_limit(tokenized_pair,
+                                                                         tmp_path):
     """Loading (and on GPUs capturing CUDA graphs) may outlast the silence allowed to a
     running server: launch waits up to the startup timeout instead."""
-    cfg = launch.write_config(tmp_path / "c.yaml", *models, max_seq_len=64)
+    cfg = launch.write_config(tmp_path / "c.yaml", *tokenized_pair, max_seq_len=64)
     start = time.monotonic()
     with ImpatientEngine.launch(cfg) as eng:
         assert time.monotonic() - start > 0.2       # the startup took longer than the limit

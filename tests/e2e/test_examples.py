@@ -1,0 +1,23 @@
+"""examples/quickstart.py runs as the README says, on the built-in demo model."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_quickstart_runs():
+    res = subprocess.run([sys.executable, "examples/quickstart.py"], cwd=ROOT, text=True,
+                         capture_output=True, timeout=280)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("'The three primary colors are' -> ")
+    assert "24 tokens, finish_reason=length, acceptance=1.00" in lines[1]
+    assert sum(line.startswith("  sampled: ") for line in lines) == 2
+    # the stream is the greedy generation again, delta by delta
+    assert lines[-1].split(" (streamed) -> ")[1] == lines[0].split(" -> ", 1)[1].strip("'")
