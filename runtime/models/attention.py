@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models import fused
+from runtime.models import fused, kernels
 from runtime.models.cache import ExtendBatch, KVCache
 from runtime.models.model_args import ModelArgs
 
 SMALL_QUERY = 64   # up to this many query rows per KV head: explicit matmul-softmax-matmul
+SLOT_KERNEL_ROWS = 128  # up to this many: the Triton kernel over the cache (when enabled)
 
 
 def concat_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -76,9 +77,20 @@ class Attention(nn.Module):
                                v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache,
                                cache.v_cache, batch.write_slots, batch.write_pos)
         # q [B, Hkv, r*T, D]: heads stacked (fused.stack_heads)
-        k_all, v_all = cache.read(batch)                                   # [B, Hkv, L, D]
-        out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
+        if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
+            out = slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
+                                 batch.positions, batch.valid, seq, self.sliding_window)
+        else:
+            k_all, v_all = cache.read(batch)                               # [B, Hkv, L, D]
+            out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
         return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
+
+
+def slot_attention(*args, **kwargs) -> torch.Tensor:
+    """runtime.models.kernels.attention.slot_attention, imported on first use (Triton)."""
+    from runtime.models.kernels.attention import slot_attention as kernel
+
+    return kernel(*args, **kwargs)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

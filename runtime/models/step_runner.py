@@ -9,6 +9,9 @@ inputs into static buffers and runs `model.forward_static` on them. On CUDA each
 replayed from then on: one launch per step instead of one per kernel; the elementwise
 pieces of each layer are torch.compile'd first (runtime/models/fused.py). On CPU the same
 static path runs eagerly, so CPU tests cover the padding and bucketing the graphs use.
+With the Triton attention kernel (runtime/models/kernels, on by default on CUDA) attention
+reads each row's length on the device, so no KV bucket is needed: one graph per (batch
+bucket, step length) serves every KV length.
 
 Longer calls (prefill) and models without `forward_static` run eagerly at their own shape.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from runtime.models.hostcopy import copy_into, to_device
-from runtime.models import fused
+from runtime.models import fused, kernels
 
 KV_BUCKET_MIN = 256      # smallest attended KV length of a static step
 KV_BUCKET_LINEAR = 2048  # KV buckets double up to here, then grow by this much
@@ -62,8 +65,12 @@ class StepRunner:
         self.max_batch, self.max_step_len = max_batch, max_step_len
         self.static = hasattr(model, "forward_static")
         self.capture = cuda_graphs and self.static and device.type == "cuda"
+        # one attended length serves every step when attention reads each row's length on
+        # the device (the Triton kernel); else KV lengths are rounded up to buckets
+        self.kv_static = False
         if self.capture:   # fused elementwise kernels; graphs then replay them
             fused.compile_kernels(device)
+            self.kv_static = kernels.enable(device)
         self.buckets = batch_buckets(max_batch)
         self.ids = torch.zeros(max_batch, max_step_len, dtype=torch.long, device=device)
         self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
@@ -80,7 +87,7 @@ class StepRunner:
         if not self.capture:
             return 0
         keys = [(bsz, seq, kv_len, contiguous)
-                for kv_len in kv_buckets(self.model.max_seq_len) for bsz in self.buckets
+                for kv_len in self._kv_buckets() for bsz in self.buckets
                 for seq in step_lens for contiguous in (True, False)]
         for key in keys[:limit]:
             if key not in self.graphs:
@@ -101,7 +108,7 @@ class StepRunner:
             return self.model.forward_static(ids, *meta, kv_len)
         padded = next(b for b in self.buckets if b >= bsz)
         contiguous = slots == list(range(bsz))   # then padding rows take the next slots
-        key = (padded, seq, kv_bucket(kv_len, self.model.max_seq_len), contiguous)
+        key = (padded, seq, self._kv_bucket(kv_len), contiguous)
         if self.capture and key not in self.graphs:
             self._capture(key)
         pad = [0] * (padded - bsz)
@@ -113,6 +120,13 @@ class StepRunner:
         else:
             self._forward(*key)
         return self.out[:bsz, :seq]
+
+    def _kv_buckets(self) -> list[int]:
+        return [self.model.max_seq_len] if self.kv_static else kv_buckets(self.model.max_seq_len)
+
+    def _kv_bucket(self, kv_len: int) -> int:
+        return self.model.max_seq_len if self.kv_static else \
+            kv_bucket(kv_len, self.model.max_seq_len)
 
     def _forward(self, bsz: int, seq: int, kv_len: int, contiguous: bool) -> None:
         slots, starts, n_valid = self.meta[:, :bsz]
