@@ -35,6 +35,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"comma-separated, from {','.join(MODES)} (default: all)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="default: the config's, or bfloat16 on CUDA / float32 on CPU")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: draft and target weights in FP8 for tandem's modes (float "
+                        "checkpoints and synthetic pairs are quantized on load); the "
+                        "transformers modes stay float (default: the config's, or none)")
     p.add_argument("--seed", type=int, default=0, help="prompts (and synthetic weights)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per mode and batch")
     p.add_argument("--repeats", type=int, default=1, help="timed calls (median kept)")
@@ -92,7 +96,8 @@ def main(args) -> int:
         config=args.config, synthetic=None if args.config else (args.synthetic or "tiny"),
         draft_layers=args.draft_layers, eps=args.eps, device=args.device,
         batch_sizes=args.batch_sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        draft_len=args.draft_len, modes=args.modes, dtype=args.dtype, seed=args.seed,
+        draft_len=args.draft_len, modes=args.modes, dtype=args.dtype,
+        quantization=args.quantization, seed=args.seed,
         warmup=args.warmup, repeats=args.repeats, synthetic_dir=args.synthetic_dir,
         compile_on_cpu=args.compile_on_cpu, cuda_graphs=args.cuda_graphs,
         target_tp=args.target_tp)

@@ -24,6 +24,7 @@ from runtime.control import auth
 from runtime.config import TandemConfig
 from runtime.errors import EngineDeadError
 from runtime.control.pool import WorkerPool
+from runtime.control.progress import StartupDisplay, rank_labels
 
 log = logging.getLogger("tandem.launcher")
 DEAD_GRACE_S = 3.0   # after a failure: how long shutdown waits for a worker before SIGKILL
@@ -176,10 +177,13 @@ def control_bind() -> str:
     return f"tcp://{os.environ.get('TANDEM_CONTROL_HOST', '127.0.0.1')}"  # see runtime.control.auth
 
 
-def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
+def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> Cluster:
+    """Start (or join) every rank and wait until all have loaded, showing their progress on
+    stderr (runtime.control.progress: bars on a terminal, plain lines when `quiet` or not)."""
     topology = topology_from_config(config)
     if env.world_size is not None:
         topology.check_world_size(env.world_size)
+    display = StartupDisplay.for_stderr(rank_labels(topology), quiet)
     # the rendezvous store listens on loopback whenever the ranks meet at 127.0.0.1
     listener = None
     if env.init_method is None:            # spawn, mpi-spawn: rank 0 picks the port
@@ -214,7 +218,10 @@ def start_cluster(config: TandemConfig, env: LaunchEnv) -> Cluster:
         pgroups.broadcast_control(pool.address, key)
         pool.handshake(config.to_dict(), rt.startup_timeout_s)
         pgroups.build_groups(topology, rt.step_timeout_s)
-        pool.wait_for("ready", rt.startup_timeout_s)
+        try:
+            pool.wait_for("ready", rt.startup_timeout_s, watch=display.observe)
+        finally:
+            display.close()
         log.info("all %d workers ready (%s launch)", len(topology.worker_ranks), env.method)
     except BaseException:
         for proc in procs:

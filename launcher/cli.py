@@ -30,17 +30,24 @@ def _parser() -> argparse.ArgumentParser:
                      help="apply the tokenizer's chat template to --prompt "
                           "(default: on for the built-in demo, off otherwise)")
     run.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_quiet(run)
     serve = sub.add_parser("serve", help="serve clients until SIGINT/SIGTERM")
     serve.add_argument("config")
     serve.add_argument("--address", help="override server.address")
+    _add_quiet(serve)
     serve.add_argument("--http", metavar="HOST:PORT", default=None,
                        help="also serve an OpenAI-compatible HTTP API here "
                             "(loopback only unless --http-allow-remote)")
     serve.add_argument("--http-allow-remote", action="store_true",
                        help="allow --http on a non-loopback address (no authentication)")
+    serve.add_argument("--metrics", metavar="HOST:PORT", default=None,
+                       help="also serve the Prometheus metrics at GET /metrics here "
+                            "(loopback only unless --metrics-allow-remote)")
+    serve.add_argument("--metrics-allow-remote", action="store_true",
+                       help="allow --metrics on a non-loopback address (no authentication)")
     from launcher.bench import add_parser as add_bench_parser
 
-    add_bench_parser(sub)
+    _add_quiet(add_bench_parser(sub))   # its Engine's server writes plain lines anyway
     worker = sub.add_parser("worker", help=argparse.SUPPRESS)
     who = worker.add_mutually_exclusive_group(required=True)
     who.add_argument("--rank", type=int)
@@ -49,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--init-method", required=True)
     worker.add_argument("--startup-timeout", type=float, default=300.0)
     return parser
+
+
+def _add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", action="store_true",
+                        help="startup progress as plain lines (where each phase starts and "
+                             "ends) instead of bars; also the case when stderr is no terminal")
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -83,11 +96,15 @@ def main(argv: list[str] | None = None) -> int:
                                  check_files=False, check_devices=False)
         request = _request_from_args(args, config_path is None) if args.command == "run" \
             else None
-        http = None
-        if args.command == "serve" and args.http is not None:
-            from runtime.api.http_api import parse_http_address
+        http = metrics = None
+        if args.command == "serve" and (args.http is not None or args.metrics is not None):
+            from runtime.api.http_args import parse_http_address
 
-            http = parse_http_address(args.http, args.http_allow_remote)
+            if args.http is not None:
+                http = parse_http_address(args.http, args.http_allow_remote)
+            if args.metrics is not None:
+                metrics = parse_http_address(args.metrics, args.metrics_allow_remote,
+                                             flag="--metrics", what="the metrics endpoint")
         env = discover()
         check_control_bind(control_bind())   # beyond loopback only with a key, on every rank
         topology = topology_from_config(config)
@@ -103,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.session import run_once, serve_forever
 
     if args.command == "run":
-        return run_once(config, env, request, as_json=args.json)
-    return serve_forever(config, env, http=http)
+        return run_once(config, env, request, as_json=args.json, quiet=args.quiet)
+    return serve_forever(config, env, http=http, metrics=metrics, quiet=args.quiet)
 
 
 def _request_from_args(args, is_default: bool) -> dict:

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import stat
 import sys
 import threading
 import time
 
 from launcher.bootstrap import start_cluster
 from launcher.discovery import LaunchEnv
+from runtime.api.engine import OWNER_FD_ENV
 from runtime.control.auth import load_key
 from runtime.config import TandemConfig
 from runtime.errors import EngineDeadError
@@ -17,22 +20,25 @@ from runtime.errors import EngineDeadError
 log = logging.getLogger("tandem.launcher")
 EXIT_DEAD = 1
 EXIT_USAGE = 2
+OWNER_GRACE_S = 5.0   # owner gone: how long an orderly shutdown may take before we just exit
 
 
-def _start(config: TandemConfig, env: LaunchEnv):
-    """(orchestrator, cluster), or None after printing why startup failed."""
+def _start(config: TandemConfig, env: LaunchEnv, quiet: bool = False):
+    """(orchestrator, cluster), or None after printing why startup failed; `quiet`: startup
+    progress in plain lines (launcher.bootstrap.start_cluster)."""
     from runtime.serving.orchestrator import Orchestrator
 
     orch = Orchestrator(config)  # loads the tokenizer while the workers load their shards
     try:
-        return orch, start_cluster(config, env)
+        return orch, start_cluster(config, env, quiet)
     except EngineDeadError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return None
 
 
-def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool) -> int:
-    started = _start(config, env)
+def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool,
+             quiet: bool = False) -> int:
+    started = _start(config, env, quiet)
     if started is None:
         return EXIT_DEAD
     orch, cluster = started
@@ -58,12 +64,19 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool)
 
 
 def serve_forever(config: TandemConfig, env: LaunchEnv,
-                  http: tuple[str, int] | None = None) -> int:
+                  http: tuple[str, int] | None = None,
+                  metrics: tuple[str, int] | None = None, quiet: bool = False) -> int:
     """Serve at server.address until SIGINT/SIGTERM; with `http` = (host, port) also the
-    OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process."""
+    OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process, with
+    `metrics` = (host, port) the Prometheus metrics (runtime/serving/prometheus.py)."""
     from runtime.serving.server import Server
 
     stop = threading.Event()
+    try:
+        _watch_owner(stop)
+    except ValueError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     http_sock = None
     if http is not None:
         from runtime.api.http_api import bind_http
@@ -74,6 +87,18 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
             print(f"tandem: error: --http: cannot listen on {http[0]}:{http[1]}: {exc}",
                   file=sys.stderr)
             return EXIT_USAGE
+    metrics_endpoint = None
+    if metrics is not None:
+        from runtime.serving.prometheus import MetricsEndpoint
+
+        try:  # bound before anything starts, like --http
+            metrics_endpoint = MetricsEndpoint(*metrics)
+        except OSError as exc:
+            print(f"tandem: error: --metrics: cannot listen on {metrics[0]}:{metrics[1]}: "
+                  f"{exc}", file=sys.stderr)
+            if http_sock is not None:
+                http_sock.close()
+            return EXIT_USAGE
 
     def on_signal(signum, _frame):
         log.warning("received signal %d; shutting down", signum)
@@ -81,10 +106,12 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    started = _start(config, env)
+    started = _start(config, env, quiet)
     if started is None:
         if http_sock is not None:
             http_sock.close()
+        if metrics_endpoint is not None:
+            metrics_endpoint.close()
         return EXIT_DEAD
     orch, cluster = started
     server = front = None
@@ -94,6 +121,9 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
             load_key(config.server.auth_key_file)
         server = Server(orch.attach(cluster.pool), config.server.address, cluster.context, key)
         print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
+        if metrics_endpoint is not None:
+            metrics_endpoint.start(orch.metrics_registry())
+            print(f"tandem: metrics at {metrics_endpoint.url}", file=sys.stderr, flush=True)
         if http_sock is not None:
             from runtime.api.http_api import HttpFront
 
@@ -114,10 +144,47 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
             front.stop()  # serve() failed its requests: the streams end, then it stops
         elif http_sock is not None:
             http_sock.close()
+        if metrics_endpoint is not None:
+            metrics_endpoint.close()
         if server is not None:
             server.close()
         cluster.shutdown()
     return code
+
+
+def _watch_owner(stop: threading.Event) -> None:
+    """A server that Engine.launch started ends with the process that launched it, however
+    that process ends: it gave us the read end of a pipe whose write end only it holds, so
+    EOF there means it is gone (the OS closes a dead process's files, after SIGKILL too).
+    Then `stop` is set, as by SIGTERM; a server still running OWNER_GRACE_S later (startup
+    does not look at `stop`) exits at once, and its workers die with it (PR_SET_PDEATHSIG).
+    A `tandem serve` that a user started has no such pipe and serves until signalled."""
+    value = os.environ.pop(OWNER_FD_ENV, None)   # our workers must not see it
+    if value is None:
+        return
+    try:
+        fd = int(value)
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            raise OSError("not a pipe")
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{OWNER_FD_ENV}: expected the file descriptor of a pipe "
+                         f"(set by Engine.launch), got {value!r}: {exc}") from None
+    os.set_inheritable(fd, False)
+    threading.Thread(target=_await_owner_end, args=(fd, stop), name="tandem-owner",
+                     daemon=True).start()
+
+
+def _await_owner_end(fd: int, stop: threading.Event) -> None:
+    try:
+        while os.read(fd, 512):   # the owner never writes: this returns at EOF only
+            pass
+    except OSError:
+        pass
+    os.close(fd)
+    log.warning("the process that launched this server is gone; shutting down")
+    stop.set()
+    time.sleep(OWNER_GRACE_S)
+    os._exit(EXIT_DEAD)
 
 
 def _print_output(out: dict, as_json: bool) -> None:

@@ -1,8 +1,8 @@
 """tandem runtime: config, models, speculation, orchestrator, client."""
-from runtime.errors import EngineDeadError, RequestError
+from runtime.errors import EngineClosedError, EngineDeadError, RequestError
 
-__all__ = ["Engine", "Client", "EngineDeadError", "RequestError", "GenerationOutput",
-           "StreamDelta"]
+__all__ = ["Engine", "Client", "EngineDeadError", "EngineClosedError", "RequestError",
+           "GenerationOutput", "StreamDelta"]
 
 
 def __getattr__(name):  # lazy: importing runtime must not pull in torch for the client alone

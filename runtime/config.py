@@ -22,6 +22,7 @@ __all__ = ["ConfigError", "Device", "ModelConfig", "SpeculationConfig", "Runtime
            "ServerConfig", "TandemConfig", "load_config", "default_config", "default_model_path"]
 
 DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("fp8",)   # besides null: as stored (FP8 checkpoints are detected)
 ACCEPTANCE_MODES = ("tokens", "logits")
 ADDRESS_SCHEMES = ("tcp://", "ipc://")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -152,6 +153,21 @@ def _optional_str(value: Any, key: str) -> str | None:
     return value
 
 
+def _quantization(value: Any, key: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in QUANTIZATIONS:
+        raise ConfigError(key, f"must be null (as stored; FP8 checkpoints are detected) or "
+                               f"one of {', '.join(QUANTIZATIONS)}; got {_describe(value)}")
+    return value
+
+
+def _overlap(value: Any, key: str) -> bool | str:
+    if value != "auto" and not isinstance(value, bool):
+        raise ConfigError(key, f"must be auto, true or false, got {_describe(value)}")
+    return value
+
+
 def _checked(default: Any, check: Callable[[Any, str], Any]) -> Any:
     return field(default=default, metadata={"check": check})
 
@@ -171,10 +187,12 @@ class _Checked:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str                    # absolute path: HF checkpoint dir or .gguf file
+    model: str                    # absolute path: HF checkpoint dir or .gguf file (an HF id
+                                  # in the config is resolved to its snapshot dir)
     devices: tuple[Device, ...]
     dtype: str = "bfloat16"       # float32 | float16 | bfloat16
     kv_cache_memory: float | None = None  # share of device memory the KV cache may take
+    quantization: str | None = None       # None: as stored | "fp8": quantize on load
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -194,6 +212,8 @@ class ModelConfig:
                "dtype": self.dtype}
         if self.kv_cache_memory is not None:
             out["kv_cache_memory"] = self.kv_cache_memory
+        if self.quantization is not None:
+            out["quantization"] = self.quantization
         return out
 
 
@@ -202,6 +222,9 @@ class SpeculationConfig(_Checked):
     SECTION: ClassVar[str] = "speculation"
     draft_len: int | str = _checked(4, _draft_len)   # or "auto": chosen every round
     acceptance: str = _checked("tokens", _choice(*ACCEPTANCE_MODES))
+    # draft the next window while the target verifies (runtime.worker.overlap): auto = when
+    # draft and target share no device
+    overlap: bool | str = _checked("auto", _overlap)
 
     @property
     def fixed_draft_len(self) -> int | None:
@@ -224,6 +247,7 @@ class RuntimeConfig(_Checked):
     heartbeat_s: float = _checked(1.0, _positive_float)
     cuda_graphs: bool = _checked(True, _bool)
     draft_ahead: bool = _checked(True, _bool)   # draft the next round while control travels
+    download: bool = _checked(False, _bool)     # may a Hugging Face id be downloaded if uncached
 
 
 @dataclass(frozen=True)
@@ -242,6 +266,20 @@ class TandemConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
+    def __post_init__(self) -> None:
+        shared = sorted(map(str, set(self.draft.devices) & set(self.target.devices)))
+        if self.speculation.overlap is True and shared:
+            raise ConfigError("speculation.overlap", f"true needs disjoint device lists, but "
+                              f"draft and target share {', '.join(shared)}; use auto or "
+                              f"false, or give the draft its own devices")
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether rounds overlap drafting and verification (speculation.overlap resolved)."""
+        if self.speculation.overlap == "auto":
+            return not set(self.draft.devices) & set(self.target.devices)
+        return self.speculation.overlap
+
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer if self.tokenizer is not None else self.target.model
@@ -256,7 +294,7 @@ class TandemConfig:
 
 
 _TOP_KEYS = ("draft", "target", "tokenizer", "speculation", "runtime", "server")
-_MODEL_KEYS = ("model", "devices", "dtype", "kv_cache_memory")
+_MODEL_KEYS = ("model", "devices", "dtype", "kv_cache_memory", "quantization")
 
 
 def _check_keys(raw: dict, prefix: str, allowed: tuple[str, ...]) -> None:
@@ -274,11 +312,21 @@ def _mapping(value: Any, key: str) -> dict:
     return value
 
 
-def _resolve_path(value: Any, key: str, base: str) -> str:
+def _resolve_path(value: Any, key: str, base: str, download: bool | None = None) -> str:
+    """The absolute path `value` names (relative to `base`). With `download` given (not None:
+    the files are checked), a value that is no existing path but has the shape of a Hugging
+    Face id (org/name[@revision]) is that model's snapshot directory in the local HF cache
+    (runtime.models.hub; downloaded first only if `download`); any other value stays a path."""
     value = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(key, f"must be a non-empty path string, got {_describe(value)}")
-    return os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+    path = os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+    if download is None or os.path.exists(path):
+        return path
+    from runtime.models import hub
+
+    model_id = hub.parse_model_id(value, key)
+    return path if model_id is None else hub.resolve(model_id, key, download=download, path=path)
 
 
 def _parse_devices(value: Any, key: str) -> tuple[Device, ...]:
@@ -295,17 +343,19 @@ def _parse_devices(value: Any, key: str) -> tuple[Device, ...]:
     return tuple(devices)
 
 
-def _parse_model(value: Any, key: str, base: str) -> ModelConfig:
+def _parse_model(value: Any, key: str, base: str, download: bool | None) -> ModelConfig:
     raw = _mapping(value, key)
     _check_keys(raw, f"{key}.", _MODEL_KEYS)
     for required in ("model", "devices"):
         if required not in raw:
             raise ConfigError(f"{key}.{required}", "required key is missing")
     dtype = _choice(*DTYPES)(raw.get("dtype", "bfloat16"), f"{key}.dtype")
-    return ModelConfig(model=_resolve_path(raw["model"], f"{key}.model", base),
+    return ModelConfig(model=_resolve_path(raw["model"], f"{key}.model", base, download),
                        devices=_parse_devices(raw["devices"], f"{key}.devices"), dtype=dtype,
                        kv_cache_memory=_fraction(raw.get("kv_cache_memory"),
-                                                 f"{key}.kv_cache_memory"))
+                                                 f"{key}.kv_cache_memory"),
+                       quantization=_quantization(raw.get("quantization"),
+                                                  f"{key}.quantization"))
 
 
 def _parse_section(value: Any, cls: type) -> Any:
@@ -316,21 +366,59 @@ def _parse_section(value: Any, cls: type) -> Any:
     return cls(**raw)
 
 
-def _parse(raw: dict, base: str) -> TandemConfig:
+def _parse(raw: dict, base: str, resolve_ids: bool) -> TandemConfig:
+    """resolve_ids: look Hugging Face ids up in the local cache (see _resolve_path)."""
     _check_keys(raw, "", _TOP_KEYS)
     for required in ("draft", "target"):
         if raw.get(required) is None:
             raise ConfigError(required, "required section is missing")
+    runtime = _parse_section(raw.get("runtime"), RuntimeConfig)   # runtime.download first
+    download = runtime.download if resolve_ids else None
     tokenizer = raw.get("tokenizer")
     if tokenizer is not None:
-        tokenizer = _resolve_path(tokenizer, "tokenizer", base)
+        tokenizer = _resolve_path(tokenizer, "tokenizer", base, download)
     return TandemConfig(
-        draft=_parse_model(raw["draft"], "draft", base),
-        target=_parse_model(raw["target"], "target", base),
+        draft=_parse_model(raw["draft"], "draft", base, download),
+        target=_parse_model(raw["target"], "target", base, download),
         tokenizer=tokenizer,
         speculation=_parse_section(raw.get("speculation"), SpeculationConfig),
-        runtime=_parse_section(raw.get("runtime"), RuntimeConfig),
+        runtime=runtime,
         server=_parse_section(raw.get("server"), ServerConfig))
+
+
+def _unique_key_loader():
+    """A yaml SafeLoader that refuses a mapping holding one key twice (plain YAML keeps the
+    last silently), naming the dotted key and both lines: ConfigError."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_document(self, node):
+            _check_unique_keys(node, "", set())
+            return super().construct_document(node)
+
+    return UniqueKeyLoader
+
+
+def _check_unique_keys(node, prefix: str, seen_nodes: set) -> None:
+    import yaml
+
+    if id(node) in seen_nodes:      # an alias of a node already checked
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, f"{prefix}[{i}]", seen_nodes)
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            if key in lines:
+                raise ConfigError(key, f"duplicate key (lines {lines[key]} and {line}); "
+                                       f"each key may appear once in a mapping")
+            lines[key] = line
+            _check_unique_keys(value_node, f"{key}.", seen_nodes)
 
 
 def _read_yaml(path: str) -> dict:
@@ -340,7 +428,7 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError("<file>", f"config file {path} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+            raw = yaml.load(f, Loader=_unique_key_loader())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError("<file>", f"cannot read {path} as YAML: {e}") from e
     if not isinstance(raw, dict):
@@ -363,9 +451,14 @@ def _read_source(source: str | os.PathLike | dict) -> tuple[dict, str]:
 def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
                 check_devices: bool = True) -> TandemConfig:
     """Parse and validate a YAML file (relative paths resolve against its dir) or a dict
-    (relative paths resolve against the cwd). Raises ConfigError naming the key."""
+    (relative paths resolve against the cwd). Raises ConfigError naming the key.
+
+    A model or tokenizer that is no existing path but reads `org/name[@revision]` is a
+    Hugging Face id: with check_files it becomes its snapshot directory in the local HF cache
+    (or a ConfigError when it is not cached and runtime.download is false); without
+    check_files every value stays a path."""
     raw, base = _read_source(source)
-    cfg = _parse(raw, base)
+    cfg = _parse(raw, base, resolve_ids=check_files)
     from runtime import config_checks as checks
 
     checks.check_backend(cfg)

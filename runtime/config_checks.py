@@ -64,6 +64,7 @@ def check_files(cfg: TandemConfig) -> None:
             raise ConfigError(f"{name}.model", str(e)) from e
     draft, target = infos["draft"], infos["target"]
     check_tp(cfg, infos)
+    check_quantization(cfg, infos)
     if draft.vocab_size != target.vocab_size:
         raise ConfigError(
             "draft.model",
@@ -85,6 +86,41 @@ def check_server_auth(server: ServerConfig, check_files: bool) -> None:
             auth.load_key(server.auth_key_file)
         except auth.AuthError as exc:
             raise ConfigError("server.auth_key_file", str(exc)) from None
+
+
+def check_quantization(cfg: TandemConfig, infos: dict) -> None:
+    """`<model>.quantization: fp8` needs tandem's Llama-family implementation (the
+    transformers fallback cannot quantize), and a checkpoint's own quantization_config must be
+    a format tandem runs (runtime.models.fp8_formats)."""
+    from runtime.models.fp8_formats import read_format
+
+    for name, model in model_lists(cfg):
+        try:
+            fmt = read_format(model.model)
+        except ValueError as exc:
+            fmt = exc
+        if model.quantization is None and fmt is None:
+            continue
+        reason = _fallback_reason(model.model, infos[name])
+        if reason is not None and model.quantization is not None:
+            raise ConfigError(f"{name}.quantization", f"{model.quantization} needs tandem's "
+                              f"Llama-family implementation, but {model.model} runs on the "
+                              f"transformers fallback ({reason}); use null")
+        if reason is None and isinstance(fmt, ValueError):
+            raise ConfigError(f"{name}.model", str(fmt))
+
+
+def _fallback_reason(path: str, info) -> str | None:
+    """Why `path` would run on the transformers fallback, or None (runtime.models.loader)."""
+    from runtime.models.model_args import SUPPORTED_MODEL_TYPES, unsupported_reason
+
+    if info.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {info.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if info.format != "hf":
+        return None
+    import transformers
+
+    return unsupported_reason(transformers.AutoConfig.from_pretrained(path))
 
 
 def check_tp(cfg: TandemConfig, infos: dict) -> None:

@@ -31,6 +31,13 @@ def write_config(path: Path, draft: str, target: str, draft_devices=("cpu:0",),
     return str(path)
 
 
+def set_speculation(path: str | Path, **values) -> None:
+    """Set keys of the `speculation` section of the config file at `path`."""
+    config = yaml.safe_load(Path(path).read_text())
+    config.setdefault("speculation", {}).update(values)
+    Path(path).write_text(yaml.safe_dump(config))
+
+
 def free_port() -> int:
     return discovery.free_port()
 

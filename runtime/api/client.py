@@ -5,31 +5,99 @@ queue (and wake it through a pipe, so a message leaves at once) and wait on thei
 queue, so one Client serves many threads and streams at once.
 A server that stops answering (no reply to pings within `dead_after_s`) or whose process has
 exited makes every waiting call raise EngineDeadError.
+close() makes every waiting call raise EngineClosedError at once, and every later call too.
+A Client that nobody holds any more, or that is still open when the interpreter exits, is
+closed by its finalizer (weakref.finalize): the I/O thread holds only a weak reference to
+it while it waits, and the finalizer holds only the parts it closes.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import queue
 import threading
 import time
 import uuid
-from typing import Iterator
+import weakref
+from typing import Callable, Iterator
 
 import zmq
 
 from runtime.control import auth, protocol
-from runtime.errors import EngineDeadError
+from runtime.errors import EngineClosedError, EngineDeadError
 from runtime.api.outputs import GenerationOutput, StreamDelta
 from runtime.params import SamplingParams, check_prompt_ids
 from runtime.control.procwatch import ProcessWatch, parent_pid
 
 _END = object()
 WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead local worker
+IO_JOIN_S = 5.0              # how long close() waits for the I/O thread to end
+
+
+class _Waker:
+    """A pipe whose read end the I/O thread polls: a byte written to it wakes the thread.
+    The I/O thread closes it as it ends; a wake after that does nothing. The lock keeps a
+    closed descriptor's number, which the OS may have handed out again, from being written."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._write_fd is None:
+                return
+            try:
+                os.write(self._write_fd, b"w")
+            except OSError:
+                pass   # the pipe is full: a wake is pending
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except OSError:   # BlockingIOError: drained
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._write_fd is not None:
+                os.close(self.read_fd)
+                os.close(self._write_fd)
+                self._write_fd = None
+
+
+def _close_client(closed: threading.Event, lock: threading.Lock, waiters: dict,
+                  waker: _Waker, thread: threading.Thread, message: str) -> None:
+    """The Client's part of close(): no new call gets in, every waiting call raises
+    EngineClosedError (first, so that none waits on what follows), then the I/O thread
+    ends. Holds no reference to the Client (its finalizer calls this)."""
+    with lock:   # _open registers under this lock: a call is either failed here or refused
+        closed.set()
+        pending = list(waiters.values())
+    for waiter in pending:
+        waiter.put({"type": "failed", "id": "", "message": message, "kind": "dead",
+                    "closed": True})
+    waker.wake()
+    if thread is not threading.current_thread():   # the finalizer may run on the I/O thread
+        thread.join(IO_JOIN_S)
+
+
+def _run_closers(closers: list[Callable[[], None]]) -> None:
+    for close in closers:
+        close()
+
+
+def _dead_error(msg: dict) -> EngineDeadError:
+    return (EngineClosedError if msg.get("closed") else EngineDeadError)(msg["message"])
 
 
 class Client:
     POLL_MS = 20   # the I/O thread's longest wait (pings, liveness checks); messages wake it
+    NAME = "client"   # in the message of EngineClosedError
 
     def __init__(self, address: str, *, auth_key_file: str | None = None,
                  dead_after_s: float = 30.0, ping_s: float = 1.0):
@@ -39,9 +107,7 @@ class Client:
         self.ping_s = ping_s
         self._context = zmq.Context()
         self._outbox: queue.Queue = queue.Queue()
-        self._wake_r, self._wake_w = os.pipe()   # a byte here wakes the I/O thread's poll
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = _Waker()
         self._waiters: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
@@ -50,7 +116,14 @@ class Client:
         self._info: dict | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
-        self._thread = threading.Thread(target=self._io_loop, name="tandem-client", daemon=True)
+        self._thread = threading.Thread(
+            target=Client._io_main, name="tandem-client", daemon=True,
+            args=(weakref.ref(self), self._closed, self._context, self._waker))
+        # what close() runs, in order; subclasses append theirs (none may refer to self)
+        self._closers: list[Callable[[], None]] = [functools.partial(
+            _close_client, self._closed, self._lock, self._waiters, self._waker,
+            self._thread, f"{self.NAME} is closed")]
+        self._finalizer = weakref.finalize(self, _run_closers, self._closers)
         self._thread.start()
 
     # --- liveness hooks (Engine overrides) -----------------------------------------------
@@ -58,7 +131,41 @@ class Client:
         return None
 
     # --- I/O thread ----------------------------------------------------------------------
-    def _io_loop(self) -> None:
+    @staticmethod
+    def _io_main(ref: weakref.ref, closed: threading.Event, context: zmq.Context,
+                 waker: _Waker) -> None:
+        """The I/O thread. It holds its Client only while it works, never while it waits in
+        poll: a Client nobody else holds is collected (its finalizer closes it). It owns the
+        socket, the context and the wake pipe, and closes them as it ends."""
+        client = ref()
+        sock = watch = None
+        try:
+            if client is not None:   # else collected before this thread ran
+                sock, poller = client._connect()
+                watch = client._watch
+            last_ping = 0.0
+            while client is not None and not closed.is_set():
+                last_ping = client._before_poll(sock, last_ping)
+                poll_ms, client = client.POLL_MS, None
+                ready = dict(poller.poll(poll_ms))
+                client = ref()
+                if client is not None:
+                    client._after_poll(sock, ready)
+        except Exception as exc:  # noqa: BLE001 - every waiting call is told, none hangs
+            client = ref() if client is None else client
+            if client is not None:
+                client._mark_dead(f"the client's I/O thread failed: {exc!r}")
+            raise
+        finally:
+            client = None
+            if watch is not None:
+                watch.close()
+            if sock is not None:
+                sock.close(0)
+            context.term()
+            waker.close()
+
+    def _connect(self) -> tuple[zmq.Socket, zmq.Poller]:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)
@@ -66,26 +173,26 @@ class Client:
         sock.connect(self.address)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._waker.read_fd, zmq.POLLIN)
         self._watch = ProcessWatch(poller)   # the server's processes, once it says which
-        last_ping = 0.0
-        try:
-            while not self._closed.is_set():
-                self._flush_outbox(sock)
-                now = time.monotonic()
-                if now - last_ping >= self.ping_s:
-                    last_ping = now
-                    self._try_send(sock, {"type": "ping", "id": "ping"})
-                ready = dict(poller.poll(self.POLL_MS))
-                if self._wake_r in ready:
-                    self._drain_wake()
-                self._watch.collect(ready)
-                if sock in ready:
-                    self._receive(sock.recv())
-                self._check_dead()
-        finally:
-            self._watch.close()
-            sock.close(0)
+        return sock, poller
+
+    def _before_poll(self, sock: zmq.Socket, last_ping: float) -> float:
+        """Send what is queued, and a ping when one is due; the time of the last ping."""
+        self._flush_outbox(sock)
+        now = time.monotonic()
+        if now - last_ping >= self.ping_s:
+            last_ping = now
+            self._try_send(sock, {"type": "ping", "id": "ping"})
+        return last_ping
+
+    def _after_poll(self, sock: zmq.Socket, ready: dict) -> None:
+        if self._waker.read_fd in ready:
+            self._waker.drain()
+        self._watch.collect(ready)
+        if sock in ready:
+            self._receive(sock.recv())
+        self._check_dead()
 
     def _try_send(self, sock: zmq.Socket, msg: dict) -> None:
         try:
@@ -96,20 +203,7 @@ class Client:
     def _post(self, msg: dict) -> None:
         """Queue msg for the I/O thread and wake it."""
         self._outbox.put(msg)
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"w")
-        except OSError:
-            pass   # the pipe is full (a wake is pending) or closed (the client is closing)
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except OSError:   # BlockingIOError: drained
-            pass
+        self._waker.wake()
 
     def _flush_outbox(self, sock: zmq.Socket) -> None:
         while True:
@@ -197,10 +291,10 @@ class Client:
     def _open(self, msg: dict, waiter=None):
         """Register a waiter for msg["id"] (a queue.Queue unless given: anything with
         put()) and queue msg for sending."""
-        if self._closed.is_set():
-            raise EngineDeadError("client is closed")
         waiter = queue.Queue() if waiter is None else waiter
-        with self._lock:
+        with self._lock:   # close() fails the registered waiters under this lock
+            if self._closed.is_set():
+                raise EngineClosedError(f"{self.NAME} is closed")
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
             self._waiters[msg["id"]] = waiter
@@ -216,7 +310,7 @@ class Client:
         msg = waiter.get()
         if msg["type"] == "failed":
             if msg["kind"] == "dead":
-                raise EngineDeadError(msg["message"])
+                raise _dead_error(msg)
             raise ValueError(msg["message"])
         return msg
 
@@ -236,7 +330,7 @@ class Client:
                     self._post({"type": "ping", "id": rid})
                     continue
                 if msg["type"] == "failed":
-                    raise EngineDeadError(msg["message"])
+                    raise _dead_error(msg)
                 return msg["info"]
         finally:
             self._close_waiter(rid)
@@ -254,7 +348,7 @@ class Client:
         finally:
             self._close_waiter(rid)
         if msg["type"] == "failed":
-            raise EngineDeadError(msg["message"])
+            raise _dead_error(msg)
         return msg["stats"]
 
     def _request(self, prompt, prompt_token_ids, kwargs, stream: bool, chat: bool
@@ -321,21 +415,37 @@ class Client:
                 self._post({"type": "cancel", "id": msg["id"]})
 
     def close(self) -> None:
-        self._closed.set()
-        self._wake()   # the I/O thread sees _closed at once
-        self._thread.join(5)
-        self._context.term()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Every call still waiting, in any thread, raises EngineClosedError at once, and
+        so does every later call; then the I/O thread ends. Idempotent, and safe from
+        atexit handlers and __del__ (a second call, or one after the interpreter began
+        to exit and closed it already, does nothing)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+    def metrics(self, timeout_s: float = 30.0) -> str:
+        """The server's Prometheus metrics in the text exposition format (0.0.4), as
+        `GET /metrics` serves them."""
+        rid = "metrics-" + self._new_id()
+        waiter = self._open({"type": "metrics", "id": rid})
+        try:
+            msg = waiter.get(timeout=timeout_s)
+        except queue.Empty:
+            raise EngineDeadError(f"no answer from {self.address} within {timeout_s:.0f} s") \
+                from None
+        finally:
+            self._close_waiter(rid)
+        if msg["type"] == "failed":
+            raise _dead_error(msg)
+        return msg["text"]
 
 
 def _id_lists(ids) -> tuple[list[list[int]], bool]:

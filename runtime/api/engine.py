@@ -1,10 +1,17 @@
 """Engine.launch: start orchestrator + workers (`tandem serve` in a child process) and hand
 back a Client connected to it. The config is validated here first, so a bad config raises
 ConfigError before any process starts. The server's stderr passes through a thread of ours
-to our stderr; when the server exits, EngineDeadError carries its last error line."""
+to our stderr; when the server exits, EngineDeadError carries its last error line.
+
+The launching process owns the server. close() stops it, and so does the Engine's
+finalizer when the Engine is collected or still open at exit. However else this process
+ends (a signal, SIGKILL), the server ends with it: it holds the read end of a pipe whose
+write end only this process holds, and takes EOF there for its owner's end
+(launcher/session.py); its workers die with it."""
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import shutil
 import signal
@@ -17,11 +24,50 @@ import yaml
 
 from runtime.api.client import Client
 from runtime.config import TandemConfig, load_config
-from runtime.errors import EngineDeadError
+from runtime.errors import EngineClosedError, EngineDeadError
 
 ERROR_PREFIX = "tandem: error: "
 TAIL_LINES = 20
 MAX_DETAIL_CHARS = 2000
+OWNER_FD_ENV = "TANDEM_OWNER_FD"   # tells the server its end of the owner pipe (session.py)
+STOP_WAIT_S = 30.0                 # close(): how long the server gets after SIGTERM
+
+# The write ends of the owner pipes of the servers this process launched. A forked child
+# closes its copies at once: the servers end with their owner, not with its last child.
+_OWNER_FDS: set[int] = set()
+
+
+def _close_owner_fds_in_child() -> None:
+    for fd in _OWNER_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _OWNER_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_owner_fds_in_child)
+
+
+def _stop_server(process: subprocess.Popen, tmpdir: str, owner_fd: int | None,
+                 owner_pid: int) -> None:
+    """The Engine's part of close() (after the Client's): end the server (SIGTERM, then
+    SIGKILL of its process group after STOP_WAIT_S) and everything it started. Holds no
+    reference to the Engine (its finalizer calls this). Only the launching process stops
+    it: a forked child's copy of the Engine leaves it to its owner."""
+    if os.getpid() != owner_pid:
+        return
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    if owner_fd is not None:   # only now: the owner pipe's end would cut the shutdown short
+        _OWNER_FDS.discard(owner_fd)
+        os.close(owner_fd)
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 class StderrTail:
@@ -74,13 +120,21 @@ class _Discard:
 
 
 class Engine(Client):
+    NAME = "engine"
+
     def __init__(self, address: str, process: subprocess.Popen, tmpdir: str,
-                 stderr: StderrTail | None = None, **kwargs):
+                 stderr: StderrTail | None = None, owner_fd: int | None = None, **kwargs):
         self._process = process
         self._tmpdir = tmpdir
         self._stderr = stderr
         self._gone: str | None = None
-        super().__init__(address, **kwargs)
+        try:
+            super().__init__(address, **kwargs)
+        except BaseException:
+            _stop_server(process, tmpdir, owner_fd, os.getpid())
+            raise
+        self._closers.append(functools.partial(_stop_server, process, tmpdir, owner_fd,
+                                               os.getpid()))
 
     @classmethod
     def launch(cls, config: str | os.PathLike | dict | TandemConfig,
@@ -92,10 +146,21 @@ class Engine(Client):
             yaml.safe_dump(cfg.to_dict(), fh)
         address = f"ipc://{tmpdir}/server.sock"
         cmd = [sys.executable, "-m", "launcher", "serve", path, "--address", address]
-        env = dict(os.environ, TANDEM_LAUNCH="spawn")
-        process = subprocess.Popen(cmd, start_new_session=True, env=env,
-                                   stderr=subprocess.PIPE)
-        engine = cls(address, process, tmpdir, StderrTail(process.stderr))
+        # the server's end of the owner pipe; ours stays here (not inheritable) and closes
+        # when this process ends, or at close()
+        owner_r, owner_w = os.pipe()
+        env = dict(os.environ, TANDEM_LAUNCH="spawn", **{OWNER_FD_ENV: str(owner_r)})
+        try:
+            process = subprocess.Popen(cmd, start_new_session=True, env=env,
+                                       stderr=subprocess.PIPE, pass_fds=(owner_r,))
+        except BaseException:
+            os.close(owner_w)
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        finally:
+            os.close(owner_r)
+        _OWNER_FDS.add(owner_w)
+        engine = cls(address, process, tmpdir, StderrTail(process.stderr), owner_fd=owner_w)
         timeout = startup_timeout_s or cfg.runtime.startup_timeout_s
         running_dead_after_s, engine.dead_after_s = engine.dead_after_s, timeout
         try:
@@ -123,6 +188,8 @@ class Engine(Client):
     def info(self, timeout_s: float = 30.0) -> dict:
         try:
             return super().info(timeout_s)
+        except EngineClosedError:
+            raise
         except EngineDeadError:
             reason = self._process_gone()
             if reason:
@@ -130,13 +197,8 @@ class Engine(Client):
             raise
 
     def close(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 30 s) and everything it started."""
+        """Every waiting call raises EngineClosedError at once (Client.close), then the
+        server is stopped (SIGTERM, then SIGKILL after STOP_WAIT_S) with everything it
+        started. Idempotent; runs by itself when the Engine is collected or the
+        interpreter exits."""
         super().close()
-        if self._process.poll() is None:
-            self._process.send_signal(signal.SIGTERM)
-            try:
-                self._process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, signal.SIGKILL)
-                self._process.wait()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -2,8 +2,10 @@
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions (the tokenizer's chat template over the whole message list),
-GET /health. Streaming answers are server-sent events in OpenAI's chunk format, ending with
-`data: [DONE]`. Bad requests are HTTP 400 with an OpenAI-style error naming the argument.
+GET /health, GET /metrics (the server's Prometheus metrics, relayed: they live in the server
+process, runtime/serving/prometheus.py). Streaming answers are server-sent events in OpenAI's
+chunk format, ending with `data: [DONE]`. Bad requests are HTTP 400 with an OpenAI-style
+error naming the argument.
 
 Two ways to run it:
 - inside `tandem serve CONFIG --http HOST:PORT` (a thread of the serving process; see
@@ -28,7 +30,8 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from runtime.errors import EngineDeadError
 from runtime.api.http_args import (
@@ -78,6 +81,16 @@ class _Routes:
 
     async def health(self):
         return {"status": "ok"}
+
+    async def metrics(self):
+        """The server's exposition (prometheus_client.generate_latest: the 0.0.4 text
+        format) with its content type."""
+        try:
+            text = await asyncio.to_thread(self.client.metrics, 30.0)
+        except EngineDeadError as exc:
+            raise HttpError(503, f"the engine is not available: {exc}",
+                            kind="server_error", code="engine_dead") from None
+        return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     async def models(self):
         return {"object": "list", "data": [self.model_card(await self.model_id())]}
@@ -273,6 +286,7 @@ def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
     routes = _Routes(client, model_name)
     app.add_exception_handler(HttpError, _http_error)
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}", routes.one_model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])

@@ -51,9 +51,11 @@ class HttpError(Exception):
 
 
 # --- addresses ---------------------------------------------------------------------------
-def parse_http_address(text: str, allow_remote: bool = False) -> tuple[str, int]:
+def parse_http_address(text: str, allow_remote: bool = False, flag: str = "--http",
+                       what: str = "the HTTP API") -> tuple[str, int]:
     """'HOST:PORT', '[V6]:PORT' or 'PORT' (host 127.0.0.1) -> (host, port). A host that is
-    not loopback is refused unless allow_remote. Errors are ValueErrors naming --http."""
+    not loopback is refused unless allow_remote. Errors are ValueErrors naming `flag` (the
+    option that gave the address; `what` is what it serves)."""
     text = text.strip()
     match = re.fullmatch(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:\[\]]*)):(?P<port>\d+)", text)
     if match:
@@ -62,12 +64,12 @@ def parse_http_address(text: str, allow_remote: bool = False) -> tuple[str, int]
     elif text.isdigit():
         host, port = "127.0.0.1", int(text)
     else:
-        raise ValueError(f"--http: expected HOST:PORT, got {text!r}")
+        raise ValueError(f"{flag}: expected HOST:PORT, got {text!r}")
     if not 0 <= port <= 65535:
-        raise ValueError(f"--http: port {port} is out of range")
+        raise ValueError(f"{flag}: port {port} is out of range")
     if not allow_remote and not is_loopback(host):
-        raise ValueError(f"--http: {host} is not a loopback address; the HTTP API has no "
-                         f"authentication, so binding elsewhere needs --http-allow-remote")
+        raise ValueError(f"{flag}: {host} is not a loopback address; {what} has no "
+                         f"authentication, so binding elsewhere needs {flag}-allow-remote")
     return host, port
 
 

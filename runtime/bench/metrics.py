@@ -99,8 +99,9 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int =
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters that one decode step reads: every parameter once
-    (shared ones once), except an untied input embedding, of which a step reads only a few
-    rows. KV-cache reads are not counted (small next to the weights at these lengths)."""
+    (shared ones once), at its stored size (FP8 weights 1 byte a value, their float32 scales,
+    the LM head in its dtype), except an untied input embedding, of which a step reads only a
+    few rows. KV-cache reads are not counted (small next to the weights at these lengths)."""
     seen: dict[int, tuple[str, int]] = {}
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

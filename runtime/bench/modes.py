@@ -5,7 +5,8 @@ generated tokens and the wall time of the whole call (prefill and first token in
   runtime.models.load_model, allocate_cache, the prompt, then one step per token with argmax
   on the device, through the workers' StepRunner (CUDA graphs on CUDA, no host sync). No
   orchestrator, no worker, no draft: the decode speed of tandem's model code, which a
-  speculation round builds on.
+  speculation round builds on. With --quantization fp8 it (and `spec`) runs FP8 weights;
+  the transformers modes keep the float weights (their rows say so).
 - `spec`    (TandemSpec): the tandem Engine (orchestrator + workers, spawn launch) running
   draft-target speculative decoding on the configured devices.
 - `hf`, `hf-compiled` (HFGenerate): transformers `generate` of the target, eager with its
@@ -76,13 +77,15 @@ class TandemTarget:
     name = "target"
 
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device, max_batch: int,
-                 max_seq_len: int, max_step_len: int = 1, cuda_graphs: bool = True, tp=None):
+                 max_seq_len: int, max_step_len: int = 1, cuda_graphs: bool = True, tp=None,
+                 quantization: str | None = None):
         from runtime.models import load_model
         from runtime.models.step_runner import StepRunner
 
         self.device = device
         parallel = tp is not None and tp.enabled
-        self.model = load_model(path, dtype, device, tp, gather_logits=not parallel)
+        self.model = load_model(path, dtype, device, tp, gather_logits=not parallel,
+                                quantization=quantization)
         self.model.allocate_cache(max_batch, max_seq_len)
         self.runner = StepRunner(self.model, device, max_batch, max_step_len, cuda_graphs)
         self.argmax = lambda logits: logits.argmax(-1)

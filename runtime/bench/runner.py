@@ -47,6 +47,7 @@ class BenchSettings:
     draft_len: int | str | None = None   # None: the config's, or 4 for --synthetic
     modes: list[str] = field(default_factory=lambda: list(MODES))
     dtype: str | None = None           # None: the config's, or bfloat16 on CUDA / float32 on CPU
+    quantization: str | None = None    # fp8: draft and target (tandem modes); None: the config's
     seed: int = 0
     warmup: int = 1
     repeats: int = 1
@@ -90,6 +91,8 @@ class Setup:
     engine_config: dict
     draft_len: int | str
     cleanup: str | None = None
+    draft_quantization: str | None = None     # tandem's modes only; transformers stays float
+    target_quantization: str | None = None
 
     @property
     def target_device(self) -> torch.device:
@@ -125,6 +128,8 @@ def resolve(s: BenchSettings) -> Setup:
         d = cfg.to_dict()
         if s.dtype:
             d["draft"]["dtype"] = d["target"]["dtype"] = s.dtype
+        if s.quantization:
+            d["draft"]["quantization"] = d["target"]["quantization"] = s.quantization
         k = s.draft_len if s.draft_len is not None else cfg.speculation.draft_len
         d["speculation"]["draft_len"] = k
         d["runtime"]["max_batch_size"] = max(d["runtime"]["max_batch_size"],
@@ -134,7 +139,8 @@ def resolve(s: BenchSettings) -> Setup:
         return Setup(cfg.draft.model, cfg.target.model, cfg.draft.devices[0].torch_device,
                      [dev.torch_device for dev in cfg.target.devices],
                      getattr(torch, d["draft"]["dtype"]), getattr(torch, d["target"]["dtype"]),
-                     d, k)
+                     d, k, draft_quantization=d["draft"].get("quantization"),
+                     target_quantization=d["target"].get("quantization"))
     from runtime.models.synthetic import build_pair
 
     device = _torch_device(s.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
@@ -165,14 +171,16 @@ def resolve(s: BenchSettings) -> Setup:
         open(f"{root}/done", "w").close()
     targets = [device] + [torch.device(device.type, (device.index or 0) + i)
                           for i in range(1, s.target_tp)]
+    quant = {"quantization": s.quantization} if s.quantization else {}
     config = {"draft": {"model": draft, "devices": [_engine_device(device)],
-                        "dtype": dtype_name},
+                        "dtype": dtype_name, **quant},
               "target": {"model": target, "devices": [_engine_device(d) for d in targets],
-                         "dtype": dtype_name},
+                         "dtype": dtype_name, **quant},
               "speculation": {"draft_len": k, "acceptance": "tokens"},
               "runtime": {**runtime, "max_seq_len": need + _kmax(k) + 8,
                           "startup_timeout_s": 3600}}
-    return Setup(draft, target, device, targets, dtype, dtype, config, k, cleanup)
+    return Setup(draft, target, device, targets, dtype, dtype, config, k, cleanup,
+                 s.quantization, s.quantization)
 
 
 def make_prompts(target: str, s: BenchSettings) -> list[list[int]]:
@@ -250,6 +258,7 @@ class Bench:
         self.info["copy_bandwidth_bytes_per_s"] = metrics.copy_bandwidth(st.target_device)
         job = TargetJob(
             path=st.target, dtype=str(st.target_dtype).removeprefix("torch."),
+            quantization=st.target_quantization,
             devices=[str(d) if d.type == "cuda" else "cpu" for d in st.target_devices],
             max_batch=max(self.s.batch_sizes),
             cache_len=self.s.prompt_len + self.s.new_tokens + kmax + 1, max_step_len=kmax + 1,
@@ -289,7 +298,8 @@ class Bench:
 
         self.progress("measuring the draft step cost (c)")
         try:
-            draft = load_model(st.draft, st.draft_dtype, st.draft_device)
+            draft = load_model(st.draft, st.draft_dtype, st.draft_device,
+                               quantization=st.draft_quantization)
             draft.allocate_cache(job.max_batch, job.cache_len)
             runner = StepRunner(draft, st.draft_device, job.max_batch, 1, self.s.cuda_graphs)
             for bsz in self.s.batch_sizes:
@@ -319,6 +329,9 @@ class Bench:
             ref = self.tokens.get(("target", bsz))
             if r["mode"] != "target" and ref is not None:
                 r["tokens_equal_target"] = self.tokens.get((r["mode"], bsz)) == ref
+            if r["mode"].startswith("hf") and (st.target_quantization or
+                                               st.draft_quantization):
+                r["note"] = f"{str(st.target_dtype).removeprefix('torch.')} weights, not FP8"
             if r["mode"] == "target" and bw and wbytes:
                 seconds_per_step = r["wall_s"] / (r["generated_tokens"] / bsz)
                 r["roofline_fraction"] = (wbytes / bw) / seconds_per_step

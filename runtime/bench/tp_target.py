@@ -41,6 +41,7 @@ class TargetJob:
     verify_ks: list[int]         # verify steps to time (k + 1 tokens); empty: no step costs
     position: int                # cache position of the timed steps
     timeout_s: float = 3600.0
+    quantization: str | None = None   # the target's (fp8: quantized on load)
 
 
 def _step_costs(holder: TandemTarget, device: torch.device, job: TargetJob) -> dict:
@@ -62,7 +63,8 @@ def measure(job: TargetJob, tp=None) -> dict:
     device = torch.device(job.devices[rank])
     parallel = tp is not None and tp.enabled
     holder = TandemTarget(job.path, getattr(torch, job.dtype), device, job.max_batch,
-                          job.cache_len, job.max_step_len, job.cuda_graphs, tp)
+                          job.cache_len, job.max_step_len, job.cuda_graphs, tp,
+                          quantization=job.quantization)
     try:
         report = {"weight_bytes": metrics.weight_bytes_per_step(holder.model), "target": {},
                   "steps": {}}

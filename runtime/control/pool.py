@@ -219,8 +219,11 @@ class WorkerPool:
         rank, pid, _ = self._watch.ended[0]
         self._die(cause or f"rank {rank} (pid {pid}) exited")
 
-    def wait_for(self, kind: str, timeout_s: float, step: int | None = None) -> dict[int, dict]:
-        """Collect one `kind` message from every worker (matching `step` if given)."""
+    def wait_for(self, kind: str, timeout_s: float, step: int | None = None,
+                 watch: Callable[[dict | None], None] | None = None) -> dict[int, dict]:
+        """Collect one `kind` message from every worker (matching `step` if given). `watch`
+        sees every message meanwhile (e.g. the workers' startup progress, see
+        runtime.control.progress), and None after each quiet poll of 100 ms."""
         got: dict[int, dict] = {}
         deadline = time.monotonic() + timeout_s
         while len(got) < len(self.ranks):
@@ -231,6 +234,8 @@ class WorkerPool:
                 self._die((f"{cause}; " if cause else "") +
                           f"ranks {missing} did not answer {kind!r} within {timeout_s:.0f} s")
             msg = self._poll_one(100)
+            if watch is not None:
+                watch(msg)
             if msg is None or msg["type"] != kind:
                 continue
             if step is not None and msg.get("step") != step:

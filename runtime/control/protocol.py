@@ -34,6 +34,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # worker -> orchestrator
     "hello": {"rank": INT, "pid": INT, "host": STR},
     "ready": {"rank": INT},
+    # while starting: phase "weights" (tensors) or "graphs" (CUDA graphs), summed over the
+    # rank's models; a few a second at most (runtime.control.progress)
+    "progress": {"rank": INT, "phase": STR, "done": INT, "total": INT},
     "done": {"rank": INT, "step": INT, "result": MAP},
     "error": {"rank": INT, "step": INT, "message": STR},
     "heartbeat": {"rank": INT},
@@ -50,12 +53,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "cancel": {"id": STR},
     "ping": {"id": STR},
     "stats": {"id": STR},
+    "metrics": {"id": STR},          # -> metrics_reply: the Prometheus text exposition
     # server -> client
     "delta": {"id": STR, "index": INT, "token_ids": LIST, "text": STR},
     "final": {"id": STR, "outputs": LIST},
     "failed": {"id": STR, "message": STR, "kind": STR},
     "pong": {"id": STR, "info": MAP},
     "stats_reply": {"id": STR, "stats": MAP},
+    "metrics_reply": {"id": STR, "text": STR},
 }
 OPTIONAL: dict[str, set[str]] = {
     "generate": {"prompts", "prompt_ids", "chat", "messages"},

@@ -13,26 +13,10 @@ from torch import nn
 from runtime.models import fused, kernels
 from runtime.models.cache import ExtendBatch, KVCache
 from runtime.models.model_args import ModelArgs
+from runtime.models.quant import RowStack, stack_rows
 
 SMALL_QUERY = 64   # up to this many query rows per KV head: explicit matmul-softmax-matmul
 SLOT_KERNEL_ROWS = 128  # up to this many: the Triton kernel over the cache (when enabled)
-
-
-def concat_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weights (and biases) of Linears stacked along the output axis; each Linear's weight is
-    replaced by a view of the stack, so the fused copy costs no extra memory."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    bias = None
-    if linears[0].bias is not None:
-        bias = torch.cat([lin.bias.detach() for lin in linears])
-    start = 0
-    for lin in linears:
-        stop = start + lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[start:stop], requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias[start:stop], requires_grad=False)
-        start = stop
-    return weight, bias
 
 
 class Attention(nn.Module):
@@ -49,16 +33,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
-        self.qkv_weight: torch.Tensor | None = None   # set by fuse_projections
+        self.qkv: RowStack | None = None   # set by fuse_projections
 
     def fuse_projections(self) -> None:
-        """One GEMM for q, k and v; their weights become views of it."""
-        self.qkv_weight, self.qkv_bias = concat_rows(self.q_proj, self.k_proj, self.v_proj)
+        """One GEMM for q, k and v (float or FP8); their weights become views of it."""
+        self.qkv = stack_rows(self.q_proj, self.k_proj, self.v_proj)
 
-    def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
-        ref = next(self.parameters())  # dtype and device of the (possibly sharded) weights
+    def allocate_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None,
+                       device: torch.device | None = None) -> None:
+        """K and V in `dtype` on `device`: the model's activation dtype (default: that of
+        q_proj's weight, which an FP8 model does not have, so LlamaForCausalLM passes it)."""
+        ref = self.q_proj.weight  # device of the (possibly sharded) weights
         self.kv_cache = KVCache(num_slots, max_seq_len, self.n_kv_heads, self.head_dim,
-                                dtype=ref.dtype, device=ref.device)
+                                dtype=dtype or ref.dtype, device=device or ref.device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ExtendBatch) -> torch.Tensor:
@@ -67,11 +54,10 @@ class Attention(nn.Module):
             raise RuntimeError("allocate_cache() must be called before forward_extend()")
         bsz, seq, _ = x.shape
         h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.qkv_weight is None:
+        if self.qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
-                [h * d, h_kv * d, h_kv * d], dim=-1)
+            q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
         cache = self.kv_cache
         q = fused.rotary_write(q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d),
                                v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache,

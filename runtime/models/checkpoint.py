@@ -27,6 +27,9 @@ class CheckpointInfo:
     num_key_value_heads: int
     num_hidden_layers: int
     hidden_size: int
+    # what the runtime's config checks need (None: the checkpoint does not say)
+    head_dim: int | None = None                  # per attention head (K and V)
+    max_position_embeddings: int | None = None   # the context it was trained for
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
@@ -108,13 +111,23 @@ def _inspect_hf(path: str) -> CheckpointInfo:
     architecture = archs[0] if archs and isinstance(archs[0], str) else str(model_type)
     vocab = _hf_int(config, "vocab_size", path)
     heads = _hf_int(config, "num_attention_heads", path)
+    hidden = _hf_int(config, "hidden_size", path)
     return CheckpointInfo(
         path=path, format="hf", vocab_size=vocab,
         architecture=architecture, model_type=str(model_type), eos_token_ids=eos,
         num_attention_heads=heads,
         num_key_value_heads=_hf_int(config, "num_key_value_heads", path, heads),
         num_hidden_layers=_hf_int(config, "num_hidden_layers", path),
-        hidden_size=_hf_int(config, "hidden_size", path))
+        hidden_size=hidden,
+        head_dim=_optional_int(_hf_get(config, "head_dim")) or hidden // heads,
+        max_position_embeddings=_optional_int(_hf_get(config, "max_position_embeddings")))
+
+
+def _optional_int(value: Any) -> int | None:
+    """A positive int, else None (absent or not an integer)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -174,10 +187,15 @@ def _inspect_gguf(path: str, _size: int, _mtime_ns: int) -> CheckpointInfo:
                          f"(no tokenizer.ggml.tokens, token_embd.weight or {arch}.vocab_size)")
     eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id")
     heads = need_int(f"{arch}.attention.head_count")
+    hidden = need_int(f"{arch}.embedding_length")
+    key_length, context = (_gguf_value(reader, f"{arch}.{name}")
+                           for name in ("attention.key_length", "context_length"))
     return CheckpointInfo(
         path=path, format="gguf", vocab_size=vocab, architecture=arch, model_type=arch,
         eos_token_ids=(int(eos),) if eos is not None else (),
         num_attention_heads=heads,
         num_key_value_heads=need_int(f"{arch}.attention.head_count_kv", heads),
         num_hidden_layers=need_int(f"{arch}.block_count"),
-        hidden_size=need_int(f"{arch}.embedding_length"))
+        hidden_size=hidden,
+        head_dim=int(key_length) if key_length is not None else hidden // heads,
+        max_position_embeddings=int(context) if context is not None else None)

@@ -85,8 +85,37 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> to
     return masked.softmax(dim=-1).to(scores.dtype)
 
 
+FP8_MAX = 448.0   # torch.finfo(torch.float8_e4m3fn).max
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """[out, in] e4m3 weight times its [out] float32 scales, computed in float32, in dtype
+    (runtime.models.quant: the weight-only GEMM's input)."""
+    return (weight.to(torch.float32) * scale[:, None]).to(dtype)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> ([M, K] e4m3, [M, 1] float32): dynamic per-row (per-token) quantization,
+    scale = amax / 448 of each row."""
+    h = x.float()
+    scale = h.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (h / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_rescale(out: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """An unscaled FP8 GEMM's [M, N] float32 output times its row (token) scales [M, 1] and
+    column (channel) scales [N], plus the bias, in dtype."""
+    out = out * x_scale * w_scale
+    if bias is not None:
+        out = out + bias
+    return out.to(dtype)
+
+
 _EAGER = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, rotary_write, silu_mul,
-                                      masked_softmax)}
+                                      masked_softmax, fp8_dequantize, fp8_quantize_rows,
+                                      fp8_rescale)}
 _compiled = False
 
 

@@ -3,8 +3,10 @@ max_batch_size slots of max_seq_len (+ draft room) positions, and must fit its b
 
 Budget: `<model>.kv_cache_memory` (a share of the device's total memory) when set, so that a
 draft and a target sharing a GPU can each be given their part; otherwise what the device has
-free after the weights, less a reserve for activations and CUDA graphs. A cache that does not
-fit is a clear startup error naming the key, never an out-of-memory in the middle of a request.
+free after the weights (measured once they are loaded, so FP8 weights count at their real
+size: 1 byte a value plus their float32 scales), less a reserve for activations and CUDA
+graphs. A cache that does not fit is a clear startup error naming the key, never an
+out-of-memory in the middle of a request.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def cache_bytes(model, num_slots: int, cache_len: int) -> int | None:
     for layer in layers:
         attn = layer.self_attn
         shape = KVCache.shape(num_slots, cache_len, attn.n_kv_heads, attn.head_dim)
-        total += 2 * math.prod(shape) * attn.q_proj.weight.element_size()   # K and V
+        # K and V, in the activation dtype (the norms'; FP8 weights are 1 byte)
+        total += 2 * math.prod(shape) * layer.input_layernorm.weight.element_size()
     return total
 
 

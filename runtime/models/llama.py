@@ -6,10 +6,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models import fused
-from runtime.models.attention import Attention, concat_rows
+from runtime.models.attention import Attention
 from runtime.models.base import check_extend_args
 from runtime.models.cache import ExtendBatch
 from runtime.models.model_args import ModelArgs
+from runtime.models.quant import RowStack, stack_rows
 from runtime.models.rope import RotaryEmbedding, compute_inv_freq
 
 
@@ -31,17 +32,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.gate_up_weight: torch.Tensor | None = None   # set by fuse_projections
+        self.gate_up: RowStack | None = None   # set by fuse_projections
 
     def fuse_projections(self) -> None:
-        """One [2I, hidden] GEMM for gate and up; their weights become views of it."""
-        self.gate_up_weight, self.gate_up_bias = concat_rows(self.gate_proj, self.up_proj)
+        """One [2I, hidden] GEMM for gate and up (float or FP8); their weights become views."""
+        self.gate_up = stack_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, hidden]
-        if self.gate_up_weight is None:
+        if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)    # [B, T, 2I]
+        gate_up = self.gate_up(x)                                          # [B, T, 2I]
         return self.down_proj(fused.silu_mul(gate_up.flatten(0, 1)).view(*x.shape[:2], -1))
 
 
@@ -120,8 +121,9 @@ class LlamaForCausalLM(nn.Module):
         if self.rope_exact_until is not None and max_seq_len > self.rope_exact_until:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds {self.rope_exact_until}, the "
                              f"length up to which this length-dependent RoPE is supported")
+        norm = self.model.norm.weight   # the activation dtype (FP8 weights have another)
         for layer in self.model.layers:
-            layer.self_attn.allocate_cache(num_slots, max_seq_len)
+            layer.self_attn.allocate_cache(num_slots, max_seq_len, norm.dtype, norm.device)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
 
     def free_slot(self, slot: int) -> None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_args import ModelArgs, unsupported_reason
+from runtime.models.quant import load_dtype
 from runtime.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
 from runtime.models.synthetic import RECIPE_FILE, SyntheticWeights
 
@@ -109,8 +110,10 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def load_weights(model: LlamaForCausalLM, source: WeightSource, dtype: torch.dtype,
-                 device: torch.device | str) -> LlamaForCausalLM:
+                 device: torch.device | str,
+                 progress: Callable[[int, int], None] | None = None) -> LlamaForCausalLM:
     """Fill every parameter of `model` (e.g. on meta) from `source`; move all to device.
+    `progress(done, total)` hears of every tensor read (or drawn, for a synthetic recipe).
 
     Parameters listed in `model.tp_shards` (set by runtime.models.parallelize.apply_tp) are read
     as that shard only; the others are read whole (replicated)."""
@@ -120,10 +123,15 @@ def load_weights(model: LlamaForCausalLM, source: WeightSource, dtype: torch.dty
     expected = set(params) - ({"lm_head.weight"} if tied else set())
     optional = {"lm_head.weight"} if tied else set()   # some tied checkpoints store it anyway
     _check_names(expected, optional, source.names())
-    for name in sorted(expected):
+    names = sorted(expected)
+    if progress is not None:
+        progress(0, len(names))
+    for done, name in enumerate(names, 1):
         shard = shards.get(name)
         tensor = source.get(name) if shard is None else source.get_shard(name, *shard)
-        _assign(model, name, tensor.to(device=device, dtype=dtype))
+        _assign(model, name, tensor.to(device=device, dtype=load_dtype(model, name, dtype)))
+        if progress is not None:
+            progress(done, len(names))
     model.tie_weights()
     model.to(device)           # buffers (RoPE inv_freq stays float32)
     return model.eval()
@@ -135,7 +143,8 @@ def _tp_enabled(tp: "TPInfo | None") -> bool:
 
 def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
                device: torch.device | str, tp: "TPInfo | None" = None,
-               gather_logits: bool = True) -> LlamaForCausalLM:
+               gather_logits: bool = True, quantization: str | None = None,
+               progress: Callable[[int, int], None] | None = None) -> LlamaForCausalLM:
     model = build_model(config)
     if _tp_enabled(tp):
         from runtime.models.parallelize import apply_tp
@@ -143,7 +152,10 @@ def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
         apply_tp(model, tp, gather_logits=gather_logits)
     source = open_weights(path, model, config, device)
     try:
-        model = load_weights(model, source, dtype, device)
+        from runtime.models import fp8_load
+
+        source = fp8_load.prepare(model, source, path, quantization, device)  # FP8 layers
+        model = load_weights(model, source, dtype, device, progress)
     finally:
         source.close()
     model.fuse_projections()
@@ -151,7 +163,9 @@ def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
-               tp: "TPInfo | None" = None, *, gather_logits: bool = True):
+               tp: "TPInfo | None" = None, *, gather_logits: bool = True,
+               quantization: str | None = None,
+               progress: Callable[[int, int], None] | None = None):
     """HF checkpoint directory (config.json + safetensors, sharded or single) or .gguf file ->
     our LlamaForCausalLM for llama / mistral / qwen2, else HFFallbackModel. Eval mode, on
     `device`, in `dtype`.
@@ -159,18 +173,26 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
     `tp` (parallel.groups.TPInfo): None or size 1 loads the whole model. Otherwise
     this rank's tensor-parallel shard is built and only its slices are read; every rank of
     the group must call load_model. forward_extend then returns the full [B, T, V] logits on
-    every rank, or with gather_logits=False only this rank's vocab slice (see apply_tp)."""
+    every rank, or with gather_logits=False only this rank's vocab slice (see apply_tp).
+
+    `quantization`: None loads the weights as stored (FP8 checkpoints run in FP8); "fp8"
+    quantizes q/k/v/o/gate/up/down to FP8 while loading (runtime.models.fp8_load).
+    `progress(done, total)`: called per tensor loaded (not by the transformers fallback)."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     device = torch.device(device)
     config = load_config(path)
     reason = unsupported_reason(config)
     if reason is None:
-        return _load_ours(path, config, dtype, device, tp, gather_logits)
+        return _load_ours(path, config, dtype, device, tp, gather_logits, quantization,
+                          progress)
     if _tp_enabled(tp):
         raise NotImplementedError(f"tensor parallelism (size {tp.size}) needs our Llama-family "
                                   f"implementation, but {path} needs the transformers "
                                   f"fallback: {reason}")
+    if quantization is not None:
+        raise ValueError(f"quantization {quantization!r} needs our Llama-family "
+                         f"implementation, but {path} needs the transformers fallback: {reason}")
     from runtime.models.hf_fallback import HFFallbackModel
 
     logger.info("using the transformers fallback for %s: %s", path, reason)

@@ -17,6 +17,8 @@ Longer calls (prefill) and models without `forward_static` run eagerly at their 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from runtime.models.hostcopy import copy_into, to_device
@@ -79,19 +81,25 @@ class StepRunner:
         self.pool = None                            # one memory pool shared by all graphs
 
     @torch.no_grad()
-    def capture_all(self, step_lens: list[int], limit: int = MAX_STARTUP_GRAPHS) -> int:
+    def capture_all(self, step_lens: list[int], limit: int = MAX_STARTUP_GRAPHS,
+                    progress: Callable[[int, int], None] | None = None) -> int:
         """Capture the graphs steps of these lengths can need (each batch bucket and KV
         bucket, slots 0..B-1 or not), shortest KV first, at most `limit` of them: requests
         then pay for no capture (longer contexts of very long max_seq_len configs capture on
-        first use). Returns how many graphs there are."""
+        first use). Returns how many graphs there are. `progress(done, total)` hears of
+        each capture (the first also compiles the fused kernels); nothing without CUDA."""
         if not self.capture:
             return 0
         keys = [(bsz, seq, kv_len, contiguous)
                 for kv_len in self._kv_buckets() for bsz in self.buckets
                 for seq in step_lens for contiguous in (True, False)]
-        for key in keys[:limit]:
-            if key not in self.graphs:
-                self._capture(key)
+        todo = [key for key in keys[:limit] if key not in self.graphs]
+        if progress is not None:
+            progress(0, len(todo))
+        for done, key in enumerate(todo, 1):
+            self._capture(key)
+            if progress is not None:
+                progress(done, len(todo))
         return len(self.graphs)
 
     @torch.no_grad()

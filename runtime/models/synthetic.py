@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -162,14 +163,17 @@ class _ShardWriter:
 def build_pair(out_dir: str | Path, shape: str = "tiny", draft_layers: int = 2,
                eps: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float32,
                shard_bytes: int = SHARD_BYTES, gen_device: str | torch.device = "cpu",
-               materialize: bool = True) -> tuple[str, str]:
+               materialize: bool = True,
+               progress: Callable[[int, int], None] | None = None) -> tuple[str, str]:
     """Write draft/ and target/ under out_dir; returns their paths.
 
     materialize=True writes safetensors shards, drawing one tensor at a time on gen_device
     (host memory holds about one shard; 8b: 16 GB on disk in bf16, 70b: 141 GB; the CPU
     generator takes minutes for 8b, so draw on a GPU when there is one). materialize=False
     writes only config.json and the recipe (synthetic.json): loading then draws the weights
-    on the loading device."""
+    on the loading device (runtime.models.loader.load_weights, whose `progress` then counts
+    the tensors drawn). `progress(done, total)` hears of every tensor drawn and written here
+    (draft and target together; materialize=True only)."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if shape not in SHAPES:
@@ -179,12 +183,19 @@ def build_pair(out_dir: str | Path, shape: str = "tiny", draft_layers: int = 2,
         raise ValueError(f"draft_layers must be in 1..{s['num_hidden_layers']}")
     out = Path(out_dir)
     dtype_name = str(dtype).removeprefix("torch.")
+    plans = {role: tensor_plan(shape, role, draft_layers, eps) for role in ("draft", "target")}
+    done, total = 0, sum(len(plan) for plan in plans.values())
+    if materialize and progress is not None:
+        progress(done, total)
     for role, layers in (("draft", draft_layers), ("target", s["num_hidden_layers"])):
         path = out / role
         if materialize:
             writer = _ShardWriter(path, shard_bytes)
-            for name, (shp, scale) in tensor_plan(shape, role, draft_layers, eps).items():
+            for name, (shp, scale) in plans[role].items():
                 writer.add(name, draw_tensor(name, shp, seed, dtype, gen_device, scale).cpu())
+                done += 1
+                if progress is not None:
+                    progress(done, total)
             writer.close()
         else:
             path.mkdir(parents=True, exist_ok=True)

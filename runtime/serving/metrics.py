@@ -1,10 +1,15 @@
 """Serving counters and timers, kept outside the scheduler (cf. nano-vllm): the scheduler
 tells this module what happened (a round began and ended, a prefill ran, tokens were
-committed); what the server reports is derived here."""
+committed, a sequence saw its first token or finished); what the server reports is derived
+here: the stats reply, and the Prometheus metrics (runtime/serving/prometheus.py) that
+`GET /metrics` and `tandem serve --metrics` expose."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+from runtime.serving.prometheus import PrometheusMetrics
 
 
 @dataclass
@@ -23,6 +28,7 @@ class ServingMetrics:
     started: float = field(default_factory=time.monotonic)
     _last_round_end: float | None = None   # None: the next round follows no round directly
     _round_from: float = 0.0               # where the running round's cost began
+    prometheus: PrometheusMetrics = field(default_factory=PrometheusMetrics, repr=False)
 
     def round_begins(self) -> float:
         """A round command is about to be sent; returns its start time."""
@@ -35,8 +41,9 @@ class ServingMetrics:
         self._round_from = previous_end if previous_end is not None else start
         return start
 
-    def round_ends(self, start: float, results: dict[int, dict]) -> float:
-        """The round's results are in (one per rank); returns the round's cost in seconds."""
+    def round_ends(self, start: float, results: dict[int, dict], k: int) -> float:
+        """The round (k drafts per sequence) has its results (one per rank); returns the
+        round's cost in seconds."""
         end = self._last_round_end = time.perf_counter()
         self.rounds += 1
         self.round_time += end - start
@@ -46,13 +53,15 @@ class ServingMetrics:
                 total = self.timing.setdefault(f"rank{rank}.{phase}", [0.0, 0])
                 total[0] += seconds
                 total[1] += 1
+        self.prometheus.round_done(k, end - self._round_from)
         return end - self._round_from
 
     def idle(self) -> None:
         """Nothing runs: the next round's cost must not include the wait."""
         self._last_round_end = None
 
-    def prefill_done(self, seconds: float) -> None:
+    def prefill_done(self, seconds: float, prompt_tokens: int) -> None:
+        self.prometheus.prefilled(prompt_tokens)
         self.prefill_time += seconds
         self.prefills += 1
         self._last_round_end = None   # the next round's cost must not include this prefill
@@ -62,6 +71,28 @@ class ServingMetrics:
         self.draft_tokens_proposed += proposed
         self.draft_tokens_accepted += accepted
         self.tokens_generated += tokens
+        self.prometheus.committed(proposed, accepted, tokens)
+
+    def first_token(self, seconds: float) -> None:
+        """A sequence's first tokens came `seconds` after its request arrived."""
+        self.prometheus.first_token(seconds)
+
+    def delivered(self, seconds: float, tokens: int) -> None:
+        """A sequence's later tokens: `tokens` of them, `seconds` after its previous ones."""
+        self.prometheus.inter_token(seconds, tokens)
+
+    def finished(self, reason: str, seconds: float | None) -> None:
+        """A sequence ended (`seconds` after it arrived; None: cancelled while queued)."""
+        self.prometheus.request_finished(reason, seconds)
+
+    def watch(self, running: Callable[[], int], queued: Callable[[], int],
+              max_draft_len: int) -> None:
+        """Where the gauges read the running and queued counts when scraped."""
+        self.prometheus.watch_load(running, queued, max_draft_len)
+
+    def exposition(self) -> str:
+        """The Prometheus text of this server's metrics (GET /metrics)."""
+        return self.prometheus.text()
 
     def overheads(self) -> dict:
         """Mean seconds per round: the workers' own time, the control plane (command sent to

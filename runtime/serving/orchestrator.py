@@ -1,7 +1,8 @@
 """Rank 0: turns requests into sequences (tokenise, validate), drives the scheduler, and
 hands results back. Used in-process by `tandem run` and by the server loop of `tandem serve`.
 It is the one door into serving: callers use submit / step / cancel / has_work / idle /
-stats / profile, never the scheduler or the worker pool behind it."""
+stats / profile / metrics_text / metrics_registry, never the scheduler or the worker pool
+behind it."""
 from __future__ import annotations
 
 import logging
@@ -56,7 +57,11 @@ class Orchestrator:
         self._scheduler = Scheduler(pool, self.config.runtime.max_batch_size,
                                    self.config.speculation.fixed_draft_len,
                                    self.eos_token_ids,
-                                   self.config.runtime.step_timeout_s)
+                                   self.config.runtime.step_timeout_s,
+                                   overlap=self.config.overlapped)
+        scheduler = self._scheduler
+        scheduler.metrics.watch(lambda: len(scheduler.running), lambda: len(scheduler.queue),
+                                scheduler.draft_len)
         return self
 
     def info(self) -> dict:
@@ -155,6 +160,15 @@ class Orchestrator:
     def profile(self) -> dict:
         """Mean seconds of each worker phase per round (empty unless TANDEM_PROFILE=1)."""
         return self._scheduler.metrics.profile()
+
+    def metrics_text(self) -> str:
+        """The Prometheus text exposition of this server's metrics (GET /metrics)."""
+        return self._scheduler.metrics.exposition()
+
+    def metrics_registry(self):
+        """This server's prometheus_client CollectorRegistry (`tandem serve --metrics`
+        serves it on a thread; prometheus_client's metrics are thread-safe)."""
+        return self._scheduler.metrics.prometheus.registry
 
     def run_until_done(self, seqs: list[Sequence]) -> list[dict]:
         self.submit(seqs)

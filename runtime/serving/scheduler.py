@@ -27,12 +27,14 @@ class Sequence:
     finish_reason: str | None = None
     rounds: int = 0
     target_only_rounds: int = 0      # rounds without a draft (draft_len auto, k = 0)
+    overlapped_rounds: int = 0       # rounds whose next window was ready at the verdict
     proposed: int = 0                # draft tokens proposed
     accepted: int = 0                # draft tokens accepted
     tested: int = 0                  # draft tokens tested (every token up to the first reject)
     emitted_per_round: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float | None = None     # when the first generated token was committed
+    t_last: float | None = None      # when generated tokens were last committed
     t_end: float | None = None
     cancelled: bool = False
     seed: int = 0                    # the request's seed, or one drawn for it
@@ -51,6 +53,7 @@ class Sequence:
             "mean_accepted_tokens": sum(self.emitted_per_round) / rounds if self.rounds else 0.0,
             "rounds": self.rounds,
             "target_only_rounds": self.target_only_rounds,
+            "overlapped_rounds": self.overlapped_rounds,
             "tokens_per_s": len(self.generated) / elapsed if elapsed > 0 else 0.0,
             "accepted_per_position": list(self.accepted_at),
             "tested_draft_tokens": self.tested,
@@ -74,10 +77,12 @@ class Event:
 
 class Scheduler:
     def __init__(self, pool: WorkerPool, num_slots: int, draft_len: int | None,
-                 eos_token_ids: tuple[int, ...], step_timeout_s: float):
+                 eos_token_ids: tuple[int, ...], step_timeout_s: float,
+                 overlap: bool = False):
         self.pool = pool
         self.draft_len = MAX_AUTO_DRAFT_LEN if draft_len is None else draft_len  # max k
-        self.controller = DraftLenController(draft_len, MAX_AUTO_DRAFT_LEN)
+        self.controller = DraftLenController(draft_len, MAX_AUTO_DRAFT_LEN, overlap)
+        self.overlap = overlap   # workers draft the next window during verification
         self.eos = set(eos_token_ids)
         self.step_timeout_s = step_timeout_s
         self.free_slots = list(range(num_slots))
@@ -95,7 +100,10 @@ class Scheduler:
         self.queue.append(seq)
 
     def cancel(self, request_id: str) -> None:
+        queued = len(self.queue)
         self.queue = deque(s for s in self.queue if s.request_id != request_id)
+        for _ in range(queued - len(self.queue)):
+            self.metrics.finished("cancelled", None)
         for seq in self.running.values():
             if seq.request_id == request_id:
                 seq.cancelled = True
@@ -116,12 +124,15 @@ class Scheduler:
             command["steps"] = steps
         start = self.metrics.round_begins()
         results = self.pool.command(command, self.step_timeout_s)
-        cost = self.metrics.round_ends(start, results)
+        cost = self.metrics.round_ends(start, results, k)
         result = next(r for r in results.values() if "tokens" in r)
         finished = []
         self.controller.observe(k, result["accepted"], cost, steps)
-        for slot, tokens, accepted in zip(slots, result["tokens"], result["accepted"]):
+        overlapped = result.get("overlapped", [False] * len(slots))
+        for slot, tokens, accepted, kept in zip(slots, result["tokens"], result["accepted"],
+                                                overlapped):
             seq = self.running[slot]
+            seq.overlapped_rounds += kept
             events.append(self._append(seq, tokens, accepted, k))
             if seq.finish_reason is not None:
                 finished.append(seq)
@@ -135,8 +146,10 @@ class Scheduler:
         travel; a round that drafted ahead more than it uses would pay for the waste, and
         the controller would read that as the cost of the smaller k."""
         batch = len(slots)
-        k = self.next_k if self.next_k is not None and self.next_slots == slots else \
-            self.controller.choose(batch)
+        # overlapped, the announced k stands whatever joined or left: slots whose window was
+        # kept hold no pending token and need a drafting round
+        announced = self.next_k is not None and (self.overlap or self.next_slots == slots)
+        k = self.next_k if announced else self.controller.choose(batch)
         self.next_k, self.next_slots = self.controller.choose(batch), slots
         return k, self.next_k
 
@@ -153,7 +166,8 @@ class Scheduler:
                                "prompts": [s.prompt_ids for s in admitted],
                                "params": [s.worker_params() for s in admitted]},
                               self.step_timeout_s)
-            self.metrics.prefill_done(time.perf_counter() - start)
+            self.metrics.prefill_done(time.perf_counter() - start,
+                                      sum(len(s.prompt_ids) for s in admitted))
 
     def _append(self, seq: Sequence, tokens: list[int], accepted: int, k: int) -> Event:
         seq.rounds += 1
@@ -176,8 +190,14 @@ class Scheduler:
         new, stopped = seq.stream.add(new)
         if stopped:
             seq.finish_reason = "stop"
-        if new and seq.t_first is None:
-            seq.t_first = time.perf_counter()
+        if new:
+            now = time.perf_counter()
+            if seq.t_first is None:
+                seq.t_first = now
+                self.metrics.first_token(now - seq.t_start)
+            else:
+                self.metrics.delivered(now - seq.t_last, len(new))
+            seq.t_last = now
         seq.generated.extend(new)
         self.metrics.committed(k, accepted, len(new))
         if seq.finish_reason is None and len(seq.generated) >= seq.params.max_new_tokens:
@@ -200,6 +220,7 @@ class Scheduler:
             del self.running[seq.slot]
             self.free_slots.append(seq.slot)
             seq.t_end = time.perf_counter()
+            self.metrics.finished(seq.finish_reason, seq.t_end - seq.t_start)
             events.append(Event("final", seq, [], ""))
         self.free_slots.sort()
         return events

@@ -96,6 +96,9 @@ class Server:
         elif kind == "stats":
             self.reply(identity, {"type": "stats_reply", "id": msg["id"],
                                   "stats": self.orch.stats()})
+        elif kind == "metrics":
+            self.reply(identity, {"type": "metrics_reply", "id": msg["id"],
+                                  "text": self.orch.metrics_text()})
         elif kind == "generate":
             self.admit(identity, msg)
         else:

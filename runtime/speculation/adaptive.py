@@ -15,7 +15,9 @@ Each round the scheduler asks for k and reports back what happened. The controll
   the line only fills in k values not measured lately,
 
 and picks the k in 0..max_k that maximises expected tokens per second,
-E[tokens | k] / T(k) with E[tokens | k] = 1 + sum_{j<=k} a_1 * ... * a_j. k = 0 is a
+E[tokens | k] / T(k) with E[tokens | k] = 1 + sum_{j<=k} a_1 * ... * a_j (overlapped rounds
+take no bonus token when all k are kept: less a_1 * ... * a_k; their measured cost is what
+overlapping makes of a round, so the choice needs no other model of it). k = 0 is a
 target-only round: no draft, the target decodes up to TARGET_ONLY_STEPS tokens on one command
 (so the control round trip is paid once for all of them), at 1 token per measured step; it
 wins when the draft is rarely right, and every other exploration round then tries k = 1.
@@ -59,12 +61,21 @@ def expected_tokens_by_position(accept: list[float]) -> list[float]:
     return expected
 
 
+def _reach(accept: list[float], k: int) -> float:
+    """Probability that all of k drafts are accepted (a_1 * ... * a_k)."""
+    reach = 1.0
+    for a in accept[:k]:
+        reach *= a
+    return reach
+
+
 class DraftLenController:
     """Chooses the draft length per round; a fixed draft length bypasses it entirely."""
 
-    def __init__(self, fixed: int | None, max_k: int):
+    def __init__(self, fixed: int | None, max_k: int, overlap: bool = False):
         self.fixed = fixed
         self.max_k = max_k
+        self.overlap = overlap      # a wholly accepted window commits no bonus token
         self.accepted_w = 1.0       # pooled prior: alpha = 0.5
         self.reached_w = 2.0
         self.pos_accepted = [0.0] * max_k
@@ -128,7 +139,10 @@ class DraftLenController:
             self.last_k = 2 if self.rounds % 2 else min(self.max_k, 6)
             return self.last_k
         costs, measured = estimate
-        expected = [1.0] + expected_tokens_by_position(self.position_acceptance())
+        accept = self.position_acceptance()
+        expected = [1.0] + expected_tokens_by_position(accept)
+        if self.overlap:    # no bonus when all k are kept: the next window is ready instead
+            expected = [1.0] + [e - _reach(accept, k) for k, e in enumerate(expected[1:], 1)]
         rates = [e / t for e, t in zip(expected, costs)]
         self.last_k = self._explore(rates, measured)
         return self.last_k

@@ -21,9 +21,10 @@ from parallel.topology import Topology, WorkerSpec, topology_from_config
 from runtime.control import auth, protocol
 from runtime.config import TandemConfig, load_config
 from runtime.control.heartbeat import Pulse
+from runtime.control.progress import ProgressReporter
 from runtime.worker.loading import load_shards
 from runtime.worker.round import (NextWork, RoundParts, decode_target_only, drop_stale_ahead,
-                                  speculate, work_ahead)
+                                  speculate, speculate_overlapped, work_ahead)
 
 log = logging.getLogger("tandem.worker")
 
@@ -118,7 +119,7 @@ class Worker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self.topology.workers)))
         try:
             draft, target = load_shards(self.config, self.spec, self.groups, self.device,
-                                        self.rank)
+                                        self.rank, ProgressReporter(self.send, self.rank))
         except Exception as exc:
             self.send({"type": "error", "rank": self.rank, "step": -1,
                        "message": f"rank {self.rank} failed to load: {type(exc).__name__}: {exc}"})
@@ -126,7 +127,8 @@ class Worker:
         self.parts = RoundParts(draft, target, self.groups.bridge,
                                 self.topology.draft_leader, self.topology.target_leader,
                                 self.rank, self.device, self.config.speculation.acceptance,
-                                profile=os.environ.get("TANDEM_PROFILE") == "1")
+                                profile=os.environ.get("TANDEM_PROFILE") == "1",
+                                overlap=self.config.overlapped)
         self.send({"type": "ready", "rank": self.rank})
 
     # --- serving loop --------------------------------------------------------------------
@@ -196,8 +198,12 @@ class Worker:
         if kind != "round":
             raise protocol.ProtocolError(f"worker cannot handle {kind!r}")
         steps, next_k = self._check_round(msg)
-        result = decode_target_only(self.parts, slots, steps) if k == 0 else \
-            speculate(self.parts, slots, k)
+        if k == 0:
+            result = decode_target_only(self.parts, slots, steps)
+        elif self.parts.overlap:
+            result = speculate_overlapped(self.parts, slots, k, next_k)
+        else:
+            result = speculate(self.parts, slots, k)
         if self.config.runtime.draft_ahead:   # started by work_ahead once result is sent
             self.next_work = NextWork(slots, next_k)
         return result

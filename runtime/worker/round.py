@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.transfer import bridge_broadcast
+from runtime.worker import overlap
 from runtime.worker.shards import DraftShard, TargetShard
 from runtime.worker.stepclock import StepClock
 
@@ -38,6 +39,7 @@ class RoundParts:
     device: torch.device
     acceptance: str                     # tokens | logits
     profile: bool = False               # time each phase (TANDEM_PROFILE=1)
+    overlap: bool = False               # draft the next window while the target verifies
 
     @property
     def reports(self) -> bool:
@@ -97,6 +99,58 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> dict:
     return _result(parts, start, clock, tokens, accepted)
 
 
+def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: int) -> dict:
+    """A round of overlapped speculation (runtime.worker.overlap): the draft's ranks and the
+    target's are disjoint, and while the target verifies this window the draft drafts the
+    next one as if this one will be kept. A slot whose window is wholly accepted commits its
+    k drafts without a bonus token (next_k > 0): its next window is ready, and the target's
+    held logits verify its first token next round."""
+    start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
+    batch, dev, draft, target = len(slots), parts.device, parts.draft, parts.target
+    need_q = parts.acceptance == "logits" and not (target or draft).sampling(slots).greedy
+    # 1. draft: this window (drafted during the last round where the slot was kept)
+    draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)    # [B, k]
+    draft_probs = None                                                     # [B, k, V] q
+    if draft is not None:
+        draft_tokens, draft_probs = overlap.take_drafts(draft, slots, k)
+    clock.lap("draft_s")
+    # 2. draft -> target
+    bridge_broadcast(draft_tokens, parts.draft_leader, parts.bridge)
+    if need_q:
+        if draft_probs is None:
+            draft_probs = torch.zeros(batch, k, (target or draft).model.vocab_size, device=dev)
+        bridge_broadcast(draft_probs, parts.draft_leader, parts.bridge)
+    clock.lap("draft_transfer_s")
+    # 3. at once: the target verifies, the draft drafts the next window
+    verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)         # [B, 2]
+    window = last_logits = None
+    if draft is not None and next_k > 0:
+        window = overlap.draft_next_window(draft, slots, draft_tokens, draft_probs, next_k)
+    if target is not None:
+        accepted, next_token, last_logits = overlap.verify_held(
+            target, slots, draft_tokens, draft_probs if need_q else None)
+        verdict = torch.stack([accepted, next_token], dim=1)
+    clock.lap("verify_or_next_window_s")
+    # 4. target -> draft
+    bridge_broadcast(verdict, parts.target_leader, parts.bridge)
+    clock.lap("verdict_transfer_s")
+    # 5. both commit: kept slots keep the next window (draft) and the held logits (target)
+    rows = torch.cat([draft_tokens, verdict], dim=1).tolist()             # [B, k+2]
+    drafts = [row[:k] for row in rows]
+    accepted, next_tokens = [row[k] for row in rows], [row[k + 1] for row in rows]
+    kept = overlap.kept_rows(accepted, k, next_k)
+    if draft is not None:
+        overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, kept, window)
+    if target is not None:
+        overlap.commit_target(target, slots, accepted, next_tokens, kept, last_logits)
+    tokens = [d[:a] if keep else d[:a] + [n]
+              for d, a, n, keep in zip(drafts, accepted, next_tokens, kept)]
+    result = _result(parts, start, clock, tokens, accepted)
+    if parts.reports:
+        result["overlapped"] = kept
+    return result
+
+
 def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> dict:
     """A round without a draft (draft_len auto, k = 0): the target decodes `steps` tokens
     per slot, exactly those a round that rejected every draft would take, then they move
@@ -129,10 +183,13 @@ def _result(parts: RoundParts, start: float, clock: StepClock, tokens: list[list
 def drop_stale_ahead(parts: RoundParts, k: int | None) -> None:
     """Work done ahead is kept only by the round it was done for: drafts by a drafting round,
     decode steps by a target-only round (each shard then checks the slots); anything else
-    (a prefill, a release, the other kind of round) drops it."""
+    (a prefill, a release, the other kind of round) drops it. Next windows of overlapped
+    rounds are per slot and outlive prefills of other slots, not a target-only round."""
     for shard, keep in ((parts.draft, k is not None and k > 0), (parts.target, k == 0)):
         if shard is not None and not keep:
             shard.drop_ahead()
+    if k == 0 and parts.draft is not None:
+        overlap.drop_windows(parts.draft)
 
 
 def work_ahead(parts: RoundParts, nxt: NextWork) -> Exception | None:
@@ -145,8 +202,10 @@ def work_ahead(parts: RoundParts, nxt: NextWork) -> Exception | None:
     if shard is None:
         return None
     try:
-        if nxt.k > 0:
-            parts.draft.propose_ahead(nxt.slots, nxt.k)
+        if nxt.k > 0:   # slots with a next window (overlap) have their drafts already
+            slots = [s for s in nxt.slots if s not in parts.draft.windows]
+            if slots:
+                parts.draft.propose_ahead(slots, nxt.k)
         else:
             parts.target.decode_ahead(nxt.slots, DECODE_AHEAD_STEPS)
     except Exception as exc:  # noqa: BLE001 - logged by the caller, the work dropped

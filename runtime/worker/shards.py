@@ -53,6 +53,9 @@ class ModelShard:
         self.device = device
         self.max_seq_len = max_seq_len
         self.slots = [SlotState() for _ in range(num_slots)]
+        # per slot, what an overlapped round carries to the next (runtime.worker.overlap):
+        # the draft's next window, the target's held logits; gone with the slot's sequence
+        self.carried: dict[int, object] = {}
         model.allocate_cache(num_slots, max_seq_len)
         self.runner = StepRunner(model, device, num_slots, max_step_len, cuda_graphs)
 
@@ -99,6 +102,7 @@ class ModelShard:
         params = params or [GREEDY] * len(slots)
         for slot, prompt, sampling in zip(slots, prompts, params):
             state = self._check_slot(slot)
+            self.carried.pop(slot, None)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)
             state.committed, state.cache_len, state.pending = len(prompt), 0, [prompt[-1]]
@@ -125,6 +129,7 @@ class ModelShard:
         for slot in slots:
             self._check_slot(slot)
             self.slots[slot] = SlotState()
+            self.carried.pop(slot, None)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)
 
@@ -137,6 +142,11 @@ class DraftShard(ModelShard):
     (rollback is a length update, stale KV positions are overwritten)."""
 
     ahead: DraftAhead | None = None
+
+    @property
+    def windows(self) -> dict:
+        """slot -> its next window (runtime.worker.overlap.DraftWindow)."""
+        return self.carried
 
     def propose_ahead(self, slots: list[int], k: int) -> None:
         saved = self._save(slots)
@@ -214,6 +224,12 @@ class TargetShard(ModelShard):
     numbers per position cross the group); sampled batches gather the full distribution."""
 
     vocab_parallel = None   # parallel.vocab.VocabParallel, or None when logits are full
+
+    @property
+    def held(self) -> dict:
+        """slot -> logits [V(local)] of its next token, held after a kept overlapped round
+        (the slot then has no pending token; runtime.worker.overlap)."""
+        return self.carried
 
     def verify(self, slots: list[int], draft_tokens: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,12 +42,17 @@ CASES = {
     "k3": ("near", "target", 3, ["cpu:0"], ["cpu:1"], ("mpirun", "mpi-spawn")),
     "k8": ("near", "target", 8, ["cpu:1"], ["cpu:0"], ("spawn", "mpi-spawn")),
     "qwen2": ("qwen_near", "qwen", 4, ["cpu:0"], ["cpu:1"], ("torchrun", "mpirun")),
+    # disjoint devices overlap by default (speculation.overlap auto): these two pin it
+    "draft-is-target-apart": ("target", "target", 4, ["cpu:0"], ["cpu:1"],
+                              ("spawn", "torchrun")),
+    "k4-no-overlap": ("near", "target", 4, ["cpu:0"], ["cpu:1"], ("mpirun", "mpi-spawn")),
 }
+NO_OVERLAP = {"k4-no-overlap"}
 PAIRS = [(case, form) for case, spec in CASES.items() for form in spec[-1]]
 
 
 def test_pairs_cover_every_launch_form_evenly():
-    assert sorted(form for _, form in PAIRS) == sorted(launch.FORMS * 3)
+    assert sorted(form for _, form in PAIRS) == sorted(launch.FORMS * 4)
 
 
 @pytest.mark.parametrize("case,form", PAIRS)
@@ -55,6 +60,8 @@ def test_greedy_equals_target(case, form, models, reference, tmp_path):
     draft, target, k, draft_devices, target_devices, _ = CASES[case]
     cfg = launch.write_config(tmp_path / "c.yaml", models[draft], models[target],
                               draft_devices, target_devices, draft_len=k)
+    if case in NO_OVERLAP:
+        launch.set_speculation(cfg, overlap=False)
     outs = launch.run_json(form, launch.world_size(draft_devices, target_devices),
                            run_args(cfg, NEW_TOKENS))
     assert [o["token_ids"] for o in outs] == reference(target)
@@ -68,8 +75,13 @@ def test_greedy_equals_target(case, form, models, reference, tmp_path):
         # every round tests draft token 1, and token i+1 only when it kept token i
         positions = stats["accepted_per_position"]
         assert stats["tested_draft_tokens"] == stats["rounds"] + sum(positions[:k - 1])
-        if case == "draft-is-target":
+        if case.startswith("draft-is-target"):
             assert stats["acceptance_rate"] > 0.9
+        overlapped = not (set(draft_devices) & set(target_devices)) and case not in NO_OVERLAP
+        if not overlapped:
+            assert stats["overlapped_rounds"] == 0
+        elif case == "draft-is-target-apart":   # every window kept but the last one's
+            assert stats["overlapped_rounds"] >= stats["rounds"] - 1
     rates = [o["stats"]["acceptance_rate"] for o in outs]
     if case == "disagreeing-draft":
         assert max(rates) < 0.35

@@ -35,7 +35,11 @@ def pair(tmp_path_factory):
               pad_token_id=None)
     target = checkpoints.build_checkpoint(root / "target", "llama", seed=10, **kw)
     draft = checkpoints.build_checkpoint(root / "draft", "llama", seed=11, **kw)
-    return draft, target
+    # a draft that agrees often (alpha about 0.8 at temperature 1) yet is told apart: with
+    # draft_len 1 most first windows are kept, so the second token is the overlapped
+    # round's, verified with the target's held logits (runtime.worker.overlap)
+    near = checkpoints.build_near_draft(target, root / "near", noise=0.3)
+    return {"random": draft, "near": near}, target
 
 
 def exact_joint(model_dir: str, setting: dict) -> np.ndarray:
@@ -72,34 +76,40 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp).pvalue)
 
 
-def sample_pairs(engine, setting: dict, seed: int) -> np.ndarray:
+def sample_pairs(engine, setting: dict, seed: int) -> tuple[np.ndarray, int]:
+    """Counts of (first, second) generated token, and the rounds overlapped."""
     outs = engine.generate(prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=2,
                            seed=seed, **setting)
     counts = np.zeros((VOCAB, VOCAB))
     for out in outs:
         assert len(out.token_ids) == 2
         counts[out.token_ids[0], out.token_ids[1]] += 1
-    return counts
+    return counts, sum(out.stats["overlapped_rounds"] for out in outs)
 
 
-@pytest.mark.parametrize("acceptance,draft_devices,target_devices", [
-    ("tokens", ["cpu:0"], ["cpu:1"]),
-    ("logits", ["cpu:0"], ["cpu:1"]),
-    ("logits", ["cpu:0"], ["cpu:1", "cpu:2"]),            # draft TP 1, target TP 2
-    ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"]),            # draft TP 2, target TP 1
+@pytest.mark.parametrize("acceptance,draft_devices,target_devices,draft_kind,k", [
+    ("tokens", ["cpu:0"], ["cpu:1"], "random", 3),
+    ("logits", ["cpu:0"], ["cpu:1"], "random", 3),
+    ("logits", ["cpu:0"], ["cpu:1", "cpu:2"], "random", 3),   # draft TP 1, target TP 2
+    ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"], "random", 3),   # draft TP 2, target TP 1
+    ("tokens", ["cpu:0"], ["cpu:1"], "near", 1),              # overlapped rounds kept
+    ("logits", ["cpu:0"], ["cpu:1"], "near", 1),
 ])
-def test_sampled_output_follows_target(acceptance, draft_devices, target_devices, pair,
-                                       tmp_path):
-    draft, target = pair
+def test_sampled_output_follows_target(acceptance, draft_devices, target_devices, draft_kind,
+                                       k, pair, tmp_path):
+    drafts, target = pair
+    draft = drafts[draft_kind]
     cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_devices,
-                              target_devices, draft_len=3, max_batch_size=256)
-    text = open(cfg).read().replace("acceptance: tokens", f"acceptance: {acceptance}")
-    open(cfg, "w").write(text)
+                              target_devices, draft_len=k, max_batch_size=256)
+    launch.set_speculation(cfg, acceptance=acceptance)
     with Engine.launch(cfg) as engine:
         # the TP layouts re-check the two settings with top-k/top-p filters
         settings = SETTINGS if len(draft_devices + target_devices) == 2 else SETTINGS[1:3]
+        settings = settings[:2] if draft_kind == "near" else settings
         for i, setting in enumerate(settings):
-            counts = sample_pairs(engine, setting, seed=1000 * i)
+            counts, overlapped = sample_pairs(engine, setting, seed=1000 * i)
+            if draft_kind == "near":    # disjoint devices overlap (speculation.overlap auto)
+                assert overlapped > SAMPLES // 4, overlapped
             target_p = exact_joint(target, setting)
             draft_p = exact_joint(draft, setting)
             p_joint = chi_square_p(counts, target_p)

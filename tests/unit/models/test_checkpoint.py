@@ -22,7 +22,8 @@ def test_hf_llama(tmp_path):
     assert info == CheckpointInfo(
         path=os.path.abspath(path), format="hf", vocab_size=96,
         architecture="LlamaForCausalLM", model_type="llama", eos_token_ids=(2,),
-        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, hidden_size=64)
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, hidden_size=64,
+        head_dim=16, max_position_embeddings=512)
 
 
 def test_hf_qwen2(tmp_path):

@@ -1,0 +1,98 @@
+"""Overlapped rounds (runtime.worker.overlap) in one process: both shards on the CPU, the
+bridge a no-op. Greedy output must be the target's own token for token whatever the draft,
+with rows of one batch kept and rejected in the same round, k changing between rounds and a
+sequence joining while others hold next windows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.models import load_model
+from runtime.worker import overlap
+from runtime.worker.round import RoundParts, speculate_overlapped
+from runtime.worker.shards import DraftShard, TargetShard
+from tests.checkpoints import build_checkpoint, build_near_draft
+
+pytestmark = pytest.mark.timeout(180)
+
+CPU = torch.device("cpu")
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2]]
+
+
+@pytest.fixture(scope="module")
+def pair(llama_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("overlap")
+    return {"near": build_near_draft(llama_path, root / "near", noise=0.05),
+            "other": build_checkpoint(root / "other", seed=9), "same": llama_path}
+
+
+def shards(draft_path: str, target_path: str) -> RoundParts:
+    draft = DraftShard(load_model(draft_path, torch.float32, CPU), CPU, 4, 96, "tokens",
+                       max_step_len=2)
+    target = TargetShard(load_model(target_path, torch.float32, CPU), CPU, 4, 96, "tokens",
+                         max_step_len=9)
+    return RoundParts(draft, target, None, 0, 0, 0, CPU, "tokens", overlap=True)
+
+
+def target_greedy(target_path: str, prompt: list[int], n: int) -> list[int]:
+    """The target alone: one token per decode step."""
+    target = TargetShard(load_model(target_path, torch.float32, CPU), CPU, 1, 96, "tokens",
+                         max_step_len=2)
+    target.prefill([0], [prompt], [GREEDY])
+    tokens = target.decode([0], n)[0].tolist()
+    return tokens
+
+
+def run(parts: RoundParts, ks: list[int], join_at: int = 2) -> tuple[dict, list[list[bool]]]:
+    """Rounds of speculate_overlapped with draft lengths ks (the next round's announced as
+    next_k); the third prompt joins before round `join_at`. Returns slot -> committed
+    tokens, and each round's kept flags."""
+    out: dict[int, list[int]] = {}
+    for shard in (parts.draft, parts.target):
+        shard.prefill([0, 2], PROMPTS[:2], [GREEDY, GREEDY])
+    slots, kept_log = [0, 2], []
+    for r, k in enumerate(ks):
+        if r == join_at:
+            for shard in (parts.draft, parts.target):
+                shard.prefill([3], PROMPTS[2:], [GREEDY])
+            slots = [0, 2, 3]
+        next_k = ks[r + 1] if r + 1 < len(ks) else 0
+        result = speculate_overlapped(parts, slots, k, next_k)
+        kept_log.append(result["overlapped"])
+        for slot, tokens in zip(slots, result["tokens"]):
+            out.setdefault(slot, []).extend(tokens)
+    return out, kept_log
+
+
+@pytest.mark.parametrize("draft", ["near", "other", "same"])
+def test_greedy_equals_target_whatever_the_draft(pair, draft):
+    ks = [4, 4, 3, 1, 4, 2, 4, 4]
+    out, kept = run(shards(pair[draft], pair["same"]), ks)
+    for slot, prompt in zip([0, 2, 3], PROMPTS):
+        assert out[slot] == target_greedy(pair["same"], prompt, len(out[slot])), slot
+    flat = [flag for flags in kept for flag in flags]
+    if draft == "same":        # every window kept but the last (no next window announced)
+        assert all(flat[:-3]) and not any(kept[-1])
+    if draft == "other":       # a draft that is never right keeps nothing
+        assert not any(flat)
+    if draft == "near":        # rows of one round kept and rejected side by side
+        assert any(any(f) and not all(f) for f in kept), kept
+
+
+def test_windows_survive_a_prefill_and_go_with_a_release(pair):
+    parts = shards(pair["same"], pair["same"])
+    for shard in (parts.draft, parts.target):
+        shard.prefill([0, 2], PROMPTS[:2], [GREEDY, GREEDY])
+    speculate_overlapped(parts, [0, 2], 3, 3)
+    assert set(parts.draft.windows) == set(parts.target.held) == {0, 2}
+    for shard in (parts.draft, parts.target):
+        shard.prefill([3], PROMPTS[2:], [GREEDY])
+    assert set(parts.draft.windows) == {0, 2}
+    for shard in (parts.draft, parts.target):
+        shard.release([2])
+    assert set(parts.draft.windows) == set(parts.target.held) == {0}
+    overlap.drop_windows(parts.draft)       # a target-only round: back to a pending token
+    state = parts.draft.slots[0]
+    assert not parts.draft.windows and state.cache_len + len(state.pending) == \
+        state.committed
