@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 
-MODES = ("target", "spec", "hf", "hf-compiled", "hf-assisted")
-SHAPES = ("tiny", "1b", "8b", "70b")
+MODES = ("target", "spec", "spec-sequential", "hf", "hf-compiled", "hf-assisted")
+SHAPES = ("tiny", "small", "1b", "8b", "70b")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -13,7 +15,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        "transformers", description="Run the modes side by side on the same "
                        "seeded random prompts; print a table, optionally write JSON.")
     p.add_argument("config", nargs="?", help="YAML config whose draft/target to use "
-                   "(instead of --synthetic)")
+                   "(instead of --synthetic; default: none)")
     p.add_argument("--synthetic", choices=SHAPES, default=None,
                    help="build a random Llama-shaped pair (default tiny without CONFIG)")
     p.add_argument("--draft-layers", type=int, default=2,
@@ -26,9 +28,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--target-tp", type=int, default=1,
                    help="synthetic target's tensor-parallel size: devices --device, +1, ...; "
                         "the draft runs on --device (default 1)")
-    p.add_argument("--batch-sizes", default="1", type=_int_list, help="e.g. 1,16")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batch-sizes", default="1", type=_int_list,
+                   help="comma-separated batch sizes to measure, e.g. 1,16")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per random prompt")
+    p.add_argument("--new-tokens", type=int, default=256,
+                   help="tokens generated per prompt")
     p.add_argument("--draft-len", default=None, type=_draft_len,
                    help="k (or auto); default: the config's, or 4")
     p.add_argument("--modes", default=",".join(MODES), type=_modes,
@@ -49,7 +53,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="run hf-compiled on CPU too (slow to compile; skipped otherwise)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run tandem's decode/verify steps eagerly (runtime.cuda_graphs false)")
-    p.add_argument("--out", default=None, help="write the JSON report here")
+    p.add_argument("--out", default=None, help="write the JSON report here (default: none)")
     return p
 
 
@@ -101,6 +105,7 @@ def main(args) -> int:
         warmup=args.warmup, repeats=args.repeats, synthetic_dir=args.synthetic_dir,
         compile_on_cpu=args.compile_on_cpu, cuda_graphs=args.cuda_graphs,
         target_tp=args.target_tp)
+    _quiet_libraries()
     try:
         settings.check()
         report = run_bench(settings)
@@ -112,3 +117,21 @@ def main(args) -> int:
         write_json(args.out, report)
         print(f"wrote {args.out}", file=sys.stderr)
     return 1 if failed(report) else 0
+
+
+def _quiet_libraries() -> None:
+    """The bench prints its table and its own progress. transformers' progress bars
+    ("Loading weights", "Writing model shards") and its advice and deprecation notices
+    (`torch_dtype` is deprecated, generation_config ...) say nothing about the measurement:
+    silenced at their source, here and (through the environment) in the Engine's server and
+    workers. With TANDEM_LOG set (debugging) everything is shown."""
+    if os.environ.get("TANDEM_LOG"):
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", message=r".*`?torch_dtype`? is deprecated")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()

@@ -30,6 +30,11 @@ log = logging.getLogger("tandem.launcher")
 DEAD_GRACE_S = 3.0   # after a failure: how long shutdown waits for a worker before SIGKILL
 
 
+class StartupUsageError(EngineDeadError):
+    """Startup failed because the config asks for what a rank cannot do (its KV cache over
+    the memory budget): a usage error (exit 2) in one line, not a crash."""
+
+
 @dataclass
 class Cluster:
     config: TandemConfig
@@ -220,6 +225,11 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
         pgroups.build_groups(topology, rt.step_timeout_s)
         try:
             pool.wait_for("ready", rt.startup_timeout_s, watch=display.observe)
+        except EngineDeadError:
+            usage = pool.usage_error()
+            if usage is None:
+                raise
+            raise StartupUsageError(usage) from None
         finally:
             display.close()
         log.info("all %d workers ready (%s launch)", len(topology.worker_ranks), env.method)

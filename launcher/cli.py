@@ -1,61 +1,126 @@
-"""`tandem` / `python -m launcher`: run, serve, and the internal worker entry."""
+"""`tandem` / `python -m launcher`: run, serve, bench, and the internal worker entry.
+
+Exit codes: 0 done; 1 the engine died (a worker crashed, a rank went silent); 2 a usage or
+config error, found before any process starts wherever it can be; 128 + N stopped by signal
+N (130: Ctrl-C). Errors name what the user typed: a dotted config key or a flag."""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import re
 import sys
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
+DEMO_PROMPT = "What is speculative decoding? Answer in two sentences."
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless there is nothing to show (a flag
+    that takes no value; a default of None: the help says what happens then) or the help
+    already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        plain_flag = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        nothing = action.default is None or action.default is argparse.SUPPRESS
+        if plain_flag or nothing or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:   # run from a checkout that was never installed
+        return "unknown (not installed; pip install -e .)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Draft-target speculative "
-                                     "decoding across processes and GPUs.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="generate once and exit")
-    run.add_argument("config", nargs="?", help="YAML config (default: built-in SmolLM2 demo)")
+    """The public command line (the hidden `worker` entry has its own: _worker_parser)."""
+    parser = argparse.ArgumentParser(prog="tandem", formatter_class=_HelpFormatter,
+                                     description="Draft-target speculative decoding across "
+                                                 "processes and GPUs.")
+    parser.add_argument("--version", action="version", version=f"tandem {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,serve,bench}")
+    _add_run(sub.add_parser("run", help="generate once and exit",
+                            formatter_class=_HelpFormatter,
+                            description="Generate for one prompt (or a batch) and exit. The "
+                                        "text streams to stdout; stats go to stderr. Ctrl-C "
+                                        "stops with what was generated (exit 130)."))
+    _add_serve(sub.add_parser("serve", help="serve clients until SIGINT/SIGTERM",
+                              formatter_class=_HelpFormatter,
+                              description="Start everything and serve clients at "
+                                          "server.address until SIGINT/SIGTERM."))
+    from launcher.bench import add_parser as add_bench_parser
+
+    bench = add_bench_parser(sub)
+    bench.formatter_class = _HelpFormatter
+    _add_quiet(bench)   # its Engine's server writes plain lines anyway
+    return parser
+
+
+def _add_run(run: argparse.ArgumentParser) -> None:
+    run.add_argument("config", nargs="?",
+                     help="YAML config (default: the built-in demo, SmolLM2-135M-Instruct on "
+                          "the CPU as both draft and target)")
     src = run.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append",
-                     help="prompt text (repeat for a batch; --json then prints one line each)")
-    src.add_argument("--prompt-ids", action="append",
-                     help="comma-separated prompt token ids, e.g. 1,2,3 (repeatable)")
-    run.add_argument("--max-new-tokens", type=int, default=64)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-k", type=int, default=None)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="prompt text; repeat for a batch (default for the demo: "
+                          f"{DEMO_PROMPT!r})")
+    src.add_argument("--prompt-ids", action="append", metavar="IDS",
+                     help="comma-separated prompt token ids, e.g. 1,2,3; repeat for a batch "
+                          "(no default)")
+    run.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                     help="tokens to generate at most per prompt")
+    run.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="sampling temperature; 0 is greedy")
+    run.add_argument("--top-k", type=int, default=None, metavar="K",
+                     help="sample from the K most likely tokens (default: no limit)")
+    run.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                     help="sample from the most likely tokens whose probabilities sum to P "
+                          "(1.0: no limit)")
+    run.add_argument("--seed", type=int, default=None, metavar="S",
+                     help="sampling seed; prompt i samples with S + i (default: a random one)")
+    run.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="stop string; repeatable (default: none)")
     run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the tokenizer's chat template to --prompt "
                           "(default: on for the built-in demo, off otherwise)")
-    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                     help="print the text as it is generated (several prompts: one after "
+                          "another); --no-stream prints each prompt's text once all are done")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt on stdout once all are done "
+                          "(text, token_ids, finish_reason, stats) instead of the text")
+    run.add_argument("--print-config", action="store_true",
+                     help="print the effective config (defaults filled in) as YAML and exit")
     _add_quiet(run)
-    serve = sub.add_parser("serve", help="serve clients until SIGINT/SIGTERM")
-    serve.add_argument("config")
-    serve.add_argument("--address", help="override server.address")
-    _add_quiet(serve)
+
+
+def _add_serve(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("config", help="YAML config")
+    serve.add_argument("--address", help="listen here instead of server.address "
+                                         "(default: the config's)")
     serve.add_argument("--http", metavar="HOST:PORT", default=None,
                        help="also serve an OpenAI-compatible HTTP API here "
-                            "(loopback only unless --http-allow-remote)")
+                            "(loopback only unless --http-allow-remote; default: none)")
     serve.add_argument("--http-allow-remote", action="store_true",
                        help="allow --http on a non-loopback address (no authentication)")
+    serve.add_argument("--served-model-name", metavar="NAME", default=None,
+                       help="the model id HTTP clients name (OpenAI's `model`); requests for "
+                            "another get 404 (default: the target's file or directory name)")
     serve.add_argument("--metrics", metavar="HOST:PORT", default=None,
                        help="also serve the Prometheus metrics at GET /metrics here "
-                            "(loopback only unless --metrics-allow-remote)")
+                            "(loopback only unless --metrics-allow-remote; default: none)")
     serve.add_argument("--metrics-allow-remote", action="store_true",
                        help="allow --metrics on a non-loopback address (no authentication)")
-    from launcher.bench import add_parser as add_bench_parser
-
-    _add_quiet(add_bench_parser(sub))   # its Engine's server writes plain lines anyway
-    worker = sub.add_parser("worker", help=argparse.SUPPRESS)
-    who = worker.add_mutually_exclusive_group(required=True)
-    who.add_argument("--rank", type=int)
-    who.add_argument("--rank-from-mpi", action="store_true")
-    worker.add_argument("--world-size", type=int, required=True)
-    worker.add_argument("--init-method", required=True)
-    worker.add_argument("--startup-timeout", type=float, default=300.0)
-    return parser
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the effective config (defaults filled in) as YAML and exit")
+    _add_quiet(serve)
 
 
 def _add_quiet(parser: argparse.ArgumentParser) -> None:
@@ -64,54 +129,86 @@ def _add_quiet(parser: argparse.ArgumentParser) -> None:
                              "ends) instead of bars; also the case when stderr is no terminal")
 
 
+def _worker_parser() -> argparse.ArgumentParser:
+    """`tandem worker ...`: how rank 0 (or mpirun) starts a worker; not for users, so not
+    in the public parser's help (argparse cannot hide a subcommand's name)."""
+    worker = argparse.ArgumentParser(prog="tandem worker")
+    who = worker.add_mutually_exclusive_group(required=True)
+    who.add_argument("--rank", type=int)
+    who.add_argument("--rank-from-mpi", action="store_true")
+    worker.add_argument("--world-size", type=int, required=True)
+    worker.add_argument("--init-method", required=True)
+    worker.add_argument("--startup-timeout", type=float, default=300.0)
+    return worker
+
+
+# Python argument names in tandem's messages -> what the `tandem run` user typed.
+_FLAG_NAMES = {"prompt_token_ids": "--prompt-ids", "max_new_tokens": "--max-new-tokens",
+               "top_k": "--top-k", "top_p": "--top-p"}
+_LEADING_FLAGS = ("prompt", "temperature", "seed", "stop")   # only as a message's subject
+
+
+def flag_message(message: str) -> str:
+    """An error message of the Python API ('top_p: ...', 'prompt_token_ids: ...') in the
+    CLI's words ('--top-p: ...', '--prompt-ids: ...'); a bare max_seq_len is the config key."""
+    for name, flag in _FLAG_NAMES.items():
+        message = re.sub(rf"(?<![\w.-]){name}\b", flag, message)
+    message = re.sub(r"(?<![\w.-])max_seq_len\b", "runtime.max_seq_len", message)
+    subject = re.match(r"(\w+):", message)
+    if subject and subject.group(1) in _LEADING_FLAGS:
+        message = f"--{message}"
+    return message
+
+
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
     print(f"tandem: error: {message}", file=sys.stderr)
     return code
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before our own handlers were in place (imports, config checks): one line
+        # from rank 0, none from a worker (rank 0 speaks for it)
+        if argv[:1] != ["worker"]:
+            print("tandem: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
                         format="[tandem] %(levelname)s %(name)s: %(message)s")
-    if args.command == "worker":
-        return _worker(args)
+    if argv[:1] == ["worker"]:
+        return _worker(_worker_parser().parse_args(argv[1:]))
+    args = _parser().parse_args(argv)
     if args.command == "bench":
         from launcher.bench import main as bench_main
 
         return bench_main(args)
     from launcher.bootstrap import control_bind
-    from launcher.discovery import discover
-    from runtime.control.auth import check_control_bind
+    from launcher.discovery import discover, multi_node
     from parallel.topology import LaunchError, topology_from_config
-    from runtime.config import ConfigError, default_config, load_config
+    from runtime.config import ConfigError
+    from runtime.control.auth import check_control_bind
 
     try:
-        config_path = getattr(args, "config", None)
-        from launcher.discovery import multi_node
+        config = _load(args, check_devices=not multi_node())
+        if args.print_config:
+            import yaml
 
-        config = load_config(config_path, check_devices=not multi_node()) if config_path \
-            else default_config()
-        if args.command == "serve" and args.address:
-            config = load_config(dict(config.to_dict(), server={"address": args.address}),
-                                 check_files=False, check_devices=False)
-        request = _request_from_args(args, config_path is None) if args.command == "run" \
-            else None
-        http = metrics = None
-        if args.command == "serve" and (args.http is not None or args.metrics is not None):
-            from runtime.api.http_args import parse_http_address
-
-            if args.http is not None:
-                http = parse_http_address(args.http, args.http_allow_remote)
-            if args.metrics is not None:
-                metrics = parse_http_address(args.metrics, args.metrics_allow_remote,
-                                             flag="--metrics", what="the metrics endpoint")
+            print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+            return 0
+        request = _request_from_args(args, config) if args.command == "run" else None
+        http, metrics = _serve_endpoints(args) if args.command == "serve" else (None, None)
         env = discover()
         check_control_bind(control_bind())   # beyond loopback only with a key, on every rank
         topology = topology_from_config(config)
         if env.world_size is not None:
             topology.check_world_size(env.world_size)
     except (ConfigError, LaunchError, ValueError, FileNotFoundError) as exc:
-        return _fail(str(exc))
+        return _fail(flag_message(str(exc)) if args.command == "run" else str(exc))
     if not env.is_orchestrator:
         from runtime.worker.process import run_worker
 
@@ -120,17 +217,54 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.session import run_once, serve_forever
 
     if args.command == "run":
-        return run_once(config, env, request, as_json=args.json, quiet=args.quiet)
-    return serve_forever(config, env, http=http, metrics=metrics, quiet=args.quiet)
+        return run_once(config, env, request, as_json=args.json, quiet=args.quiet,
+                        stream=args.stream)
+    return serve_forever(config, env, http=http, metrics=metrics, quiet=args.quiet,
+                         served_model_name=args.served_model_name)
 
 
-def _request_from_args(args, is_default: bool) -> dict:
+def _load(args, check_devices: bool):
+    """The config of `run`/`serve` (the built-in demo's for a `run` without one), with the
+    command line's overrides."""
+    from runtime.config import default_config, load_config
+
+    if args.config is None:
+        return default_config()
+    config = load_config(args.config, check_devices=check_devices)
+    if args.command == "serve" and args.address:
+        config = load_config(dict(config.to_dict(), server={"address": args.address}),
+                             check_files=False, check_devices=False)
+    return config
+
+
+def _serve_endpoints(args) -> tuple:
+    """(http, metrics): the (host, port) of `serve`'s optional HTTP fronts, or None each."""
+    from runtime.api.http_args import parse_http_address
+
+    if args.served_model_name is not None:
+        if not args.served_model_name.strip():
+            raise ValueError("--served-model-name: expected a non-empty name")
+        if args.http is None:
+            raise ValueError("--served-model-name: only the HTTP API names the model; "
+                             "give --http HOST:PORT too")
+    http = metrics = None
+    if args.http is not None:
+        http = parse_http_address(args.http, args.http_allow_remote)
+    if args.metrics is not None:
+        metrics = parse_http_address(args.metrics, args.metrics_allow_remote,
+                                     flag="--metrics", what="the metrics endpoint")
+    return http, metrics
+
+
+def _request_from_args(args, config) -> dict:
+    """The run's request, checked against the config before any process starts."""
     from runtime.params import SamplingParams
 
+    demo = args.config is None
     if args.prompt is None and args.prompt_ids is None:
-        if not is_default:
+        if not demo:
             raise ValueError("run: give --prompt TEXT or --prompt-ids 1,2,3")
-        args.prompt = ["What is speculative decoding? Answer in two sentences."]
+        args.prompt = [DEMO_PROMPT]
     params = SamplingParams.from_kwargs(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=args.stop or ()).to_dict()
@@ -139,9 +273,35 @@ def _request_from_args(args, is_default: bool) -> dict:
         id_lists = [_parse_ids(text) for text in args.prompt_ids]
     elif not all(args.prompt):
         raise ValueError("--prompt: empty prompt")
-    chat = is_default if args.chat is None else args.chat
+    chat = demo if args.chat is None else args.chat
+    _check_request(config, args, id_lists)
     return {"prompts": None if id_lists else args.prompt, "prompt_ids": id_lists,
-            "params": params, "chat": chat}
+            "params": params, "chat": chat, "demo": demo}
+
+
+def _check_request(config, args, id_lists: list[list[int]] | None) -> None:
+    """What the orchestrator would refuse once everything has started, refused now: text
+    (--prompt, --stop) without a tokenizer; token ids outside the vocabulary or too long."""
+    from runtime.serving.tokenizer import TOKENIZER_FILES, has_tokenizer_files
+
+    path = config.tokenizer_path
+    needs = "--prompt" if id_lists is None else "--stop" if args.stop else None
+    if needs and not has_tokenizer_files(path):
+        raise ValueError(f"{needs}: {path} has no tokenizer (none of "
+                         f"{', '.join(TOKENIZER_FILES)}); give token ids with --prompt-ids, "
+                         f"or name one with `tokenizer:` in the config")
+    if id_lists is None:
+        return
+    from runtime.models.checkpoint import inspect_checkpoint
+    from runtime.params import check_prompt_ids
+
+    vocab_size = inspect_checkpoint(config.target.model).vocab_size
+    limit = config.runtime.max_seq_len
+    for ids in id_lists:
+        check_prompt_ids(ids, vocab_size, "--prompt-ids")
+        if len(ids) + args.max_new_tokens > limit:
+            raise ValueError(f"--max-new-tokens: prompt ({len(ids)} tokens) + --max-new-tokens "
+                             f"({args.max_new_tokens}) exceeds runtime.max_seq_len ({limit})")
 
 
 def _parse_ids(text: str) -> list[int]:

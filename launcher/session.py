@@ -1,7 +1,6 @@
 """Rank 0's two sessions: generate once (`tandem run`) and serve (`tandem serve`)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -10,8 +9,9 @@ import sys
 import threading
 import time
 
-from launcher.bootstrap import start_cluster
+from launcher.bootstrap import StartupUsageError, start_cluster
 from launcher.discovery import LaunchEnv
+from launcher.output import RunOutput, print_demo_header
 from runtime.api.engine import OWNER_FD_ENV
 from runtime.control.auth import load_key
 from runtime.config import TandemConfig
@@ -24,50 +24,121 @@ OWNER_GRACE_S = 5.0   # owner gone: how long an orderly shutdown may take before
 
 
 def _start(config: TandemConfig, env: LaunchEnv, quiet: bool = False):
-    """(orchestrator, cluster), or None after printing why startup failed; `quiet`: startup
-    progress in plain lines (launcher.bootstrap.start_cluster)."""
+    """(orchestrator, cluster), or the exit code after printing why startup failed: 2 when
+    the config asks for what a rank cannot hold (bootstrap.StartupUsageError), else 1;
+    `quiet`: startup progress in plain lines (launcher.bootstrap.start_cluster)."""
     from runtime.serving.orchestrator import Orchestrator
 
     orch = Orchestrator(config)  # loads the tokenizer while the workers load their shards
     try:
         return orch, start_cluster(config, env, quiet)
+    except StartupUsageError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except EngineDeadError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
-        return None
+        return EXIT_DEAD
+
+
+class _Interrupt:
+    """SIGINT (Ctrl-C) and SIGTERM during `tandem run`. While starting, a signal raises
+    KeyboardInterrupt: startup's waits end and its cleanup kills the workers. While
+    generating it is only noted (`signum`): the loop stops after the current step, prints
+    what was generated and shuts down in order, with no traceback from any rank. A second
+    signal ends this process at once (its spawned workers die with it: PR_SET_PDEATHSIG)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.deferred = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_Interrupt":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signum is not None:
+            os.write(2, b"tandem: interrupted again; exiting now\n")
+            os._exit(128 + signum)
+        self.signum = signum
+        if not self.deferred:
+            raise KeyboardInterrupt
+
+    @property
+    def code(self) -> int:
+        """The shell's exit code for death by this signal: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + (self.signum or signal.SIGINT)
+
+    def report(self, what: str) -> int:
+        name = signal.Signals(self.signum or signal.SIGINT).name
+        print(f"tandem: interrupted by {name} {what}", file=sys.stderr, flush=True)
+        return self.code
 
 
 def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool,
-             quiet: bool = False) -> int:
-    started = _start(config, env, quiet)
-    if started is None:
-        return EXIT_DEAD
-    orch, cluster = started
-    code = 0
+             quiet: bool = False, stream: bool = True) -> int:
+    """Generate for the request's prompts and exit: 0, 1 (the engine died), 2 (a usage
+    error), or 128 + the signal that interrupted it (130 for Ctrl-C)."""
+    with _Interrupt() as interrupt:
+        started = None
+        try:
+            started = _start(config, env, quiet)
+            interrupt.deferred = True
+        except KeyboardInterrupt:
+            if isinstance(started, tuple):
+                started[1].shutdown()
+            return interrupt.report("while starting")
+        if isinstance(started, int):
+            return started
+        orch, cluster = started
+        try:
+            return _generate(orch, cluster, request, as_json, stream, interrupt)
+        finally:
+            cluster.shutdown()
+
+
+def _generate(orch, cluster, request: dict, as_json: bool, stream: bool,
+              interrupt: _Interrupt) -> int:
+    from launcher.cli import flag_message
+
     try:
         orch.attach(cluster.pool)
         seqs = orch.make_sequences("run", request["prompts"], request["prompt_ids"],
                                    request["params"], chat=request["chat"])
-        for out in orch.run_until_done(seqs):
-            profile = orch.profile()
-            if profile:
-                out["stats"]["profile"] = profile
-            _print_output(out, as_json)
     except ValueError as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
-        code = EXIT_USAGE
+        print(f"tandem: error: {flag_message(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    if request.get("demo"):
+        print_demo_header(request["prompts"])
+    out = RunOutput(seqs, as_json, stream, orch.profile)
+    try:
+        orch.submit(seqs)
+        while interrupt.signum is None and any(s.finish_reason is None for s in seqs):
+            for event in orch.step():
+                out.event(event)
     except EngineDeadError as exc:
+        out.end_line()
         print(f"tandem: error: engine died: {exc}", file=sys.stderr)
-        code = EXIT_DEAD
-    finally:
-        cluster.shutdown()
-    return code
+        return EXIT_DEAD
+    if interrupt.signum is not None:
+        tokens = out.interrupted()
+        return interrupt.report(f"after {tokens} generated token{'s' * (tokens != 1)}")
+    out.finish()
+    return 0
 
 
 def serve_forever(config: TandemConfig, env: LaunchEnv,
                   http: tuple[str, int] | None = None,
-                  metrics: tuple[str, int] | None = None, quiet: bool = False) -> int:
+                  metrics: tuple[str, int] | None = None, quiet: bool = False,
+                  served_model_name: str | None = None) -> int:
     """Serve at server.address until SIGINT/SIGTERM; with `http` = (host, port) also the
-    OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process, with
+    OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process, serving
+    the model as `served_model_name` (default: the target's file or directory name), with
     `metrics` = (host, port) the Prometheus metrics (runtime/serving/prometheus.py)."""
     from runtime.serving.server import Server
 
@@ -100,19 +171,19 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
                 http_sock.close()
             return EXIT_USAGE
 
-    def on_signal(signum, _frame):
-        log.warning("received signal %d; shutting down", signum)
+    def on_signal(signum, _frame):   # the normal way to stop a server: no warning
+        log.info("received signal %d; shutting down", signum)
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     started = _start(config, env, quiet)
-    if started is None:
+    if isinstance(started, int):
         if http_sock is not None:
             http_sock.close()
         if metrics_endpoint is not None:
             metrics_endpoint.close()
-        return EXIT_DEAD
+        return started
     orch, cluster = started
     server = front = None
     code = 0
@@ -127,7 +198,7 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
         if http_sock is not None:
             from runtime.api.http_api import HttpFront
 
-            front = HttpFront(config.server.address, http_sock,
+            front = HttpFront(config.server.address, http_sock, served_model_name,
                               auth_key_file=config.server.auth_key_file)
             front.start()
             print(f"tandem: HTTP API at {front.url}", file=sys.stderr, flush=True)
@@ -185,17 +256,3 @@ def _await_owner_end(fd: int, stop: threading.Event) -> None:
     stop.set()
     time.sleep(OWNER_GRACE_S)
     os._exit(EXIT_DEAD)
-
-
-def _print_output(out: dict, as_json: bool) -> None:
-    out = dict(out)
-    out.pop("index")
-    if as_json:
-        print(json.dumps(out), flush=True)
-        return
-    print(out["text"], flush=True)
-    s = out["stats"]
-    print(f"[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, "
-          f"acceptance={s['acceptance_rate']:.2f}, "
-          f"tokens/round={s['mean_accepted_tokens']:.2f}, "
-          f"{s['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from runtime.config_yaml import read_yaml
+from runtime.errors import ConfigError
+
 if TYPE_CHECKING:  # torch is imported lazily: reading a config should stay cheap
     import torch
 
@@ -26,15 +29,6 @@ QUANTIZATIONS = ("fp8",)   # besides null: as stored (FP8 checkpoints are detect
 ACCEPTANCE_MODES = ("tokens", "logits")
 ADDRESS_SCHEMES = ("tcp://", "ipc://")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ConfigError(ValueError):
-    """A config problem; `str(e)` starts with the dotted key (`e.key`) at fault."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        self.message = message
-        super().__init__(f"{key}: {message}")
 
 
 def _describe(value: Any) -> str:
@@ -386,65 +380,13 @@ def _parse(raw: dict, base: str, resolve_ids: bool) -> TandemConfig:
         server=_parse_section(raw.get("server"), ServerConfig))
 
 
-def _unique_key_loader():
-    """A yaml SafeLoader that refuses a mapping holding one key twice (plain YAML keeps the
-    last silently), naming the dotted key and both lines: ConfigError."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_document(self, node):
-            _check_unique_keys(node, "", set())
-            return super().construct_document(node)
-
-    return UniqueKeyLoader
-
-
-def _check_unique_keys(node, prefix: str, seen_nodes: set) -> None:
-    import yaml
-
-    if id(node) in seen_nodes:      # an alias of a node already checked
-        return
-    seen_nodes.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _check_unique_keys(item, f"{prefix}[{i}]", seen_nodes)
-    elif isinstance(node, yaml.MappingNode):
-        lines: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
-                continue
-            key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
-            if key in lines:
-                raise ConfigError(key, f"duplicate key (lines {lines[key]} and {line}); "
-                                       f"each key may appear once in a mapping")
-            lines[key] = line
-            _check_unique_keys(value_node, f"{key}.", seen_nodes)
-
-
-def _read_yaml(path: str) -> dict:
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ConfigError("<file>", f"config file {path} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.load(f, Loader=_unique_key_loader())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError("<file>", f"cannot read {path} as YAML: {e}") from e
-    if not isinstance(raw, dict):
-        what = "empty" if raw is None else f"a {type(raw).__name__}"
-        raise ConfigError("<file>", f"top level of {path} must be a mapping "
-                                    f"(draft:, target:, ...), but it is {what}")
-    return raw
-
-
 def _read_source(source: str | os.PathLike | dict) -> tuple[dict, str]:
     """(raw mapping, base dir for relative paths)."""
     if isinstance(source, dict):
         return source, os.getcwd()
     if isinstance(source, (str, os.PathLike)):
         path = os.path.abspath(os.path.expanduser(os.fspath(source)))
-        return _read_yaml(path), os.path.dirname(path)
+        return read_yaml(path), os.path.dirname(path)
     raise TypeError(f"load_config: source must be a path or a dict, got {type(source).__name__}")
 
 
@@ -456,7 +398,11 @@ def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
     A model or tokenizer that is no existing path but reads `org/name[@revision]` is a
     Hugging Face id: with check_files it becomes its snapshot directory in the local HF cache
     (or a ConfigError when it is not cached and runtime.download is false); without
-    check_files every value stays a path."""
+    check_files every value stays a path.
+
+    With check_files, runtime.max_seq_len must fit the models' context; left out, it is the
+    smaller of its default and that context. With check_devices too, KV caches that cannot
+    fit a CUDA device's free memory are an error (runtime.config_checks.check_kv_memory)."""
     raw, base = _read_source(source)
     cfg = _parse(raw, base, resolve_ids=check_files)
     from runtime import config_checks as checks
@@ -467,6 +413,10 @@ def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
     checks.check_server_auth(cfg.server, check_files)
     if check_files:
         checks.check_files(cfg)
+        runtime = raw.get("runtime")
+        cfg = checks.fit_context(cfg, isinstance(runtime, dict) and "max_seq_len" in runtime)
+        if check_devices:
+            checks.check_kv_memory(cfg)
     return cfg
 
 

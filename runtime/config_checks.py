@@ -3,6 +3,8 @@ CUDA devices that exist, model files (vocabularies, TP head shapes) and server
 authentication. Each raises ConfigError naming the key."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 from runtime.config import ConfigError, Device, ModelConfig, ServerConfig, TandemConfig
@@ -121,6 +123,105 @@ def _fallback_reason(path: str, info) -> str | None:
     import transformers
 
     return unsupported_reason(transformers.AutoConfig.from_pretrained(path))
+
+
+def fit_context(cfg: TandemConfig, explicit: bool) -> TandemConfig:
+    """runtime.max_seq_len against the models' context (max_position_embeddings, where the
+    checkpoint gives one): a value the config sets must fit both draft and target; the
+    default is lowered to the smaller context instead (as vLLM derives max_model_len)."""
+    from runtime.models.checkpoint import inspect_checkpoint
+
+    limits = []
+    for name, model in model_lists(cfg):
+        context = inspect_checkpoint(model.model).max_position_embeddings
+        if context is not None:
+            limits.append((context, name, model.model))
+    if not limits or cfg.runtime.max_seq_len <= min(limits)[0]:
+        return cfg
+    limit, name, path = min(limits)
+    if explicit:
+        raise ConfigError("runtime.max_seq_len", f"{cfg.runtime.max_seq_len} exceeds the "
+                          f"{name} model's context: max_position_embeddings is {limit} "
+                          f"({path}); set runtime.max_seq_len to at most {limit}")
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime,
+                                                                max_seq_len=limit))
+
+
+def check_kv_memory(cfg: TandemConfig) -> None:
+    """CUDA devices: a KV cache that could not fit even before any weight is loaded is a
+    config error now, not a worker's failure after its weights have loaded (the worker
+    checks its exact budget again: runtime.models.kv_budget). Free memory is read through
+    NVML, which opens no CUDA context in this process (cudaMemGetInfo would keep one on
+    every GPU for as long as the orchestrator lives); without NVML this check is skipped."""
+    from runtime.models.checkpoint import inspect_checkpoint
+    from runtime.models.kv_budget import RESERVE
+
+    per_device: dict[Device, list[tuple[str, int, float | None]]] = {}
+    for name, model in model_lists(cfg):
+        need = kv_cache_bytes(cfg, model, inspect_checkpoint(model.model))
+        for device in model.devices:
+            if device.kind == "cuda" and need is not None:
+                per_device.setdefault(device, []).append((name, need, model.kv_cache_memory))
+    rt = cfg.runtime
+    sizes = f"{rt.max_batch_size} slots (runtime.max_batch_size) x {rt.max_seq_len} " \
+            f"positions (runtime.max_seq_len)"
+    for device, needs in sorted(per_device.items(), key=lambda item: item[0].index):
+        memory = _nvml_memory(device.index)
+        if memory is None:
+            return
+        free, total = memory
+        for name, need, fraction in needs:
+            if fraction is not None and need > fraction * total:
+                raise ConfigError(f"{name}.kv_cache_memory", f"the {name} KV cache needs at "
+                                  f"least {_size(need)} for {sizes}, but {fraction} of "
+                                  f"{device}'s {_size(total)} is {_size(fraction * total)}; "
+                                  f"lower runtime.max_batch_size or runtime.max_seq_len, or "
+                                  f"raise {name}.kv_cache_memory")
+        shared = [(name, need) for name, need, fraction in needs if fraction is None]
+        budget = free - RESERVE * total
+        if shared and sum(need for _, need in shared) > budget:
+            what = " + ".join(f"{name} {_size(need)}" for name, need in shared)
+            raise ConfigError("runtime.max_seq_len", f"the KV caches on {device} need at "
+                              f"least {what} for {sizes}, but {device} has {_size(free)} "
+                              f"free, {_size(max(budget, 0))} after a {RESERVE:.0%} reserve, "
+                              f"before any weights; lower runtime.max_batch_size or "
+                              f"runtime.max_seq_len")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def kv_cache_bytes(cfg: TandemConfig, model: ModelConfig, info) -> int | None:
+    """At least the bytes of one model's KV cache on each of its devices: K and V of every
+    layer, max_batch_size slots of max_seq_len positions (the worker adds room for one or
+    two draft windows: runtime.worker.loading), in the activation dtype. None when the
+    shape is unknown or the model runs on the transformers fallback (its own cache)."""
+    from runtime.models.cache import KVCache
+    from runtime.models.model_args import SUPPORTED_MODEL_TYPES
+
+    if info.model_type not in SUPPORTED_MODEL_TYPES or not info.head_dim:
+        return None
+    kv_heads = max(1, info.num_key_value_heads // model.tp_size)   # a TP shard's heads
+    shape = KVCache.shape(cfg.runtime.max_batch_size, cfg.runtime.max_seq_len, kv_heads,
+                          info.head_dim)
+    element = 4 if model.dtype == "float32" else 2
+    return 2 * info.num_hidden_layers * math.prod(shape) * element
+
+
+def _nvml_memory(index: int) -> tuple[int, int] | None:
+    """(free, total) bytes of CUDA device `index` (CUDA_VISIBLE_DEVICES respected) from
+    NVML, or None when NVML cannot tell (no nvidia-ml-py, no driver)."""
+    try:
+        import pynvml
+        from torch.cuda.memory import _get_nvml_device_index
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(_get_nvml_device_index(index))
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.free), int(info.total)
+    except Exception:  # noqa: BLE001 - any NVML or torch failure: cannot tell
+        return None
 
 
 def check_tp(cfg: TandemConfig, infos: dict) -> None:

@@ -13,3 +13,12 @@ class EngineClosedError(EngineDeadError):
 
 class RequestError(ValueError):
     """The server refused a request (bad arguments); the engine keeps serving."""
+
+
+class ConfigError(ValueError):
+    """A config problem; `str(e)` starts with the dotted key (`e.key`) at fault."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}")

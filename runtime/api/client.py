@@ -1,10 +1,12 @@
 """Client handle for a running tandem server (`tandem serve`, or the one Engine.launch starts).
 
-One I/O thread owns the ZeroMQ socket; calls from any thread hand it messages through a
-queue (and wake it through a pipe, so a message leaves at once) and wait on their own reply
-queue, so one Client serves many threads and streams at once.
+One I/O thread owns the ZeroMQ socket (runtime.api.client_io); calls from any thread hand it
+messages through a queue (and wake it through a pipe, so a message leaves at once) and wait on
+their own reply queue, so one Client serves many threads and streams at once.
 A server that stops answering (no reply to pings within `dead_after_s`) or whose process has
-exited makes every waiting call raise EngineDeadError.
+exited makes every waiting call raise EngineDeadError. At an address where nothing listens, a
+call raises EngineDeadError("no tandem server at ADDRESS ...") after `connect_timeout_s`,
+unless it asked to wait longer (info(timeout_s=...): waiting for a server that is starting).
 close() makes every waiting call raise EngineClosedError at once, and every later call too.
 A Client that nobody holds any more, or that is still open when the interpreter exits, is
 closed by its finalizer (weakref.finalize): the I/O thread holds only a weak reference to
@@ -24,95 +26,44 @@ from typing import Callable, Iterator
 
 import zmq
 
-from runtime.control import auth, protocol
-from runtime.errors import EngineClosedError, EngineDeadError
+from runtime.api.client_io import (IO_JOIN_S, WORKER_DEATH_GRACE_S, ClientIO, _close_client,
+                                   _run_closers, _Waker)
 from runtime.api.outputs import GenerationOutput, StreamDelta
+from runtime.control import auth
+from runtime.errors import EngineClosedError, EngineDeadError
 from runtime.params import SamplingParams, check_prompt_ids
-from runtime.control.procwatch import ProcessWatch, parent_pid
 
-_END = object()
-WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead local worker
-IO_JOIN_S = 5.0              # how long close() waits for the I/O thread to end
+__all__ = ["Client", "CONNECT_TIMEOUT_S", "IO_JOIN_S", "WORKER_DEATH_GRACE_S"]
 
-
-class _Waker:
-    """A pipe whose read end the I/O thread polls: a byte written to it wakes the thread.
-    The I/O thread closes it as it ends; a wake after that does nothing. The lock keeps a
-    closed descriptor's number, which the OS may have handed out again, from being written."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        os.set_blocking(self._write_fd, False)
-
-    def wake(self) -> None:
-        with self._lock:
-            if self._write_fd is None:
-                return
-            try:
-                os.write(self._write_fd, b"w")
-            except OSError:
-                pass   # the pipe is full: a wake is pending
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.read_fd, 4096):
-                pass
-        except OSError:   # BlockingIOError: drained
-            pass
-
-    def close(self) -> None:
-        with self._lock:
-            if self._write_fd is not None:
-                os.close(self.read_fd)
-                os.close(self._write_fd)
-                self._write_fd = None
-
-
-def _close_client(closed: threading.Event, lock: threading.Lock, waiters: dict,
-                  waker: _Waker, thread: threading.Thread, message: str) -> None:
-    """The Client's part of close(): no new call gets in, every waiting call raises
-    EngineClosedError (first, so that none waits on what follows), then the I/O thread
-    ends. Holds no reference to the Client (its finalizer calls this)."""
-    with lock:   # _open registers under this lock: a call is either failed here or refused
-        closed.set()
-        pending = list(waiters.values())
-    for waiter in pending:
-        waiter.put({"type": "failed", "id": "", "message": message, "kind": "dead",
-                    "closed": True})
-    waker.wake()
-    if thread is not threading.current_thread():   # the finalizer may run on the I/O thread
-        thread.join(IO_JOIN_S)
-
-
-def _run_closers(closers: list[Callable[[], None]]) -> None:
-    for close in closers:
-        close()
+CONNECT_TIMEOUT_S = 3.0   # how long a call waits for a connection to an unreached address
+CALL_TIMEOUT_S = 30.0     # info / stats / metrics: how long a reached server gets to answer
 
 
 def _dead_error(msg: dict) -> EngineDeadError:
     return (EngineClosedError if msg.get("closed") else EngineDeadError)(msg["message"])
 
 
-class Client:
-    POLL_MS = 20   # the I/O thread's longest wait (pings, liveness checks); messages wake it
+class Client(ClientIO):
     NAME = "client"   # in the message of EngineClosedError
 
     def __init__(self, address: str, *, auth_key_file: str | None = None,
-                 dead_after_s: float = 30.0, ping_s: float = 1.0):
+                 dead_after_s: float = 30.0, ping_s: float = 1.0,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.address = address
         self._key = None if auth_key_file is None else auth.load_key(auth_key_file)
         self.dead_after_s = dead_after_s
+        self.connect_timeout_s = connect_timeout_s
         self.ping_s = ping_s
         self._context = zmq.Context()
         self._outbox: queue.Queue = queue.Queue()
         self._waker = _Waker()
         self._waiters: dict[str, queue.Queue] = {}
+        self._patience: dict[str, float] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
         self._closed = threading.Event()
         self._last_heard = time.monotonic()
+        self._heard = self._connected = False   # ever: a frame from the server; a connection
         self._info: dict | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
@@ -126,171 +77,14 @@ class Client:
         self._finalizer = weakref.finalize(self, _run_closers, self._closers)
         self._thread.start()
 
-    # --- liveness hooks (Engine overrides) -----------------------------------------------
-    def _process_gone(self) -> str | None:
-        return None
-
-    # --- I/O thread ----------------------------------------------------------------------
-    @staticmethod
-    def _io_main(ref: weakref.ref, closed: threading.Event, context: zmq.Context,
-                 waker: _Waker) -> None:
-        """The I/O thread. It holds its Client only while it works, never while it waits in
-        poll: a Client nobody else holds is collected (its finalizer closes it). It owns the
-        socket, the context and the wake pipe, and closes them as it ends."""
-        client = ref()
-        sock = watch = None
-        try:
-            if client is not None:   # else collected before this thread ran
-                sock, poller = client._connect()
-                watch = client._watch
-            last_ping = 0.0
-            while client is not None and not closed.is_set():
-                last_ping = client._before_poll(sock, last_ping)
-                poll_ms, client = client.POLL_MS, None
-                ready = dict(poller.poll(poll_ms))
-                client = ref()
-                if client is not None:
-                    client._after_poll(sock, ready)
-        except Exception as exc:  # noqa: BLE001 - every waiting call is told, none hangs
-            client = ref() if client is None else client
-            if client is not None:
-                client._mark_dead(f"the client's I/O thread failed: {exc!r}")
-            raise
-        finally:
-            client = None
-            if watch is not None:
-                watch.close()
-            if sock is not None:
-                sock.close(0)
-            context.term()
-            waker.close()
-
-    def _connect(self) -> tuple[zmq.Socket, zmq.Poller]:
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        sock.connect(self.address)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._waker.read_fd, zmq.POLLIN)
-        self._watch = ProcessWatch(poller)   # the server's processes, once it says which
-        return sock, poller
-
-    def _before_poll(self, sock: zmq.Socket, last_ping: float) -> float:
-        """Send what is queued, and a ping when one is due; the time of the last ping."""
-        self._flush_outbox(sock)
-        now = time.monotonic()
-        if now - last_ping >= self.ping_s:
-            last_ping = now
-            self._try_send(sock, {"type": "ping", "id": "ping"})
-        return last_ping
-
-    def _after_poll(self, sock: zmq.Socket, ready: dict) -> None:
-        if self._waker.read_fd in ready:
-            self._waker.drain()
-        self._watch.collect(ready)
-        if sock in ready:
-            self._receive(sock.recv())
-        self._check_dead()
-
-    def _try_send(self, sock: zmq.Socket, msg: dict) -> None:
-        try:
-            sock.send(protocol.encode(msg, self._key), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-
-    def _post(self, msg: dict) -> None:
-        """Queue msg for the I/O thread and wake it."""
-        self._outbox.put(msg)
-        self._waker.wake()
-
-    def _flush_outbox(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                msg = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            self._try_send(sock, msg)
-
-    def _receive(self, frame: bytes) -> None:
-        try:
-            msg = protocol.decode(frame, self._key)
-        except protocol.ProtocolError:
-            return
-        self._last_heard = time.monotonic()
-        if msg["type"] == "pong":
-            if self._info is None:
-                self._watch_processes(msg["info"])
-            self._info = msg["info"]
-            waiter = self._waiters.get(msg["id"])
-        else:
-            waiter = self._waiters.get(msg["id"])
-        if waiter is not None:
-            waiter.put(msg)
-
-    def _watch_processes(self, info: dict) -> None:
-        """Watch the server's processes that run on this host (pidfds): the server, and the
-        workers that are not its children (mpirun, torchrun). Its own children it watches
-        itself, and they die with it."""
-        try:
-            server_host, server_pid = info["server"]
-            self._watch.add("server", server_host, server_pid)
-            for rank, (host, pid) in info["processes"].items():
-                if parent_pid(pid) != server_pid:
-                    self._watch.add(int(rank), host, pid)
-        except (KeyError, TypeError, ValueError):   # an older or foreign server: no table
-            pass
-
-    def _worker_death(self) -> str | None:
-        """A worker on this host died and the server has not told us why: name the first
-        rank that died, at once if the server ended after it (under mpirun the process
-        manager may kill the server before it can report), else after
-        WORKER_DEATH_GRACE_S. A server that ended first (or seen in the same poll) is the
-        cause itself: its workers die with it."""
-        deaths = [(key, pid, at) for key, pid, at in self._watch.ended if key != "server"]
-        if not deaths:
-            return None
-        rank, pid, at = deaths[0]
-        server_at = self._server_end()
-        if server_at is not None:
-            return None if server_at <= at else \
-                f"rank {rank} (pid {pid}) died; the server exited before it reported it"
-        if time.monotonic() - at > WORKER_DEATH_GRACE_S:
-            return f"rank {rank} (pid {pid}) died; the server did not report it within " \
-                   f"{WORKER_DEATH_GRACE_S:.0f} s"
-        return None
-
-    def _server_end(self) -> float | None:
-        return next((at for key, _, at in self._watch.ended if key == "server"), None)
-
-    def _check_dead(self) -> None:
-        # a worker that died before the server names the cause the server's exit would hide
-        reason = self._worker_death() if self._waiters else None
-        reason = reason or self._process_gone()
-        if reason is None and self._server_end() is not None:
-            reason = f"tandem server (pid {self._info['server'][1]}) is gone"
-        if reason is None and self._waiters and \
-                time.monotonic() - self._last_heard > self.dead_after_s:
-            reason = f"server at {self.address} silent for {self.dead_after_s:.0f} s"
-        if reason is not None:
-            self._mark_dead(reason)
-
-    def _mark_dead(self, reason: str) -> None:
-        with self._lock:
-            if self._dead is None:
-                self._dead = reason
-            waiters = list(self._waiters.values())
-        for waiter in waiters:
-            waiter.put({"type": "failed", "id": "", "message": reason, "kind": "dead"})
-
     # --- calls ---------------------------------------------------------------------------
     def _new_id(self) -> str:
         return f"{self._prefix}-{os.getpid()}-{next(self._ids)}"
 
-    def _open(self, msg: dict, waiter=None):
+    def _open(self, msg: dict, waiter=None, patient: bool = False):
         """Register a waiter for msg["id"] (a queue.Queue unless given: anything with
-        put()) and queue msg for sending."""
+        put()) and queue msg for sending. Unless `patient`, the call gives up after
+        connect_timeout_s if the server was never reached (runtime.api.client_io)."""
         waiter = queue.Queue() if waiter is None else waiter
         with self._lock:   # close() fails the registered waiters under this lock
             if self._closed.is_set():
@@ -298,6 +92,8 @@ class Client:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
             self._waiters[msg["id"]] = waiter
+            if not patient:
+                self._patience[msg["id"]] = time.monotonic() + self.connect_timeout_s
         self._last_heard = max(self._last_heard, time.monotonic() - 1.0)
         self._post(msg)
         return waiter
@@ -305,6 +101,7 @@ class Client:
     def _close_waiter(self, rid: str) -> None:
         with self._lock:
             self._waiters.pop(rid, None)
+            self._patience.pop(rid, None)
 
     def _next(self, waiter: queue.Queue) -> dict:
         msg = waiter.get()
@@ -314,10 +111,20 @@ class Client:
             raise ValueError(msg["message"])
         return msg
 
-    def info(self, timeout_s: float = 30.0) -> dict:
-        """Server facts (vocab_size, max_seq_len, ...); waits until the server answers."""
+    def _unanswered(self, timeout_s: float) -> EngineDeadError:
+        if not self._reached:
+            return EngineDeadError(self._nobody_there(f"waited {timeout_s:.0f} s"))
+        return EngineDeadError(f"no answer from {self.address} within {timeout_s:.0f} s")
+
+    def info(self, timeout_s: float | None = None) -> dict:
+        """Server facts (vocab_size, max_seq_len, ...); waits until the server answers, at
+        most timeout_s (default 30 s). Without a timeout_s, at an address where nothing was
+        ever reached it gives up after connect_timeout_s; with one, it waits that long for
+        a server that is still starting."""
+        patient = timeout_s is not None
+        timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
         rid = "ping-" + self._new_id()
-        waiter = self._open({"type": "ping", "id": rid})
+        waiter = self._open({"type": "ping", "id": rid}, patient=patient)
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -325,8 +132,7 @@ class Client:
                     msg = waiter.get(timeout=0.2)
                 except queue.Empty:
                     if time.monotonic() > deadline:
-                        raise EngineDeadError(f"no answer from {self.address} "
-                                              f"within {timeout_s:.0f} s") from None
+                        raise self._unanswered(timeout_s) from None
                     self._post({"type": "ping", "id": rid})
                     continue
                 if msg["type"] == "failed":
@@ -335,21 +141,31 @@ class Client:
         finally:
             self._close_waiter(rid)
 
-    def stats(self, timeout_s: float = 30.0) -> dict:
-        """Server statistics: running and queued requests, tokens generated, acceptance rate,
-        tokens/s, mean round and prefill times (and per-phase times when profiling)."""
-        rid = "stats-" + self._new_id()
-        waiter = self._open({"type": "stats", "id": rid})
+    def _ask(self, kind: str, timeout_s: float | None) -> dict:
+        """One question, one reply (stats, metrics); timeout_s as for info()."""
+        patient = timeout_s is not None
+        timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
+        rid = f"{kind}-" + self._new_id()
+        waiter = self._open({"type": kind, "id": rid}, patient=patient)
         try:
             msg = waiter.get(timeout=timeout_s)
         except queue.Empty:
-            raise EngineDeadError(f"no answer from {self.address} within {timeout_s:.0f} s") \
-                from None
+            raise self._unanswered(timeout_s) from None
         finally:
             self._close_waiter(rid)
         if msg["type"] == "failed":
             raise _dead_error(msg)
-        return msg["stats"]
+        return msg
+
+    def stats(self, timeout_s: float | None = None) -> dict:
+        """Server statistics: running and queued requests, tokens generated, acceptance rate,
+        tokens/s, mean round and prefill times (and per-phase times when profiling)."""
+        return self._ask("stats", timeout_s)["stats"]
+
+    def metrics(self, timeout_s: float | None = None) -> str:
+        """The server's Prometheus metrics in the text exposition format (0.0.4), as
+        `GET /metrics` serves them."""
+        return self._ask("metrics", timeout_s)["text"]
 
     def _request(self, prompt, prompt_token_ids, kwargs, stream: bool, chat: bool
                  ) -> tuple[dict, bool]:
@@ -430,22 +246,6 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
-
-    def metrics(self, timeout_s: float = 30.0) -> str:
-        """The server's Prometheus metrics in the text exposition format (0.0.4), as
-        `GET /metrics` serves them."""
-        rid = "metrics-" + self._new_id()
-        waiter = self._open({"type": "metrics", "id": rid})
-        try:
-            msg = waiter.get(timeout=timeout_s)
-        except queue.Empty:
-            raise EngineDeadError(f"no answer from {self.address} within {timeout_s:.0f} s") \
-                from None
-        finally:
-            self._close_waiter(rid)
-        if msg["type"] == "failed":
-            raise _dead_error(msg)
-        return msg["text"]
 
 
 def _id_lists(ids) -> tuple[list[list[int]], bool]:

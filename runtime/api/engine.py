@@ -27,6 +27,9 @@ from runtime.config import TandemConfig, load_config
 from runtime.errors import EngineClosedError, EngineDeadError
 
 ERROR_PREFIX = "tandem: error: "
+# lines of the server that say nothing to the Engine's user (the address is the Engine's
+# own business), forwarded only when TANDEM_LOG asks for detail
+INTERNAL_PREFIXES = ("tandem: serving at ",)
 TAIL_LINES = 20
 MAX_DETAIL_CHARS = 2000
 OWNER_FD_ENV = "TANDEM_OWNER_FD"   # tells the server its end of the owner pipe (session.py)
@@ -71,12 +74,15 @@ def _stop_server(process: subprocess.Popen, tmpdir: str, owner_fd: int | None,
 
 
 class StderrTail:
-    """Forwards a child's stderr pipe to our stderr line by line (on a daemon thread) and
-    keeps its last lines, so that the child's own account of a failure can be reported."""
+    """Forwards a child's stderr pipe to our stderr line by line (on a daemon thread), but
+    for its INTERNAL_PREFIXES lines, and keeps its last lines, so that the child's own
+    account of a failure can be reported."""
 
     def __init__(self, pipe, forward=None):
         self._pipe = pipe
         self._forward = forward
+        self._internal = () if os.environ.get("TANDEM_LOG", "").upper() in ("DEBUG", "INFO") \
+            else INTERNAL_PREFIXES
         self.lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="tandem-stderr", daemon=True)
@@ -86,7 +92,8 @@ class StderrTail:
         with self._pipe:
             for raw in iter(self._pipe.readline, b""):
                 line = raw.decode(errors="replace")
-                self._write(line)
+                if not line.startswith(self._internal):
+                    self._write(line)
                 text = line.strip()
                 if text.startswith(ERROR_PREFIX):
                     self.last_error = text[len(ERROR_PREFIX):]

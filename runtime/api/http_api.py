@@ -47,7 +47,10 @@ class _Routes:
 
     def __init__(self, client: HttpClient, model_name: str | None):
         self.client = client
+        # the served model id: `--served-model-name`, else (found on the first request) the
+        # target's file or directory name, when its full path is accepted too
         self.model = model_name
+        self.named = model_name is not None
         self.created = int(time.time())
 
     async def info(self) -> dict:
@@ -70,10 +73,15 @@ class _Routes:
         requested = body.get("model")
         if not isinstance(requested, str) or not requested:
             raise HttpError(400, "model: expected the model's name", "model")
-        if requested not in (name, str((await self.info()).get("model"))):
-            raise HttpError(404, f"The model `{requested}` does not exist; this server "
-                                 f"serves `{name}`", "model", code="model_not_found")
+        accepted = {name} if self.named else {name, str((await self.info()).get("model"))}
+        if requested not in accepted:
+            raise self.not_found(requested, name)
         return name
+
+    @staticmethod
+    def not_found(requested: str, name: str) -> HttpError:
+        return HttpError(404, f"The model `{requested}` does not exist; this server serves "
+                              f"`{name}`", "model", code="model_not_found")
 
     def model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created,
@@ -96,9 +104,9 @@ class _Routes:
         return {"object": "list", "data": [self.model_card(await self.model_id())]}
 
     async def one_model(self, name: str):
-        if name != await self.model_id():
-            raise HttpError(404, f"The model `{name}` does not exist", "model",
-                            code="model_not_found")
+        served = await self.model_id()
+        if name != served:
+            raise self.not_found(name, served)
         return self.model_card(name)
 
     async def read_body(self, request: Request) -> dict:
@@ -365,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="allow a non-loopback host (the API has no authentication)")
     parser.add_argument("--auth-key-file", default=None,
                         help="the server's server.auth_key_file, if it has one")
-    parser.add_argument("--model-name", default=None,
-                        help="model id to serve (default: the target model's directory name)")
+    parser.add_argument("--served-model-name", "--model-name", dest="model_name",
+                        default=None, metavar="NAME",
+                        help="the model id clients name (default: the target model's file "
+                             "or directory name)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
                         format="[tandem] %(levelname)s %(name)s: %(message)s")

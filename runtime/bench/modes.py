@@ -26,7 +26,7 @@ import torch
 
 from runtime.bench.metrics import DeviceClock, sync
 
-MODES = ("target", "spec", "hf", "hf-compiled", "hf-assisted")
+MODES = ("target", "spec", "spec-sequential", "hf", "hf-compiled", "hf-assisted")
 
 
 class Skipped(Exception):
@@ -134,14 +134,22 @@ def timed(mode, prompts: list[list[int]], new_tokens: int, warmup: int,
 
 
 class TandemSpec:
-    """tandem's Engine: speculative decoding with draft and target on the configured devices."""
+    """tandem's Engine: speculative decoding with draft and target on the configured devices.
+    `overlap=False` (the `spec-sequential` mode) runs the same with speculation.overlap off,
+    for side-by-side runs on disjoint devices; where the config does not overlap anyway it is
+    skipped."""
 
     name = "spec"
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, overlap: bool | None = None):
         from runtime.api.engine import Engine
+        from runtime.config import load_config
 
         self.draft_len = config["speculation"]["draft_len"]
+        if overlap is not None:
+            if not load_config(config, check_files=False, check_devices=False).overlapped:
+                raise Skipped("draft and target share devices: spec is sequential already")
+            config = {**config, "speculation": {**config["speculation"], "overlap": overlap}}
         self.engine = Engine.launch(config)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> Outcome:
@@ -168,6 +176,8 @@ class TandemSpec:
                        mean_accepted_tokens=mat / rounds if rounds else None,
                        alpha=alpha, rounds=rounds,
                        extra={"token_ids": [list(o.token_ids) for o in outs],
+                              "overlap_share": sum(o.stats.get("overlapped_rounds", 0)
+                                                   for o in outs) / rounds if rounds else 0.0,
                               "server_tokens_per_s": [o.stats.get("tokens_per_s")
                                                       for o in outs],
                               "time_to_first_token_s": [o.stats.get("time_to_first_token_s")

@@ -251,7 +251,7 @@ class Bench:
 
     # -- the target phase: target mode, bandwidth, step costs ---------------------------------
     def _in_process(self, st: Setup) -> None:
-        if not {"target", "spec"} & set(self.s.modes):
+        if not {"target", "spec", "spec-sequential"} & set(self.s.modes):
             return
         kmax = _kmax(st.draft_len)
         self.progress("measuring the copy bandwidth")
@@ -266,7 +266,7 @@ class Bench:
             batch_sizes=self.s.batch_sizes, new_tokens=self.s.new_tokens,
             warmup=self.s.warmup, repeats=self.s.repeats, run_target="target" in self.s.modes,
             verify_ks=(list(range(1, kmax + 1)) if st.draft_len == "auto" else [kmax])
-            if "spec" in self.s.modes else [],
+            if {"spec", "spec-sequential"} & set(self.s.modes) else [],
             position=self.s.prompt_len + self.s.new_tokens // 2)
         where = f"on {st.target_tp} TP ranks" if st.target_tp > 1 else "in-process"
         self.progress(f"target phase {where}: loading")
@@ -335,7 +335,7 @@ class Bench:
             if r["mode"] == "target" and bw and wbytes:
                 seconds_per_step = r["wall_s"] / (r["generated_tokens"] / bsz)
                 r["roofline_fraction"] = (wbytes / bw) / seconds_per_step
-            if r["mode"] == "spec" and bsz in self.step_costs:
+            if r["mode"].startswith("spec") and bsz in self.step_costs:
                 self._spec_figures(r, st, self.step_costs[bsz], target.get(bsz))
 
     def _spec_figures(self, r: dict, st: Setup, costs: dict, target: dict | None) -> None:
@@ -373,6 +373,7 @@ class Bench:
             with worker_backends():
                 self._in_process(st)
             self._mode("spec", lambda: TandemSpec(st.engine_config))
+            self._mode("spec-sequential", lambda: TandemSpec(st.engine_config, overlap=False))
             self._mode("hf", lambda: HFGenerate(st.target, st.target_dtype, st.target_device))
             self._mode("hf-compiled", lambda: HFGenerate(
                 st.target, st.target_dtype, st.target_device, compiled=True,

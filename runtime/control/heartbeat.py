@@ -5,10 +5,14 @@ busy orchestrator never looks like a dead process.
 - Each worker's Pulse sends a heartbeat message to the orchestrator's control socket every
   period and listens to the Beacon; `orchestrator_silent_s` tells the worker loop how long
   the orchestrator has been quiet.
+
+Both threads sleep between beats (an Event wait; a poll until the next send, woken by a
+beat or by stop()): an idle process wakes a couple of times per period, no more.
 """
 from __future__ import annotations
 
 import hmac
+import os
 import threading
 import time
 
@@ -59,6 +63,7 @@ class Pulse:
         self.period_s = period_s
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()   # stop() wakes the thread's poll
         self._context = context
         self._thread = threading.Thread(target=self._run, args=(control, beacon),
                                         name="pulse", daemon=True)
@@ -80,6 +85,9 @@ class Pulse:
         key = auth.control_key()
         frame = protocol.encode({"type": "heartbeat", "rank": self.rank}, key)
         beat = auth.sign(b"beat", key)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_send = 0.0
         try:
             while not self._stop.is_set():
@@ -90,7 +98,8 @@ class Pulse:
                         out.send(frame, zmq.NOBLOCK)
                     except zmq.Again:
                         pass
-                if sub.poll(int(self.period_s * 250)):
+                # until the next send; a beat (noted at once) or stop() ends the wait early
+                if sub in dict(poller.poll(max(1, int(1000 * (next_send - now))))):
                     while sub.poll(0):
                         if hmac.compare_digest(sub.recv(), beat):   # forged beats don't count
                             self._last_beat = time.monotonic()
@@ -99,5 +108,11 @@ class Pulse:
             sub.close(0)
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
+        os.write(self._wake_w, b"s")
         self._thread.join(5)
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)

@@ -62,6 +62,7 @@ class WorkerPool:
         self.dead: str | None = None
         self.processes: dict[int, tuple[str, int]] = {}   # rank -> (host, pid), from hello
         self.failures: dict[int, str] = {}                # rank -> the error it reported
+        self.usage_failures: set[int] = set()             # ... of kind "usage" (the config's)
         self._failed_at: float | None = None
         self._inbox: collections.deque[dict] = collections.deque()   # drained, not yet used
         self._drops, self._drop_logged = 0, -DROP_LOG_S                # dropped frames
@@ -103,6 +104,8 @@ class WorkerPool:
             self.last_seen[rank] = time.monotonic()
         if msg["type"] == "error":
             self._worker_failed(rank, msg["message"])
+            if msg.get("kind") == "usage":
+                self.usage_failures.add(rank)
         return msg
 
     def _dropped(self, what: str) -> None:
@@ -149,6 +152,13 @@ class WorkerPool:
         self.failures.setdefault(rank, message)
         if self._failed_at is None:
             self._failed_at = time.monotonic()
+
+    def usage_error(self) -> str | None:
+        """When every failure a rank reported is a problem of the config (kind "usage":
+        e.g. a KV cache over its budget), the first of them; else None (a crash)."""
+        if not self.failures or set(self.failures) != self.usage_failures:
+            return None
+        return next(iter(self.failures.values()))
 
     def _failure_summary(self) -> str:
         first = next(iter(self.failures.values()))
@@ -261,13 +271,30 @@ class WorkerPool:
         done = self.wait_for("done", timeout_s, step=self.step)
         return {rank: m["result"] for rank, m in done.items()}
 
-    def idle(self, timeout_ms: int = 50) -> None:
-        """Between steps: wait up to timeout_ms for a frame, drain the queue (stale replies
-        are dropped), notice failures."""
-        if not self._inbox and self._poll(timeout_ms):
-            self._read()
+    def idle(self, timeout_ms: int = 50, wake: Collection = ()) -> list:
+        """Between steps: wait up to timeout_ms for a worker's frame, a local worker's end,
+        or one of `wake` (sockets or file descriptors: the server's clients) to be readable;
+        drain the queue (stale replies are dropped), notice failures. Returns the items of
+        `wake` that are readable. An idle server blocks here, so waking for each of these is
+        what keeps its detection times; while a reported failure waits for its cause
+        (ATTRIBUTION_GRACE_S), the wait is at most 50 ms."""
+        if self._failed_at is not None:
+            timeout_ms = min(timeout_ms, 50)
+        ready: dict = {}
+        if not self._inbox:
+            for item in wake:
+                self._poller.register(item, zmq.POLLIN)
+            try:
+                ready = dict(self._poller.poll(timeout_ms))
+            finally:
+                for item in wake:
+                    self._poller.unregister(item)
+            self._watch.collect(ready)
+            if self.sock in ready:
+                self._read()
         self.check_alive()
         self._inbox.clear()
+        return [item for item in wake if item in ready]
 
     def shutdown(self) -> None:
         for rank in self.ranks:

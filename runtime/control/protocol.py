@@ -38,7 +38,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # rank's models; a few a second at most (runtime.control.progress)
     "progress": {"rank": INT, "phase": STR, "done": INT, "total": INT},
     "done": {"rank": INT, "step": INT, "result": MAP},
-    "error": {"rank": INT, "step": INT, "message": STR},
+    # kind "usage": the config asks for what the rank cannot do (a KV cache over its
+    # budget): rank 0 reports it as a usage error, not as a crash
+    "error": {"rank": INT, "step": INT, "message": STR, "kind": STR},
     "heartbeat": {"rank": INT},
     # orchestrator -> worker
     "init": {"config": MAP, "heartbeat": STR},
@@ -65,6 +67,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 OPTIONAL: dict[str, set[str]] = {
     "generate": {"prompts", "prompt_ids", "chat", "messages"},
     "round": {"steps", "next_k"},
+    "error": {"kind"},
 }
 
 

@@ -53,7 +53,19 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
                 f"with config.json + safetensors, or a .gguf file)")
         return _inspect_hf(path)
     stat = os.stat(path)
-    return _inspect_gguf(path, stat.st_size, stat.st_mtime_ns)
+    return _inspect_gguf_cached(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _inspect_gguf_cached(path: str, size: int, mtime_ns: int) -> CheckpointInfo:
+    """_inspect_gguf's result, also kept on disk (runtime.models.gguf_cache): later starts
+    skip the GGUFReader parse."""
+    from dataclasses import asdict
+
+    from runtime.models import gguf_cache
+
+    info = gguf_cache.load_info(path, lambda: asdict(_inspect_gguf(path, size, mtime_ns)))
+    return CheckpointInfo(**dict(info, path=path, eos_token_ids=tuple(info["eos_token_ids"])))
 
 
 # --------------------------------------------------------------------------- HF

@@ -24,10 +24,11 @@ and which layers run in FP8: runtime.models.fp8_load.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import re
 from dataclasses import dataclass
+
+from runtime.models.checkpoint import _read_json
 
 QUANT_FILE = "hf_quant_config.json"            # ModelOpt's
 # per-layer tensors of FP8 checkpoints that tandem reads nothing from (see the docstring)
@@ -57,17 +58,6 @@ class FP8Format:
             if hit:
                 return True
         return False
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"cannot read {path}: top level is not an object")
-    return data
 
 
 def read_format(path: str | os.PathLike) -> FP8Format | None:

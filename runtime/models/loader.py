@@ -23,7 +23,8 @@ from torch import nn
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_args import ModelArgs, unsupported_reason
 from runtime.models.quant import load_dtype
-from runtime.models.weights import GGUFWeights, SafetensorsWeights, WeightSource
+from runtime.models import gguf_cache
+from runtime.models.weights import SafetensorsWeights, WeightSource
 from runtime.models.synthetic import RECIPE_FILE, SyntheticWeights
 
 if TYPE_CHECKING:
@@ -55,8 +56,9 @@ def load_config(path: str | os.PathLike) -> Any:
     import transformers
 
     directory, gguf_file = _resolve(path)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return transformers.AutoConfig.from_pretrained(str(directory), **kwargs)
+    if gguf_file:   # parsing the GGUF takes seconds: converted once, then cached on disk
+        return gguf_cache.load_config(directory / gguf_file)
+    return transformers.AutoConfig.from_pretrained(str(directory))
 
 
 def build_model(config: Any) -> LlamaForCausalLM:
@@ -78,7 +80,7 @@ def open_weights(path: str | os.PathLike, model: nn.Module | None = None,
     if model is None or config is None:
         raise ValueError("opening a .gguf needs the model (for tensor names) and its config")
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    return GGUFWeights(directory / gguf_file, config, names)
+    return gguf_cache.open_weights(directory / gguf_file, config, names)  # GGUFWeights' tensors
 
 
 def _check_names(expected: set[str], optional: set[str], available: set[str]) -> None:

@@ -147,6 +147,11 @@ class GGUFWeights:
     def names(self) -> set[str]:
         return set(self._tensor_of)
 
+    def dequantized_nbytes(self) -> int:
+        """Bytes of all the tensors once dequantized to float32 (runtime.models.gguf_cache
+        caches them below a size limit)."""
+        return sum(int(tensor.n_elements) * 4 for tensor in self._tensor_of.values())
+
     def get(self, name: str) -> torch.Tensor:
         """Dequantize one tensor (float32) and undo llama.cpp's layout."""
         from gguf import dequantize

@@ -18,6 +18,8 @@ class ServingMetrics:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     rounds: int = 0
+    sequence_rounds: int = 0                # one sequence's part of one round
+    sequence_rounds_overlapped: int = 0     # ... whose next window was ready at the verdict
     round_time: float = 0.0      # orchestrator's wall time of round commands
     worker_time: float = 0.0     # slowest worker's own time inside those rounds
     between_time: float = 0.0    # orchestrator time from one round's end to the next's start
@@ -66,8 +68,12 @@ class ServingMetrics:
         self.prefills += 1
         self._last_round_end = None   # the next round's cost must not include this prefill
 
-    def committed(self, proposed: int, accepted: int, tokens: int) -> None:
-        """A sequence's round outcome: k drafts proposed, `accepted` kept, `tokens` new."""
+    def committed(self, proposed: int, accepted: int, tokens: int,
+                  overlapped: bool = False) -> None:
+        """A sequence's round outcome: k drafts proposed, `accepted` kept, `tokens` new;
+        `overlapped`: its next window was ready when the verdict came."""
+        self.sequence_rounds += 1
+        self.sequence_rounds_overlapped += overlapped
         self.draft_tokens_proposed += proposed
         self.draft_tokens_accepted += accepted
         self.tokens_generated += tokens
@@ -117,4 +123,6 @@ class ServingMetrics:
                 "tokens_per_s": self.tokens_generated / elapsed if elapsed > 0 else 0.0,
                 "mean_round_s": self.round_time / self.rounds if self.rounds else 0.0,
                 "mean_prefill_s": self.prefill_time / self.prefills if self.prefills else 0.0,
+                "overlap_share": self.sequence_rounds_overlapped / self.sequence_rounds
+                if self.sequence_rounds else 0.0,
                 **self.overheads(), "profile": self.profile(), "uptime_s": elapsed}

@@ -149,9 +149,11 @@ class Orchestrator:
     def has_work(self) -> bool:
         return self._scheduler.has_work
 
-    def idle(self) -> None:
-        """Nothing to run: see to the workers (heartbeats, deaths) without waiting."""
-        self._pool.idle(0)
+    def idle(self, timeout_ms: int = 0, wake=()) -> list:
+        """Nothing to run: see to the workers (heartbeats, deaths), waiting up to timeout_ms
+        for one of them or for one of `wake` (the server's sockets) to be readable, which it
+        returns (runtime.control.pool.WorkerPool.idle)."""
+        return self._pool.idle(timeout_ms, wake)
 
     def stats(self) -> dict:
         return self._scheduler.metrics.snapshot(len(self._scheduler.running),

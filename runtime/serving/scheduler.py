@@ -133,7 +133,7 @@ class Scheduler:
                                                 overlapped):
             seq = self.running[slot]
             seq.overlapped_rounds += kept
-            events.append(self._append(seq, tokens, accepted, k))
+            events.append(self._append(seq, tokens, accepted, k, kept))
             if seq.finish_reason is not None:
                 finished.append(seq)
         events.extend(self._retire(finished))
@@ -169,7 +169,8 @@ class Scheduler:
             self.metrics.prefill_done(time.perf_counter() - start,
                                       sum(len(s.prompt_ids) for s in admitted))
 
-    def _append(self, seq: Sequence, tokens: list[int], accepted: int, k: int) -> Event:
+    def _append(self, seq: Sequence, tokens: list[int], accepted: int, k: int,
+                overlapped: bool = False) -> Event:
         seq.rounds += 1
         seq.target_only_rounds += k == 0
         seq.proposed += k
@@ -199,7 +200,7 @@ class Scheduler:
                 self.metrics.delivered(now - seq.t_last, len(new))
             seq.t_last = now
         seq.generated.extend(new)
-        self.metrics.committed(k, accepted, len(new))
+        self.metrics.committed(k, accepted, len(new), overlapped)
         if seq.finish_reason is None and len(seq.generated) >= seq.params.max_new_tokens:
             seq.finish_reason = "length"
         return Event("delta", seq, new, seq.stream.delta(final=seq.finish_reason is not None))

@@ -1,7 +1,15 @@
-"""The serving loop of rank 0: clients over ZeroMQ (ROUTER) <-> the orchestrator."""
+"""The serving loop of rank 0: clients over ZeroMQ (ROUTER) <-> the orchestrator.
+
+An idle server blocks: one poll over the client socket, the workers' control socket, the
+local workers' pidfds and a signal wake-up pipe, for at most a heartbeat period (workers'
+heartbeats arrive that often anyway). So it uses no CPU to speak of, and still sees a client's
+frame, a worker's error or death and a stopping signal at once.
+"""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +24,8 @@ from runtime.serving.scheduler import Event
 log = logging.getLogger("tandem.server")
 CLIENT_TIMEOUT_S = 10.0   # a client with requests in flight pings every second
 MAX_FRAMES_PER_TURN = 1000  # client frames handled between two scheduler steps
+IDLE_WAIT_S = 1.0         # longest idle wait (at most the heartbeat period): `stop` set by
+                          # a thread, not a signal, is seen this late
 
 
 @dataclass
@@ -49,25 +59,31 @@ class Server:
 
     def serve(self, stop: threading.Event) -> None:
         """Until `stop` is set. Raises EngineDeadError when the workers are gone."""
-        try:
-            while not stop.is_set():
-                # what has arrived (waiting up to 50 ms when idle), but a bounded number of
-                # frames: clients that keep sending (pings, stats) must not starve the rounds
-                timeout = 0 if self.orch.has_work else 50
-                for _ in range(MAX_FRAMES_PER_TURN):
-                    if not self.sock.poll(timeout):
-                        break
-                    self.handle_frame(self.sock.recv_multipart())
-                    timeout = 0
-                if self.orch.has_work:
-                    self.dispatch(self.orch.step())
-                else:
-                    self.orch.idle()
-                self.sweep_clients()
-        except EngineDeadError as exc:
-            self.fail_all(str(exc), "dead")
-            raise
+        heartbeat_s = self.orch.config.runtime.heartbeat_s
+        idle_ms = max(1, int(1000 * min(heartbeat_s, IDLE_WAIT_S)))
+        with SignalWakeup() as wakeup:
+            try:
+                while not stop.is_set():
+                    self.turn(idle_ms, wakeup)
+            except EngineDeadError as exc:
+                self.fail_all(str(exc), "dead")
+                raise
         self.fail_all("server shutting down", "dead")
+
+    def turn(self, idle_ms: int, wakeup: "SignalWakeup") -> None:
+        """What has arrived, but a bounded number of frames (clients that keep sending,
+        pings or stats, must not starve the rounds); then one round, or, with nothing to
+        run, a wait for the next frame, worker event or signal."""
+        for _ in range(MAX_FRAMES_PER_TURN):
+            if not self.sock.poll(0):
+                break
+            self.handle_frame(self.sock.recv_multipart())
+        if self.orch.has_work:
+            self.dispatch(self.orch.step())
+        else:
+            self.orch.idle(idle_ms, wake=(self.sock, *wakeup.fds))
+            wakeup.drain()
+        self.sweep_clients()
 
     def fail_all(self, message: str, kind: str) -> None:
         for rid, pend in list(self.pending.items()):
@@ -152,3 +168,40 @@ class Server:
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+class SignalWakeup:
+    """A pipe that signal.set_wakeup_fd writes a byte to on every signal: in the idle poll,
+    a stopping signal ends the wait at once (pyzmq runs the Python handler, which sets
+    `stop`, when the poll is interrupted, then polls on). Only the main thread can set it;
+    elsewhere (no fds) a signal is seen within IDLE_WAIT_S. The previous wake-up fd is
+    restored on exit."""
+
+    def __init__(self):
+        self.fds: tuple[int, ...] = ()
+        self._previous = -1
+
+    def __enter__(self) -> "SignalWakeup":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        read_fd, write_fd = os.pipe()
+        for fd in (read_fd, write_fd):
+            os.set_blocking(fd, False)
+        self._previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self.fds, self._write_fd = (read_fd,), write_fd
+        return self
+
+    def drain(self) -> None:
+        for fd in self.fds:
+            try:
+                while os.read(fd, 512):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        if self.fds:
+            signal.set_wakeup_fd(self._previous)
+            os.close(self.fds[0])
+            os.close(self._write_fd)
+            self.fds = ()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["TOKENIZER_FILES", "has_tokenizer_files", "check_tokenizer_path", "load_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "has_tokenizer_files", "check_tokenizer_path", "load_tokenizer",
+           "load_gguf_tokenizer"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -49,6 +50,23 @@ def load_tokenizer(path: str | os.PathLike, required: bool = False):
     from transformers import AutoTokenizer
 
     if os.path.isfile(path):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                             gguf_file=os.path.basename(path))
+        return load_gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(path)
+
+
+def load_gguf_tokenizer(path: str | os.PathLike):
+    """The tokenizer embedded in a .gguf file. transformers builds it from the GGUF's
+    vocabulary and merges (seconds); the result is saved once (save_pretrained:
+    tokenizer.json, tokenizer_config.json, chat_template.jinja) in the GGUF cache
+    (runtime.models.gguf_cache) and read from there at every later start."""
+    from transformers import AutoTokenizer
+
+    from runtime.models import gguf_cache
+
+    path = os.fspath(path)
+    return gguf_cache.cached(
+        path, "tokenizer",
+        make=lambda: AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                   gguf_file=os.path.basename(path)),
+        save=lambda tokenizer, tmp: tokenizer.save_pretrained(str(tmp)),
+        load=lambda directory: AutoTokenizer.from_pretrained(str(directory)))

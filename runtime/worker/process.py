@@ -30,15 +30,18 @@ log = logging.getLogger("tandem.worker")
 
 
 class WorkerExit(Exception):
-    """Leave the worker loop (orphaned, or told to stop by a signal)."""
+    """Leave the worker loop (orphaned, told to stop by a signal, or after reporting a
+    problem of the config that rank 0 names to the user: `reported`)."""
 
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = 1, reported: bool = False):
         super().__init__(message)
         self.code = code
+        self.reported = reported
 
 
 SIGNAL_GRACE_S = 5.0   # after SIGINT/SIGTERM, wait this long for the orchestrator's shutdown
 ERROR_GRACE_S = 3.0    # after reporting an error, as long (launcher.bootstrap.DEAD_GRACE_S)
+EXIT_USAGE = 2         # the config asks for what this device cannot hold (the CLI's code)
 
 
 class Worker:
@@ -59,8 +62,9 @@ class Worker:
 
     def on_signal(self, signum, _frame) -> None:
         """SIGINT/SIGTERM (e.g. forwarded by torchrun or mpirun): the orchestrator gets it too
-        and sends shutdown; exit cleanly on that, or on our own after a grace period."""
-        log.warning("rank %d: received signal %d", self.rank, signum)
+        and sends shutdown; exit cleanly on that, or on our own after a grace period. A
+        normal way to stop (Ctrl-C reaches every process of the terminal's group): info."""
+        log.info("rank %d: received signal %d", self.rank, signum)
         if self.signalled_at is None:
             self.signalled_at = time.monotonic()
 
@@ -85,13 +89,33 @@ class Worker:
                     raise WorkerExit(f"orchestrator silent for {timeout_s:.0f} s; exiting")
             elif time.monotonic() > deadline:
                 raise WorkerExit(f"no word from the orchestrator within {timeout_s:.0f} s")
-            if not self.sock.poll(200):
+            # block until a message comes or a check above could first turn true (at most a
+            # heartbeat period): an idle worker wakes about once a second, not five times
+            if not self.sock.poll(self._recv_wait_ms(deadline, timeout_s)):
                 continue
             frame = self.sock.recv()
             try:
                 return protocol.decode(frame, auth.control_key())
             except protocol.ProtocolError as exc:
                 log.warning("rank %d: dropped control frame: %s", self.rank, exc)
+
+    def _recv_wait_ms(self, deadline: float, timeout_s: float) -> int:
+        """How long recv may block: until the earliest moment one of its checks could turn
+        true (its deadline, the orchestrator's silence limit, after a signal the grace
+        period or the orphan limit), at most a heartbeat period, at least 10 ms."""
+        now = time.monotonic()
+        period = self.pulse.period_s if self.pulse is not None else 1.0
+        waits = [period]
+        if self.pulse is None:
+            waits.append(deadline - now)
+        else:
+            silent = self.pulse.orchestrator_silent_s
+            waits.append(timeout_s - silent)
+            if self.signalled_at is not None:
+                waits.append(3 * period - silent)
+        if self.signalled_at is not None:
+            waits.append(SIGNAL_GRACE_S - (now - self.signalled_at))
+        return max(10, int(1000 * min(waits)) + 1)
 
     # --- startup -------------------------------------------------------------------------
     def start(self, startup_timeout_s: float) -> None:
@@ -120,6 +144,13 @@ class Worker:
         try:
             draft, target = load_shards(self.config, self.spec, self.groups, self.device,
                                         self.rank, ProgressReporter(self.send, self.rank))
+        except MemoryError as exc:
+            # a KV cache over its budget (runtime.models.kv_budget): the config's problem,
+            # which rank 0 names in one line (exit 2); a crash's traceback would say nothing
+            self.send({"type": "error", "rank": self.rank, "step": -1, "kind": "usage",
+                       "message": _usage_message(str(exc))})
+            self.await_shutdown(ERROR_GRACE_S)
+            raise WorkerExit(f"rank {self.rank}: {exc}", EXIT_USAGE, reported=True) from None
         except Exception as exc:
             self.send({"type": "error", "rank": self.rank, "step": -1,
                        "message": f"rank {self.rank} failed to load: {type(exc).__name__}: {exc}"})
@@ -226,10 +257,25 @@ class Worker:
             self.pulse.stop()
 
 
+def _usage_message(text: str) -> str:
+    """'target KV cache needs ...' -> 'target: KV cache needs ...' (the model's key first,
+    like a config error)."""
+    name, _, rest = text.partition(" ")
+    return f"{name}: {rest}" if name in ("draft", "target") and rest else text
+
+
 def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: float) -> int:
     """Entry of every worker rank, whatever launched it. Returns the exit code."""
     logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
                         format=f"[tandem rank {rank}] %(levelname)s %(message)s")
+    early: list[float] = []   # a signal while joining the world: no traceback, noted below
+
+    def on_early_signal(signum, _frame) -> None:
+        log.info("rank %d: received signal %d while starting", rank, signum)
+        early.append(time.monotonic())
+
+    signal.signal(signal.SIGTERM, on_early_signal)
+    signal.signal(signal.SIGINT, on_early_signal)
     pgroups.init_world(rank, world_size, init_method, startup_timeout_s)
     address, key = pgroups.broadcast_control(None)
     if key is not None:             # rank 0's key for this launch (no key file configured)
@@ -242,6 +288,7 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.connect(address)
     worker = Worker(rank, world_size, sock, address)
+    worker.signalled_at = early[0] if early else None
     signal.signal(signal.SIGTERM, worker.on_signal)
     signal.signal(signal.SIGINT, worker.on_signal)
     code = 0
@@ -249,7 +296,9 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
         worker.start(startup_timeout_s)
         worker.serve()
     except WorkerExit as exc:
-        log.warning("rank %d: %s", rank, exc)
+        # stopped as asked, or rank 0 tells the user why: only a surprise is a warning
+        log.log(logging.INFO if exc.code == 0 or exc.reported else logging.WARNING,
+                "rank %d: %s", rank, exc)
         code = exc.code
     except Exception:
         log.error("rank %d crashed:\n%s", rank, traceback.format_exc())

@@ -84,13 +84,8 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> dict:
                                                    draft_probs if need_q else None)
         verdict = torch.stack([accepted, next_token], dim=1)
     clock.lap("verify_s")
-    # 4. target -> draft
-    bridge_broadcast(verdict, parts.target_leader, parts.bridge)
-    clock.lap("verdict_transfer_s")
-    # 5. both commit: the round's one host sync
-    rows = torch.cat([draft_tokens, verdict], dim=1).tolist()             # [B, k+2]
-    drafts = [row[:k] for row in rows]
-    accepted, next_tokens = [row[k] for row in rows], [row[k + 1] for row in rows]
+    # 4. target -> draft; 5. both commit
+    drafts, accepted, next_tokens = _verdict_to_all(parts, draft_tokens, verdict, clock)
     if parts.draft is not None:
         parts.draft.commit(slots, drafts, accepted, next_tokens)
     if parts.target is not None:
@@ -131,13 +126,9 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
             target, slots, draft_tokens, draft_probs if need_q else None)
         verdict = torch.stack([accepted, next_token], dim=1)
     clock.lap("verify_or_next_window_s")
-    # 4. target -> draft
-    bridge_broadcast(verdict, parts.target_leader, parts.bridge)
-    clock.lap("verdict_transfer_s")
-    # 5. both commit: kept slots keep the next window (draft) and the held logits (target)
-    rows = torch.cat([draft_tokens, verdict], dim=1).tolist()             # [B, k+2]
-    drafts = [row[:k] for row in rows]
-    accepted, next_tokens = [row[k] for row in rows], [row[k + 1] for row in rows]
+    # 4. target -> draft; 5. both commit: kept slots keep the next window (draft) and the
+    # held logits (target)
+    drafts, accepted, next_tokens = _verdict_to_all(parts, draft_tokens, verdict, clock)
     kept = overlap.kept_rows(accepted, k, next_k)
     if draft is not None:
         overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, kept, window)
@@ -167,6 +158,18 @@ def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> dict:
         if shard is not None:
             shard.append_decoded(slots, rows)
     return _result(parts, start, clock, rows, [0] * len(slots))
+
+
+def _verdict_to_all(parts: RoundParts, draft_tokens: torch.Tensor, verdict: torch.Tensor,
+                    clock: StepClock) -> tuple[list[list[int]], list[int], list[int]]:
+    """The target leader's verdict [B, 2] (accepted, next token) to every worker, then the
+    round's one host sync: (drafts, accepted, next tokens) per slot on the host."""
+    bridge_broadcast(verdict, parts.target_leader, parts.bridge)
+    clock.lap("verdict_transfer_s")
+    k = draft_tokens.shape[1]
+    rows = torch.cat([draft_tokens, verdict], dim=1).tolist()             # [B, k+2]
+    return ([row[:k] for row in rows], [row[k] for row in rows],
+            [row[k + 1] for row in rows])
 
 
 def _result(parts: RoundParts, start: float, clock: StepClock, tokens: list[list[int]],

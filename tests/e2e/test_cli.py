@@ -69,9 +69,9 @@ def test_vocab_mismatch_is_a_config_error(tiny, tmp_path):
 def test_bad_request_arguments_exit_2(tiny, tmp_path):
     cfg = write(tmp_path, base(tiny[0]))
     for args, name in ((["--prompt-ids", "1,x"], "--prompt-ids"),
-                       (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens"),
-                       (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
-                       (["--prompt-ids", "1", "--temperature", "-1"], "temperature")):
+                       (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
+                       (["--prompt-ids", "1", "--top-p", "0"], "--top-p"),
+                       (["--prompt-ids", "1", "--temperature", "-1"], "--temperature")):
         res = tandem("run", cfg, *args)
         assert res.returncode == 2 and name in res.stderr, (args, res.stderr)
 
@@ -95,3 +95,8 @@ def test_default_demo_prints_text():
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(res.stdout.strip()) > 10
     assert "tokens/s" in res.stderr
+    # it says what it shows (draft = target: acceptance 1.00) and where speed-ups are shown
+    assert "both draft and target" in res.stderr and "acceptance 1.00" in res.stderr
+    assert "tandem bench --synthetic tiny" in res.stderr
+    assert "prompt: What is speculative decoding?" in res.stderr
+    assert "WARNING" not in res.stderr

@@ -47,7 +47,8 @@ PROMPT = [1, 5, 9, 13]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     # no EOS: every request runs to max_new_tokens, so it is surely in flight when we strike
-    target = checkpoints.build_checkpoint(root / "target", "llama", seed=0, eos_token_id=None)
+    target = checkpoints.build_checkpoint(root / "target", "llama", seed=0, eos_token_id=None,
+                                          max_position_embeddings=2048)   # max_seq_len below
     draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
     # valid config.json (config validation passes), weights file cut in half: loading fails
     broken = root / "broken"

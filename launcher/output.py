@@ -1,0 +1,114 @@
+"""What `tandem run` prints: each prompt's text on stdout, streamed as it is generated, then
+its stats line on stderr; with --json one JSON object per prompt once all are done.
+
+Several prompts run as one batch but print one after another: the first streams, and a later
+prompt's text (held meanwhile) follows as soon as the prompts before it are done, so texts
+never interleave. Interrupted, whatever was generated is printed, and nothing else."""
+from __future__ import annotations
+
+import json
+import sys
+
+DEMO_NOTE = """\
+tandem: demo: SmolLM2-135M-Instruct on the CPU is both draft and target, so every draft
+  token is accepted (acceptance 1.00, tokens/round = draft_len + 1) and nothing is gained:
+  it shows the mechanism, and that the output is exactly the target's. A shallow draft cut
+  from SmolLM2's own layers agrees with it on only 3-20% of tokens, which would be slower.
+  For speed-ups see `tandem bench --synthetic tiny`; for your own models, `tandem run CONFIG`."""
+
+
+class RunOutput:
+    """Prints one `tandem run` request's outputs from the orchestrator's step events."""
+
+    def __init__(self, seqs, as_json: bool, stream: bool, profile=lambda: {}):
+        self.seqs = seqs                      # runtime.serving.scheduler.Sequence, in order
+        self.as_json = as_json
+        self.stream = stream and not as_json
+        self.profile = profile                # the orchestrator's per-phase timings
+        self.held = [""] * len(seqs)          # text generated and not printed yet
+        self.done = [False] * len(seqs)       # retired (its stats are final)
+        self.next = 0                         # the first prompt not printed in full
+        self.line_open = False                # stdout has text after its last newline
+
+    def event(self, event) -> None:
+        """One event of Orchestrator.step()."""
+        i = event.seq.index
+        if event.kind == "delta":
+            self.held[i] += event.text
+        elif event.kind == "final":
+            self.done[i] = True
+        if self.stream:
+            self._print_ready(everything=False)
+
+    def finish(self) -> None:
+        """Every prompt is done: print what is left."""
+        if self.as_json:
+            for seq in self.seqs:
+                print(json.dumps(self._output(seq)), flush=True)
+        else:
+            self._print_ready(everything=True)
+
+    def interrupted(self) -> int:
+        """Stopped early: print what each prompt generated (no stats lines; --json: the
+        objects, finish_reason "cancelled" where unfinished); returns the tokens generated."""
+        if self.as_json:
+            for seq in self.seqs:
+                out = self._output(seq)
+                out["finish_reason"] = out["finish_reason"] or "cancelled"
+                print(json.dumps(out), flush=True)
+        else:
+            for i in range(self.next, len(self.seqs)):
+                self._write(i)
+                self._end_line()
+        return sum(len(seq.generated) for seq in self.seqs)
+
+    def end_line(self) -> None:
+        """Before a word on stderr (an error): end the text streamed so far with a newline."""
+        if self.line_open:
+            self._end_line()
+
+    # --- printing ---------------------------------------------------------------------------
+    def _print_ready(self, everything: bool) -> None:
+        while self.next < len(self.seqs):
+            self._write(self.next)
+            if not (self.done[self.next] or everything):
+                return
+            self._end_line()
+            self._stats_line(self._output(self.seqs[self.next]))
+            self.next += 1
+
+    def _write(self, i: int) -> None:
+        if self.held[i]:
+            sys.stdout.write(self.held[i])
+            sys.stdout.flush()
+            self.held[i] = ""
+            self.line_open = True
+
+    def _end_line(self) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        self.line_open = False
+
+    def _output(self, seq) -> dict:
+        out = seq.output()
+        out.pop("index")
+        profile = self.profile()
+        if profile:
+            out["stats"]["profile"] = profile
+        return out
+
+    @staticmethod
+    def _stats_line(out: dict) -> None:
+        s = out["stats"]
+        print(f"[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, "
+              f"acceptance={s['acceptance_rate']:.2f}, "
+              f"tokens/round={s['mean_accepted_tokens']:.2f}, "
+              f"{s['tokens_per_s']:.1f} tokens/s]", file=sys.stderr, flush=True)
+
+
+def print_demo_header(prompts: list[str] | None) -> None:
+    """The built-in demo says what it shows (and what it does not) and echoes its prompt."""
+    print(DEMO_NOTE, file=sys.stderr)
+    for prompt in prompts or ():
+        print(f"prompt: {prompt}", file=sys.stderr)
+    sys.stderr.flush()

@@ -1,0 +1,337 @@
+"""The command line as a new user meets it: --version and --help, --print-config, errors that
+name the flag or key before any process starts, streamed text, Ctrl-C, the served model name
+of the HTTP API, and output free of other libraries' noise."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from importlib.metadata import version
+
+import pytest
+import yaml
+
+from runtime.config import default_config, load_config
+from tests import checkpoints, launch
+from tests.processes import descendants
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = ("Once upon a time", "The weather today")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("conv")
+    target = checkpoints.build_with_tokenizer(root / "target", seed=0)
+    draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
+    bare = checkpoints.build_checkpoint(root / "bare", "llama", seed=0)   # no tokenizer
+    return {"draft": draft, "target": target, "bare": bare, "root": root}
+
+
+@pytest.fixture(scope="module")
+def cfg(models) -> str:
+    return launch.write_config(models["root"] / "c.yaml", models["draft"], models["target"],
+                               max_seq_len=512)
+
+
+def tandem(*args, timeout=120, env=None):
+    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env or launch.clean_env())
+
+
+# --- --version, --help ----------------------------------------------------------------------
+def test_version_is_the_installed_package_version():
+    res = tandem("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"tandem {version('tandem')}"
+
+
+def test_help_lists_only_the_public_commands():
+    res = tandem("--help")
+    assert res.returncode == 0
+    assert "{run,serve,bench}" in res.stdout and "--version" in res.stdout
+    assert "worker" not in res.stdout and "SUPPRESS" not in res.stdout
+    run_help = tandem("run", "--help").stdout
+    assert "(default: 64)" in run_help and "--no-stream" in run_help
+    # the hidden entry rank 0 starts workers with still parses
+    worker = tandem("worker", "--help")
+    assert worker.returncode == 0 and "--rank" in worker.stdout
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_has_help_that_gives_its_default():
+    from launcher.cli import _parser
+
+    for name, sub in _subparsers(_parser()).items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            label = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{label} has no help"
+            if action.required or (action.nargs == 0 and not isinstance(
+                    action, argparse.BooleanOptionalAction)):
+                continue       # nothing to default (a required value, a plain flag)
+            assert "default" in formatter._get_help_string(action) % vars(action), \
+                f"{label}: its help does not say its default"
+
+
+# --- --print-config ---------------------------------------------------------------------------
+def test_print_config_round_trips_through_load_config(models, tmp_path):
+    path = tmp_path / "short.yaml"     # no runtime.max_seq_len: the models' context is used
+    path.write_text(yaml.safe_dump({
+        "draft": {"model": models["draft"], "devices": ["cpu:0"], "dtype": "float32"},
+        "target": {"model": models["target"], "devices": ["cpu:1"], "dtype": "float32"}}))
+    res = tandem("run", str(path), "--print-config")
+    assert res.returncode == 0, res.stderr
+    printed = yaml.safe_load(res.stdout)
+    assert printed["runtime"]["max_seq_len"] == 512       # max_position_embeddings
+    assert load_config(printed) == load_config(str(path))
+    served = tandem("serve", str(path), "--address", "ipc:///tmp/x.sock", "--print-config")
+    assert yaml.safe_load(served.stdout)["server"]["address"] == "ipc:///tmp/x.sock"
+
+
+def test_demo_print_config_is_the_builtin_default():
+    try:
+        expected = default_config()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    res = tandem("run", "--print-config")
+    assert res.returncode == 0, res.stderr
+    assert load_config(yaml.safe_load(res.stdout)) == expected
+
+
+# --- errors: the flag the user typed, before anything starts --------------------------------
+@pytest.mark.parametrize("args, expected", [
+    (["--prompt-ids", "1,x"], "--prompt-ids: expected comma-separated integers"),
+    (["--prompt-ids", "1,99999"], "--prompt-ids: token id 99999 is outside the vocabulary"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "511"],
+     "exceeds runtime.max_seq_len (512)"),
+    (["--prompt-ids", "1", "--top-p", "0"], "--top-p: expected a number in (0, 1]"),
+    (["--prompt-ids", "1", "--top-k", "-1"], "--top-k: expected an integer >= 0"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "--temperature: expected a finite"),
+    (["--prompt", ""], "--prompt: empty prompt"),
+])
+def test_request_errors_name_the_flag(cfg, args, expected):
+    res = tandem("run", cfg, *args)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("tandem: error: ") and expected in res.stderr, res.stderr
+    for python_name in ("prompt_token_ids", "max_new_tokens", "top_p", "top_k"):
+        assert python_name not in res.stderr, res.stderr
+
+
+def _run_watching_children(args: list[str], timeout: float = 60):
+    """Run `tandem ARGS`; (result, seconds, whether it ever had a child process)."""
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=launch.clean_env())
+    had_child = False
+    while proc.poll() is None and time.monotonic() - start < timeout:
+        had_child = had_child or bool(descendants(proc.pid))
+        time.sleep(0.02)
+    try:
+        out, err = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"tandem {args} did not exit within {timeout} s") from None
+    launch.assert_group_gone(proc.pid)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err), \
+        time.monotonic() - start, had_child
+
+
+def _config_case(models, tmp_path, case: str) -> tuple[list[str], str]:
+    """(tandem arguments, what the error must say) for one config problem."""
+    base = yaml.safe_load(open(launch.write_config(tmp_path / "b.yaml", models["draft"],
+                                                   models["target"])))
+    if case == "duplicate key":
+        del base["runtime"]
+        text = yaml.safe_dump(base) + "runtime:\n  max_seq_len: 64\n  max_batch_size: 2\n" \
+                                      "  max_seq_len: 128\n"
+        (tmp_path / "c.yaml").write_text(text)
+        return ["--prompt-ids", "1,2"], "runtime.max_seq_len: duplicate key"
+    if case == "max_seq_len over context":
+        base["runtime"]["max_seq_len"] = 4096
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(base))
+        return ["--prompt-ids", "1,2"], \
+            "runtime.max_seq_len: 4096 exceeds the draft model's context: " \
+            "max_position_embeddings is 512"
+    base["draft"]["model"] = base["target"]["model"] = models["bare"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(base))
+    if case == "no tokenizer for --prompt":
+        return ["--prompt", "Hello"], f"--prompt: {models['bare']} has no tokenizer"
+    return ["--prompt-ids", "1", "--stop", "x"], f"--stop: {models['bare']} has no tokenizer"
+
+
+@pytest.mark.parametrize("case", ["duplicate key", "max_seq_len over context",
+                                  "no tokenizer for --prompt", "no tokenizer for --stop"])
+def test_config_errors_exit_2_before_any_process_starts(models, tmp_path, case):
+    args, expected = _config_case(models, tmp_path, case)
+    res, seconds, had_child = _run_watching_children(["run", str(tmp_path / "c.yaml"), *args])
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("tandem: error: ") and res.stderr.count("\n") == 1, res.stderr
+    assert expected in res.stderr, res.stderr
+    assert not had_child, "a worker was started"
+    assert seconds < 15, f"took {seconds:.1f} s"
+
+
+def test_served_model_name_needs_http(cfg):
+    res = tandem("serve", cfg, "--served-model-name", "m")
+    assert res.returncode == 2 and "--served-model-name" in res.stderr and "--http" in res.stderr
+
+
+# --- tandem run: streaming, Ctrl-C, the worker-side KV budget --------------------------------
+def _lines_after_startup(stderr: str) -> list[str]:
+    """stderr's lines after the startup progress (which ends with 'tandem: ready: ...')."""
+    lines = stderr.splitlines()
+    ready = [i for i, line in enumerate(lines) if line.startswith("tandem: ready: ")]
+    assert ready, stderr
+    return lines[ready[-1] + 1:]
+
+
+def test_several_prompts_print_in_order_as_json_says(cfg):
+    prompts = [a for p in PROMPTS for a in ("--prompt", p)]
+    args = ["run", cfg, *prompts, "--max-new-tokens", "24"]
+    outs = launch.run_json("spawn", 3, args)
+    streamed = launch.run("spawn", 3, args)
+    assert streamed.returncode == 0, streamed.stderr
+    texts = [o["text"].replace("\r\n", "\n").replace("\r", "\n") for o in outs]  # text mode
+    assert streamed.stdout == "".join(text + "\n" for text in texts)
+    after = _lines_after_startup(streamed.stderr)
+    assert len(after) == 2 and all(" tokens, finish=" in line for line in after), after
+    no_stream = launch.run("spawn", 3, [*args, "--no-stream"])
+    assert no_stream.stdout == streamed.stdout
+    for res in (streamed, no_stream):
+        assert "WARNING" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("to", ["leader", "group"])   # `kill -INT pid` / Ctrl-C in a terminal
+def test_ctrl_c_prints_what_was_generated_and_exits_130(cfg, to):
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", cfg, "--prompt",
+                             PROMPTS[0], "--max-new-tokens", "480"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            env=launch.clean_env())
+    try:
+        first = os.read(proc.stdout.fileno(), 64)   # the text streams: it comes while running
+        assert first and proc.poll() is None
+        (os.kill if to == "leader" else os.killpg)(proc.pid, signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    launch.assert_group_gone(proc.pid)
+    out, err = (first + rest).decode(), err.decode()
+    assert proc.returncode == 130, err
+    after = _lines_after_startup(err)
+    assert len(after) == 1 and after[0].startswith("tandem: interrupted by SIGINT after "), err
+    generated = int(after[0].split(" after ")[1].split()[0])
+    assert 0 < generated < 480 and out.endswith("\n") and out.strip(), (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "WARNING" not in err
+
+
+def test_kv_budget_failure_in_a_worker_is_one_error_line(models, tmp_path):
+    path = launch.write_config(tmp_path / "c.yaml", models["draft"], models["target"])
+    config = yaml.safe_load(open(path))
+    config["target"]["kv_cache_memory"] = 1e-9    # CPU: only the worker checks the budget
+    open(path, "w").write(yaml.safe_dump(config))
+    res = launch.run("spawn", 3, ["run", path, "--prompt-ids", "1,2"], timeout=120)
+    assert res.returncode == 2, res.stderr
+    errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("tandem: error: target: KV cache needs "), \
+        res.stderr
+    assert "target.kv_cache_memory" in errors[0]
+    assert "Traceback" not in res.stderr and "WARNING" not in res.stderr, res.stderr
+
+
+# --- tandem serve --served-model-name, through the openai client ----------------------------
+def _wait_http(url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(log_path).read()[-4000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.3)
+    raise AssertionError(f"HTTP front not up:\n{open(log_path).read()[-4000:]}")
+
+
+def test_served_model_name_through_the_openai_client(cfg, tmp_path):
+    openai = pytest.importorskip("openai")
+    port, log_path = launch.free_port(), tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", cfg, "--address",
+                                 f"ipc://{tmp_path}/s.sock", "--http", f"127.0.0.1:{port}",
+                                 "--served-model-name", "tiny-chat"], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(launch.clean_env(), TANDEM_LAUNCH="spawn"))
+    try:
+        _wait_http(f"http://127.0.0.1:{port}", proc, log_path)
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                            max_retries=0, timeout=120)
+        assert [m.id for m in oai.models.list().data] == ["tiny-chat"]
+        out = oai.completions.create(model="tiny-chat", prompt=PROMPTS[0], max_tokens=8,
+                                     temperature=0)
+        assert out.model == "tiny-chat" and out.usage.completion_tokens == 8
+        for call in (lambda: oai.completions.create(model="target", prompt="a", max_tokens=2),
+                     lambda: oai.models.retrieve("target")):
+            with pytest.raises(openai.NotFoundError) as info:
+                call()
+            assert "`target` does not exist" in str(info.value)
+            assert "serves `tiny-chat`" in str(info.value)
+        oai.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    launch.assert_group_gone(proc.pid)
+    text = open(log_path).read()
+    assert "WARNING" not in text and "Traceback" not in text, text   # a normal stop is quiet
+
+
+# --- quiet by default ---------------------------------------------------------------------------
+def test_engine_keeps_its_servers_address_line_to_itself():
+    from runtime.api.engine import StderrTail
+
+    read, write = os.pipe()
+    sink = io.StringIO()
+    tail = StderrTail(os.fdopen(read, "rb"), forward=sink)
+    with os.fdopen(write, "wb") as pipe:
+        pipe.write(b"tandem: loading weights (1 worker)\n"
+                   b"tandem: serving at ipc:///tmp/tandem-x/server.sock\n"
+                   b"tandem: error: rank 1 exited\n")
+    assert tail.detail() == "rank 1 exited"
+    assert sink.getvalue() == "tandem: loading weights (1 worker)\n" \
+                              "tandem: error: rank 1 exited\n"
+
+
+def test_bench_prints_its_table_and_progress_only(tmp_path):
+    env = launch.clean_env()
+    env.pop("TANDEM_LOG", None)
+    res = tandem("bench", "--synthetic", "tiny", "--modes", "spec,hf", "--prompt-len", "8",
+                 "--new-tokens", "8", "--warmup", "0", "--out", str(tmp_path / "r.json"),
+                 timeout=280, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("| mode | batch |") and "| spec | 1 |" in res.stdout
+    assert "bench: spec: batch 1" in res.stderr
+    for noise in ("Loading weights", "Writing model shards", "deprecated", "serving at",
+                  "WARNING", "received signal", "it/s]"):
+        assert noise not in res.stderr, res.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["results"]

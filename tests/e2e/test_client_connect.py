@@ -1,0 +1,136 @@
+"""A Client at an address where nothing listens fails within seconds, naming the address;
+one that reached something there (a server gone silent, or something that is no tandem
+server) still gets the long silence limit; info(timeout_s=...) waits for a server that is
+still starting, and a Client that found nobody works once a server is there."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import zmq
+
+from runtime import EngineDeadError
+from runtime.api.client import CONNECT_TIMEOUT_S, Client
+from runtime.control import protocol
+from tests.launch import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class PingServer:
+    """Answers pings at `address` (a minimal tandem server) and nothing else."""
+
+    def __init__(self, address: str):
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            identity, frame = self.sock.recv_multipart()
+            msg = protocol.decode(frame)
+            if msg["type"] == "ping":
+                info = {"vocab_size": 100, "max_seq_len": 64, "model": "fake"}
+                self.sock.send_multipart([identity, protocol.encode(
+                    {"type": "pong", "id": msg["id"], "info": info})])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.context.term()
+
+
+def fails_fast(call, address: str, detail: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError) as err:
+        call()
+    took = time.monotonic() - start
+    assert f"no tandem server at {address}" in str(err.value)
+    assert detail in str(err.value)
+    assert CONNECT_TIMEOUT_S - 0.5 < took < 5.0, took
+
+
+@pytest.mark.parametrize("call", ["info", "generate", "stats"])
+def test_nothing_on_a_tcp_port(call):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with Client(address) as client:
+        calls = {"info": client.info, "stats": client.stats,
+                 "generate": lambda: client.generate("hi", max_new_tokens=2)}
+        fails_fast(calls[call], address, f"no connection within {CONNECT_TIMEOUT_S:g} s")
+
+
+def test_no_ipc_socket_file_then_a_server(tmp_path):
+    """The verdict is the call's, not the client's: once a server listens, calls work."""
+    address = f"ipc://{tmp_path}/server.sock"
+    with Client(address) as client:
+        fails_fast(lambda: client.generate(prompt_token_ids=[1, 2], max_new_tokens=2),
+                   address, f"no socket file {tmp_path}/server.sock")
+        server = PingServer(address)
+        try:
+            assert client.info()["model"] == "fake"
+        finally:
+            server.close()
+
+
+def test_info_with_a_timeout_waits_for_a_starting_server(tmp_path):
+    address = f"ipc://{tmp_path}/server.sock"
+    servers: list[PingServer] = []
+    starter = threading.Timer(CONNECT_TIMEOUT_S + 1.5,
+                              lambda: servers.append(PingServer(address)))
+    starter.start()
+    try:
+        with Client(address) as client:
+            start = time.monotonic()
+            assert client.info(timeout_s=30)["model"] == "fake"
+            assert time.monotonic() - start > CONNECT_TIMEOUT_S + 1.0
+    finally:
+        starter.join()
+        for server in servers:
+            server.close()
+
+
+def test_info_with_a_timeout_names_the_missing_server():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with Client(address) as client:
+        with pytest.raises(EngineDeadError, match=f"no tandem server at {address}.*waited 1 s"):
+            client.info(timeout_s=1)
+
+
+def test_something_that_is_no_tandem_server_gets_the_silence_limit():
+    """A connection is made (a plain TCP listener that never speaks ZeroMQ): that is not
+    "nothing listens", so the call waits dead_after_s, as for a server gone silent."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with Client(address, dead_after_s=CONNECT_TIMEOUT_S + 3) as client:
+            start = time.monotonic()
+            with pytest.raises(EngineDeadError, match="silent for"):
+                client.generate("hi", max_new_tokens=2)
+            assert time.monotonic() - start > CONNECT_TIMEOUT_S + 2.5
+    finally:
+        listener.close()
+
+
+def test_a_server_heard_once_gets_the_silence_limit(tmp_path):
+    address = f"ipc://{tmp_path}/server.sock"
+    server = PingServer(address)
+    with Client(address, dead_after_s=CONNECT_TIMEOUT_S + 3) as client:
+        client.info()
+        server.close()                                   # silent from now on
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="silent for"):
+            client.generate("hi", max_new_tokens=2)
+        assert time.monotonic() - start > CONNECT_TIMEOUT_S + 1.5
+        with pytest.raises(EngineDeadError, match="silent for"):   # and it stays dead
+            client.info()
