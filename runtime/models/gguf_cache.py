@@ -8,7 +8,7 @@ and every worker) read them in milliseconds:
 
 - `config/`    transformers' config (save_pretrained), for load_config;
 - `tokenizer/` the converted tokenizer (save_pretrained: tokenizer.json, ...);
-- `info.json`  the checkpoint metadata of runtime.models.checkpoint;
+- `info/`      the checkpoint metadata of runtime.models.checkpoint;
 - `weights-<key>/` the tensors exactly as GGUFWeights hands them out (dequantized by the gguf
   package, llama.cpp's q/k permutation undone by transformers' tensor processor), as
   safetensors; <key> hashes the model's parameter names and the config they were mapped with.
@@ -246,7 +246,7 @@ def load_config(gguf_path: str | os.PathLike) -> Any:
 
 def load_info(gguf_path: str | os.PathLike, make: Callable[[], dict]) -> dict:
     """The checkpoint metadata dict `make()` reads from a .gguf file, cached as JSON."""
-    return cached(gguf_path, "info.json", make,
+    return cached(gguf_path, "info", make,
                   save=lambda info, tmp: (tmp / "info.json").write_text(json.dumps(info)),
                   load=lambda d: json.loads((d / "info.json").read_text()))
 

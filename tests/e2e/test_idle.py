@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(240)
 WORLD = 3             # the server and two workers (draft on cpu:0, target on cpu:1)
 MEASURE_S = 5.0
 SETTLE_S = 2.0
-# Measured on a shared 2-core host: server 0.2-0.6 %, each worker 0.5-1.0 % of a core, all
+# Measured on a shared 2-core host: server 0.2-0.6 %, each worker 0.2-1.0 % of a core, all
 # but ~0.05 % of it in gloo's transport threads (one per process group, waking every 10 ms:
 # not ours to change). The limit leaves room for a busy host.
 MAX_CORE_SHARE = 0.03

@@ -140,7 +140,7 @@ def test_entry_layout(loads):
     (entry,) = (cache / "gguf" / digest).iterdir()
     assert entry.name == gguf_cache.converter_tag()
     names = {p.name for p in entry.iterdir()}
-    assert {"config", "info.json"} <= names
+    assert {"config", "info"} <= names
     (weights_dir,) = [entry / n for n in names if n.startswith("weights-")]
     assert gguf_cache.is_complete(weights_dir)
     index = json.loads((weights_dir / weights.INDEX_FILE).read_text())

@@ -39,7 +39,7 @@ def test_the_second_demo_start_reads_the_cache(monkeypatch, tmp_path):
     first, first_s = start(monkeypatch, cache)
     written = entries(cache)
     kinds = {name.split("/")[3].split("-")[0] for name in written if name.startswith("gguf/")}
-    assert kinds == {"config", "info.json", "tokenizer", "weights"}, sorted(written)
+    assert kinds == {"config", "info", "tokenizer", "weights"}, sorted(written)
     second, second_s = start(monkeypatch, cache)
     assert entries(cache) == written
     assert second[0]["token_ids"] == first[0]["token_ids"]
