@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+from parallel.mappings import group_size
 
 
 def bridge_broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None
