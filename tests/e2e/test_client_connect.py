@@ -9,44 +9,21 @@ import threading
 import time
 
 import pytest
-import zmq
 
 from runtime import EngineDeadError
 from runtime.api.client import CONNECT_TIMEOUT_S, Client
-from runtime.control import protocol
+from tests.fake_server import PingServer
 from tests.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class PingServer:
-    """Answers pings at `address` (a minimal tandem server) and nothing else."""
+INFO = {"vocab_size": 100, "max_seq_len": 64, "model": "fake"}
 
-    def __init__(self, address: str):
-        self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(address)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            identity, frame = self.sock.recv_multipart()
-            msg = protocol.decode(frame)
-            if msg["type"] == "ping":
-                info = {"vocab_size": 100, "max_seq_len": 64, "model": "fake"}
-                self.sock.send_multipart([identity, protocol.encode(
-                    {"type": "pong", "id": msg["id"], "info": info})])
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close(0)
-        self.context.term()
+def ping_server(address: str) -> PingServer:
+    """A minimal tandem server at `address`: it answers pings and nothing else."""
+    return PingServer(INFO, address)
 
 
 def fails_fast(call, address: str, detail: str) -> None:
@@ -74,7 +51,7 @@ def test_no_ipc_socket_file_then_a_server(tmp_path):
     with Client(address) as client:
         fails_fast(lambda: client.generate(prompt_token_ids=[1, 2], max_new_tokens=2),
                    address, f"no socket file {tmp_path}/server.sock")
-        server = PingServer(address)
+        server = ping_server(address)
         try:
             assert client.info()["model"] == "fake"
         finally:
@@ -85,7 +62,7 @@ def test_info_with_a_timeout_waits_for_a_starting_server(tmp_path):
     address = f"ipc://{tmp_path}/server.sock"
     servers: list[PingServer] = []
     starter = threading.Timer(CONNECT_TIMEOUT_S + 1.5,
-                              lambda: servers.append(PingServer(address)))
+                              lambda: servers.append(ping_server(address)))
     starter.start()
     try:
         with Client(address) as client:
@@ -124,7 +101,7 @@ def test_something_that_is_no_tandem_server_gets_the_silence_limit():
 
 def test_a_server_heard_once_gets_the_silence_limit(tmp_path):
     address = f"ipc://{tmp_path}/server.sock"
-    server = PingServer(address)
+    server = ping_server(address)
     with Client(address, dead_after_s=CONNECT_TIMEOUT_S + 3) as client:
         client.info()
         server.close()                                   # silent from now on

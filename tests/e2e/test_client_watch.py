@@ -11,11 +11,10 @@ import threading
 import time
 
 import pytest
-import zmq
 
 from runtime import EngineDeadError
-from runtime.control import protocol
 from runtime.api.client import WORKER_DEATH_GRACE_S, Client
+from tests.fake_server import PingServer
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open")]
@@ -35,44 +34,18 @@ def kill(pid: int) -> None:
         pass
 
 
-class FakeServer:
+def fake_server(server_pid: int, worker_pid: int) -> PingServer:
     """Answers pings with a process table (server pid, rank 1's pid) and nothing else."""
-
-    def __init__(self, server_pid: int, worker_pid: int):
-        self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
-        host = socket.gethostname()
-        self.info = {"vocab_size": 100, "max_seq_len": 64, "has_tokenizer": False,
-                     "model": "fake", "server": [host, server_pid],
-                     "processes": {"1": [host, worker_pid]}}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            if not self.sock.poll(20):
-                continue
-            identity, frame = self.sock.recv_multipart()
-            msg = protocol.decode(frame)
-            if msg["type"] == "ping":
-                reply = {"type": "pong", "id": msg["id"], "info": self.info}
-                self.sock.send_multipart([identity, protocol.encode(reply)])
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close(0)
-        self.context.term()
+    host = socket.gethostname()
+    return PingServer({"vocab_size": 100, "max_seq_len": 64, "has_tokenizer": False,
+                       "model": "fake", "server": [host, server_pid],
+                       "processes": {"1": [host, worker_pid]}})
 
 
 @pytest.mark.parametrize("server_dies", [True, False])
 def test_pending_call_names_the_dead_local_worker(server_dies):
     server_pid, worker_pid = orphan(), orphan()
-    server = FakeServer(server_pid, worker_pid)
+    server = fake_server(server_pid, worker_pid)
     client = Client(server.address, dead_after_s=30)
     try:
         client.info(10)
@@ -115,7 +88,7 @@ def test_a_server_that_died_first_is_the_cause():
     """The server dies, then its worker (as with PR_SET_PDEATHSIG): the server is named,
     not the worker, and at once."""
     server_pid, worker_pid = orphan(), orphan()
-    server = FakeServer(server_pid, worker_pid)
+    server = fake_server(server_pid, worker_pid)
     client = Client(server.address, dead_after_s=30)
     try:
         client.info(10)
@@ -135,7 +108,7 @@ def test_a_server_that_died_first_is_the_cause():
 def test_no_process_table_no_watch():
     """A server that sends no process table (an older one): nothing is watched."""
     server_pid, worker_pid = orphan(), orphan()
-    server = FakeServer(server_pid, worker_pid)
+    server = fake_server(server_pid, worker_pid)
     del server.info["processes"], server.info["server"]
     client = Client(server.address, dead_after_s=30)
     try:
@@ -155,7 +128,7 @@ def test_a_call_leaves_at_once():
     class SlowPollClient(Client):
         POLL_MS = 3_600_000
 
-    server = FakeServer(os.getpid(), os.getpid())
+    server = fake_server(os.getpid(), os.getpid())
     client = SlowPollClient(server.address, dead_after_s=30)
     try:
         start = time.monotonic()
