@@ -101,23 +101,24 @@ def _add_run(run: argparse.ArgumentParser) -> None:
     _add_quiet(run)
 
 
+def _add_listener(parser: argparse.ArgumentParser, flag: str, what: str) -> None:
+    """FLAG HOST:PORT (loopback unless FLAG-allow-remote) for an endpoint serving `what`."""
+    parser.add_argument(flag, metavar="HOST:PORT", default=None,
+                        help=f"also serve {what} here (loopback only unless "
+                             f"{flag}-allow-remote; default: none)")
+    parser.add_argument(f"{flag}-allow-remote", action="store_true",
+                        help=f"allow {flag} on a non-loopback address (no authentication)")
+
+
 def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("config", help="YAML config")
     serve.add_argument("--address", help="listen here instead of server.address "
                                          "(default: the config's)")
-    serve.add_argument("--http", metavar="HOST:PORT", default=None,
-                       help="also serve an OpenAI-compatible HTTP API here "
-                            "(loopback only unless --http-allow-remote; default: none)")
-    serve.add_argument("--http-allow-remote", action="store_true",
-                       help="allow --http on a non-loopback address (no authentication)")
+    _add_listener(serve, "--http", "an OpenAI-compatible HTTP API")
     serve.add_argument("--served-model-name", metavar="NAME", default=None,
                        help="the model id HTTP clients name (OpenAI's `model`); requests for "
                             "another get 404 (default: the target's file or directory name)")
-    serve.add_argument("--metrics", metavar="HOST:PORT", default=None,
-                       help="also serve the Prometheus metrics at GET /metrics here "
-                            "(loopback only unless --metrics-allow-remote; default: none)")
-    serve.add_argument("--metrics-allow-remote", action="store_true",
-                       help="allow --metrics on a non-loopback address (no authentication)")
+    _add_listener(serve, "--metrics", "the Prometheus metrics at GET /metrics")
     serve.add_argument("--print-config", action="store_true",
                        help="print the effective config (defaults filled in) as YAML and exit")
     _add_quiet(serve)
