@@ -13,7 +13,10 @@ With the Triton attention kernel (runtime/models/kernels, on by default on CUDA)
 reads each row's length on the device, so no KV bucket is needed: one graph per (batch
 bucket, step length) serves every KV length.
 
-Longer calls (prefill) and models without `forward_static` run eagerly at their own shape.
+Longer calls (prompts) go to runtime.models.prefill_runner.PrefillRunner: bucketed chunks at
+static shapes, CUDA graphs of their own captured with these (same memory pool), unless
+prefill graphs are off (`prefill_graphs=False`, TANDEM_PREFILL_GRAPHS=0): then they, like
+every call of a model without `forward_static`, run eagerly at their own shape.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 
 from runtime.models.hostcopy import copy_into, to_device
 from runtime.models import fused, kernels
+from runtime.models.prefill_runner import PrefillRunner, prefill_graphs_on
 
 KV_BUCKET_MIN = 256      # smallest attended KV length of a static step
 KV_BUCKET_LINEAR = 2048  # KV buckets double up to here, then grow by this much
@@ -62,7 +66,9 @@ def kv_bucket(kv_len: int, cache_len: int) -> int:
 
 class StepRunner:
     def __init__(self, model, device: torch.device, max_batch: int, max_step_len: int,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, prefill_graphs: bool | None = None):
+        """prefill_graphs: calls longer than max_step_len in static chunks (PrefillRunner;
+        None: TANDEM_PREFILL_GRAPHS decides, default on), else eagerly at their shape."""
         self.model, self.device = model, device
         self.max_batch, self.max_step_len = max_batch, max_step_len
         self.static = hasattr(model, "forward_static")
@@ -78,35 +84,63 @@ class StepRunner:
         self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
         self.out: torch.Tensor | None = None       # [max_batch, max_step_len, V] logits
         self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
-        self.pool = None                            # one memory pool shared by all graphs
+        # one memory pool shared by all graphs, the prefill graphs' included
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.chunked = PrefillRunner(model, device, self.buckets, self.capture, self.pool) \
+            if self.static and prefill_graphs_on(prefill_graphs) else None
 
     @torch.no_grad()
     def capture_all(self, step_lens: list[int], limit: int = MAX_STARTUP_GRAPHS,
                     progress: Callable[[int, int], None] | None = None) -> int:
         """Capture the graphs steps of these lengths can need (each batch bucket and KV
-        bucket, slots 0..B-1 or not), shortest KV first, at most `limit` of them: requests
-        then pay for no capture (longer contexts of very long max_seq_len configs capture on
-        first use). Returns how many graphs there are. `progress(done, total)` hears of
-        each capture (the first also compiles the fused kernels); nothing without CUDA."""
+        bucket, slots 0..B-1 or not), shortest KV first, at most `limit` of them, then the
+        prompt chunks' graphs (PrefillRunner.startup_keys): requests then pay for no capture
+        (longer contexts of very long max_seq_len configs capture on first use). Returns
+        how many graphs there are. `progress(done, total)` hears of each capture (the first
+        also compiles the fused kernels); nothing without CUDA."""
         if not self.capture:
             return 0
         keys = [(bsz, seq, kv_len, contiguous)
                 for kv_len in self._kv_buckets() for bsz in self.buckets
                 for seq in step_lens for contiguous in (True, False)]
-        todo = [key for key in keys[:limit] if key not in self.graphs]
+        todo = [(self._capture, key) for key in keys[:limit] if key not in self.graphs]
+        chunked = self.chunked if self.chunked is not None and self.chunked.capture else None
+        if chunked is not None:   # then the prompts' chunks (PrefillRunner.startup_keys)
+            todo += [(chunked.capture_key, key) for key in chunked.startup_keys()
+                     if key not in chunked.graphs]
         if progress is not None:
             progress(0, len(todo))
-        for done, key in enumerate(todo, 1):
-            self._capture(key)
+        for done, (capture, key) in enumerate(todo, 1):
+            capture(key)
             if progress is not None:
                 progress(done, len(todo))
-        return len(self.graphs)
+        return self.graph_count()
+
+    def graph_count(self) -> int:
+        """Graphs captured: decode/verify steps plus prompt chunks."""
+        return len(self.graphs) + (len(self.chunked.graphs) if self.chunked else 0)
+
+    def prefill(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+                n_valid: list[int]) -> None:
+        """run() for callers that need only the KV cache written (a shard's prompts): no
+        logits are assembled across the chunks."""
+        if self._chunks(ids):
+            self.chunked.run(ids, slots, starts, n_valid, logits=False)
+        else:
+            self.run(ids, slots, starts, n_valid)
+
+    def _chunks(self, ids: torch.Tensor) -> bool:
+        """Whether this call goes to the prefill runner: static, longer than a step."""
+        return self.static and self.chunked is not None and \
+            ids.shape[0] <= self.max_batch and ids.shape[1] > self.max_step_len
 
     @torch.no_grad()
     def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
             n_valid: list[int]) -> torch.Tensor:
         """ids [B, T] on the device; per-row slot, start position and valid length on the
         host -> logits [B, T, V]. Static steps return a view that the next call overwrites."""
+        if self._chunks(ids):
+            return self.chunked.run(ids, slots, starts, n_valid)
         bsz, seq = ids.shape
         kv_len = max(s + n for s, n in zip(starts, n_valid))
         if not self.static or bsz > self.max_batch or seq > self.max_step_len:  # eager

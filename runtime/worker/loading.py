@@ -66,9 +66,10 @@ def _callback(progress: ProgressReporter | None, phase: str):
 def _shard(config: TandemConfig, cls, key: str, model, step_lens: list[int],
            device: torch.device, rank: int, progress: ProgressReporter | None = None):
     """A shard with its KV cache preallocated within the model's memory budget; steps of
-    these lengths run as CUDA graphs, all captured now (a tensor-parallel shard's graphs
-    hold its NCCL all-reduces; every rank of the group captures the same shapes in the
-    same order)."""
+    these lengths run as CUDA graphs, all captured now, and so do the prompts' chunks
+    (runtime.models.prefill_runner; TANDEM_PREFILL_GRAPHS=0: eager prefill). A
+    tensor-parallel shard's graphs hold its NCCL all-reduces; every rank of the group
+    captures the same shapes in the same order."""
     from runtime.models.kv_budget import check_kv_budget
 
     rt, model_cfg = config.runtime, getattr(config, key)
@@ -82,6 +83,8 @@ def _shard(config: TandemConfig, cls, key: str, model, step_lens: list[int],
     start = time.perf_counter()
     count = shard.runner.capture_all(step_lens, progress=_callback(progress, "graphs"))
     if count:
-        log.info("rank %d: %s: %d CUDA graphs captured in %.1f s", rank, key, count,
-                 time.perf_counter() - start)
+        chunked = shard.runner.chunked
+        log.info("rank %d: %s: %d CUDA graphs captured in %.1f s (%d of them prefill chunks)",
+                 rank, key, count, time.perf_counter() - start,
+                 len(chunked.graphs) if chunked is not None else 0)
     return shard

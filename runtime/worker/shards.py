@@ -45,9 +45,11 @@ class TargetAhead:
 
 class ModelShard:
     def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int,
-                 acceptance: str = "tokens", max_step_len: int = 2, cuda_graphs: bool = True):
+                 acceptance: str = "tokens", max_step_len: int = 2, cuda_graphs: bool = True,
+                 prefill_graphs: bool | None = None):
         """max_step_len: the most tokens a decode/verify step appends per slot (draft_len + 1
-        for the target); such steps run at static shapes (CUDA graphs on CUDA)."""
+        for the target); such steps run at static shapes (CUDA graphs on CUDA). Prompts run
+        in static chunks too unless prefill_graphs is False (None: TANDEM_PREFILL_GRAPHS)."""
         self.model = model
         self.acceptance = acceptance
         self.device = device
@@ -57,7 +59,8 @@ class ModelShard:
         # the draft's next window, the target's held logits; gone with the slot's sequence
         self.carried: dict[int, object] = {}
         model.allocate_cache(num_slots, max_seq_len)
-        self.runner = StepRunner(model, device, num_slots, max_step_len, cuda_graphs)
+        self.runner = StepRunner(model, device, num_slots, max_step_len, cuda_graphs,
+                                 prefill_graphs)
 
     def _check_slot(self, slot: int) -> SlotState:
         if not 0 <= slot < len(self.slots):
@@ -71,15 +74,18 @@ class ModelShard:
         for slot, state in zip(slots, saved):
             self.slots[slot] = state
 
-    def forward_rows(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
-        """Append ragged `rows` to each slot's cache; returns logits [B, T, V]."""
+    def forward_rows(self, slots: list[int], rows: list[list[int]], logits: bool = True
+                     ) -> torch.Tensor | None:
+        """Append ragged `rows` to each slot's cache; returns logits [B, T, V] (None with
+        logits=False: prompts, whose KV is all that is kept)."""
         width = max(len(r) for r in rows)
         ids = to_device([r + [0] * (width - len(r)) for r in rows], torch.long, self.device)
-        return self._step(slots, ids, [len(r) for r in rows])
+        return self._step(slots, ids, [len(r) for r in rows], logits)
 
-    def _step(self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None
-              ) -> torch.Tensor:
-        """ids [B, T] on the device, appended at each slot's cache_len; logits [B, T, V]."""
+    def _step(self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None,
+              logits: bool = True) -> torch.Tensor | None:
+        """ids [B, T] on the device, appended at each slot's cache_len; logits [B, T, V]
+        (or None when not wanted: StepRunner.prefill)."""
         if n_valid is None:
             n_valid = [ids.shape[1]] * len(slots)
         starts = [self.slots[s].cache_len for s in slots]
@@ -87,6 +93,8 @@ class ModelShard:
             if start + n > self.max_seq_len:
                 raise ValueError(f"slot {slot}: sequence exceeds max_seq_len {self.max_seq_len}")
             self.slots[slot].cache_len += n
+        if not logits:
+            return self.runner.prefill(ids, slots, starts, n_valid)
         return self.runner.run(ids, slots, starts, n_valid)
 
     def sampling(self, slots: list[int]) -> BatchSampling:
@@ -109,7 +117,7 @@ class ModelShard:
             state.sampling = {key: sampling[key] for key in GREEDY}
         rows = [(s, p[:-1]) for s, p in zip(slots, prompts) if len(p) > 1]
         if rows:
-            self.forward_rows([s for s, _ in rows], [r for _, r in rows])
+            self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
 
     @property
     def model_free_slot(self):
