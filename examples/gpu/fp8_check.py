@@ -5,10 +5,14 @@
    forward_extend and through StepRunner's CUDA graphs: tokens and logits compared.
 2. The FP8 GEMM (bf16 activations, dynamic per-token scales, torch._scaled_mm with unit
    scales, both scales applied after it) against the weight-only GEMM on the same FP8
-   weights: teacher-forced top-1 agreement and logit error; one decoder layer's GEMM shapes
-   at M = 1, 4, 16 timed in CUDA graphs against bf16 F.linear, with the FP8 path's parts.
-3. Decode and verify step times, bf16 weights vs FP8 weights (CUDA graphs), and the bytes a
-   step reads (runtime.bench.metrics.weight_bytes_per_step).
+   weights: teacher-forced top-1 agreement and logit error; the fused path (quant.FUSE_FP8:
+   quantize and rescale folded into the neighbouring kernels) against the unfused one (eager:
+   expected bit for bit equal); one decoder layer's GEMM shapes at M = 1, 4, 16 timed in CUDA
+   graphs against bf16 F.linear, with the FP8 path's parts; one layer's elementwise kernels
+   around the FP8 GEMMs, unfused sequence vs fused functions.
+3. Decode and verify step times, bf16 weights vs FP8 weights fused and unfused (CUDA graphs),
+   the fused vs unfused logits of a compiled prefill, and the bytes a step reads
+   (runtime.bench.metrics.weight_bytes_per_step).
 4. With --fit: a 70b target and an 8b draft, both FP8 (synthetic recipes quantized on load),
    on one GPU: memory after loading, and the KV cache that fits beside them.
 
@@ -59,29 +63,39 @@ def exactness(target: str, device, steps: int) -> dict:
             "steps": steps, "batch": len(ps)}
 
 
+def _teacher_forced(model, device, ps) -> torch.Tensor:
+    model.allocate_cache(1, CACHE_LEN)
+    return torch.cat([model.forward_extend(
+        torch.tensor([p], device=device), *(torch.tensor([v], device=device)
+                                            for v in (0, 0, len(p))))[0].float()
+        for p in ps])                                                    # [T, V]
+
+
 def gemm_paths(target: str, device) -> dict:
-    """FP8 GEMM vs weight-only on the same FP8 weights, bf16 activations: the logits of one
-    teacher-forced pass over the prompts (after a divergent token, a random model's
-    continuations are not comparable)."""
+    """FP8 GEMM (fused, the default) vs weight-only on the same FP8 weights, bf16 activations:
+    the logits of one teacher-forced pass over the prompts (after a divergent token, a random
+    model's continuations are not comparable); and fused vs unfused FP8 GEMM path."""
     model = load_model(target, torch.bfloat16, device, quantization="fp8")
     ps = prompts(model.vocab_size)
     x = torch.randn(4, model.args.hidden_size, device=device, dtype=torch.bfloat16)
-    out = {"fp8_gemm_used": quant.uses_fp8_gemm(x, model.model.layers[0].mlp.down_proj.weight)}
+    layer = model.model.layers[0]
+    out = {"fp8_gemm_used": quant.uses_fp8_gemm(x, layer.mlp.down_proj.weight),
+           "fused_path_used": layer.self_attn.fp8_fused(x) and layer.mlp.fp8_fused(x)}
     logits = {}
-    for fp8_gemm in (True, False):
-        quant.FP8_GEMM = fp8_gemm
+    for name, fp8_gemm, fuse in (("fused", True, True), ("unfused", True, False),
+                                 ("weight_only", False, True)):
+        quant.FP8_GEMM, quant.FUSE_FP8 = fp8_gemm, fuse
         try:
-            model.allocate_cache(1, CACHE_LEN)
-            logits[fp8_gemm] = [model.forward_extend(
-                torch.tensor([p], device=device), *(torch.tensor([v], device=device)
-                                                    for v in (0, 0, len(p))))[0].float()
-                for p in ps]
+            logits[name] = _teacher_forced(model, device, ps)
         finally:
-            quant.FP8_GEMM = True
-    a, b = torch.cat(logits[True]), torch.cat(logits[False])               # [T, V]
+            quant.FP8_GEMM, quant.FUSE_FP8 = True, True
+    a, b, c = logits["fused"], logits["weight_only"], logits["unfused"]
     out.update(positions=a.shape[0],
                top1_agreement=(a.argmax(-1) == b.argmax(-1)).float().mean().item(),
-               rel_logit_err=((a - b).norm() / b.norm()).item())
+               rel_logit_err=((a - b).norm() / b.norm()).item(),
+               fused_vs_unfused_eager_max_abs_logit_diff=(a - c).abs().max().item(),
+               fused_vs_unfused_top1_agreement=(a.argmax(-1) == c.argmax(-1))
+               .float().mean().item())
     return out
 
 
@@ -147,20 +161,69 @@ def gemm_times(shape: str, device) -> dict:
     return out
 
 
-def step_times(target: str, device) -> dict:
+def fused_times(shape: str, device) -> dict:
+    """One layer's elementwise kernels around its FP8 GEMMs at M = 1, 4, 16 in CUDA graphs
+    (compiled), microseconds: the unfused sequence (norm, quantize, rescale, silu_mul as
+    kernels of their own; RoPE and attention output quantization left out, as in both) vs the
+    fused functions that replace it."""
+    if device.type != "cuda":
+        return {}
+    from runtime.models import fused
+
+    fused.compile_kernels(device)
+    s = SHAPES[shape]
+    h, i = s["hidden_size"], s["intermediate_size"]
+    bf16, eps = torch.bfloat16, 1e-5
     out = {}
-    for quantization in (None, "fp8"):
-        model = load_model(target, torch.bfloat16, device, quantization=quantization)
-        model.allocate_cache(SLOTS, CACHE_LEN)
-        runner = StepRunner(model, device, SLOTS, K + 1, cuda_graphs=True)
-        name = quantization or "bf16"
-        out[f"{name}_weight_bytes"] = weight_bytes_per_step(model)
-        for tokens in (1, K + 1):
-            out[f"{name}_{tokens}_token_step_ms"] = 1e3 * step_time(runner, device, 1,
-                                                                    tokens, 200, iters=30)
+    for m in (1, 4, 16):
+        x = torch.randn(m, h, device=device, dtype=bf16)
+        w = torch.ones(h, device=device, dtype=bf16)
+        raw_h = torch.randn(m, h, device=device)
+        raw_i = torch.randn(m, 2 * i, device=device)
+        xs = torch.rand(m, 1, device=device) * 0.01
+        ws_h, ws_i = (torch.rand(n, device=device) * 0.01 for n in (h, 2 * i))
+
+        def unfused():
+            d = fused.fp8_rescale(raw_h, xs, ws_h, None, bf16)          # o_proj epilogue
+            _, n = fused.add_rms_norm(x, d, w, eps)
+            fused.fp8_quantize_rows(n)                                  # gate_up prologue
+            g = fused.fp8_rescale(raw_i, xs, ws_i, None, bf16)          # gate_up epilogue
+            fused.fp8_quantize_rows(fused.silu_mul(g))                  # down prologue
+
+        def fused_fns():
+            fused.add_rms_norm_fp8(x, raw_h, w, eps, xs, ws_h)
+            fused.silu_mul_fp8(raw_i, xs, ws_i, None, bf16)
+
+        out[f"m{m}"] = {"unfused": _graph_time(unfused), "fused": _graph_time(fused_fns)}
+    return out
+
+
+def step_times(target: str, device) -> dict:
+    out, logits = {}, {}
+    for name, quantization, fuse in (("bf16", None, True), ("fp8", "fp8", True),
+                                     ("fp8_unfused", "fp8", False)):
+        quant.FUSE_FP8 = fuse   # read while tracing and capturing, so for the whole run
+        try:
+            model = load_model(target, torch.bfloat16, device, quantization=quantization)
+            model.allocate_cache(SLOTS, CACHE_LEN)
+            runner = StepRunner(model, device, SLOTS, K + 1, cuda_graphs=True)
+            ids = torch.tensor([prompts(model.vocab_size)[0]], device=device)
+            out[f"{name}_weight_bytes"] = weight_bytes_per_step(model)
+            for tokens in (1, K + 1):
+                out[f"{name}_{tokens}_token_step_ms"] = 1e3 * step_time(runner, device, 1,
+                                                                        tokens, 200, iters=30)
+            logits[name] = runner.run(ids, [0], [0], [ids.shape[1]])[0].float().clone()
+        finally:
+            quant.FUSE_FP8 = True
         del model, runner
         torch.cuda.empty_cache() if device.type == "cuda" else None
     out["decode_speedup"] = out["bf16_1_token_step_ms"] / out["fp8_1_token_step_ms"]
+    out["decode_speedup_unfused"] = (out["bf16_1_token_step_ms"]
+                                     / out["fp8_unfused_1_token_step_ms"])
+    a, b = logits["fp8"], logits["fp8_unfused"]
+    out["compiled_fused_vs_unfused_max_abs_logit_diff"] = (a - b).abs().max().item()
+    out["compiled_fused_vs_unfused_top1_agreement"] = (
+        (a.argmax(-1) == b.argmax(-1)).float().mean().item())
     return out
 
 
@@ -206,6 +269,7 @@ def main() -> int:
                                 materialize=False)
             report["fp8_gemm_vs_weight_only"] = gemm_paths(t16, device)
             report["gemm_us"] = gemm_times(args.shape, device)
+            report["fused_elementwise_us"] = fused_times(args.shape, device)
             report["step_times"] = step_times(t16, device)
             if args.fit:
                 report["fit_70b_with_8b_draft"] = fit_70b(tmp, device)

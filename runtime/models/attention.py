@@ -13,7 +13,7 @@ from torch import nn
 from runtime.models import fused, kernels
 from runtime.models.cache import ExtendBatch, KVCache
 from runtime.models.model_args import ModelArgs
-from runtime.models.quant import RowStack, stack_rows
+from runtime.models.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 
 SMALL_QUERY = 64   # up to this many query rows per KV head: explicit matmul-softmax-matmul
 SLOT_KERNEL_ROWS = 128  # up to this many: the Triton kernel over the cache (when enabled)
@@ -47,11 +47,20 @@ class Attention(nn.Module):
         self.kv_cache = KVCache(num_slots, max_seq_len, self.n_kv_heads, self.head_dim,
                                 dtype=dtype or ref.dtype, device=device or ref.device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ExtendBatch) -> torch.Tensor:
-        # x [B, T, hidden]; cos, sin [B, T, D]
+    def fp8_fused(self, x: torch.Tensor) -> bool:
+        """Whether forward takes an FP8Act (quant.fuses_fp8): FP8 GEMMs for qkv and o_proj."""
+        return fuses_fp8(x, self.qkv, self.o_proj)
+
+    def forward(self, x: torch.Tensor | FP8Act, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ExtendBatch) -> torch.Tensor | FP8Out:
+        """x [B, T, hidden] -> [B, T, hidden]; cos, sin [B, T, D]. On the fused FP8 path
+        (fp8_fused) x is the FP8Act of [B*T, hidden], the qkv rescale folds into RoPE and
+        the cache writes, and o_proj's output comes back raw (FP8Out [B*T, hidden]; under
+        TP rescaled and all-reduced, [B*T, hidden])."""
         if self.kv_cache is None:
             raise RuntimeError("allocate_cache() must be called before forward_extend()")
+        if isinstance(x, FP8Act):
+            return self._forward_fp8(x, cos, sin, batch)
         bsz, seq, _ = x.shape
         h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
         if self.qkv is None:
@@ -62,14 +71,27 @@ class Attention(nn.Module):
         q = fused.rotary_write(q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d),
                                v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache,
                                cache.v_cache, batch.write_slots, batch.write_pos)
-        # q [B, Hkv, r*T, D]: heads stacked (fused.stack_heads)
-        if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
-            out = slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
-                                 batch.positions, batch.valid, seq, self.sliding_window)
-        else:
-            k_all, v_all = cache.read(batch)                               # [B, Hkv, L, D]
-            out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
+        out = self._attend(q, batch, seq)                                  # [B, T, H, D]
         return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
+
+    def _forward_fp8(self, x: FP8Act, cos: torch.Tensor, sin: torch.Tensor,
+                     batch: ExtendBatch) -> FP8Out | torch.Tensor:
+        cache = self.kv_cache
+        qkv = self.qkv.forward_fp8(x)                                      # raw [M, (H+2Hkv)D]
+        q = fused.rotary_write_fp8(*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin,
+                                   cache.k_cache, cache.v_cache, batch.write_slots,
+                                   batch.write_pos)                        # [B, Hkv, r*T, D]
+        out8, out_scale = fused.fp8_quantize_heads(self._attend(q, batch, cos.shape[1]))
+        return self.o_proj.forward_fp8(FP8Act(out8, out_scale, x.dtype))  # [M, hidden]
+
+    def _attend(self, q: torch.Tensor, batch: ExtendBatch, seq: int) -> torch.Tensor:
+        """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D]."""
+        cache = self.kv_cache
+        if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
+            return slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
+                                  batch.positions, batch.valid, seq, self.sliding_window)
+        k_all, v_all = cache.read(batch)                                   # [B, Hkv, L, D]
+        return grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
 
 
 def slot_attention(*args, **kwargs) -> torch.Tensor:

@@ -113,9 +113,89 @@ def fp8_rescale(out: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
     return out.to(dtype)
 
 
+# ---- FP8 GEMM neighbours. The CUDA FP8 GEMM (runtime.models.quant) is an unscaled
+# torch._scaled_mm: its input must be quantized per token and its float32 output rescaled.
+# The functions below fold those two steps into the elementwise kernels beside the GEMM. Each
+# is the unfused sequence itself (rescale -> cast to dtype -> add -> norm -> quantize), built
+# from the eager pieces above (private aliases: compile_kernels never swaps them), so eager
+# results are bit for bit the unfused ones; compiled, `_PRECISE` keeps every low-precision
+# cast of that sequence (see compile_kernels).
+
+_rms_norm, _add_rms_norm, _rotary_write, _silu_mul = rms_norm, add_rms_norm, rotary_write, silu_mul
+_quantize, _rescale = fp8_quantize_rows, fp8_rescale
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> rms_norm(x) quantized per token for the next FP8 GEMM: ([M, K] e4m3,
+    [M, 1] float32). The first layer's input norm."""
+    return _quantize(_rms_norm(x, weight, eps))
+
+
+def add_rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                     x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] + delta -> (x + delta [M, K], its rms_norm quantized: [M, K] e4m3, [M, 1]).
+    delta [M, K] is in x.dtype, or with x_scale [M, 1] and w_scale [K] given, the raw float32
+    output of the previous unscaled FP8 GEMM (o_proj, down_proj), rescaled (+ bias) and cast
+    to x.dtype first as fp8_rescale does: that GEMM's epilogue folded into the next norm."""
+    if x_scale is not None:
+        delta = _rescale(delta, x_scale, w_scale, bias, x.dtype)
+    s = x + delta
+    return (s, *_quantize(_rms_norm(s, weight, eps)))
+
+
+def rescale_add_rms_norm(x: torch.Tensor, raw: torch.Tensor, x_scale: torch.Tensor,
+                         w_scale: torch.Tensor, bias: torch.Tensor | None,
+                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(x [M, K], raw [M, K] rescaled and cast to x.dtype): the last down_proj's
+    epilogue folded into the final norm (whose consumer, the LM head, stays float)."""
+    return _add_rms_norm(x, _rescale(raw, x_scale, w_scale, bias, x.dtype), weight, eps)
+
+
+def silu_mul_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw gate_up GEMM output [M, 2I] float32 -> rescaled (+ bias) and cast to dtype,
+    silu(gate) * up in dtype, quantized per token for down_proj: ([M, I] e4m3, [M, 1])."""
+    return _quantize(_silu_mul(_rescale(raw, x_scale, w_scale, bias, dtype)))
+
+
+def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int, n_kv: int,
+                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+                     ) -> torch.Tensor:
+    """rotary_write of the raw q/k/v GEMM output [B*T, (H + 2 Hkv) D] float32, rescaled
+    (+ bias) and cast to dtype first: the qkv epilogue folded into RoPE and the cache writes.
+    cos, sin [B, T, D]; returns q [B, Hkv, r*T, D] like rotary_write."""
+    bsz, seq, dim = cos.shape
+    qkv = _rescale(raw, x_scale, w_scale, bias, dtype).view(bsz, seq, -1)
+    q, k, v = qkv.split([n_heads * dim, n_kv * dim, n_kv * dim], dim=-1)
+    return _rotary_write(q.view(bsz, seq, n_heads, dim), k.view(bsz, seq, n_kv, dim),
+                         v.view(bsz, seq, n_kv, dim), cos, sin, k_cache, v_cache, slots,
+                         positions)
+
+
+def fp8_quantize_heads(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's output [B, T, H, D] -> o_proj's input quantized per token: ([B*T, H*D]
+    e4m3, [B*T, 1]); the layout copy (the attention output may be strided) folded in."""
+    return _quantize(out.reshape(out.shape[0] * out.shape[1], -1))
+
+
 _EAGER = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, rotary_write, silu_mul,
                                       masked_softmax, fp8_dequantize, fp8_quantize_rows,
-                                      fp8_rescale)}
+                                      fp8_rescale, rms_norm_fp8, add_rms_norm_fp8,
+                                      rescale_add_rms_norm, silu_mul_fp8, rotary_write_fp8,
+                                      fp8_quantize_heads)}
+# inductor options per function: the FP8 neighbours keep eager's bf16/fp16 roundings (by
+# default inductor elides a downcast-upcast pair between two fused ops, and contracts
+# multiply-adds), so fused and unfused sequences round at the same points
+_PRECISE = {"emulate_precision_casts": True}
+_OPTIONS = {name: _PRECISE for name in ("rms_norm_fp8", "add_rms_norm_fp8",
+                                        "rescale_add_rms_norm", "silu_mul_fp8",
+                                        "rotary_write_fp8", "fp8_quantize_heads")}
 _compiled = False
 
 
@@ -143,7 +223,7 @@ def compile_kernels(device: torch.device) -> bool:
         for name in ("recompile_limit", "cache_size_limit"):   # shapes: see the docstring
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
-        globals().update({name: torch.compile(fn, fullgraph=True)
+        globals().update({name: torch.compile(fn, fullgraph=True, options=_OPTIONS.get(name))
                           for name, fn in _EAGER.items()})
     except Exception as exc:  # noqa: BLE001 - fall back to eager, say why
         globals().update(_EAGER)

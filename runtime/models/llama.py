@@ -10,7 +10,7 @@ from runtime.models.attention import Attention
 from runtime.models.base import check_extend_args
 from runtime.models.cache import ExtendBatch
 from runtime.models.model_args import ModelArgs
-from runtime.models.quant import RowStack, stack_rows
+from runtime.models.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 from runtime.models.rope import RotaryEmbedding, compute_inv_freq
 
 
@@ -38,8 +38,17 @@ class MLP(nn.Module):
         """One [2I, hidden] GEMM for gate and up (float or FP8); their weights become views."""
         self.gate_up = stack_rows(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [B, T, hidden]
+    def fp8_fused(self, x: torch.Tensor) -> bool:
+        """Whether forward takes an FP8Act (quant.fuses_fp8): gate_up and down_proj FP8 GEMMs."""
+        return fuses_fp8(x, self.gate_up, self.down_proj)
+
+    def forward(self, x: torch.Tensor | FP8Act) -> torch.Tensor | FP8Out:
+        # x [B, T, hidden] -> [B, T, hidden]; or the fused FP8 path (fp8_fused): x the FP8Act
+        # of [M, hidden] -> down_proj's FP8Out [M, hidden] (or rescaled [M, hidden] under TP)
+        if isinstance(x, FP8Act):
+            gate_up = self.gate_up.forward_fp8(x)                          # raw [M, 2I]
+            a8, a_scale = fused.silu_mul_fp8(*gate_up, x.dtype)            # [M, I], [M, 1]
+            return self.down_proj.forward_fp8(FP8Act(a8, a_scale, x.dtype))
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up(x)                                          # [B, T, 2I]
@@ -54,24 +63,55 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, batch: ExtendBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ExtendBatch) -> tuple[torch.Tensor, Delta]:
         """x [B, T, hidden] the residual stream without `delta`, the previous layer's MLP
         output (None for the first layer): adding it is fused into this layer's input norm.
-        Returns (residual stream, this layer's MLP output), likewise not yet added."""
-        x, h = add_then_norm(x, delta, self.input_layernorm)
-        x, h = add_then_norm(x, self.self_attn(h, cos, sin, batch), self.post_attention_layernorm)
+        Returns (residual stream, this layer's MLP output), likewise not yet added.
+
+        On the FP8 GEMM path (quant.fuses_fp8, decided from host-side facts, so the same in
+        eager and CUDA-graph steps) the attention's and the MLP's input norms also quantize
+        for their first GEMM, and the outputs of o_proj and down_proj may be raw (FP8Out):
+        the next norm rescales them (the quantize / rescale steps fold into neighbours)."""
+        attn_fp8, mlp_fp8 = self.self_attn.fp8_fused(x), self.mlp.fp8_fused(x)
+        x, h = add_then_norm(x, delta, self.input_layernorm, attn_fp8)
+        x, h = add_then_norm(x, self.self_attn(h, cos, sin, batch),
+                             self.post_attention_layernorm, mlp_fp8)
         return x, self.mlp(h)
 
 
-def add_then_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, norm(x + delta)) in one fused kernel; x and norm(x) when delta is None."""
+Delta = torch.Tensor | FP8Out | None
+
+
+def add_then_norm(x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | FP8Act]:
+    """(x + delta, norm(x + delta)) in one fused kernel; x and norm(x) when delta is None.
+    x [B, T, hidden]; delta [B, T, hidden] or [M, hidden] in x.dtype, or an FP8 GEMM's raw
+    output (FP8Out: its rescale is folded in). quantize: the norm comes back quantized for
+    the next FP8 GEMM (FP8Act of [M, hidden], the quantization folded in)."""
+    if quantize:
+        return _add_then_norm_fp8(x, delta, norm)
+    rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon   # [M, hidden]
     if delta is None:
         return x, norm(x)
-    s, h = fused.add_rms_norm(x.flatten(0, 1), delta.flatten(0, 1), norm.weight,
-                              norm.variance_epsilon)
+    if isinstance(delta, FP8Out):
+        s, h = fused.rescale_add_rms_norm(rows, *delta, weight, eps)
+    else:
+        s, h = fused.add_rms_norm(rows, delta.reshape(rows.shape), weight, eps)
     return s.view(x.shape), h.view(x.shape)
+
+
+def _add_then_norm_fp8(x: torch.Tensor, delta: Delta, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, FP8Act]:
+    rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon   # [M, hidden]
+    if delta is None:
+        return x, FP8Act(*fused.rms_norm_fp8(rows, weight, eps), x.dtype)
+    if isinstance(delta, FP8Out):
+        s, h8, h_scale = fused.add_rms_norm_fp8(rows, delta.raw, weight, eps, delta.x_scale,
+                                                delta.w_scale, delta.bias)
+    else:
+        s, h8, h_scale = fused.add_rms_norm_fp8(rows, delta.reshape(rows.shape), weight, eps)
+    return s.view(x.shape), FP8Act(h8, h_scale, x.dtype)
 
 
 class LlamaModel(nn.Module):

@@ -22,12 +22,20 @@ The GEMM (`fp8_linear`) has two paths:
   row-wise scale tensors. Dynamic per-token scales are used even where a checkpoint carries
   static input scales: they never clip, cost the same kernel, and need no calibration.
 
+Fused neighbours (FUSE_FP8): on the FP8 GEMM path a decoder layer does not run the quantize
+and rescale kernels of its own. Its norms quantize their output (`FP8Act`), the linears'
+`forward_fp8` run only the GEMM and hand back its raw float32 output with the scales still to
+apply (`FP8Out`), and the next elementwise kernel applies them (fused.add_rms_norm_fp8,
+silu_mul_fp8, rotary_write_fp8): the same sequence of operations, in fewer kernels. A row-
+parallel (TP) linear rescales before its all-reduce, which must sum rescaled outputs.
+
 `to_fp8` turns an nn.Linear (or one of parallel.layers' TP linears) built on the meta device
 into its FP8 class before loading; `stack_rows` fuses q/k/v and gate/up into one GEMM.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +49,25 @@ FP8_MAX = float(torch.finfo(FP8).max)     # 448
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_GEMM = True   # False: the weight-only path everywhere (examples/gpu/fp8_check.py compares)
 GEMM_ALIGN = 16   # torch._scaled_mm needs K and N to be multiples of 16
+FUSE_FP8 = True   # False: the FP8 GEMM path with its own quantize / rescale kernels (comparisons)
+# tests: the FP8 GEMM path on any device and dtype, _scaled_mm (CUDA-only) emulated in float32
+EMULATE_FP8_GEMM = False
+
+
+class FP8Act(NamedTuple):
+    """An activation quantized per token for an FP8 GEMM (fused.fp8_quantize_rows' output)."""
+    data: torch.Tensor     # [M, K] e4m3
+    scale: torch.Tensor    # [M, 1] float32
+    dtype: torch.dtype     # the float activation's dtype: that of the GEMM's rescaled output
+
+
+class FP8Out(NamedTuple):
+    """An unscaled FP8 GEMM's output, its scales (and bias) not yet applied: the consumer's
+    fused kernel applies them as fused.fp8_rescale does (out * x_scale * w_scale + bias)."""
+    raw: torch.Tensor                # [M, N] float32
+    x_scale: torch.Tensor            # [M, 1] the activation's per-token scales
+    w_scale: torch.Tensor            # [N] the weight's per-channel scales
+    bias: torch.Tensor | None        # [N]
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,10 +99,24 @@ def _one(device: torch.device) -> torch.Tensor:
 def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether fp8_linear(x, weight, ...) runs an FP8 GEMM (else weight-only). Host-side
     facts only (no device read), so the choice is the same in eager and CUDA-graph steps."""
-    return (FP8_GEMM and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.shape[0] % GEMM_ALIGN == 0 and weight.shape[1] % GEMM_ALIGN == 0
+    if not (FP8_GEMM and weight.shape[0] % GEMM_ALIGN == 0
+            and weight.shape[1] % GEMM_ALIGN == 0):
+        return False
+    if EMULATE_FP8_GEMM:
+        return True
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and _fp8_tensor_cores(x.device.index if x.device.index is not None
                                   else torch.cuda.current_device()))
+
+
+def fp8_gemm_raw(x8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x8 [M, K] e4m3 @ weight [N, K] e4m3 ^T, unscaled -> [M, N] float32: torch._scaled_mm
+    with unit scales; off CUDA under EMULATE_FP8_GEMM, the float32 product of the same values
+    (exact products, float32 sums: what tests can run on CPU)."""
+    if EMULATE_FP8_GEMM and not x8.is_cuda:
+        return x8.float() @ weight.float().t()
+    one = _one(x8.device)
+    return torch._scaled_mm(x8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -86,11 +127,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return F.linear(x, fused.fp8_dequantize(weight, scale, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])                                     # [M, in]
     x8, x_scale = fused.fp8_quantize_rows(rows)                           # [M, in], [M, 1]
-    one = _one(x.device)
-    out = torch._scaled_mm(x8, weight.t(), scale_a=one, scale_b=one,
-                           out_dtype=torch.float32)                       # [M, out]
+    out = fp8_gemm_raw(x8, weight)                                        # [M, out] float32
     out = fused.fp8_rescale(out, x_scale, scale, bias, x.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fuses_fp8(x: torch.Tensor, *linears) -> bool:
+    """Whether a layer runs these linears (FP8 linears or RowStacks; None: unfused) with their
+    quantize / rescale steps folded into its elementwise kernels: FUSE_FP8, all FP8, and all
+    on the FP8 GEMM path for activations like x. Host-side facts only (see uses_fp8_gemm)."""
+    return FUSE_FP8 and all(
+        lin is not None and (lin.fp8 if isinstance(lin, RowStack) else is_fp8(lin))
+        and uses_fp8_gemm(x, lin.weight) for lin in linears)
 
 
 class FP8Mixin:
@@ -99,6 +147,11 @@ class FP8Mixin:
 
     LOAD_DTYPES = {"weight": FP8, "weight_scale": torch.float32}
     weight_scale: nn.Parameter
+
+    def forward_fp8(self, x: FP8Act) -> FP8Out | torch.Tensor:
+        """The GEMM alone on an already quantized input [M, in]: its raw output [M, out] for
+        the consumer's kernel to rescale (a row-parallel linear overrides this)."""
+        return FP8Out(fp8_gemm_raw(x.data, self.weight), x.scale, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8_e4m3 per-channel scales"
@@ -164,6 +217,10 @@ class RowStack:
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_fp8(self, x: FP8Act) -> FP8Out:
+        """FP8 stacks only: the GEMM on a quantized input [M, in], raw output [M, sum out]."""
+        return FP8Out(fp8_gemm_raw(x.data, self.weight), x.scale, self.scale, self.bias)
 
 
 def _stack(linears, attr: str) -> torch.Tensor:

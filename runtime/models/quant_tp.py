@@ -5,6 +5,10 @@ are the same rows of the checkpoint's (`shards()` tells the loader). Row-paralle
 holds input columns, every output channel, so the scales are read whole; each rank's partial
 product is already scaled (the scale is per output channel, the same on every rank) before
 the all-reduce sums them. Imported only under tensor parallelism.
+
+On the fused FP8 path (runtime.models.quant.FUSE_FP8) a column-parallel linear hands its raw
+GEMM output to the next kernel like FP8Linear; a row-parallel one rescales first (its own
+kernel, as unfused), because the all-reduce must sum rescaled partial products.
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import torch
 
 from parallel.layers import ColumnParallelLinear, RowParallelLinear, Shard
 from parallel.mappings import all_reduce
-from runtime.models.quant import FP8Mixin, fp8_linear
+from runtime.models import fused
+from runtime.models.quant import FP8Act, FP8Mixin, fp8_gemm_raw, fp8_linear
 
 
 class FP8ColumnParallelLinear(FP8Mixin, ColumnParallelLinear):
@@ -26,6 +31,14 @@ class FP8ColumnParallelLinear(FP8Mixin, ColumnParallelLinear):
 class FP8RowParallelLinear(FP8Mixin, RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce(fp8_linear(x, self.weight, self.weight_scale), self.group)
+        return out if self.bias is None else out + self.bias
+
+    def forward_fp8(self, x: FP8Act) -> torch.Tensor:
+        """The partial GEMM on a quantized input [M, in shard], rescaled, all-reduced, plus
+        the bias: [M, out] in x.dtype, the same operations as forward."""
+        out = fused.fp8_rescale(fp8_gemm_raw(x.data, self.weight), x.scale,
+                                self.weight_scale, None, x.dtype)
+        out = all_reduce(out, self.group)
         return out if self.bias is None else out + self.bias
 
 
