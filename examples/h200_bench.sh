@@ -5,6 +5,8 @@
 #   bash examples/h200_bench.sh OUTDIR profile spec-profile    # where the time goes
 #   bash examples/h200_bench.sh OUTDIR kernels triton-off fp8-check fp8-auto-0.02 fp8-70b-0.0125
 #       (the Triton attention kernel against the fused-torch path, FP8 8b and 70b on one GPU)
+#   bash examples/h200_bench.sh OUTDIR auto-0.02 prefill-off fp8-auto-0.02 fp8-unfused chunk-64
+#       (A/B: prefill graphs off, FP8 without its fused neighbours, attention KV chunks of 64)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -26,13 +28,19 @@ for phase in "$@"; do
     case $phase in
         check) python examples/gpu/graphs_check.py --shape 1b --out "$OUT/check.json" \
                    > "$OUT/check.log" 2>&1; echo "== check (rc $?)"; tail -20 "$OUT/check.log" ;;
-        kernels) python examples/gpu/kernel_bench.py --out "$OUT/kernels.json" \
+        kernels) python examples/gpu/kernel_bench.py --chunks "${CHUNKS:-256,64}" --out "$OUT/kernels.json" \
                      > "$OUT/kernels.log" 2>&1; echo "== kernels (rc $?)"; cat "$OUT/kernels.log" ;;
         triton-off) TANDEM_TRITON=0 bench triton-off --batch-sizes 1 --eps 0.02 \
                         --draft-len auto --modes target,spec ;;   # the fused-torch attention
         fp8-check) python examples/gpu/fp8_check.py --shape 8b --out "$OUT/fp8-check.json" \
                        > "$OUT/fp8-check.log" 2>&1; echo "== fp8-check (rc $?)"
                    tail -15 "$OUT/fp8-check.log" ;;
+        prefill-off) TANDEM_PREFILL_GRAPHS=0 bench prefill-off --batch-sizes 1 --eps 0.02 \
+                         --draft-len auto --modes target,spec ;;   # prompts eagerly, own shape
+        fp8-unfused) TANDEM_FP8_FUSE=0 bench fp8-unfused --quantization fp8 --batch-sizes 1 \
+                         --eps 0.02 --draft-len auto --modes target,spec ;;
+        chunk-*) TANDEM_ATTN_CHUNK="${phase#chunk-}" bench "$phase" --batch-sizes 1 --eps 0.02 \
+                     --draft-len auto --modes target,spec ;;
         fp8-auto-*) bench "$phase" --quantization fp8 --batch-sizes 1 --eps "${phase#fp8-auto-}" \
                         --draft-len auto --modes target,spec ;;
         fp8-70b-*) bench "$phase" --synthetic 70b --quantization fp8 --batch-sizes 1 \

@@ -7,6 +7,7 @@ bandwidth = KV bytes attended / time, against the measured copy bandwidth. Also 
 the kernel's output equals the eager one (bf16: max abs diff; float32: < 1e-4).
 
     python examples/gpu/kernel_bench.py --out kernels.json
+    python examples/gpu/kernel_bench.py --chunks 256,128,64   # the kernel's KV chunk length
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from runtime.bench.metrics import copy_bandwidth  # noqa: E402
 from runtime.models.attention import grouped_attention  # noqa: E402
 from runtime.models.cache import ExtendBatch, KVCache  # noqa: E402
 from runtime.models.fused import stack_heads  # noqa: E402
+from runtime.models.kernels import attention as kernel_module  # noqa: E402
 from runtime.models.kernels.attention import slot_attention  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "70b-tp1": (64, 8, 128), "1b": (32, 8, 64)}  # H, Hkv, D
@@ -90,20 +92,26 @@ def case(shape: str, batch: int, seq: int, kv_len: int, dtype: torch.dtype, cach
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--chunks", default=str(kernel_module.CHUNK),
+                    help="comma-separated KV chunk lengths of the kernel to compare")
     args = ap.parse_args()
     copy = copy_bandwidth(torch.device("cuda"))
-    rows = []
-    for shape in ("8b", "1b"):
-        for batch, seq in ((1, 1), (1, 5), (16, 1), (16, 5)):
-            for kv_len in (256, 1024, 4096):
-                rows.append(case(shape, batch, seq, kv_len, torch.bfloat16, 4096 + 16))
-    rows.append(case("8b", 2, 5, 700, torch.float32, 1024))
-    exact = rows[-1]["max_abs_diff"] < 1e-4
+    rows, exact = [], True
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        kernel_module.CHUNK = chunk                 # chunk_len reads it at call time
+        for shape in ("8b", "1b"):
+            for batch, seq in ((1, 1), (1, 5), (16, 1), (16, 5)):
+                for kv_len in (256, 1024, 4096):
+                    rows.append(dict(case(shape, batch, seq, kv_len, torch.bfloat16,
+                                          4096 + 16), chunk=chunk))
+        rows.append(dict(case("8b", 2, 5, 700, torch.float32, 1024), chunk=chunk))
+        exact = exact and rows[-1]["max_abs_diff"] < 1e-4
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; float32 equal to eager: {exact}")
-    print("| shape | batch | tokens | kv_len | eager us | kernel us | speedup | kernel GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| chunk | shape | batch | tokens | kv_len | eager us | kernel us | speedup | "
+          "kernel GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['tokens']} | {r['kv_len']} | "
+        print(f"| {r['chunk']} | {r['shape']} | {r['batch']} | {r['tokens']} | {r['kv_len']} | "
               f"{r['eager_us']} | {r['kernel_us']} | {r['speedup']} | {r['kernel_GBps']} |")
     if args.out:
         with open(args.out, "w") as f:

@@ -16,12 +16,16 @@ length exit at once.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-CHUNK = 256            # KV positions per program (a multiple of BLOCK_N)
+# KV positions per program (a multiple of BLOCK_N). Shorter chunks mean more programs and a
+# shorter serial loop in each (latency at batch 1), longer ones less combine work;
+# TANDEM_ATTN_CHUNK overrides it for A/B runs (examples/gpu/kernel_bench.py --chunks).
+CHUNK = int(os.environ.get("TANDEM_ATTN_CHUNK", "256"))
 BLOCK_N = 32           # KV positions per inner step
 MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
 
