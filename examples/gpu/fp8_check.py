@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from examples.gpu.graphs_check import decode  # noqa: E402
 from runtime.bench.metrics import step_time, weight_bytes_per_step  # noqa: E402
-from runtime.models import load_model, quant  # noqa: E402
+from runtime.models import fused, load_model, quant  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402
 from runtime.models.synthetic import SHAPES, build_pair  # noqa: E402
 
@@ -82,6 +82,8 @@ def gemm_paths(target: str, device) -> dict:
     out = {"fp8_gemm_used": quant.uses_fp8_gemm(x, layer.mlp.down_proj.weight),
            "fused_path_used": layer.self_attn.fp8_fused(x) and layer.mlp.fp8_fused(x)}
     logits = {}
+    was_compiled = fused._compiled
+    fused.use_eager()            # eager pieces: fused and unfused must then agree bit for bit
     for name, fp8_gemm, fuse in (("fused", True, True), ("unfused", True, False),
                                  ("weight_only", False, True)):
         quant.FP8_GEMM, quant.FUSE_FP8 = fp8_gemm, fuse
@@ -89,10 +91,14 @@ def gemm_paths(target: str, device) -> dict:
             logits[name] = _teacher_forced(model, device, ps)
         finally:
             quant.FP8_GEMM, quant.FUSE_FP8 = True, True
+    if was_compiled:
+        fused.compile_kernels(device)
     a, b, c = logits["fused"], logits["weight_only"], logits["unfused"]
     out.update(positions=a.shape[0],
                top1_agreement=(a.argmax(-1) == b.argmax(-1)).float().mean().item(),
                rel_logit_err=((a - b).norm() / b.norm()).item(),
+               unfused_top1_agreement=(c.argmax(-1) == b.argmax(-1)).float().mean().item(),
+               unfused_rel_logit_err=((c - b).norm() / b.norm()).item(),
                fused_vs_unfused_eager_max_abs_logit_diff=(a - c).abs().max().item(),
                fused_vs_unfused_top1_agreement=(a.argmax(-1) == c.argmax(-1))
                .float().mean().item())
