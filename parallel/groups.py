@@ -78,13 +78,19 @@ def backend_for(topology: Topology) -> str:
 
 def build_groups(topology: Topology, timeout_s: float) -> Groups:
     """Create the worker groups. Every rank of the world, the orchestrator too, must call this
-    in the same order; non-members get None."""
+    in the same order; non-members, and every member of a group of one rank, get None."""
     backend = backend_for(topology)
     timeout = datetime.timedelta(seconds=timeout_s)
     me = dist.get_rank()
     made = {}
     for name, ranks in (("draft_tp", topology.draft_ranks), ("target_tp", topology.target_ranks),
                         ("bridge", topology.worker_ranks)):
+        if len(ranks) == 1:
+            # A group of one rank talks to nobody; each gloo group costs its members transport
+            # threads that wake an idle process. Every rank takes this branch alike, so the
+            # new_group calls stay in the same order everywhere.
+            made[name] = None
+            continue
         group = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
         made[name] = group if me in ranks else None
     return Groups(draft_tp=made["draft_tp"], target_tp=made["target_tp"], bridge=made["bridge"],
