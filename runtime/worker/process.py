@@ -139,8 +139,9 @@ class Worker:
             # cuDNN attention builds a new plan for every new KV length (tens of ms each);
             # the KV length changes every round, so use the flash / memory-efficient kernels
             torch.backends.cuda.enable_cudnn_sdp(False)
-        else:  # CPU workers share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self.topology.workers)))
+        else:  # CPU workers share the host's cores, each on its own block of them
+            torch.set_num_threads(_bind_cpu_block(self.topology.workers.index(self.spec),
+                                                  len(self.topology.workers)))
         try:
             draft, target = load_shards(self.config, self.spec, self.groups, self.device,
                                         self.rank, ProgressReporter(self.send, self.rank))
@@ -255,6 +256,24 @@ class Worker:
     def close(self) -> None:
         if self.pulse is not None:
             self.pulse.stop()
+
+
+def _bind_cpu_block(position: int, workers: int) -> int:
+    """This CPU worker's torch thread count: its share of the cores this process may use
+    (worker `position` of `workers`, equal blocks). With TANDEM_CPU_AFFINITY=1 it is also
+    pinned there (it and the threads it starts from now on), so that draft and target each
+    keep a core and its caches. Off by default: on a host shared with other busy processes
+    a pinned worker cannot leave a core they crowd (measured in docs/configuration.md,
+    "Overlapped speculation"). With fewer cores than workers (or a worker past this host's
+    cores, as on several nodes) nothing is pinned."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per = len(allowed) // workers if allowed else (os.cpu_count() or 1) // workers
+    if per < 1:
+        return 1
+    block = allowed[position * per:(position + 1) * per]
+    if block and os.environ.get("TANDEM_CPU_AFFINITY") == "1":
+        os.sched_setaffinity(0, block)
+    return per
 
 
 def _usage_message(text: str) -> str:

@@ -96,3 +96,47 @@ def test_windows_survive_a_prefill_and_go_with_a_release(pair):
     state = parts.draft.slots[0]
     assert not parts.draft.windows and state.cache_len + len(state.pending) == \
         state.committed
+
+
+def test_profiled_round_reports_cpu_time_beside_wall_time(pair):
+    """TANDEM_PROFILE's phases carry the thread's CPU time too (`<phase>_cpu_s`): wall time
+    well above it in a compute phase is time spent waiting for a core."""
+    parts = shards(pair["near"], pair["same"])
+    parts.profile = True
+    for s in (parts.draft, parts.target):
+        s.prefill([0], [PROMPTS[0]], [GREEDY])
+    timing = speculate_overlapped(parts, [0], 3, 3)["timing"]
+    for phase in ("draft_s", "verify_or_next_window_s", "verdict_transfer_s"):
+        cpu = timing[phase.removesuffix("_s") + "_cpu_s"]
+        assert 0 <= cpu <= timing[phase] + 0.01
+
+
+def test_cpu_workers_get_disjoint_core_blocks_only_when_asked(monkeypatch):
+    """Each CPU worker's thread count is its share of the allowed cores; TANDEM_CPU_AFFINITY=1
+    also pins it to its own block (checked in a thread: affinity is per thread on Linux)."""
+    import os
+    import threading
+
+    from runtime.worker.process import _bind_cpu_block
+
+    allowed = sorted(os.sched_getaffinity(0))
+    seen: dict[str, object] = {}
+
+    def bind(position: int, workers: int) -> None:
+        seen["threads"] = _bind_cpu_block(position, workers)
+        seen["cores"] = sorted(os.sched_getaffinity(0))
+
+    def in_thread(position: int, workers: int) -> dict:
+        t = threading.Thread(target=bind, args=(position, workers))
+        t.start()
+        t.join()
+        return dict(seen)
+
+    monkeypatch.delenv("TANDEM_CPU_AFFINITY", raising=False)
+    assert in_thread(0, 1) == {"threads": len(allowed), "cores": allowed}
+    monkeypatch.setenv("TANDEM_CPU_AFFINITY", "1")
+    last = in_thread(len(allowed) - 1, len(allowed))
+    assert last == {"threads": 1, "cores": [allowed[-1]]}
+    assert in_thread(len(allowed), len(allowed)) == {"threads": 1, "cores": allowed}  # past
+    assert in_thread(0, len(allowed) + 1)["threads"] == 1                              # crowded
+    assert sorted(os.sched_getaffinity(0)) == allowed       # this thread was never touched
