@@ -329,11 +329,23 @@ QUALITY_TEXT = (
 
 
 def test_smollm2_fp8_quality(smollm2_fp8):
-    """quantization: fp8 on the real SmolLM2-135M (GGUF dequantized, then FP8), teacher-
-    forced on the prose above against the float32 model: mean KL(float32 || fp8) <= 0.02 and
-    top-1 agreement >= 0.90 (measured 0.0142 and 0.935 over its 245 positions; a 135M model
-    has many near-ties in prose, and on its own greedy chat answers the agreement measured
-    0.84-0.89)."""
+    """quantization: fp8 on the real SmolLM2-135M (GGUF Q4_1 dequantized to float32, then
+    FP8 with the recipe: per output channel, scale = amax / 448, round-to-nearest e4m3),
+    teacher-forced on the prose above against the float32 model.
+
+    Measured over its 245 positions: top-1 agreement 0.9347 (16 flips) and mean
+    KL(float32 || fp8) 0.0142. That meets the issue's KL goal (<= 0.02) but not its 0.97
+    agreement goal (it quotes 0.984-0.988), and it is not a bug: transformers'
+    LlamaForCausalLM holding weights quantized independently with the recipe gives the same
+    logits bit for bit (agreement 0.9347, KL 0.0142), and quantize-on-load's weights equal
+    that quantization exactly. The flips are near-ties: at every one the FP8 pick is among
+    the float model's top 4 (14 of the 16 its second choice, one its third, one its fourth;
+    median top-1/top-2 gap 0.01 in probability). For scale, casting the same linears to
+    bfloat16 gives 0.9959 and KL 2e-5; FP8 on attention alone gives 0.959 (KL 0.0057), on
+    the MLP alone 0.947 (KL 0.0100), on down_proj alone 0.963. Other text gives 0.91-0.96
+    (0.955 with a BOS in front of this prose, 0.91-0.93 on license prose, 0.93-0.95 on the
+    float model's greedy chat answers), so the thresholds below are this text's measured
+    numbers with a margin of a few flips, not the issue's."""
     from tests.checkpoints import smollm2_tokenizer
 
     ids = smollm2_tokenizer()(QUALITY_TEXT)["input_ids"]
@@ -343,9 +355,12 @@ def test_smollm2_fp8_quality(smollm2_fp8):
                                 ("fp8", smollm2_fp8)):
         model.allocate_cache(1, len(ids))
         logits[quantization] = extend(model, 0, 0, ids)                  # [T, V]
-    agreement = (logits[None].argmax(-1) == logits["fp8"].argmax(-1)).float().mean().item()
+    top1, top1_fp8 = logits[None].argmax(-1), logits["fp8"].argmax(-1)
+    agreement = (top1 == top1_fp8).float().mean().item()
     log_p, log_q = logits[None].log_softmax(-1), logits["fp8"].log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
     print(f"SmolLM2-135M fp8: {len(ids)} positions, top-1 agreement {agreement:.4f}, "
           f"KL {kl:.4f}")
-    assert agreement >= 0.90 and kl <= 0.02 and math.isfinite(kl)
+    assert agreement >= 0.92 and kl <= 0.02 and math.isfinite(kl)    # measured 0.9347, 0.0142
+    top4 = logits[None].topk(4, dim=-1).indices                          # flips: near-ties
+    assert (top4 == top1_fp8[:, None]).any(-1).all()
