@@ -28,7 +28,7 @@ for phase in "$@"; do
     case $phase in
         check) python examples/gpu/graphs_check.py --shape 1b --out "$OUT/check.json" \
                    > "$OUT/check.log" 2>&1; echo "== check (rc $?)"; tail -20 "$OUT/check.log" ;;
-        kernels) python examples/gpu/kernel_bench.py --chunks "${CHUNKS:-256,64}" --out "$OUT/kernels.json" \
+        kernels) python examples/gpu/kernel_bench.py --chunks "${CHUNKS:-0,256,64}" --out "$OUT/kernels.json" \
                      > "$OUT/kernels.log" 2>&1; echo "== kernels (rc $?)"; cat "$OUT/kernels.log" ;;
         triton-off) TANDEM_TRITON=0 bench triton-off --batch-sizes 1 --eps 0.02 \
                         --draft-len auto --modes target,spec ;;   # the fused-torch attention

@@ -92,8 +92,9 @@ def case(shape: str, batch: int, seq: int, kv_len: int, dtype: torch.dtype, cach
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--chunks", default=str(kernel_module.CHUNK),
-                    help="comma-separated KV chunk lengths of the kernel to compare")
+    ap.add_argument("--chunks", default="0",
+                    help="comma-separated KV chunk lengths of the kernel to compare "
+                         "(0: the kernel's own choice by batch)")
     args = ap.parse_args()
     copy = copy_bandwidth(torch.device("cuda"))
     rows, exact = [], True

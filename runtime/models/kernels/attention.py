@@ -22,10 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-# KV positions per program (a multiple of BLOCK_N). Shorter chunks mean more programs and a
-# shorter serial loop in each (latency at batch 1), longer ones less combine work;
-# TANDEM_ATTN_CHUNK overrides it for A/B runs (examples/gpu/kernel_bench.py --chunks).
-CHUNK = int(os.environ.get("TANDEM_ATTN_CHUNK", "256"))
+# KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
+# idle, so they get short chunks: more programs, a shorter serial loop in each (measured on an
+# H200, 8b decode at batch 1: 10.8 us a call with 64-position chunks, 13.5 with 256); many rows
+# fill the GPU anyway and spend less on the combine with long chunks (batch 16, 5 tokens:
+# 31 us with 256, 51 with 64). TANDEM_ATTN_CHUNK fixes one length for A/B runs
+# (examples/gpu/kernel_bench.py --chunks).
+CHUNK = int(os.environ.get("TANDEM_ATTN_CHUNK", "0"))   # 0: by the number of programs
+CHUNK_LONG, CHUNK_SHORT = 256, 64
+FEW_PROGRAMS = 64      # rows x KV heads at most for CHUNK_SHORT
 BLOCK_N = 32           # KV positions per inner step
 MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
 
@@ -122,9 +127,12 @@ def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
-def chunk_len(cache_len: int) -> int:
-    """KV positions per program: CHUNK, longer for caches of more than MAX_CHUNKS chunks."""
-    chunk = max(CHUNK, -(-cache_len // MAX_CHUNKS))
+def chunk_len(cache_len: int, programs: int) -> int:
+    """KV positions per program for `programs` (rows x KV heads) over a cache of cache_len:
+    CHUNK if set, else short chunks for few programs; longer where a cache would need more
+    than MAX_CHUNKS chunks."""
+    base = CHUNK or (CHUNK_SHORT if programs <= FEW_PROGRAMS else CHUNK_LONG)
+    chunk = max(base, -(-cache_len // MAX_CHUNKS))
     return -(-chunk // BLOCK_N) * BLOCK_N
 
 
@@ -141,7 +149,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     bsz, n_kv, rows, dim = q.shape
     n_rep = rows // seq
     q = q.contiguous()
-    chunk = chunk_len(k_cache.shape[2])
+    chunk = chunk_len(k_cache.shape[2], bsz * n_kv)
     n_chunks = -(-k_cache.shape[2] // chunk)
     block_m = max(16, triton.next_power_of_2(rows))
     block_d = max(16, triton.next_power_of_2(dim))
