@@ -1,5 +1,5 @@
 """An idle `tandem serve` (tiny models, two CPU workers) uses next to no CPU: the server and
-every worker block on their sockets instead of polling, so each one's CPU time over 5 s
+every worker block on their sockets instead of polling, so each one's CPU time over 10 s
 (utime + stime from /proc/<pid>/stat, after one request and a moment to settle) stays far
 under a core, and their main threads wake about once per heartbeat, not 20 or 5 times a
 second. A signal still stops the idle server at once."""
@@ -20,12 +20,12 @@ from tests.processes import descendants, kill_all, ranks_of, wait_gone
 pytestmark = pytest.mark.timeout(240)
 
 WORLD = 3             # the server and two workers (draft on cpu:0, target on cpu:1)
-MEASURE_S = 5.0
+MEASURE_S = 10.0      # 1 % of a core is 10 clock ticks of 10 ms over this
 SETTLE_S = 2.0
-# Measured on a shared 2-core host: server 0.2-0.6 %, each worker 0.2-1.0 % of a core, all
-# but ~0.05 % of it in gloo's transport threads (one per process group, waking every 10 ms:
-# not ours to change). The limit leaves room for a busy host.
-MAX_CORE_SHARE = 0.03
+# The issue's limit: under 1 % of a core each. Measured on a shared 2-core host (load 3-5):
+# server 0.6 %, each worker 0.4 %, most of it in gloo's transport threads (one per process
+# group, waking every 10 ms); groups of one rank are not made (parallel.groups.build_groups).
+MAX_CORE_SHARE = 0.01
 MAX_MAIN_WAKEUPS = {"server": 5.0, "worker": 3.0}   # per second; before: 20 and 5
 
 
