@@ -174,15 +174,22 @@ class PrefillRunner:
         """Warm up on a side stream, then record one chunk. Every row is padding while this
         runs (n_valid 0), so warm-up writes nothing but the cache's scratch positions."""
         self.meta[:, : key[0]].zero_()
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._forward(*key)
-        current.wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._forward(*key)
-        self.graphs[key] = graph
+        self.graphs[key] = record_graph(lambda: self._forward(*key), self.device, self.pool)
+
+
+def record_graph(forward, device: torch.device, pool) -> "torch.cuda.CUDAGraph":
+    """Run `forward` once on a side stream (warm-up: lazy compilation, allocator), then record
+    it as a CUDA graph in the memory pool `pool` (shared by a model's decode and prefill
+    graphs, so they cost the largest one's memory, not the sum)."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        forward()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        forward()
+    return graph

@@ -26,7 +26,7 @@ import torch
 
 from runtime.models.hostcopy import copy_into, to_device
 from runtime.models import fused, kernels
-from runtime.models.prefill_runner import PrefillRunner, prefill_graphs_on
+from runtime.models.prefill_runner import PrefillRunner, prefill_graphs_on, record_graph
 
 KV_BUCKET_MIN = 256      # smallest attended KV length of a static step
 KV_BUCKET_LINEAR = 2048  # KV buckets double up to here, then grow by this much
@@ -184,15 +184,6 @@ class StepRunner:
         runs (n_valid 0), so warm-up writes nothing but the cache's scratch positions."""
         self.meta[:, : key[0]].zero_()
         self.meta[0, : key[0]] = torch.arange(key[0], device=self.device)  # distinct slots
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._forward(*key)
-        current.wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._forward(*key)
-        self.graphs[key] = graph
+        self.graphs[key] = record_graph(lambda: self._forward(*key), self.device, self.pool)
