@@ -90,13 +90,4 @@ def test_wrong_world_size_names_expected(form, ranks, tiny, tmp_path):
     assert "expected W=3" in res.stderr
 
 
-def test_default_demo_prints_text():
-    res = launch.run("spawn", 2, ["run", "--max-new-tokens", "12"], timeout=280)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert len(res.stdout.strip()) > 10
-    assert "tokens/s" in res.stderr
-    # it says what it shows (draft = target: acceptance 1.00) and where speed-ups are shown
-    assert "both draft and target" in res.stderr and "acceptance 1.00" in res.stderr
-    assert "tandem bench --synthetic tiny" in res.stderr
-    assert "prompt: What is speculative decoding?" in res.stderr
-    assert "WARNING" not in res.stderr
+# the default demo as a user runs it: tests/e2e/test_demo_cache.py

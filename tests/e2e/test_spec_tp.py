@@ -43,7 +43,7 @@ LAYOUTS = {
     "colocated-draft1-target2": ("a_near", "a", ["cpu:0"], ["cpu:0", "cpu:1"]),
     "both-tp2": ("a_near", "a", ["cpu:0", "cpu:1"], ["cpu:0", "cpu:1"]),
 }
-FORMS = {"draft1-target2": launch.FORMS, "draft2-target3-overlap": ("spawn", "torchrun"),
+FORMS = {"draft1-target2": ("torchrun", "mpirun"), "draft2-target3-overlap": ("spawn",),
          "colocated-draft1-target2": ("spawn", "mpirun"), "both-tp2": ("spawn",),
          "draft3-target1": ("mpi-spawn",)}
 
