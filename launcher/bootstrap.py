@@ -18,7 +18,6 @@ from typing import Collection
 import zmq
 
 from launcher.discovery import LaunchEnv
-from parallel import groups as pgroups
 from parallel.topology import LaunchError, Topology, topology_from_config
 from runtime.control import auth
 from runtime.config import TandemConfig
@@ -61,7 +60,15 @@ class Cluster:
         self.pool.close()
         self.context.term()
         if self.pool.dead is None:
-            pgroups.destroy()
+            _pgroups().destroy()
+
+
+def _pgroups():
+    """parallel.groups, imported on first use: it imports torch (2-3 s of CPU), and rank 0
+    should start its workers first, so that their imports and its own run at once."""
+    from parallel import groups
+
+    return groups
 
 
 def _child_command(rank_arg: list[str], world_size: int, init_method: str,
@@ -141,7 +148,7 @@ def _join_world(init_method: str, world_size: int, timeout_s: float,
     given a loopback listener, rank 0 hosts the store on that socket instead (the other
     ranks reach it at 127.0.0.1 through `init_method` as usual)."""
     if listener is None:
-        pgroups.init_world(0, world_size, init_method, timeout_s)
+        _pgroups().init_world(0, world_size, init_method, timeout_s)
         return
     import torch.distributed as dist
 
@@ -220,9 +227,9 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
                           key=key)
         log.info("control plane at %s (%s)", pool.address,
                  "key file" if key is None else "key of this launch")
-        pgroups.broadcast_control(pool.address, key)
+        _pgroups().broadcast_control(pool.address, key)
         pool.handshake(config.to_dict(), rt.startup_timeout_s)
-        pgroups.build_groups(topology, rt.step_timeout_s)
+        _pgroups().build_groups(topology, rt.step_timeout_s)
         try:
             pool.wait_for("ready", rt.startup_timeout_s, watch=display.observe)
         except EngineDeadError:

@@ -154,7 +154,6 @@ def check_kv_memory(cfg: TandemConfig) -> None:
     NVML, which opens no CUDA context in this process (cudaMemGetInfo would keep one on
     every GPU for as long as the orchestrator lives); without NVML this check is skipped."""
     from runtime.models.checkpoint import inspect_checkpoint
-    from runtime.models.kv_budget import RESERVE
 
     per_device: dict[Device, list[tuple[str, int, float | None]]] = {}
     for name, model in model_lists(cfg):
@@ -162,6 +161,10 @@ def check_kv_memory(cfg: TandemConfig) -> None:
         for device in model.devices:
             if device.kind == "cuda" and need is not None:
                 per_device.setdefault(device, []).append((name, need, model.kv_cache_memory))
+    if not per_device:
+        return
+    from runtime.models.kv_budget import RESERVE   # imports torch: only with CUDA devices
+
     rt = cfg.runtime
     sizes = f"{rt.max_batch_size} slots (runtime.max_batch_size) x {rt.max_seq_len} " \
             f"positions (runtime.max_seq_len)"
@@ -225,11 +228,12 @@ def _nvml_memory(index: int) -> tuple[int, int] | None:
 
 
 def check_tp(cfg: TandemConfig, infos: dict) -> None:
-    from runtime.models.parallelize import check_tp_shape
-
     for name, model in model_lists(cfg):
         info = infos[name]
         if model.tp_size > 1:
+            # imported here: it imports torch, which a launch without TP need not wait for
+            from runtime.models.parallelize import check_tp_shape
+
             try:
                 check_tp_shape(f"{info.model_type} model {model.model!r}",
                                info.num_attention_heads, info.num_key_value_heads,

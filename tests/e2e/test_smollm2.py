@@ -21,7 +21,7 @@ def reference():
     return out, tok.decode(out, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("form", ["torchrun", "mpirun"])
+@pytest.mark.parametrize("form", ["mpirun"])   # the launch forms: tests/e2e/test_spec_greedy.py
 def test_smollm2_greedy_equals_transformers(form, reference, tmp_path):
     model = checkpoints.smollm2_gguf()
     # draft = target on one worker (loaded once), as in the built-in demo
