@@ -84,7 +84,7 @@ class PrefillRunner:
     def kernel_serves(self, chunk: int) -> bool:
         """Whether attention takes the Triton kernel (no KV bucket) for chunks this long."""
         return kernels.enabled() and self.rows_per_token is not None and \
-            self.rows_per_token * chunk <= getattr(attention, "SLOT_KERNEL_ROWS", 0)
+            self.rows_per_token * chunk <= attention.SLOT_KERNEL_ROWS
 
     def attended(self, chunk: int, kv_len: int) -> int:
         """The attended length of a chunk's graph: the whole cache when the kernel reads

@@ -184,6 +184,4 @@ class StepRunner:
         runs (n_valid 0), so warm-up writes nothing but the cache's scratch positions."""
         self.meta[:, : key[0]].zero_()
         self.meta[0, : key[0]] = torch.arange(key[0], device=self.device)  # distinct slots
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         self.graphs[key] = record_graph(lambda: self._forward(*key), self.device, self.pool)
