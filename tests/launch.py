@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -111,3 +113,47 @@ def run_json(form: str, world: int, args: list[str], timeout: float = 180) -> li
     res = run(form, world, [*args, "--json"], timeout)
     assert res.returncode == 0, f"{form} exited {res.returncode}\n{res.stderr[-4000:]}"
     return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+# --- a `tandem serve` of a test: started, waited for over HTTP, stopped --------------------
+def start_serve(cfg: str, address: str, *args: str, log_path) -> subprocess.Popen:
+    """`tandem serve CFG --address ADDRESS ARGS...` (spawn launch) in its own process group,
+    its output to log_path."""
+    env = dict(clean_env(), TANDEM_LAUNCH="spawn")
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "launcher", "serve", cfg,
+                                 "--address", address, *args], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def wait_http(url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180) -> None:
+    """Until the HTTP front at `url` (with or without /v1) answers /health; AssertionError
+    with the log's tail when the server exits or timeout_s passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n"
+                                 f"{open(log_path).read()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url.removesuffix("/v1") + "/health",
+                                        timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"HTTP front not up after {timeout_s} s:\n"
+                         f"{open(log_path).read()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+    """SIGTERM (unless it has ended) and its exit code; killed and AssertionError when it
+    is not gone within timeout_s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"server did not stop within {timeout_s} s of SIGTERM") from None

@@ -96,8 +96,7 @@ def test_server_beyond_loopback_serves_only_keyed_clients(tmp_path):
         with Client(local) as stranger:           # unsigned frames are dropped
             with pytest.raises(EngineDeadError):
                 stranger.info(timeout_s=3)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert launch.stop(proc, 30) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -164,8 +163,7 @@ def test_forged_worker_frames_are_dropped(tmp_path):
         log = err_path.read_text()
         assert "dropped a worker frame: frame signature does not match" in log, log[-2000:]
         assert "FORGED-ERROR" not in log, log[-2000:]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, err_path.read_text()[-2000:]
+        assert launch.stop(proc, 30) == 0, err_path.read_text()[-2000:]
     finally:
         stop.set()
         if proc.poll() is None:

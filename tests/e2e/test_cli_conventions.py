@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from importlib.metadata import version
 
 import pytest
@@ -258,30 +256,13 @@ def test_kv_budget_failure_in_a_worker_is_one_error_line(models, tmp_path):
 
 
 # --- tandem serve --served-model-name, through the openai client ----------------------------
-def _wait_http(url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, open(log_path).read()[-4000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.3)
-    raise AssertionError(f"HTTP front not up:\n{open(log_path).read()[-4000:]}")
-
-
 def test_served_model_name_through_the_openai_client(cfg, tmp_path):
     openai = pytest.importorskip("openai")
     port, log_path = launch.free_port(), tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", cfg, "--address",
-                                 f"ipc://{tmp_path}/s.sock", "--http", f"127.0.0.1:{port}",
-                                 "--served-model-name", "tiny-chat"], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(launch.clean_env(), TANDEM_LAUNCH="spawn"))
+    proc = launch.start_serve(cfg, f"ipc://{tmp_path}/s.sock", "--http", f"127.0.0.1:{port}",
+                              "--served-model-name", "tiny-chat", log_path=log_path)
     try:
-        _wait_http(f"http://127.0.0.1:{port}", proc, log_path)
+        launch.wait_http(f"http://127.0.0.1:{port}", proc, log_path)
         oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                             max_retries=0, timeout=120)
         assert [m.id for m in oai.models.list().data] == ["tiny-chat"]
@@ -295,8 +276,7 @@ def test_served_model_name_through_the_openai_client(cfg, tmp_path):
             assert "`target` does not exist" in str(info.value)
             assert "serves `tiny-chat`" in str(info.value)
         oai.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert launch.stop(proc) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -3,8 +3,6 @@ official `openai` client and compared with the ZeroMQ Client on the same server.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,43 +21,6 @@ pytestmark = pytest.mark.timeout(240)
 MODEL = "target"   # the served model id: the target checkpoint's directory name
 
 
-def start_serve(cfg: str, address: str, *args: str, log_path) -> subprocess.Popen:
-    env = dict(launch.clean_env(), TANDEM_LAUNCH="spawn")
-    with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "launcher", "serve", cfg,
-                                 "--address", address, *args], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
-
-
-def wait_http(url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}:\n"
-                                 f"{open(log_path).read()[-4000:]}")
-        try:
-            with urllib.request.urlopen(url.removesuffix("/v1") + "/health",
-                                        timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"HTTP front not up after {timeout_s} s:\n"
-                         f"{open(log_path).read()[-4000:]}")
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 60) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise AssertionError("server did not stop within 60 s of SIGTERM") from None
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("http")
@@ -75,10 +36,10 @@ def served(models, tmp_path_factory):
     address = f"ipc://{root}/server.sock"
     port = launch.free_port()
     log_path = root / "serve.log"
-    proc = start_serve(cfg, address, "--http", f"127.0.0.1:{port}", log_path=log_path)
+    proc = launch.start_serve(cfg, address, "--http", f"127.0.0.1:{port}", log_path=log_path)
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_http(url, proc, log_path)
+        launch.wait_http(url, proc, log_path)
         zmq_client = Client(address)
         oai = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
         yield {"proc": proc, "url": url, "address": address, "client": zmq_client,
@@ -87,7 +48,7 @@ def served(models, tmp_path_factory):
         oai.close()
     finally:
         if proc.poll() is None:
-            stop(proc)
+            launch.stop(proc)
         launch.assert_group_gone(proc.pid)
 
 
@@ -301,7 +262,7 @@ def test_standalone_front_on_a_running_server(served, tmp_path):
                             start_new_session=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}/v1"
-        wait_http(url, proc, "/dev/null", timeout_s=60)
+        launch.wait_http(url, proc, "/dev/null", timeout_s=60)
         oai = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         assert [m.id for m in oai.models.list().data] == ["tiny"]
         out = oai.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6,
@@ -310,7 +271,7 @@ def test_standalone_front_on_a_running_server(served, tmp_path):
         assert out.choices[0].text == ref.text
         oai.close()
     finally:
-        assert stop(proc) == 0
+        assert launch.stop(proc) == 0
         launch.assert_group_gone(proc.pid)
 
 
@@ -326,5 +287,5 @@ def test_non_loopback_http_refused_before_start(models, tmp_path):
 def test_sigterm_stops_server_cleanly(served):
     """Last: SIGTERM ends `tandem serve --http` with exit 0 and nothing left running."""
     proc = served["proc"]
-    assert stop(proc) == 0, open(served["log"]).read()[-4000:]
+    assert launch.stop(proc) == 0, open(served["log"]).read()[-4000:]
     launch.assert_group_gone(proc.pid)

@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime import Client
 from tests import launch
-from tests.e2e.test_http import start_serve, stop, wait_http
 
 pytestmark = pytest.mark.timeout(180)
 P = "tandem:"
@@ -50,18 +49,18 @@ def served(tokenized_pair, tmp_path_factory):
     address = f"ipc://{root}/server.sock"
     http_port, metrics_port = launch.free_port(), launch.free_port()
     log_path = root / "serve.log"
-    proc = start_serve(cfg, address, "--http", f"127.0.0.1:{http_port}",
+    proc = launch.start_serve(cfg, address, "--http", f"127.0.0.1:{http_port}",
                        "--metrics", f"127.0.0.1:{metrics_port}", log_path=log_path)
     try:
-        wait_http(f"http://127.0.0.1:{http_port}/v1", proc, log_path)
+        launch.wait_http(f"http://127.0.0.1:{http_port}/v1", proc, log_path)
         client = Client(address)
         yield {"client": client, "front": f"http://127.0.0.1:{http_port}/metrics",
                "endpoint": f"http://127.0.0.1:{metrics_port}/metrics", "log": log_path}
         client.close()
-        assert stop(proc) == 0, open(log_path).read()[-4000:]
+        assert launch.stop(proc) == 0, open(log_path).read()[-4000:]
     finally:
         if proc.poll() is None:
-            stop(proc)
+            launch.stop(proc)
         launch.assert_group_gone(proc.pid)
 
 

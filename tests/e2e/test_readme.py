@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests import launch
-from tests.e2e.test_http import start_serve, stop, wait_http
 
 pytestmark = pytest.mark.timeout(300)
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -61,14 +60,14 @@ def test_command_line_snippet_runs(config, tmp_path):
 def test_openai_snippet_runs(config, tmp_path):
     port = launch.free_port()
     log = tmp_path / "serve.log"
-    proc = start_serve(config, f"tcp://127.0.0.1:{launch.free_port()}", "--http",
+    proc = launch.start_serve(config, f"tcp://127.0.0.1:{launch.free_port()}", "--http",
                        f"127.0.0.1:{port}", "--served-model-name", "my-model", log_path=log)
     try:
-        wait_http(f"http://127.0.0.1:{port}/v1", proc, log)
+        launch.wait_http(f"http://127.0.0.1:{port}/v1", proc, log)
         code = block("python", "from openai import OpenAI").replace("8000", str(port))
         code += "\nprint(out.choices[0].text)\n"
         res = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True,
                              timeout=120, cwd=tmp_path)
         assert res.returncode == 0, res.stderr[-3000:]
     finally:
-        assert stop(proc) == 0
+        assert launch.stop(proc) == 0
