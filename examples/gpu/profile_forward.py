@@ -6,6 +6,7 @@ name (count, GPU time), the GPU-busy fraction of the step (kernel time / step ti
 --gemm the bandwidth cuBLAS reaches on each of the model's weight shapes at a few row counts.
 
     python examples/gpu/profile_forward.py --shape 8b --device cuda:0 --tokens 1 --gemm
+    python examples/gpu/profile_forward.py --shape 8b --quantization fp8 --tokens 1 5
 """
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1],
                     help="tokens per step (1 decode, k+1 verify)")
     ap.add_argument("--role", default="target", choices=["draft", "target"])
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="quantize the synthetic model on load")
     ap.add_argument("--gemm", action="store_true", help="also time F.linear per weight shape")
     ap.add_argument("--slots", type=int, nargs="+", default=[2],
                     help="KV cache slots (max batch) of each profiled configuration")
@@ -94,7 +97,7 @@ def main() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)   # as the workers do
     paths = build_pair(tempfile.mkdtemp(), a.shape, draft_layers=2, dtype=dtype,
                        materialize=False)
-    model = load_model(paths[a.role == "target"], dtype, device)
+    model = load_model(paths[a.role == "target"], dtype, device, quantization=a.quantization)
     report = {"shape": a.shape, "role": a.role, "copy_TBps": copy_bandwidth(device) / 1e12}
     for slots, tokens in ((s, t) for s in a.slots for t in a.tokens):
         model.allocate_cache(slots, 1024)

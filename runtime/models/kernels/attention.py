@@ -144,7 +144,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     q [B, Hkv, r*T, D] (query heads stacked per KV head, fused.stack_heads); k_cache,
     v_cache [S, Hkv, L, D]; slots [B]; positions [B, T] absolute position of each query;
-    valid [B, T] bool; seq = T; window: sliding window (keys in (pos - window, pos]) or None.
+    valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window: sliding window (keys in (pos - window, pos]) or None.
     Returns [B, T, H, D] like grouped_attention; padding queries give zeros."""
     bsz, n_kv, rows, dim = q.shape
     n_rep = rows // seq
@@ -158,8 +158,8 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     m_part = torch.empty(bsz, n_kv, n_chunks, block_m, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=q.dtype, device=q.device)
-    pos = positions.to(torch.int32).contiguous()
-    ok = valid.to(torch.int32).contiguous()
+    pos, ok = (t if t.dtype == torch.int32 and t.is_contiguous()
+               else t.to(torch.int32).contiguous() for t in (positions, valid))
     _partial_kernel[(bsz, n_kv, n_chunks)](
         q, k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part,
         q.stride(0), q.stride(1), q.stride(2),
