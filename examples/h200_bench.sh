@@ -7,8 +7,8 @@
 #       (the Triton attention kernel against the fused-torch path, FP8 8b and 70b on one GPU)
 #   bash examples/h200_bench.sh OUTDIR auto-0.02 prefill-off fp8-auto-0.02 fp8-unfused chunk-64
 #       (A/B: prefill graphs off, FP8 without its fused neighbours, attention KV chunks of 64)
-#   bash examples/h200_bench.sh OUTDIR gemv auto-0.02 gemv-all fp8-auto-0.02 gemv-off-fp8 profile-fp8
-#       (the small-M linear kernel: per shape, then bf16 with it (TANDEM_GEMV=all), FP8 without)
+#   bash examples/h200_bench.sh OUTDIR gemv profile-fp8
+#       (a Triton small-M linear against cuBLAS / _scaled_mm per shape; the FP8 step's kernels)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -36,10 +36,6 @@ for phase in "$@"; do
                         --draft-len auto --modes target,spec ;;   # the fused-torch attention
         gemv) python examples/gpu/gemv_bench.py --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
               echo "== gemv (rc $?)"; cat "$OUT/gemv.log" ;;
-        gemv-all) TANDEM_GEMV=all bench gemv-all --batch-sizes 1 --eps 0.02 --draft-len auto \
-                      --modes target,spec ;;   # bf16 linears through the kernel too
-        gemv-off-fp8) TANDEM_GEMV=0 bench gemv-off-fp8 --quantization fp8 --batch-sizes 1 \
-                          --eps 0.02 --draft-len auto --modes target,spec ;;   # _scaled_mm
         profile-fp8) python examples/gpu/profile_forward.py --shape 8b --quantization fp8 \
                          --tokens 1 5 --slots 1 --out "$OUT/profile-fp8.json" \
                          > "$OUT/profile-fp8.log" 2>&1

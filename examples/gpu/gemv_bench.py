@@ -1,5 +1,6 @@
-"""Microbenchmark of the small-M linear kernel (runtime/models/kernels/gemv.py) against the
-library GEMMs it can replace, on one decoder layer's shapes of the synthetic models:
+"""Microbenchmark of the experimental small-M linear kernel (examples/gpu/gemv_kernel.py)
+against the library GEMMs the runtime uses, on one decoder layer's shapes of the synthetic
+models:
 
 - bf16 weights: F.linear (cuBLAS) vs the kernel;
 - FP8 weights: the _scaled_mm path (per-token quantize, unscaled _scaled_mm, rescale: three
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from examples.gpu.kernel_bench import graphed_us  # noqa: E402
 from runtime.bench.metrics import copy_bandwidth  # noqa: E402
 from runtime.models import fused, quant  # noqa: E402
-from runtime.models.kernels.gemv import gemv  # noqa: E402
+from examples.gpu.gemv_kernel import gemv  # noqa: E402
 from runtime.models.synthetic import SHAPES  # noqa: E402
 
 

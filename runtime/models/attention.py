@@ -13,7 +13,7 @@ from torch import nn
 from runtime.models import fused, kernels
 from runtime.models.cache import ExtendBatch, KVCache
 from runtime.models.model_args import ModelArgs
-from runtime.models.quant import FP8Act, FP8Out, RowStack, fuses_fp8, run_linear, stack_rows
+from runtime.models.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 
 SMALL_QUERY = 64   # up to this many query rows per KV head: explicit matmul-softmax-matmul
 SLOT_KERNEL_ROWS = 128  # up to this many: the Triton kernel over the cache (when enabled)
@@ -72,7 +72,7 @@ class Attention(nn.Module):
                                v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache,
                                cache.v_cache, batch.write_slots, batch.write_pos)
         out = self._attend(q, batch, seq)                                  # [B, T, H, D]
-        return run_linear(self.o_proj, out.reshape(bsz, seq, self.n_heads * self.head_dim))
+        return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
 
     def _forward_fp8(self, x: FP8Act, cos: torch.Tensor, sin: torch.Tensor,
                      batch: ExtendBatch) -> FP8Out | torch.Tensor:

@@ -10,8 +10,7 @@ from runtime.models.attention import Attention
 from runtime.models.base import check_extend_args
 from runtime.models.cache import ExtendBatch
 from runtime.models.model_args import ModelArgs
-from runtime.models.quant import (FP8Act, FP8Out, RowStack, fuses_fp8, silu_mul_linear,
-                                  stack_rows)
+from runtime.models.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 from runtime.models.rope import RotaryEmbedding, compute_inv_freq
 
 
@@ -53,7 +52,7 @@ class MLP(nn.Module):
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up(x)                                          # [B, T, 2I]
-        return silu_mul_linear(self.down_proj, gate_up.flatten(0, 1)).view(*x.shape[:2], -1)
+        return self.down_proj(fused.silu_mul(gate_up.flatten(0, 1)).view(*x.shape[:2], -1))
 
 
 class DecoderLayer(nn.Module):

@@ -6,13 +6,7 @@ Checkpoints with one scale per tensor are expanded to per channel on load (the s
 every row), so fused q/k/v and gate/up stacks with different per-tensor scales stay exact and
 tensor-parallel shards cut the scale rows with the weight rows.
 
-The GEMM (`fp8_linear`) has three paths:
-
-- small M (decode, verify: at most kernels.GEMV_MAX_M rows, Triton kernels enabled): the
-  Triton GEMV (runtime.models.kernels.gemv) reads the e4m3 weight, widens it in registers and
-  applies the per-channel scale and bias in its epilogue; the activations stay in their dtype
-  (weight-only FP8: no quantize kernel, no rescale kernel, no activation rounding). On an
-  H200 it beats the _scaled_mm path below at these sizes (examples/gpu/fp8_check.py).
+The GEMM (`fp8_linear`) has two paths:
 
 - weight-only (CPU, float32 activations anywhere, GPUs without FP8 tensor cores): the weight
   is dequantized in the GEMM's input (fused.fp8_dequantize: one cast and one multiply, in
@@ -48,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models import fused, kernels
+from runtime.models import fused
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)     # 448
@@ -106,10 +100,7 @@ def _one(device: torch.device) -> torch.Tensor:
 
 def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether fp8_linear(x, weight, ...) runs an FP8 GEMM (else weight-only). Host-side
-    facts only (no device read), so the choice is the same in eager and CUDA-graph steps.
-    Where the small-M kernel applies (kernels.gemv_applies) it runs instead: no FP8 GEMM."""
-    if kernels.gemv_applies(x, weight):
-        return False
+    facts only (no device read), so the choice is the same in eager and CUDA-graph steps."""
     if not (FP8_GEMM and weight.shape[0] % GEMM_ALIGN == 0
             and weight.shape[1] % GEMM_ALIGN == 0):
         return False
@@ -133,9 +124,7 @@ def fp8_gemm_raw(x8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ (weight [out, in] e4m3 * scale [out])^T + bias -> [..., out] in x.dtype.
-    See the module docstring for the paths."""
-    if kernels.gemv_applies(x, weight):
-        return kernels.gemv_linear(x, weight, scale, bias)
+    See the module docstring for the two paths."""
     if not uses_fp8_gemm(x, weight):
         return F.linear(x, fused.fp8_dequantize(weight, scale, x.dtype), bias)
     rows = x.reshape(-1, x.shape[-1])                                     # [M, in]
@@ -143,31 +132,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     out = fp8_gemm_raw(x8, weight)                                        # [M, out] float32
     out = fused.fp8_rescale(out, x_scale, scale, bias, x.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """F.linear for a float weight, as the small-M kernel where it applies."""
-    if kernels.gemv_applies(x, weight):
-        return kernels.gemv_linear(x, weight, None, bias)
-    return F.linear(x, weight, bias)
-
-
-def run_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """linear(x); a plain nn.Linear through float_linear (TP linears run their own forward,
-    which holds their collectives; FP8 linears reach the kernel through fp8_linear)."""
-    if type(linear) is nn.Linear:
-        return float_linear(x, linear.weight, linear.bias)
-    return linear(x)
-
-
-def silu_mul_linear(linear: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """linear(fused.silu_mul(gate_up)) for gate_up [M, 2I]: with the small-M kernel the SiLU
-    and product fold into its input loads (a plain or FP8 linear; TP ones run their own)."""
-    if type(linear) in (nn.Linear, FP8Linear) and kernels.gemv_applies(gate_up, linear.weight):
-        return kernels.gemv_linear(gate_up, linear.weight, getattr(linear, "weight_scale", None),
-                            linear.bias, silu_mul=True)
-    return linear(fused.silu_mul(gate_up))
 
 
 def fuses_fp8(x: torch.Tensor, *linears) -> bool:
@@ -254,7 +218,7 @@ class RowStack:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             return fp8_linear(x, self.weight, self.scale, self.bias)
-        return float_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def forward_fp8(self, x: FP8Act) -> FP8Out:
         """FP8 stacks only: the GEMM on a quantized input [M, in], raw output [M, sum out]."""

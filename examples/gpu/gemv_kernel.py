@@ -1,24 +1,18 @@
-"""Small-M linears (decode, verify): y = f(x) @ (W * s)^T + b, reading the weight once.
+"""An experiment, kept with its benchmark (examples/gpu/gemv_bench.py): a Triton small-M
+linear, y = f(x) @ (W * s)^T + b, for decode and verify, bf16 or e4m3 weights.
 
-The eager references: F.linear for float weights; runtime.models.quant.fp8_linear's
-weight-only path (F.linear over fused.fp8_dequantize) for e4m3 weights with per-channel
-scales; for `silu_mul`, F.linear(fused.silu_mul(x), ...).
+Measured on an H200 (docs/benchmarks.md, "Small-M linears: Triton against cuBLAS"), it loses
+to cuBLAS (bf16) and torch._scaled_mm (FP8) at every decode shape of the 8b model, so the
+runtime does not use it; it is here so that the measurement can be rerun and the design
+improved.
 
-At decode sizes (M = 1..MAX_M rows) a linear is a weight read: every weight byte once, a few
-multiply-adds each. One program per BLOCK_N output channels walks the whole K axis: it loads a
-[BLOCK_N, BLOCK_K] weight tile (e4m3 is widened to the activation dtype in registers, exactly:
-every e4m3 value is a bf16 / fp16 / float32 value) and a [BLOCK_M, BLOCK_K] activation tile,
-accumulates their product in float32 on the tensor cores, and applies the per-channel scale
-and bias once at the end. So an FP8 weight costs no activation quantization and no separate
-rescale kernel, and the activations keep their precision (weight-only FP8, as vLLM's Marlin
-FP8 kernels do): two kernels fewer per FP8 linear than torch._scaled_mm, and more exact.
-
-`silu_mul=True` folds the MLP's SiLU(gate) * up into the down projection's input: x is
-[M, 2K] (gate | up) and the product, rounded to x.dtype as fused.silu_mul rounds it, is formed
-tile by tile as it is loaded (the [M, K] intermediate never goes to memory).
-
-Tile sizes are autotuned per (N, K, BLOCK_M, weight dtype) on first use; the step runner's
-warm-up run does that before any CUDA graph is captured.
+Design: one program per BLOCK_N output channels and K slice (split-K, SPLIT slices: short
+output rows would leave most SMs idle); e4m3 weight tiles are widened to the activation dtype
+in registers (exact) and multiplied on the tensor cores above DOT_M rows, on the CUDA cores at
+or below; each slice stores its partial sums and the last slice of a column block to finish
+(an atomic counter) adds them in slice order (deterministic), applies the per-channel scale
+and bias and resets the counter. `silu_mul=True` forms SiLU(gate) * up while loading x
+[M, 2K]. Tiles and the split are autotuned per shape.
 """
 from __future__ import annotations
 
