@@ -78,7 +78,8 @@ def case(shape: str, batch: int, seq: int, kv_len: int, dtype: torch.dtype, cach
     valid = torch.ones(batch, seq, dtype=torch.bool, device=dev)
 
     def kernel():
-        return slot_attention(q, cache.k_cache, cache.v_cache, slots, positions, valid, seq)
+        return slot_attention(q, cache.k_cache, cache.v_cache, slots, positions, valid, seq,
+                              counters=cache.counters)
 
     diff = (kernel().float() - eager().float()).abs().max().item()
     eager_us, kernel_us = graphed_us(eager), graphed_us(kernel)

@@ -68,7 +68,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
         cache = self.kv_cache
-        q = fused.rotary_write(q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d),
+        q = rotary_write(q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d),
                                v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache,
                                cache.v_cache, batch.write_slots, batch.write_pos)
         out = self._attend(q, batch, seq)                                  # [B, T, H, D]
@@ -88,10 +88,23 @@ class Attention(nn.Module):
         """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D]."""
         cache = self.kv_cache
         if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
+            fits = q.shape[0] * q.shape[1] <= cache.counters.numel()
             return slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
-                                  *batch.int32_rows(), seq, self.sliding_window)
+                                  *batch.int32_rows(), seq, self.sliding_window,
+                                  cache.counters if fits else None)
         k_all, v_all = cache.read(batch)                                   # [B, Hkv, L, D]
         return grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
+
+
+def rotary_write(*args) -> torch.Tensor:
+    """runtime.models.kernels.rope.rotary_write (one Triton kernel) when the kernels are on and
+    it takes these tensors, else fused.rotary_write (same arguments)."""
+    if kernels.enabled():
+        from runtime.models.kernels import rope
+
+        if rope.fits(*args[:5]):
+            return rope.rotary_write(*args)
+    return fused.rotary_write(*args)
 
 
 def slot_attention(*args, **kwargs) -> torch.Tensor:

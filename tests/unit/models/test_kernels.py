@@ -18,6 +18,7 @@ from runtime.models.attention import grouped_attention
 from runtime.models.cache import ExtendBatch, KVCache
 from runtime.models.fused import stack_heads
 from runtime.models.kernels import available
+from runtime.models.kernels import rope
 from runtime.models.kernels.attention import slot_attention
 
 assert available(torch.device("cpu"))
@@ -37,8 +38,13 @@ def case(starts, n_valid, seq, n_heads, n_kv, dim, cache_len, window, slots):
     q = stack_heads(torch.randn(bsz, seq, n_heads, dim), n_kv)            # [B, Hkv, r*T, D]
     k_all, v_all = cache.read(batch)
     want = grouped_attention(q, k_all, v_all, batch.mask(window), seq)     # [B, T, H, D]
+    counters = torch.zeros(bsz * n_kv + 3, dtype=torch.int32)
     got = slot_attention(q, cache.k_cache, cache.v_cache, slots_t, batch.positions,
-                         batch.valid, seq, window)
+                         batch.valid, seq, window, counters)
+    assert torch.all(counters == 0)        # the last chunk of each (row, KV head) reset it
+    again = slot_attention(q, cache.k_cache, cache.v_cache, slots_t, *batch.int32_rows(),
+                           seq, window, counters)
+    assert torch.equal(again, got)         # reused counters, int32 rows: the same result
     ok = batch.valid
     err = (got[ok] - want[ok]).abs().max().item()
     assert err < 1e-4, (starts, n_valid, seq, err)
@@ -53,6 +59,47 @@ case([9, 30, 2], [5, 3, 0], 5, 4, 2, 16, 64, None, [1, 2, 5])
 case([300, 600], [4, 2], 4, 8, 2, 32, 1024, None, [0, 1])
 # a sliding window, head_dim not a power of two
 case([40, 10], [3, 3], 3, 2, 1, 24, 128, 8, [2, 4])
+
+
+def rope_case(bsz, seq, n_heads, n_kv, dim, dtype):
+    """fused.rotary_write (eager) vs the kernel: q, k, v strided slices of one qkv output,
+    the returned stacked q and both caches, padding tokens written to scratch."""
+    from runtime.models import fused
+    from runtime.models.kernels import rope
+    from runtime.models.rope import RotaryEmbedding, compute_inv_freq
+
+    class Cfg:
+        rope_theta, rope_scaling, max_position_embeddings = 10000.0, None, 256
+    qkv = torch.randn(bsz, seq, (n_heads + 2 * n_kv) * dim).to(dtype)
+    q, k, v = qkv.split([n_heads * dim, n_kv * dim, n_kv * dim], dim=-1)
+    q, k, v = (t.view(bsz, seq, -1, dim) for t in (q, k, v))
+    batch = ExtendBatch.build(torch.arange(bsz).flip(0), torch.randint(0, 40, (bsz,)),
+                              torch.tensor([seq] + [max(seq - 1, 0)] * (bsz - 1)), seq, 64, 63)
+    cos, sin = RotaryEmbedding(compute_inv_freq(Cfg, dim)[0])(batch.positions, dtype)
+    caches = [KVCache(bsz, 63, n_kv, dim, dtype) for _ in range(2)]
+    args = (batch.write_slots, batch.write_pos)
+    want = fused.rotary_write(q, k, v, cos, sin, caches[0].k_cache, caches[0].v_cache, *args)
+    assert rope.fits(q, k, v, cos, sin)
+    got = rope.rotary_write(q, k, v, cos, sin, caches[1].k_cache, caches[1].v_cache, *args)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for a, b in ((got, want), (caches[1].k_cache, caches[0].k_cache),
+                 (caches[1].v_cache, caches[0].v_cache)):
+        assert a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= tol
+
+
+rope_case(1, 1, 4, 2, 16, torch.float32)      # decode
+rope_case(3, 5, 8, 2, 32, torch.float32)      # verify, ragged (padding to scratch), r = 4
+rope_case(2, 3, 4, 4, 16, torch.float16)
+assert not rope.fits(*(torch.zeros(1, 1, 2, 24),) * 5)   # head_dim 24: the torch path
+try:
+    case_q = torch.zeros(2, 2, 2, 16)
+    slot_attention(case_q, torch.zeros(4, 2, 8, 16), torch.zeros(4, 2, 8, 16),
+                   torch.tensor([0, 1]), torch.zeros(2, 1, dtype=torch.long),
+                   torch.ones(2, 1, dtype=torch.bool), 1, None, torch.zeros(3, dtype=torch.int32))
+except ValueError as e:
+    assert "4 int32 counters needed" in str(e), e
+else:
+    raise AssertionError("too few counters accepted")
 print("ok")
 '''
 
