@@ -46,7 +46,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
                       stride_outb, stride_outt, stride_outh,
                       T, R, M, scale, window, chunk,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr):
+                      D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr,
+                      COMBINE: tl.constexpr):
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)                       # stacked query rows: head j // T, token j % T
     dims = tl.arange(0, BLOCK_D)
@@ -97,28 +98,33 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
             m_i = m_new
     o_mask = row_ok[:, None] & (dims[None, :] < D)
     o_offs = b * stride_ob + h * stride_oh + rows[:, None] * stride_om + dims[None, :]
-    tl.store(o_ptr + o_offs + c * stride_oc, acc, mask=o_mask)
     n_chunks = tl.num_programs(2)
     ml = (b * tl.num_programs(1) + h) * n_chunks * BLOCK_M + rows
-    tl.store(m_ptr + ml + c * BLOCK_M, m_i, mask=row_ok)
-    tl.store(l_ptr + ml + c * BLOCK_M, l_i, mask=row_ok)
+    if start < stop:   # chunks past the row's length are never read
+        tl.store(o_ptr + o_offs + c * stride_oc, acc, mask=o_mask)
+        tl.store(m_ptr + ml + c * BLOCK_M, m_i, mask=row_ok)
+        tl.store(l_ptr + ml + c * BLOCK_M, l_i, mask=row_ok)
     counter = count_ptr + b * tl.num_programs(1) + h
     if tl.atomic_add(counter, 1) == n_chunks - 1:    # the last chunk done: combine them all
         m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_all = tl.zeros([BLOCK_M], tl.float32)
         o_all = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for part in range(n_chunks):                  # in chunk order: deterministic
-            m_c = tl.load(m_ptr + ml + part * BLOCK_M, mask=row_ok, other=float("-inf"),
+        cs = tl.arange(0, COMBINE)
+        for c0 in range(0, tl.cdiv(length, chunk), COMBINE):   # chunks with positions, in order
+            ok = (c0 + cs)[:, None] < tl.cdiv(length, chunk)          # [C, 1]
+            at = ml[None, :] + (c0 + cs)[:, None] * BLOCK_M           # [C, BM]
+            m_c = tl.load(m_ptr + at, mask=ok & row_ok[None, :], other=float("-inf"),
                           cache_modifier=".cg")
-            l_c = tl.load(l_ptr + ml + part * BLOCK_M, mask=row_ok, other=0.0,
-                          cache_modifier=".cg")
-            o_c = tl.load(o_ptr + o_offs + part * stride_oc, mask=o_mask, other=0.0,
-                          cache_modifier=".cg")
-            m_new = tl.maximum(m_all, m_c)
+            l_c = tl.load(l_ptr + at, mask=ok & row_ok[None, :], other=0.0, cache_modifier=".cg")
+            o_c = tl.load(o_ptr + o_offs[None, :, :] + (c0 + cs)[:, None, None] * stride_oc,
+                          mask=ok[:, :, None] & o_mask[None, :, :], other=0.0,
+                          cache_modifier=".cg")                        # [C, BM, BD]
+            m_new = tl.maximum(m_all, tl.max(m_c, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w_old, w_c = tl.exp(m_all - m_safe), tl.exp(m_c - m_safe)
-            l_all = l_all * w_old + l_c * w_c
-            o_all = o_all * w_old[:, None] + o_c * w_c[:, None]
+            w_c = tl.exp(m_c - m_safe[None, :])                        # [C, BM]
+            w_old = tl.exp(m_all - m_safe)
+            l_all = l_all * w_old + tl.sum(w_c * l_c, axis=0)
+            o_all = o_all * w_old[:, None] + tl.sum(w_c[:, :, None] * o_c, axis=0)
             m_all = m_new
         tl.atomic_xchg(counter, 0)
         o_all = o_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
@@ -178,5 +184,6 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         out.stride(0), out.stride(1), out.stride(2),
         seq, n_rep, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, D=dim,
-        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32)
+        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32,
+        COMBINE=max(1, min(4, 64 // block_m)))
     return out
