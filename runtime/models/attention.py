@@ -88,10 +88,8 @@ class Attention(nn.Module):
         """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D]."""
         cache = self.kv_cache
         if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
-            fits = q.shape[0] * q.shape[1] <= cache.counters.numel()
             return slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
-                                  *batch.int32_rows(), seq, self.sliding_window,
-                                  cache.counters if fits else None)
+                                  *batch.int32_rows(), seq, self.sliding_window)
         k_all, v_all = cache.read(batch)                                   # [B, Hkv, L, D]
         return grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
 

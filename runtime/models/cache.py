@@ -31,9 +31,6 @@ class KVCache(nn.Module):
                              persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
-        # the Triton attention kernel's per-(row, KV head) chunk counters, zero between calls
-        self.register_buffer("counters", torch.zeros(num_slots * n_kv_heads, dtype=torch.int32,
-                                                     device=device), persistent=False)
 
     @staticmethod
     def shape(num_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int

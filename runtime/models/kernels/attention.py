@@ -9,11 +9,9 @@ Work split (Tri Dao et al., "Flash-Decoding for long-context inference"): one pr
 (row, KV head, KV chunk). It attends the r*T query rows that share the KV head (the r query
 heads of the group, stacked as runtime.models.fused.stack_heads does, times T query tokens)
 over its chunk of positions with an online softmax, and writes a partial result (running
-max m, sum l, unnormalised output). So a single row spreads over rows x KV heads x chunks
-programs and fills the GPU; chunks past a row's length skip the loop. The chunks are combined
-in the same kernel: each program counts itself done on a per-(row, KV head) counter, and the
-last one to finish merges the partial results in chunk order (deterministic) and resets the
-counter for the next call: one launch per layer, not two.
+max m, sum l, unnormalised output). A second kernel combines the chunks. So a single row
+spreads over rows x KV heads x chunks programs and fills the GPU; chunks past a row's
+length exit at once.
 """
 from __future__ import annotations
 
@@ -38,16 +36,14 @@ MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
-                      o_ptr, m_ptr, l_ptr, count_ptr, out_ptr,
-                      stride_qb, stride_qh, stride_qm,
-                      stride_ks, stride_kh, stride_kl,
-                      stride_ob, stride_oh, stride_oc, stride_om,
-                      stride_outb, stride_outt, stride_outh,
-                      T, R, M, scale, window, chunk,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr,
-                      COMBINE: tl.constexpr):
+def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
+                    o_ptr, m_ptr, l_ptr,
+                    stride_qb, stride_qh, stride_qm,
+                    stride_ks, stride_kh, stride_kl,
+                    stride_ob, stride_oh, stride_oc, stride_om,
+                    T, M, scale, window, chunk,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr):
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)                       # stacked query rows: head j // T, token j % T
     dims = tl.arange(0, BLOCK_D)
@@ -96,42 +92,39 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-    o_mask = row_ok[:, None] & (dims[None, :] < D)
-    o_offs = b * stride_ob + h * stride_oh + rows[:, None] * stride_om + dims[None, :]
-    n_chunks = tl.num_programs(2)
-    ml = (b * tl.num_programs(1) + h) * n_chunks * BLOCK_M + rows
-    if start < stop:   # chunks past the row's length are never read
-        tl.store(o_ptr + o_offs + c * stride_oc, acc, mask=o_mask)
-        tl.store(m_ptr + ml + c * BLOCK_M, m_i, mask=row_ok)
-        tl.store(l_ptr + ml + c * BLOCK_M, l_i, mask=row_ok)
-    counter = count_ptr + b * tl.num_programs(1) + h
-    if tl.atomic_add(counter, 1) == n_chunks - 1:    # the last chunk done: combine them all
-        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_all = tl.zeros([BLOCK_M], tl.float32)
-        o_all = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        cs = tl.arange(0, COMBINE)
-        for c0 in range(0, tl.cdiv(length, chunk), COMBINE):   # chunks with positions, in order
-            ok = (c0 + cs)[:, None] < tl.cdiv(length, chunk)          # [C, 1]
-            at = ml[None, :] + (c0 + cs)[:, None] * BLOCK_M           # [C, BM]
-            m_c = tl.load(m_ptr + at, mask=ok & row_ok[None, :], other=float("-inf"),
-                          cache_modifier=".cg")
-            l_c = tl.load(l_ptr + at, mask=ok & row_ok[None, :], other=0.0, cache_modifier=".cg")
-            o_c = tl.load(o_ptr + o_offs[None, :, :] + (c0 + cs)[:, None, None] * stride_oc,
-                          mask=ok[:, :, None] & o_mask[None, :, :], other=0.0,
-                          cache_modifier=".cg")                        # [C, BM, BD]
-            m_new = tl.maximum(m_all, tl.max(m_c, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w_c = tl.exp(m_c - m_safe[None, :])                        # [C, BM]
-            w_old = tl.exp(m_all - m_safe)
-            l_all = l_all * w_old + tl.sum(w_c * l_c, axis=0)
-            o_all = o_all * w_old[:, None] + tl.sum(w_c[:, :, None] * o_c, axis=0)
-            m_all = m_new
-        tl.atomic_xchg(counter, 0)
-        o_all = o_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
-        head, t = h * R + rows // T, rows % T                            # stacked row -> (head, token)
-        tl.store(out_ptr + b * stride_outb + t[:, None] * stride_outt
-                 + head[:, None] * stride_outh + dims[None, :],
-                 o_all.to(out_ptr.dtype.element_ty), mask=o_mask)
+    base = b * stride_ob + h * stride_oh + c * stride_oc
+    tl.store(o_ptr + base + rows[:, None] * stride_om + dims[None, :], acc,
+             mask=row_ok[:, None] & (dims[None, :] < D))
+    ml = (b * tl.num_programs(1) + h) * tl.num_programs(2) * BLOCK_M + c * BLOCK_M + rows
+    tl.store(m_ptr + ml, m_i, mask=row_ok)
+    tl.store(l_ptr + ml, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr,
+                    stride_ob, stride_oh, stride_oc, stride_om,
+                    stride_outb, stride_outt, stride_outh,
+                    T, R, n_chunks,
+                    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                    D: tl.constexpr):
+    b, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)    # j: stacked query row
+    cs = tl.arange(0, BLOCK_C)
+    dims = tl.arange(0, BLOCK_D)
+    c_ok = cs < n_chunks
+    ml = (b * tl.num_programs(1) + h) * n_chunks * BLOCK_M + cs * BLOCK_M + j
+    m = tl.load(m_ptr + ml, mask=c_ok, other=float("-inf"))                # [BLOCK_C]
+    l_part = tl.load(l_ptr + ml, mask=c_ok, other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(c_ok & (m > float("-inf")), tl.exp(m - m_safe), 0.0)     # [BLOCK_C]
+    l_all = tl.sum(w * l_part, axis=0)
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + cs[:, None] * stride_oc
+                + j * stride_om + dims[None, :],
+                mask=c_ok[:, None] & (dims[None, :] < D), other=0.0)      # [BLOCK_C, BLOCK_D]
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(l_all > 0, l_all, 1.0)
+    head, t = h * R + j // T, j % T
+    tl.store(out_ptr + b * stride_outb + t * stride_outt + head * stride_outh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
 def chunk_len(cache_len: int, programs: int) -> int:
@@ -145,17 +138,13 @@ def chunk_len(cache_len: int, programs: int) -> int:
 
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                   seq: int, window: int | None = None,
-                   counters: torch.Tensor | None = None) -> torch.Tensor:
+                   seq: int, window: int | None = None) -> torch.Tensor:
     """Attention of the new tokens over the slot KV cache, their own keys included (written
     before this runs: runtime.models.fused.rotary_write).
 
     q [B, Hkv, r*T, D] (query heads stacked per KV head, fused.stack_heads); k_cache,
     v_cache [S, Hkv, L, D]; slots [B]; positions [B, T] absolute position of each query;
-    valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window:
-    sliding window (keys in (pos - window, pos]) or None; counters: at least B * Hkv int32
-    zeros, left zero by every call (KVCache.counters: one set per layer, so that two models
-    on two streams never share them; None: made for this call).
+    valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window: sliding window (keys in (pos - window, pos]) or None.
     Returns [B, T, H, D] like grouped_attention; padding queries give zeros."""
     bsz, n_kv, rows, dim = q.shape
     n_rep = rows // seq
@@ -171,19 +160,19 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=q.dtype, device=q.device)
     pos, ok = (t if t.dtype == torch.int32 and t.is_contiguous()
                else t.to(torch.int32).contiguous() for t in (positions, valid))
-    if counters is None:
-        counters = torch.zeros(bsz * n_kv, dtype=torch.int32, device=q.device)
-    elif counters.numel() < bsz * n_kv or counters.dtype != torch.int32:
-        raise ValueError(f"slot_attention: {bsz * n_kv} int32 counters needed, "
-                         f"got {counters.numel()} {counters.dtype}")
-    _attention_kernel[(bsz, n_kv, n_chunks)](
-        q, k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part, counters, out,
+    _partial_kernel[(bsz, n_kv, n_chunks)](
+        q, k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        seq, n_rep, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
+        seq, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, D=dim,
-        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32,
-        COMBINE=max(1, min(4, 64 // block_m)))
+        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32)
+    _combine_kernel[(bsz, n_kv, rows)](
+        o_part, m_part, l_part, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        seq, n_rep, n_chunks,
+        BLOCK_M=block_m, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), BLOCK_D=block_d,
+        D=dim)
     return out
