@@ -1,7 +1,7 @@
 """An experiment, kept with its benchmark (examples/gpu/gemv_bench.py): a Triton small-M
 linear, y = f(x) @ (W * s)^T + b, for decode and verify, bf16 or e4m3 weights.
 
-Measured on an H200 (docs/benchmarks.md, "Small-M linears: Triton against cuBLAS"), it loses
+Measured on an H200 (docs/benchmarks.md, the evening of 2026-12-01: "Tried and measured"), it loses
 to cuBLAS (bf16) and torch._scaled_mm (FP8) at every decode shape of the 8b model, so the
 runtime does not use it; it is here so that the measurement can be rerun and the design
 improved.

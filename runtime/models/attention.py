@@ -69,8 +69,8 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
         cache = self.kv_cache
         q = rotary_write(q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d),
-                               v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache,
-                               cache.v_cache, batch.write_slots, batch.write_pos)
+                         v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache, cache.v_cache,
+                         batch.write_slots, batch.write_pos)
         out = self._attend(q, batch, seq)                                  # [B, T, H, D]
         return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
 

@@ -59,7 +59,7 @@ class ExtendBatch:
     write_pos: torch.Tensor    # [B*T] cache position of each token (scratch for padding)
     kv_len: int                # attend over cache positions [0, kv_len)
     contiguous: bool = False   # slots == 0..B-1: read the cache without a gather
-    _derived: dict = field(default_factory=dict, repr=False)
+    _derived: dict = field(default_factory=dict, repr=False)   # masks, int32 rows: built once
 
     @classmethod
     def build(cls, slots: torch.Tensor, start_pos: torch.Tensor, n_valid: torch.Tensor,
@@ -79,7 +79,7 @@ class ExtendBatch:
         reads, converted once per call for all the layers (two kernels fewer per layer)."""
         if "int32" not in self._derived:
             self._derived["int32"] = (self.positions.to(torch.int32).contiguous(),
-                                    self.valid.to(torch.int32).contiguous())
+                                      self.valid.to(torch.int32).contiguous())
         return self._derived["int32"]
 
     def mask(self, window: int | None = None) -> torch.Tensor:
@@ -93,5 +93,5 @@ class ExtendBatch:
                 allowed = allowed & (kv_pos[None, None, :] > q_pos - window)
             # padding queries see position 0 so that no softmax row is empty (no NaN)
             allowed = allowed | (~self.valid[:, :, None] & (kv_pos == 0)[None, None, :])
-            self._derived[window] = allowed[:, None]                           # [B, 1, T, L]
+            self._derived[window] = allowed[:, None]                         # [B, 1, T, L]
         return self._derived[window]

@@ -144,7 +144,8 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     q [B, Hkv, r*T, D] (query heads stacked per KV head, fused.stack_heads); k_cache,
     v_cache [S, Hkv, L, D]; slots [B]; positions [B, T] absolute position of each query;
-    valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window: sliding window (keys in (pos - window, pos]) or None.
+    valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window:
+    sliding window (keys in (pos - window, pos]) or None.
     Returns [B, T, H, D] like grouped_attention; padding queries give zeros."""
     bsz, n_kv, rows, dim = q.shape
     n_rep = rows // seq
