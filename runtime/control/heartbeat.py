@@ -21,6 +21,11 @@ import zmq
 from runtime.control import auth, protocol
 
 
+# errors of a socket whose context was terminated while its thread ran (an error exit tears
+# the process down without waiting for the heartbeat threads): end the thread quietly
+_ENDING = (zmq.ETERM, zmq.ENOTSOCK)
+
+
 class Beacon:
     def __init__(self, context: zmq.Context, bind: str, period_s: float,
                  key: bytes | None = None):
@@ -48,6 +53,9 @@ class Beacon:
                     sock.send(self.beat, zmq.NOBLOCK)
                 except zmq.Again:
                     pass
+        except zmq.ZMQError as e:   # the context terminated under us: the process is ending
+            if e.errno not in _ENDING:
+                raise
         finally:
             sock.close(0)
 
@@ -103,6 +111,9 @@ class Pulse:
                     while sub.poll(0):
                         if hmac.compare_digest(sub.recv(), beat):   # forged beats don't count
                             self._last_beat = time.monotonic()
+        except zmq.ZMQError as e:   # as in Beacon._run
+            if e.errno not in _ENDING:
+                raise
         finally:
             out.close(0)
             sub.close(0)
