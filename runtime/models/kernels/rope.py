@@ -70,8 +70,7 @@ def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
                          f"fit (q {tuple(q.shape)}, k {tuple(k.shape)})")
     out = torch.empty(bsz, n_kv, n_heads // n_kv * seq, dim, dtype=q.dtype, device=q.device)
     tokens = bsz * seq
-    q2, k2, v2 = (t.view(tokens, t.shape[2], dim) if t.is_contiguous()
-                  else t.flatten(0, 1) for t in (q, k, v))           # [B*T, heads, D]
+    q2, k2, v2 = (t.flatten(0, 1) for t in (q, k, v))   # [B*T, heads, D]: views (fits)
     cos2, sin2 = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
     _rope_write_kernel[(tokens, n_heads + n_kv)](
         q2, k2, v2, cos2, sin2, k_cache, v_cache, slots, positions, out,

@@ -16,10 +16,11 @@ CASES = r'''
 import torch
 from runtime.models.attention import grouped_attention
 from runtime.models.cache import ExtendBatch, KVCache
+from runtime.models import fused
 from runtime.models.fused import stack_heads
-from runtime.models.kernels import available
-from runtime.models.kernels import rope
+from runtime.models.kernels import available, rope
 from runtime.models.kernels.attention import slot_attention
+from runtime.models.rope import RotaryEmbedding, compute_inv_freq
 
 assert available(torch.device("cpu"))
 torch.manual_seed(0)
@@ -62,10 +63,6 @@ case([40, 10], [3, 3], 3, 2, 1, 24, 128, 8, [2, 4])
 def rope_case(bsz, seq, n_heads, n_kv, dim, dtype):
     """fused.rotary_write (eager) vs the kernel: q, k, v strided slices of one qkv output,
     the returned stacked q and both caches, padding tokens written to scratch."""
-    from runtime.models import fused
-    from runtime.models.kernels import rope
-    from runtime.models.rope import RotaryEmbedding, compute_inv_freq
-
     class Cfg:
         rope_theta, rope_scaling, max_position_embeddings = 10000.0, None, 256
     qkv = torch.randn(bsz, seq, (n_heads + 2 * n_kv) * dim).to(dtype)
