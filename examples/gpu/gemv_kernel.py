@@ -97,8 +97,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K
                       HAS_SCALE, HAS_BIAS)
 
 
-# on CUDA the work split is autotuned per shape; the interpreter (CPU tests) cannot time
-# kernels, so there fixed small tiles run, split in two (both epilogues tested)
+# on CUDA the work split is autotuned per shape; the interpreter (the CPU test,
+# tests/unit/models/test_gemv_experiment.py) cannot time kernels, so there fixed small tiles
+# run, split in two (both epilogues tested)
 _KEY = ["N", "K", "BLOCK_M", "W_BYTES", "SILU_MUL"]
 _tuned = {dot: triton.autotune(configs=_configs(dot), key=_KEY, do_bench=functools.partial(
     triton.testing.do_bench, warmup=3, rep=10))(_gemv_kernel) for dot in (False, True)}
