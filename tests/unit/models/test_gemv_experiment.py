@@ -4,15 +4,11 @@ CPU: float and e4m3 weights, bias, the folded SiLU(gate) * up, ragged shapes, bo
 CUDA-core (<= 4 rows) and tensor-core paths and the split-K reduction."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.interpreted import run_interpreted
+
 pytestmark = pytest.mark.timeout(300)
-ROOT = Path(__file__).resolve().parents[3]
 
 CASES = r'''
 import torch
@@ -55,7 +51,4 @@ print("ok")
 
 
 def test_gemv_experiment_equals_its_references():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", CASES], cwd=ROOT, env=env, text=True,
-                         capture_output=True, timeout=280)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+    run_interpreted(CASES)

@@ -2,15 +2,11 @@
 under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set before triton loads)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.interpreted import run_interpreted
+
 pytestmark = pytest.mark.timeout(300)
-ROOT = Path(__file__).resolve().parents[3]
 
 CASES = r'''
 import torch
@@ -91,10 +87,7 @@ print("ok")
 
 
 def test_slot_attention_equals_grouped_attention():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", CASES], cwd=ROOT, env=env, text=True,
-                         capture_output=True, timeout=280)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+    run_interpreted(CASES)
 
 
 MODEL_CASE = r'''
@@ -125,7 +118,4 @@ print("ok")
 def test_model_steps_through_the_kernels_equal_eager(llama_path):
     """forward_static with the kernels on (interpreted) equals the eager path: prefill rows
     and a ragged verify step of a whole model, the kernels reading the cache in place."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", MODEL_CASE, llama_path], cwd=ROOT, env=env,
-                         text=True, capture_output=True, timeout=280)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+    run_interpreted(MODEL_CASE, llama_path)

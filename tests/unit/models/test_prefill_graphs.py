@@ -5,11 +5,6 @@ batches and chunks continuing a cache; the shapes captured at startup, the switc
 the eager prefill, and (interpreted) the Triton attention kernel serving a chunk."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,12 +12,12 @@ from runtime.models import kernels, load_model
 from runtime.models.prefill_runner import MAX_TOKENS, PrefillRunner
 from runtime.models.step_runner import StepRunner, batch_buckets, kv_bucket
 from runtime.worker.shards import DraftShard
+from tests.interpreted import run_interpreted
 
 pytestmark = pytest.mark.timeout(300)
 
 CPU = torch.device("cpu")
 CACHE_LEN = 400
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def fresh(path: str, slots: int = 8, cache_len: int = CACHE_LEN):
@@ -210,7 +205,4 @@ print("ok")
 def test_chunks_through_the_triton_kernel_equal_eager(llama_path):
     """Under TRITON_INTERPRET=1 the chunks attend through the Triton kernel (causal within
     the chunk, over the KV earlier chunks wrote, ragged rows): the eager logits."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", KERNEL_CASE, llama_path], cwd=ROOT, env=env,
-                         text=True, capture_output=True, timeout=280)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+    run_interpreted(KERNEL_CASE, llama_path)
