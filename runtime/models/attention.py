@@ -78,7 +78,7 @@ class Attention(nn.Module):
                      batch: ExtendBatch) -> FP8Out | torch.Tensor:
         cache = self.kv_cache
         qkv = self.qkv.forward_fp8(x)                                      # raw [M, (H+2Hkv)D]
-        q = fused.rotary_write_fp8(*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin,
+        q = rotary_write_fp8(*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin,
                                    cache.k_cache, cache.v_cache, batch.write_slots,
                                    batch.write_pos)                        # [B, Hkv, r*T, D]
         out8, out_scale = fused.fp8_quantize_heads(self._attend(q, batch, cos.shape[1]))
@@ -103,6 +103,18 @@ def rotary_write(*args) -> torch.Tensor:
         if rope.fits(*args[:5]):
             return rope.rotary_write(*args)
     return fused.rotary_write(*args)
+
+
+def rotary_write_fp8(*args) -> torch.Tensor:
+    """runtime.models.kernels.rope.rotary_write_fp8 (one Triton kernel) when the kernels are
+    on and it takes these tensors, else fused.rotary_write_fp8 (same arguments)."""
+    if kernels.enabled():
+        from runtime.models.kernels import rope
+
+        raw, x_scale, w_scale, bias, cos, sin = *args[:4], *args[7:9]
+        if rope.fits_fp8(raw, x_scale, w_scale, bias, cos.shape[-1], cos, sin):
+            return rope.rotary_write_fp8(*args)
+    return fused.rotary_write_fp8(*args)
 
 
 def slot_attention(*args, **kwargs) -> torch.Tensor:

@@ -78,10 +78,42 @@ def rope_case(bsz, seq, n_heads, n_kv, dim, dtype):
         assert a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= tol
 
 
+def rope_fp8_case(bsz, seq, n_heads, n_kv, dim, dtype, bias):
+    """fused.rotary_write_fp8 (eager) vs the kernel: the raw qkv GEMM output rescaled per
+    token and channel (+ bias) in the kernel, then as rope_case."""
+    n = (n_heads + 2 * n_kv) * dim
+    raw = torch.randn(bsz * seq, n) * 300
+    scales = (torch.rand(bsz * seq, 1) * 0.01 + 1e-3, torch.rand(n) * 0.01 + 1e-3,
+              (torch.randn(n) * 0.5).to(dtype) if bias else None)
+    batch = ExtendBatch.build(torch.arange(bsz), torch.randint(0, 40, (bsz,)),
+                              torch.tensor([seq] + [max(seq - 1, 0)] * (bsz - 1)), seq, 64, 63)
+    angle = torch.rand(bsz, seq, dim) * 6
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    caches = [KVCache(bsz, 63, n_kv, dim, dtype) for _ in range(2)]
+    args = (n_heads, n_kv, cos, sin)
+    rows = (batch.write_slots, batch.write_pos)
+    want = fused.rotary_write_fp8(raw, *scales, dtype, *args, caches[0].k_cache, caches[0].v_cache, *rows)
+    assert rope.fits_fp8(raw, *scales, dim, cos, sin)
+    got = rope.rotary_write_fp8(raw, *scales, dtype, *args, caches[1].k_cache, caches[1].v_cache, *rows)
+    tol = 0 if dtype == torch.float32 else 1e-2
+    for a, b in ((got, want), (caches[1].k_cache, caches[0].k_cache),
+                 (caches[1].v_cache, caches[0].v_cache)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert (a.float() - b.float()).abs().max().item() <= tol * max(1, b.abs().max()), dtype
+    assert caches[1].v_cache.abs().sum() > 0
+
+
 rope_case(1, 1, 4, 2, 16, torch.float32)      # decode
 rope_case(3, 5, 8, 2, 32, torch.float32)      # verify, ragged (padding to scratch), r = 4
 rope_case(2, 3, 4, 4, 16, torch.float16)
 assert not rope.fits(*(torch.zeros(1, 1, 2, 24),) * 5)   # head_dim 24: the torch path
+rope_fp8_case(1, 1, 4, 2, 16, torch.float32, False)
+rope_fp8_case(3, 5, 8, 2, 32, torch.float32, True)     # verify, ragged, q/k/v bias
+rope_fp8_case(2, 3, 4, 4, 16, torch.float16, True)
+raw = torch.zeros(6, 128)
+cos6 = torch.zeros(2, 3, 16)
+assert not rope.fits_fp8(raw, torch.zeros(6, 1), torch.zeros(64), None, 16, cos6, cos6)
+assert not rope.fits_fp8(raw[:, :64], torch.zeros(6, 1), torch.zeros(64), None, 16, cos6, cos6)
 print("ok")
 '''
 
@@ -93,10 +125,15 @@ def test_slot_attention_equals_grouped_attention():
 MODEL_CASE = r'''
 import sys
 import torch
-from runtime.models import kernels, load_model
+from runtime.models import kernels, load_model, quant
 
-path = sys.argv[1]
-eager, fast = (load_model(path, torch.float32, "cpu") for _ in range(2))
+path, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
+quant.EMULATE_FP8_GEMM = quantization == "fp8"   # the fused FP8 GEMM path, emulated on CPU
+eager, fast = (load_model(path, torch.float32, "cpu", quantization=quantization)
+               for _ in range(2))
+if quantization:
+    x = torch.zeros(1, 1, fast.args.hidden_size)
+    assert all(layer.self_attn.fp8_fused(x) for layer in fast.model.layers)
 for model in (eager, fast):
     model.allocate_cache(4, 64)
 prompts = torch.randint(0, 96, (3, 12))
@@ -115,7 +152,10 @@ print("ok")
 '''
 
 
-def test_model_steps_through_the_kernels_equal_eager(llama_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_model_steps_through_the_kernels_equal_eager(llama_path, quantization):
     """forward_static with the kernels on (interpreted) equals the eager path: prefill rows
-    and a ragged verify step of a whole model, the kernels reading the cache in place."""
-    run_interpreted(MODEL_CASE, llama_path)
+    and a ragged verify step of a whole model, the kernels reading the cache in place; with
+    FP8 weights on the fused FP8 GEMM path (emulated) too, the qkv rescale in the RoPE
+    kernel."""
+    run_interpreted(MODEL_CASE, llama_path, *([quantization] if quantization else []))
