@@ -9,6 +9,8 @@
 #       (A/B: prefill graphs off, FP8 without its fused neighbours, attention KV chunks of 64)
 #   bash examples/h200_bench.sh OUTDIR gemv profile-fp8
 #       (a Triton small-M linear against cuBLAS / _scaled_mm per shape; the FP8 step's kernels)
+#   bash examples/h200_bench.sh OUTDIR gemm-layout
+#       (the decode GEMMs as x @ W^T against W @ x^T, cold weights against weights in L2)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -36,6 +38,9 @@ for phase in "$@"; do
                         --draft-len auto --modes target,spec ;;   # the fused-torch attention
         gemv) python examples/gpu/gemv_bench.py --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
               echo "== gemv (rc $?)"; cat "$OUT/gemv.log" ;;
+        gemm-layout) python examples/gpu/gemm_layout_bench.py --out "$OUT/gemm-layout.json" \
+                         > "$OUT/gemm-layout.log" 2>&1
+                     echo "== gemm-layout (rc $?)"; cat "$OUT/gemm-layout.log" ;;
         profile-fp8) python examples/gpu/profile_forward.py --shape 8b --quantization fp8 \
                          --tokens 1 5 --slots 1 --out "$OUT/profile-fp8.json" \
                          > "$OUT/profile-fp8.log" 2>&1

@@ -7,9 +7,10 @@
    scales, both scales applied after it) against the weight-only GEMM on the same FP8
    weights: teacher-forced top-1 agreement and logit error; the fused path (quant.FUSE_FP8:
    quantize and rescale folded into the neighbouring kernels) against the unfused one (eager:
-   expected bit for bit equal); one decoder layer's GEMM shapes at M = 1, 4, 16 timed in CUDA
-   graphs against bf16 F.linear, with the FP8 path's parts; one layer's elementwise kernels
-   around the FP8 GEMMs, unfused sequence vs fused functions.
+   expected bit for bit equal), and the Triton kernels' path (RoPE with the qkv rescale,
+   attention) against the fused one; one decoder layer's GEMM shapes at M = 1, 4, 16 timed in
+   CUDA graphs against bf16 F.linear, with the FP8 path's parts; one layer's elementwise
+   kernels around the FP8 GEMMs, unfused sequence vs fused functions.
 3. Decode and verify step times, bf16 weights vs FP8 weights fused and unfused (CUDA graphs),
    the fused vs unfused logits of a compiled prefill, and the bytes a step reads
    (runtime.bench.metrics.weight_bytes_per_step).
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from examples.gpu.graphs_check import decode  # noqa: E402
 from runtime.bench.metrics import step_time, weight_bytes_per_step  # noqa: E402
-from runtime.models import fused, load_model, quant  # noqa: E402
+from runtime.models import fused, kernels, load_model, quant  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402
 from runtime.models.synthetic import SHAPES, build_pair  # noqa: E402
 
@@ -85,12 +86,15 @@ def gemm_paths(target: str, device) -> dict:
     was_compiled = fused._compiled
     fused.use_eager()            # eager pieces: fused and unfused must then agree bit for bit
     for name, fp8_gemm, fuse in (("fused", True, True), ("unfused", True, False),
-                                 ("weight_only", False, True)):
+                                 ("weight_only", False, True), ("kernels", True, True)):
         quant.FP8_GEMM, quant.FUSE_FP8 = fp8_gemm, fuse
+        if name == "kernels":    # the Triton kernels (RoPE with the qkv rescale, attention)
+            kernels.enable(device)
         try:
             logits[name] = _teacher_forced(model, device, ps)
         finally:
             quant.FP8_GEMM, quant.FUSE_FP8 = True, True
+            kernels.disable()
     if was_compiled:
         fused.compile_kernels(device)
     a, b, c = logits["fused"], logits["weight_only"], logits["unfused"]
@@ -101,7 +105,10 @@ def gemm_paths(target: str, device) -> dict:
                unfused_rel_logit_err=((c - b).norm() / b.norm()).item(),
                fused_vs_unfused_eager_max_abs_logit_diff=(a - c).abs().max().item(),
                fused_vs_unfused_top1_agreement=(a.argmax(-1) == c.argmax(-1))
-               .float().mean().item())
+               .float().mean().item(),
+               kernels_vs_fused_top1_agreement=(logits["kernels"].argmax(-1) == a.argmax(-1))
+               .float().mean().item(),
+               kernels_vs_fused_rel_logit_err=((logits["kernels"] - a).norm() / a.norm()).item())
     return out
 
 
