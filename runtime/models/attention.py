@@ -81,8 +81,22 @@ class Attention(nn.Module):
         q = rotary_write_fp8(*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin,
                                    cache.k_cache, cache.v_cache, batch.write_slots,
                                    batch.write_pos)                        # [B, Hkv, r*T, D]
-        out8, out_scale = fused.fp8_quantize_heads(self._attend(q, batch, cos.shape[1]))
+        out8, out_scale = self._attend_fp8(q, batch, cos.shape[1])         # [M, H*D], [M, 1]
         return self.o_proj.forward_fp8(FP8Act(out8, out_scale, x.dtype))  # [M, hidden]
+
+    def _attend_fp8(self, q: torch.Tensor, batch: ExtendBatch, seq: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """_attend quantized per token for o_proj: in the attention kernel's combine where that
+        pays (kernels.attention.fp8_combine_pays), else fused.fp8_quantize_heads after it."""
+        cache = self.kv_cache
+        if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
+            from runtime.models.kernels.attention import fp8_combine_pays
+
+            if fp8_combine_pays(q, cache.k_cache, seq):
+                return slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
+                                      *batch.int32_rows(), seq, self.sliding_window,
+                                      quantize=True)
+        return fused.fp8_quantize_heads(self._attend(q, batch, seq))
 
     def _attend(self, q: torch.Tensor, batch: ExtendBatch, seq: int) -> torch.Tensor:
         """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D]."""

@@ -6,12 +6,18 @@ host: nothing. Each row's attended length comes from the device (its query posit
 a CUDA graph serves every KV length: no attended length padded to a bucket, no mask tensor.
 
 Work split (Tri Dao et al., "Flash-Decoding for long-context inference"): one program per
-(row, KV head, KV chunk). It attends the r*T query rows that share the KV head (the r query
-heads of the group, stacked as runtime.models.fused.stack_heads does, times T query tokens)
-over its chunk of positions with an online softmax, and writes a partial result (running
-max m, sum l, unnormalised output). A second kernel combines the chunks. So a single row
-spreads over rows x KV heads x chunks programs and fills the GPU; chunks past a row's
-length exit at once.
+(row, KV head, KV chunk) of the whole cache. It attends the r*T query rows that share the KV
+head (the r query heads of the group, stacked as runtime.models.fused.stack_heads does,
+times T query tokens) over its chunk of positions with an online softmax, and writes a
+partial result (running max m, sum l, unnormalised output). A second kernel combines the
+chunks. So a single row spreads over rows x KV heads x chunks programs and fills the GPU.
+A chunk at or past its row's length is dead: its program returns before storing anything,
+and the combine, which finds the same length on the device, reads only the live chunks
+(masked loads: a long cache under a short context costs no partial traffic).
+
+FP8 variant (quantize=True): the combine also quantizes the output per token for the FP8
+o_proj, in the same launch: runtime.models.fused.fp8_quantize_rows of the [B*T, H*D]
+output rounded to q's dtype (see reference_fp8 and slot_attention for how exact).
 """
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from runtime.models import fused
+from runtime.models.kernels.fp8_act import e4m3_rne
 
 # KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
 # idle, so they get short chunks: more programs, a shorter serial loop in each (measured on an
@@ -33,6 +42,26 @@ CHUNK_LONG, CHUNK_SHORT = 256, 64
 FEW_PROGRAMS = 64      # rows x KV heads at most for CHUNK_SHORT
 BLOCK_N = 32           # KV positions per inner step
 MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
+FP8_MAX = tl.constexpr(fused.FP8_MAX)   # the largest e4m3 value
+_ROUND = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _row_length(pos_ptr, valid_ptr, b, T, T_POW2: tl.constexpr):
+    """Row b's attended KV length: its last valid query position + 1 (0: a padding row)."""
+    ts = tl.arange(0, T_POW2)
+    row_pos = tl.load(pos_ptr + b * T + ts, mask=ts < T, other=-1)
+    row_valid = tl.load(valid_ptr + b * T + ts, mask=ts < T, other=0) != 0
+    return tl.max(tl.where(row_valid, row_pos, -1), axis=0) + 1
+
+
+@triton.jit
+def _live_chunks(pos_ptr, valid_ptr, b, t, T, chunk, n_chunks, T_POW2: tl.constexpr):
+    """How many chunks the partial kernel wrote for query (b, t): those that start before
+    the row's length; none for a padding query (its partials are empty anyway: m = -inf)."""
+    n_live = tl.minimum(tl.cdiv(_row_length(pos_ptr, valid_ptr, b, T, T_POW2), chunk),
+                        n_chunks)
+    return tl.where(tl.load(valid_ptr + b * T + t) != 0, n_live, 0)
 
 
 @triton.jit
@@ -45,6 +74,11 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr):
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = c * chunk
+    length = _row_length(pos_ptr, valid_ptr, b, T, T_POW2)                # row's KV length
+    if start >= length:
+        return                         # a dead chunk: stores nothing, the combine skips it
+    stop = tl.minimum(start + chunk, length)
     rows = tl.arange(0, BLOCK_M)                       # stacked query rows: head j // T, token j % T
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < M
@@ -52,46 +86,39 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
     q_pos = tl.load(pos_ptr + b * T + t, mask=row_ok, other=-1)            # [BLOCK_M]
     q_valid = tl.load(valid_ptr + b * T + t, mask=row_ok, other=0) != 0
     q_pos = tl.where(q_valid, q_pos, -1)               # padding queries attend nothing
-    ts = tl.arange(0, T_POW2)
-    row_pos = tl.load(pos_ptr + b * T + ts, mask=ts < T, other=-1)
-    row_valid = tl.load(valid_ptr + b * T + ts, mask=ts < T, other=0) != 0
-    length = tl.max(tl.where(row_valid, row_pos, -1), axis=0) + 1          # row's KV length
-    start = c * chunk
-    stop = tl.minimum(start + chunk, length)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if start < stop:
-        slot = tl.load(slots_ptr + b)
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm
-                    + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
-        kv_base = slot.to(tl.int64) * stride_ks + h * stride_kh
-        for n0 in range(start, stop, BLOCK_N):
-            kv = n0 + tl.arange(0, BLOCK_N)                                 # [BLOCK_N]
-            kv_ok = kv < stop
-            offs = kv_base + kv[:, None].to(tl.int64) * stride_kl + dims[None, :]
-            ld_mask = kv_ok[:, None] & (dims[None, :] < D)
-            k = tl.load(k_ptr + offs, mask=ld_mask, other=0.0)             # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_ptr + offs, mask=ld_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale                                                    # [BLOCK_M, BLOCK_N]
-            allowed = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-            allowed = allowed & ((window <= 0) | (kv[None, :] > q_pos[:, None] - window))
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+    slot = tl.load(slots_ptr + b)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm
+                + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
+    kv_base = slot.to(tl.int64) * stride_ks + h * stride_kh
+    for n0 in range(start, stop, BLOCK_N):
+        kv = n0 + tl.arange(0, BLOCK_N)                                     # [BLOCK_N]
+        kv_ok = kv < stop
+        offs = kv_base + kv[:, None].to(tl.int64) * stride_kl + dims[None, :]
+        ld_mask = kv_ok[:, None] & (dims[None, :] < D)
+        k = tl.load(k_ptr + offs, mask=ld_mask, other=0.0)                 # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + offs, mask=ld_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale                                                        # [BLOCK_M, BLOCK_N]
+        allowed = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        allowed = allowed & ((window <= 0) | (kv[None, :] > q_pos[:, None] - window))
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     base = b * stride_ob + h * stride_oh + c * stride_oc
     tl.store(o_ptr + base + rows[:, None] * stride_om + dims[None, :], acc,
              mask=row_ok[:, None] & (dims[None, :] < D))
@@ -101,16 +128,17 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
 
 
 @triton.jit
-def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr,
+def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, pos_ptr, valid_ptr,
                     stride_ob, stride_oh, stride_oc, stride_om,
                     stride_outb, stride_outt, stride_outh,
-                    T, R, n_chunks,
+                    T, R, n_chunks, chunk,
                     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                    D: tl.constexpr):
+                    D: tl.constexpr, T_POW2: tl.constexpr):
     b, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)    # j: stacked query row
+    head, t = h * R + j // T, j % T
     cs = tl.arange(0, BLOCK_C)
     dims = tl.arange(0, BLOCK_D)
-    c_ok = cs < n_chunks
+    c_ok = cs < _live_chunks(pos_ptr, valid_ptr, b, t, T, chunk, n_chunks, T_POW2)
     ml = (b * tl.num_programs(1) + h) * n_chunks * BLOCK_M + cs * BLOCK_M + j
     m = tl.load(m_ptr + ml, mask=c_ok, other=float("-inf"))                # [BLOCK_C]
     l_part = tl.load(l_ptr + ml, mask=c_ok, other=0.0)
@@ -122,9 +150,57 @@ def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr,
                 + j * stride_om + dims[None, :],
                 mask=c_ok[:, None] & (dims[None, :] < D), other=0.0)      # [BLOCK_C, BLOCK_D]
     out = tl.sum(o * w[:, None], axis=0) / tl.where(l_all > 0, l_all, 1.0)
-    head, t = h * R + j // T, j % T
     tl.store(out_ptr + b * stride_outb + t * stride_outt + head * stride_outh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < D)
+
+
+@triton.jit
+def _combine_fp8_kernel(o_ptr, m_ptr, l_ptr, data_ptr, scale_ptr, pos_ptr, valid_ptr,
+                        stride_ob, stride_oh, stride_oc, stride_om,
+                        T, R, H, n_chunks, chunk,
+                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
+                        ROUND: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """One program per token (b, t): all its H query heads combined over the live chunks
+    ([BLOCK_H, BLOCK_D] accumulator, a chunk a step), rounded to ROUND (q's dtype), then
+    quantized per token like fused.fp8_quantize_rows."""
+    b, t = tl.program_id(0), tl.program_id(1)
+    heads = tl.arange(0, BLOCK_H)                      # query head = KV head * R + group index
+    cs = tl.arange(0, BLOCK_C)
+    dims = tl.arange(0, BLOCK_D)
+    h_ok, d_ok = heads < H, dims < D
+    kv, j = heads // R, (heads % R) * T + t            # its KV head and stacked row
+    n_live = _live_chunks(pos_ptr, valid_ptr, b, t, T, chunk, n_chunks, T_POW2)
+    ml0 = (b * (H // R) + kv) * n_chunks * BLOCK_M + j                     # [BLOCK_H], chunk 0
+    hc_ok = h_ok[:, None] & (cs[None, :] < n_live)
+    m = tl.load(m_ptr + ml0[:, None] + cs[None, :] * BLOCK_M, mask=hc_ok,
+                other=float("-inf"))                                        # [BLOCK_H, BLOCK_C]
+    l_part = tl.load(l_ptr + ml0[:, None] + cs[None, :] * BLOCK_M, mask=hc_ok, other=0.0)
+    m_all = tl.max(m, axis=1)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)                  # [BLOCK_H]
+    w = tl.where(hc_ok & (m > float("-inf")), tl.exp(m - m_safe[:, None]), 0.0)
+    l_all = tl.sum(w * l_part, axis=1)
+    o_row = o_ptr + b * stride_ob + kv * stride_oh + j * stride_om                 # [BLOCK_H]
+    od_ok = h_ok[:, None] & d_ok[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for c in range(0, n_live):         # chunk by chunk: c = 0, 1, ... as _combine_kernel adds
+        m_c = tl.load(m_ptr + ml0 + c * BLOCK_M, mask=h_ok, other=float("-inf"))
+        w_c = tl.where(m_c > float("-inf"), tl.exp(m_c - m_safe), 0.0)
+        o_c = tl.load(o_row[:, None] + c * stride_oc + dims[None, :], mask=od_ok, other=0.0)
+        acc = acc + o_c * w_c[:, None]
+    out = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
+    out = out.to(ROUND).to(tl.float32)                 # what the unfused path quantizes
+    amax = tl.maximum(tl.max(tl.max(tl.abs(out), axis=1), axis=0), 1e-12)
+    if RECIPROCAL:                     # torch on CUDA divides by a Python scalar this way
+        scale = amax * (1.0 / FP8_MAX)
+    else:
+        scale = tl.math.div_rn(amax, FP8_MAX)
+    data = tl.minimum(tl.maximum(tl.math.div_rn(out, scale), -FP8_MAX), FP8_MAX)
+    data = e4m3_rne(data)              # rounded in float32: exact under the interpreter too
+    row = b * T + t
+    tl.store(data_ptr + row * H * D + heads[:, None] * D + dims[None, :],
+             data.to(tl.float8e4nv), mask=od_ok)
+    tl.store(scale_ptr + row, scale)
 
 
 def chunk_len(cache_len: int, programs: int) -> int:
@@ -136,9 +212,33 @@ def chunk_len(cache_len: int, programs: int) -> int:
     return -(-chunk // BLOCK_N) * BLOCK_N
 
 
+def _partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor, seq: int,
+              window: int | None, chunk: int) -> tuple[torch.Tensor, ...]:
+    """_partial_kernel over grid (B, Hkv, chunks of the cache) -> (o [B, Hkv, C, BLOCK_M, D],
+    m and l [B, Hkv, C, BLOCK_M]) float32, written for the live chunks only."""
+    bsz, n_kv, rows, dim = q.shape
+    n_chunks = -(-k_cache.shape[2] // chunk)
+    block_m = max(16, triton.next_power_of_2(rows))
+    o_part = torch.empty(bsz, n_kv, n_chunks, block_m, dim, dtype=torch.float32,
+                         device=q.device)
+    m_part = torch.empty(bsz, n_kv, n_chunks, block_m, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    _partial_kernel[(bsz, n_kv, n_chunks)](
+        q, k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        seq, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
+        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32)
+    return o_part, m_part, l_part
+
+
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                   seq: int, window: int | None = None) -> torch.Tensor:
+                   seq: int, window: int | None = None, *, quantize: bool = False
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of the new tokens over the slot KV cache, their own keys included (written
     before this runs: runtime.models.fused.rotary_write).
 
@@ -146,34 +246,73 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     v_cache [S, Hkv, L, D]; slots [B]; positions [B, T] absolute position of each query;
     valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window:
     sliding window (keys in (pos - window, pos]) or None.
-    Returns [B, T, H, D] like grouped_attention; padding queries give zeros."""
+    Returns [B, T, H, D] like grouped_attention; padding queries give zeros.
+    quantize=True: o_proj's FP8 input instead, fused.fp8_quantize_heads of that output:
+    ([B*T, H*D] e4m3, [B*T, 1] float32 scales), padding tokens zeros with scale 1e-12 / 448.
+    Bit for bit under the Triton interpreter. On a GPU the two combines add the chunks in
+    different orders (a tree; c = 0, 1, ...), so a float32 sum can differ in its last bit
+    (an H200, bf16/fp16/float32: 13 of 19M e4m3 values one step apart; float32 q: scales
+    within 3e-7). Speed: see _combine_fp8."""
     bsz, n_kv, rows, dim = q.shape
     n_rep = rows // seq
     q = q.contiguous()
-    chunk = chunk_len(k_cache.shape[2], bsz * n_kv)
-    n_chunks = -(-k_cache.shape[2] // chunk)
-    block_m = max(16, triton.next_power_of_2(rows))
-    block_d = max(16, triton.next_power_of_2(dim))
-    o_part = torch.empty(bsz, n_kv, n_chunks, block_m, dim, dtype=torch.float32,
-                         device=q.device)
-    m_part = torch.empty(bsz, n_kv, n_chunks, block_m, dtype=torch.float32, device=q.device)
-    l_part = torch.empty_like(m_part)
-    out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=q.dtype, device=q.device)
     pos, ok = (t if t.dtype == torch.int32 and t.is_contiguous()
                else t.to(torch.int32).contiguous() for t in (positions, valid))
-    _partial_kernel[(bsz, n_kv, n_chunks)](
-        q, k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        seq, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, D=dim,
-        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32)
+    chunk = chunk_len(k_cache.shape[2], bsz * n_kv)
+    parts = _partials(q, k_cache, v_cache, slots, pos, ok, seq, window, chunk)
+    o_part = parts[0]
+    n_chunks, block_m = o_part.shape[2], o_part.shape[3]
+    meta = dict(BLOCK_M=block_m, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),
+                BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
+                T_POW2=max(2, triton.next_power_of_2(seq)))
+    strides = [o_part.stride(i) for i in range(4)]
+    if quantize:
+        return _combine_fp8(q, parts, pos, ok, strides, seq, n_rep, chunk, meta)
+    out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=q.dtype, device=q.device)
     _combine_kernel[(bsz, n_kv, rows)](
-        o_part, m_part, l_part, out,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        seq, n_rep, n_chunks,
-        BLOCK_M=block_m, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)), BLOCK_D=block_d,
-        D=dim)
+        *parts, out, pos, ok, *strides, out.stride(0), out.stride(1), out.stride(2),
+        seq, n_rep, n_chunks, chunk, **meta)
     return out
+
+
+def _combine_fp8(q: torch.Tensor, parts: tuple[torch.Tensor, ...], pos: torch.Tensor,
+                 ok: torch.Tensor, strides: list[int], seq: int, n_rep: int, chunk: int,
+                 meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """_combine_fp8_kernel over grid (B, T) -> ([B*T, H*D] e4m3, [B*T, 1] float32).
+
+    One program reads all of a token's live partials (H x chunks x D floats), so few tokens
+    over long rows leave the combine on a few multiprocessors. examples/gpu/kernel_bench.py
+    on an H200, 8b (H 32), quantize=True against the plain call plus the compiled
+    fp8_quantize_heads: batch 1 at 256 positions 11.3 us against 12.3, at 1024 13.3 against
+    12.6, at 4096 25.1 against 15.3; batch 16 x 5 tokens at 256 18.9 against 28.1, at 4096
+    98.1 against 101.7 (70b-tp1, H 64, batch 1 at 4096: 37.8 against 16.5)."""
+    bsz, n_kv, _, dim = q.shape
+    n_heads = n_kv * n_rep
+    data = torch.empty(bsz * seq, n_heads * dim, dtype=torch.float8_e4m3fn, device=q.device)
+    scale = torch.empty(bsz * seq, 1, dtype=torch.float32, device=q.device)
+    block_h = triton.next_power_of_2(n_heads)
+    _combine_fp8_kernel[(bsz, seq)](
+        *parts, data, scale, pos, ok, *strides, seq, n_rep, n_heads, parts[0].shape[2], chunk,
+        BLOCK_H=block_h, ROUND=_ROUND[q.dtype], RECIPROCAL=q.is_cuda,
+        num_warps=max(4, min(16, block_h * meta["BLOCK_D"] // 256)), **meta)
+    return data, scale
+
+
+FUSED_FP8_CHUNKS = 8    # quantize in the combine while a row has at most this many chunks
+FUSED_FP8_TOKENS = 16   # or the step this many tokens
+
+
+def fp8_combine_pays(q: torch.Tensor, k_cache: torch.Tensor, seq: int) -> bool:
+    """Whether slot_attention(..., quantize=True) beats the plain call + a quantize kernel for
+    q [B, Hkv, r*T, D] over k_cache (host-side: the allocated chunks, not the live ones). Its
+    one program per token reads all the token's partials (see _combine_fp8): it pays for a
+    short cache or many tokens."""
+    bsz, n_kv = q.shape[:2]
+    n_chunks = -(-k_cache.shape[2] // chunk_len(k_cache.shape[2], bsz * n_kv))
+    return n_chunks <= FUSED_FP8_CHUNKS or bsz * seq >= FUSED_FP8_TOKENS
+
+
+def reference_fp8(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of slot_attention(..., quantize=True) from its plain output
+    [B, T, H, D]: fused.fp8_quantize_rows of the [B*T, H*D] rows (= fused.fp8_quantize_heads)."""
+    return fused.fp8_quantize_rows(out.reshape(out.shape[0] * out.shape[1], -1))

@@ -10,7 +10,7 @@ was three kernels (the row's amax split over programs, then combined, then the q
 6.4 us on an H200) and each norm one looped reduction (3.4 us); here each is one program
 holding its whole row, so a decode step launches one kernel for each.
 
-The e4m3 cast rounds to nearest-even in float32 arithmetic first (`_e4m3`), so the cast
+The e4m3 cast rounds to nearest-even in float32 arithmetic first (`e4m3_rne`), so the cast
 itself is exact: the GPU's conversion and the Triton interpreter's (which does not round to
 nearest-even) give the bytes torch's `.to(torch.float8_e4m3fn)` gives.
 """
@@ -25,7 +25,7 @@ MAX_BLOCK = 32768     # a row of at most this many outputs is held in registers 
 
 
 @triton.jit
-def _e4m3(v):
+def e4m3_rne(v):
     """float32 v, |v| <= 448 -> the e4m3 value nearest (ties to even), still float32: the
     spacing is 2^(e - 3) for exponent e >= -6, 2^-9 below (subnormals)."""
     bits = v.to(tl.int32, bitcast=True)
@@ -52,7 +52,7 @@ def _quantize(h, ok, q_ptr, qs_ptr):
     amax = tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0)
     scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
     v = tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -448.0), 448.0)
-    tl.store(q_ptr, _e4m3(v).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(q_ptr, e4m3_rne(v).to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(qs_ptr, scale)
 
 

@@ -25,7 +25,8 @@ torch.manual_seed(0)
 @triton.jit
 def _round_kernel(v_ptr, out_ptr, N: tl.constexpr):
     cols = tl.arange(0, N)
-    tl.store(out_ptr + cols, fp8_act._e4m3(tl.load(v_ptr + cols)).to(out_ptr.dtype.element_ty))
+    rounded = fp8_act.e4m3_rne(tl.load(v_ptr + cols))
+    tl.store(out_ptr + cols, rounded.to(out_ptr.dtype.element_ty))
 
 
 def rounding():
