@@ -178,11 +178,9 @@ def fused_times(shape: str, device) -> dict:
     """One layer's elementwise kernels around its FP8 GEMMs at M = 1, 4, 16 in CUDA graphs
     (compiled), microseconds: the unfused sequence (norm, quantize, rescale, silu_mul as
     kernels of their own; RoPE and attention output quantization left out, as in both) vs the
-    fused functions that replace it, and the Triton kernels that replace those (with the
-    share of their e4m3 bytes equal to the compiled functions')."""
+    fused functions that replace it."""
     if device.type != "cuda":
         return {}
-    from runtime.models.kernels import fp8_act
 
     fused.compile_kernels(device)
     s = SHAPES[shape]
@@ -208,25 +206,8 @@ def fused_times(shape: str, device) -> dict:
             fused.add_rms_norm_fp8(x, raw_h, w, eps, xs, ws_h)
             fused.silu_mul_fp8(raw_i, xs, ws_i, None, bf16)
 
-        def triton_fns():   # the same two as Triton kernels (runtime.models.kernels.fp8_act)
-            fp8_act.add_rms_norm_fp8(x, raw_h, w, eps, xs, ws_h)
-            fp8_act.silu_mul_fp8(raw_i, xs, ws_i, None, bf16)
-
-        want = fused.add_rms_norm_fp8(x, raw_h, w, eps, xs, ws_h)
-        got = fp8_act.add_rms_norm_fp8(x, raw_h, w, eps, xs, ws_h)
-        want_s, got_s = (f(raw_i, xs, ws_i, None, bf16) for f in (fused.silu_mul_fp8,
-                                                                   fp8_act.silu_mul_fp8))
-        out[f"m{m}"] = {"unfused": _graph_time(unfused), "fused": _graph_time(fused_fns),
-                        "triton": _graph_time(triton_fns),
-                        "triton_norm_bytes_equal": _bytes_equal(got[1], want[1]),
-                        "triton_silu_bytes_equal": _bytes_equal(got_s[0], want_s[0]),
-                        "triton_sum_equal": bool(torch.equal(got[0], want[0]))}
+        out[f"m{m}"] = {"unfused": _graph_time(unfused), "fused": _graph_time(fused_fns)}
     return out
-
-
-def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The share of equal bytes of two e4m3 tensors."""
-    return (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item()
 
 
 def step_times(target: str, device) -> dict:

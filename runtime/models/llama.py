@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models import fused, kernels
+from runtime.models import fused
 from runtime.models.attention import Attention
 from runtime.models.base import check_extend_args
 from runtime.models.cache import ExtendBatch
@@ -47,7 +47,7 @@ class MLP(nn.Module):
         # of [M, hidden] -> down_proj's FP8Out [M, hidden] (or rescaled [M, hidden] under TP)
         if isinstance(x, FP8Act):
             gate_up = self.gate_up.forward_fp8(x)                          # raw [M, 2I]
-            a8, a_scale = silu_mul_fp8(*gate_up, x.dtype)                  # [M, I], [M, 1]
+            a8, a_scale = fused.silu_mul_fp8(*gate_up, x.dtype)            # [M, I], [M, 1]
             return self.down_proj.forward_fp8(FP8Act(a8, a_scale, x.dtype))
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -105,37 +105,13 @@ def _add_then_norm_fp8(x: torch.Tensor, delta: Delta, norm: RMSNorm
                        ) -> tuple[torch.Tensor, FP8Act]:
     rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon   # [M, hidden]
     if delta is None:
-        return x, FP8Act(*_fp8_norm(rows, None)(rows, weight, eps), x.dtype)
+        return x, FP8Act(*fused.rms_norm_fp8(rows, weight, eps), x.dtype)
     if isinstance(delta, FP8Out):
-        s, h8, h_scale = _fp8_norm(rows, delta.raw)(rows, delta.raw, weight, eps, delta.x_scale,
-                                                    delta.w_scale, delta.bias)
+        s, h8, h_scale = fused.add_rms_norm_fp8(rows, delta.raw, weight, eps, delta.x_scale,
+                                                delta.w_scale, delta.bias)
     else:
-        delta = delta.reshape(rows.shape)
-        s, h8, h_scale = _fp8_norm(rows, delta)(rows, delta, weight, eps)
+        s, h8, h_scale = fused.add_rms_norm_fp8(rows, delta.reshape(rows.shape), weight, eps)
     return s.view(x.shape), FP8Act(h8, h_scale, x.dtype)
-
-
-def _fp8_norm(rows: torch.Tensor, delta: torch.Tensor | None):
-    """The norm-and-quantize function for these rows: the Triton kernel when the kernels are
-    on and it takes them (runtime.models.kernels.fp8_act), else fused's compiled one
-    (add_rms_norm_fp8, or rms_norm_fp8 without a delta: the same arguments either way)."""
-    if kernels.enabled():
-        from runtime.models.kernels import fp8_act
-
-        if fp8_act.fits_norm(rows, delta):
-            return fp8_act.add_rms_norm_fp8 if delta is not None else fp8_act.rms_norm_fp8
-    return fused.add_rms_norm_fp8 if delta is not None else fused.rms_norm_fp8
-
-
-def silu_mul_fp8(raw: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused.silu_mul_fp8, or its Triton kernel (kernels.fp8_act) when the kernels are on and
-    it takes the raw gate_up output."""
-    if kernels.enabled():
-        from runtime.models.kernels import fp8_act
-
-        if fp8_act.fits_silu(raw, args[-1]):
-            return fp8_act.silu_mul_fp8(raw, *args)
-    return fused.silu_mul_fp8(raw, *args)
 
 
 class LlamaModel(nn.Module):

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from runtime.models import fused
-from runtime.models.kernels.fp8_act import e4m3_rne
+from runtime.models.kernels.e4m3 import e4m3_rne
 
 # KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
 # idle, so they get short chunks: more programs, a shorter serial loop in each (measured on an

@@ -157,5 +157,5 @@ def test_model_steps_through_the_kernels_equal_eager(llama_path, quantization):
     """forward_static with the kernels on (interpreted) equals the eager path: prefill rows
     and a ragged verify step of a whole model, the kernels reading the cache in place; with
     FP8 weights on the fused FP8 GEMM path (emulated) too: the qkv rescale in the RoPE
-    kernel, the norms and SiLU·up quantizing in kernels.fp8_act."""
+    kernel, the output quantized in the attention kernel's combine."""
     run_interpreted(MODEL_CASE, llama_path, *([quantization] if quantization else []))
