@@ -85,6 +85,7 @@ def gemm_paths(target: str, device) -> dict:
     logits = {}
     was_compiled = fused._compiled
     fused.use_eager()            # eager pieces: fused and unfused must then agree bit for bit
+    kernels.disable()            # (a StepRunner before this turned the Triton kernels on)
     for name, fp8_gemm, fuse in (("fused", True, True), ("unfused", True, False),
                                  ("weight_only", False, True), ("kernels", True, True)):
         quant.FP8_GEMM, quant.FUSE_FP8 = fp8_gemm, fuse
