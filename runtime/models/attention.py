@@ -79,33 +79,31 @@ class Attention(nn.Module):
         cache = self.kv_cache
         qkv = self.qkv.forward_fp8(x)                                      # raw [M, (H+2Hkv)D]
         q = rotary_write_fp8(*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin,
-                                   cache.k_cache, cache.v_cache, batch.write_slots,
-                                   batch.write_pos)                        # [B, Hkv, r*T, D]
-        out8, out_scale = self._attend_fp8(q, batch, cos.shape[1])         # [M, H*D], [M, 1]
+                             cache.k_cache, cache.v_cache, batch.write_slots,
+                             batch.write_pos)                              # [B, Hkv, r*T, D]
+        out8, out_scale = self._attend(q, batch, cos.shape[1], quantize=True)  # [M, H*D], [M, 1]
         return self.o_proj.forward_fp8(FP8Act(out8, out_scale, x.dtype))  # [M, hidden]
 
-    def _attend_fp8(self, q: torch.Tensor, batch: ExtendBatch, seq: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """_attend quantized per token for o_proj: in the attention kernel's combine where that
-        pays (kernels.attention.fp8_combine_pays), else fused.fp8_quantize_heads after it."""
+    def _attend(self, q: torch.Tensor, batch: ExtendBatch, seq: int, quantize: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D].
+        quantize: o_proj's FP8 input instead ([B*T, H*D] e4m3, [B*T, 1]), quantized in the
+        attention kernel's combine where that pays (kernels.attention.fp8_combine_pays), else
+        by fused.fp8_quantize_heads after it."""
         cache = self.kv_cache
         if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
             from runtime.models.kernels.attention import fp8_combine_pays
 
-            if fp8_combine_pays(q, cache.k_cache, seq):
-                return slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
-                                      *batch.int32_rows(), seq, self.sliding_window,
-                                      quantize=True)
-        return fused.fp8_quantize_heads(self._attend(q, batch, seq))
-
-    def _attend(self, q: torch.Tensor, batch: ExtendBatch, seq: int) -> torch.Tensor:
-        """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D]."""
-        cache = self.kv_cache
-        if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
-            return slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
-                                  *batch.int32_rows(), seq, self.sliding_window)
-        k_all, v_all = cache.read(batch)                                   # [B, Hkv, L, D]
-        return grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
+            in_combine = quantize and fp8_combine_pays(q, cache.k_cache, seq)
+            out = slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
+                                 *batch.int32_rows(), seq, self.sliding_window,
+                                 quantize=in_combine)
+            if in_combine:
+                return out
+        else:
+            k_all, v_all = cache.read(batch)                               # [B, Hkv, L, D]
+            out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
+        return fused.fp8_quantize_heads(out) if quantize else out
 
 
 def rotary_write(*args) -> torch.Tensor:

@@ -79,7 +79,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
     if start >= length:
         return                         # a dead chunk: stores nothing, the combine skips it
     stop = tl.minimum(start + chunk, length)
-    rows = tl.arange(0, BLOCK_M)                       # stacked query rows: head j // T, token j % T
+    rows = tl.arange(0, BLOCK_M)                   # stacked query rows: head j // T, token j % T
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < M
     t = rows % T
