@@ -17,7 +17,8 @@ and the combine, which finds the same length on the device, reads only the live 
 
 FP8 variant (quantize=True): the combine also quantizes the output per token for the FP8
 o_proj, in the same launch: runtime.models.fused.fp8_quantize_rows of the [B*T, H*D]
-output rounded to q's dtype (see reference_fp8 and slot_attention for how exact).
+output rounded to q's dtype, i.e. fused.fp8_quantize_heads of the plain output (see
+slot_attention for how exact).
 """
 from __future__ import annotations
 
@@ -212,13 +213,18 @@ def chunk_len(cache_len: int, programs: int) -> int:
     return -(-chunk // BLOCK_N) * BLOCK_N
 
 
+def chunks(cache_len: int, programs: int) -> tuple[int, int]:
+    """(chunk_len, the number of chunks over the whole cache)."""
+    chunk = chunk_len(cache_len, programs)
+    return chunk, -(-cache_len // chunk)
+
+
 def _partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor, seq: int,
-              window: int | None, chunk: int) -> tuple[torch.Tensor, ...]:
+              window: int | None, chunk: int, n_chunks: int) -> tuple[torch.Tensor, ...]:
     """_partial_kernel over grid (B, Hkv, chunks of the cache) -> (o [B, Hkv, C, BLOCK_M, D],
     m and l [B, Hkv, C, BLOCK_M]) float32, written for the live chunks only."""
     bsz, n_kv, rows, dim = q.shape
-    n_chunks = -(-k_cache.shape[2] // chunk)
     block_m = max(16, triton.next_power_of_2(rows))
     o_part = torch.empty(bsz, n_kv, n_chunks, block_m, dim, dtype=torch.float32,
                          device=q.device)
@@ -258,10 +264,10 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     q = q.contiguous()
     pos, ok = (t if t.dtype == torch.int32 and t.is_contiguous()
                else t.to(torch.int32).contiguous() for t in (positions, valid))
-    chunk = chunk_len(k_cache.shape[2], bsz * n_kv)
-    parts = _partials(q, k_cache, v_cache, slots, pos, ok, seq, window, chunk)
+    chunk, n_chunks = chunks(k_cache.shape[2], bsz * n_kv)
+    parts = _partials(q, k_cache, v_cache, slots, pos, ok, seq, window, chunk, n_chunks)
     o_part = parts[0]
-    n_chunks, block_m = o_part.shape[2], o_part.shape[3]
+    block_m = o_part.shape[3]
     meta = dict(BLOCK_M=block_m, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),
                 BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
                 T_POW2=max(2, triton.next_power_of_2(seq)))
@@ -308,11 +314,6 @@ def fp8_combine_pays(q: torch.Tensor, k_cache: torch.Tensor, seq: int) -> bool:
     one program per token reads all the token's partials (see _combine_fp8): it pays for a
     short cache or many tokens."""
     bsz, n_kv = q.shape[:2]
-    n_chunks = -(-k_cache.shape[2] // chunk_len(k_cache.shape[2], bsz * n_kv))
+    n_chunks = chunks(k_cache.shape[2], bsz * n_kv)[1]
     return n_chunks <= FUSED_FP8_CHUNKS or bsz * seq >= FUSED_FP8_TOKENS
 
-
-def reference_fp8(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of slot_attention(..., quantize=True) from its plain output
-    [B, T, H, D]: fused.fp8_quantize_rows of the [B*T, H*D] rows (= fused.fp8_quantize_heads)."""
-    return fused.fp8_quantize_rows(out.reshape(out.shape[0] * out.shape[1], -1))

@@ -14,6 +14,7 @@ SETUP = r'''
 import torch
 from runtime.models.attention import grouped_attention
 from runtime.models.cache import ExtendBatch, KVCache
+from runtime.models import fused
 from runtime.models.fused import stack_heads
 from runtime.models.kernels import attention as kernel, available
 
@@ -66,9 +67,9 @@ def case(starts, n_valid, seq, slots, window=None, n_heads=8, n_kv=2, dim=16, ca
     err = (got[ok] - want[ok]).abs().max().item()
     assert err < 1e-4, (starts, n_valid, seq, err)
     assert torch.all(got[~ok] == 0)
-    chunk = kernel.chunk_len(cache_len, len(starts) * n_kv)
+    chunk, n_chunks = kernel.chunks(cache_len, len(starts) * n_kv)
     o, m, l = with_nan_buffers(kernel._partials, q, cache.k_cache, cache.v_cache,
-                               batch.slots, *rows, seq, window, chunk)
+                               batch.slots, *rows, seq, window, chunk, n_chunks)
     assert o.shape[2] == cache_len // chunk
     for b, length in enumerate(torch.where(ok, batch.positions + 1, 0).amax(1).tolist()):
         live = -(-length // chunk)
@@ -90,13 +91,13 @@ print("ok")
 
 FP8 = SETUP + r'''
 def case(starts, n_valid, seq, slots, n_heads, n_kv, dim, dtype, cache_len=512):
-    """slot_attention(..., quantize=True) vs reference_fp8 of the plain output (=
-    fused.fp8_quantize_rows of it [B*T, H*D]): equal bit for bit, padding tokens zero with
-    the scale of an all-zero row."""
+    """slot_attention(..., quantize=True) vs fused.fp8_quantize_heads of the plain output
+    (fp8_quantize_rows of it [B*T, H*D]): equal bit for bit, padding tokens zero with the
+    scale of an all-zero row."""
     cache, batch, q = setup(starts, n_valid, seq, slots, n_heads, n_kv, dim, cache_len, dtype)
     args = (q, cache.k_cache, cache.v_cache, batch.slots, *batch.int32_rows(), seq)
     out = kernel.slot_attention(*args)                                     # [B, T, H, D]
-    want_data, want_scale = kernel.reference_fp8(out)
+    want_data, want_scale = fused.fp8_quantize_heads(out)
     data, scale = with_nan_buffers(kernel.slot_attention, *args, quantize=True)
     assert data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert data.shape == (len(starts) * seq, n_heads * dim) and scale.shape == (data.shape[0], 1)
