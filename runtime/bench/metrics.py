@@ -7,9 +7,13 @@
   tokens they tested, so its alpha is kept / tested exactly).
 - copy_bandwidth: bytes moved (read + written) per second by a large on-device copy.
 - weight_bytes_per_step: the target's weight bytes one decode step reads.
-- step_time: seconds of one forward_extend of our model code (a decode or verify step).
+- step_time: seconds of one forward_extend of our model code (a decode or verify step);
+  on CPU timed with the threads an engine worker gets (worker_cpu_threads, cpu_threads).
 """
 from __future__ import annotations
+
+import contextlib
+import os
 
 import time
 
@@ -115,6 +119,31 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
             continue      # untied input embedding: one row per token
         total += nbytes
     return total
+
+
+def worker_cpu_threads(draft_device: torch.device, target_devices: list[torch.device]
+                       ) -> int | None:
+    """The torch threads each CPU worker of a spec engine with these devices gets (its equal
+    share of the cores, runtime.worker.process); None when a device is not the CPU."""
+    devices = [draft_device, *target_devices]
+    if any(d.type != "cpu" for d in devices):
+        return None
+    workers = len(dict.fromkeys(str(d) for d in devices))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    return max(1, cores // workers)
+
+
+@contextlib.contextmanager
+def cpu_threads(device: torch.device, threads: int | None):
+    """Run with `threads` torch threads on the CPU (nothing changes on a GPU or for None)."""
+    before = torch.get_num_threads()
+    if device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @torch.inference_mode()

@@ -26,8 +26,8 @@ from runtime.bench.report import hardware, now, row, versions
 log = logging.getLogger("tandem.bench")
 C_SOURCE = ("in-process: mean time of one draft decode step (1 token per row) / one target "
             "verify step (k+1 tokens per row), both through the workers' StepRunner (CUDA "
-            "graphs unless --no-cuda-graphs) on their configured devices, at cache position "
-            "prompt_len + new_tokens / 2")
+            "graphs unless --no-cuda-graphs) on their configured devices (on CPU with the "
+            "threads each engine worker gets), at cache position prompt_len + new_tokens / 2")
 try:
     from runtime.config import MAX_AUTO_DRAFT_LEN
 except ImportError:   # pragma: no cover - older config without draft_len: auto
@@ -267,7 +267,8 @@ class Bench:
             warmup=self.s.warmup, repeats=self.s.repeats, run_target="target" in self.s.modes,
             verify_ks=(list(range(1, kmax + 1)) if st.draft_len == "auto" else [kmax])
             if {"spec", "spec-sequential"} & set(self.s.modes) else [],
-            position=self.s.prompt_len + self.s.new_tokens // 2)
+            position=self.s.prompt_len + self.s.new_tokens // 2,
+            cpu_threads=metrics.worker_cpu_threads(st.draft_device, st.target_devices))
         where = f"on {st.target_tp} TP ranks" if st.target_tp > 1 else "in-process"
         self.progress(f"target phase {where}: loading")
         try:
@@ -304,9 +305,11 @@ class Bench:
             runner = StepRunner(draft, st.draft_device, job.max_batch, 1, self.s.cuda_graphs)
             for bsz in self.s.batch_sizes:
                 steps = target_steps[str(bsz)]
+                with metrics.cpu_threads(st.draft_device, job.cpu_threads):
+                    draft_step_s = metrics.step_time(runner, st.draft_device, bsz, 1,
+                                                     job.position)
                 self.step_costs[bsz] = {
-                    "draft_step_s": metrics.step_time(runner, st.draft_device, bsz, 1,
-                                                      job.position),
+                    "draft_step_s": draft_step_s,
                     "target_decode_step_s": steps["target_decode_step_s"],
                     "target_verify_step_s": {int(k): v for k, v in
                                              steps["target_verify_step_s"].items()}}

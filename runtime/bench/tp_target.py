@@ -42,9 +42,15 @@ class TargetJob:
     position: int                # cache position of the timed steps
     timeout_s: float = 3600.0
     quantization: str | None = None   # the target's (fp8: quantized on load)
+    cpu_threads: int | None = None    # CPU step costs: the threads an engine worker gets
 
 
 def _step_costs(holder: TandemTarget, device: torch.device, job: TargetJob) -> dict:
+    with metrics.cpu_threads(device, job.cpu_threads):
+        return _timed_steps(holder, device, job)
+
+
+def _timed_steps(holder: TandemTarget, device: torch.device, job: TargetJob) -> dict:
     costs = {}
     for bsz in job.batch_sizes:
         costs[str(bsz)] = {

@@ -19,7 +19,7 @@ class ServingMetrics:
     draft_tokens_accepted: int = 0
     rounds: int = 0
     sequence_rounds: int = 0                # one sequence's part of one round
-    sequence_rounds_overlapped: int = 0     # ... whose next window was ready at the verdict
+    sequence_rounds_overlapped: int = 0     # ... whose window was drafted during the last verify
     round_time: float = 0.0      # orchestrator's wall time of round commands
     worker_time: float = 0.0     # slowest worker's own time inside those rounds
     between_time: float = 0.0    # orchestrator time from one round's end to the next's start
@@ -71,7 +71,7 @@ class ServingMetrics:
     def committed(self, proposed: int, accepted: int, tokens: int,
                   overlapped: bool = False) -> None:
         """A sequence's round outcome: k drafts proposed, `accepted` kept, `tokens` new;
-        `overlapped`: its next window was ready when the verdict came."""
+        `overlapped`: its window was drafted during the last round's verify."""
         self.sequence_rounds += 1
         self.sequence_rounds_overlapped += overlapped
         self.draft_tokens_proposed += proposed

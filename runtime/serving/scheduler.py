@@ -27,7 +27,7 @@ class Sequence:
     finish_reason: str | None = None
     rounds: int = 0
     target_only_rounds: int = 0      # rounds without a draft (draft_len auto, k = 0)
-    overlapped_rounds: int = 0       # rounds whose next window was ready at the verdict
+    overlapped_rounds: int = 0       # rounds whose window was drafted during the last verify
     proposed: int = 0                # draft tokens proposed
     accepted: int = 0                # draft tokens accepted
     tested: int = 0                  # draft tokens tested (every token up to the first reject)
@@ -149,8 +149,9 @@ class Scheduler:
         # overlapped, the announced k stands whatever joined or left: slots whose window was
         # kept hold no pending token and need a drafting round
         announced = self.next_k is not None and (self.overlap or self.next_slots == slots)
-        k = self.next_k if announced else self.controller.choose(batch)
-        self.next_k, self.next_slots = self.controller.choose(batch), slots
+        greedy = all(self.running[s].params.greedy for s in slots)
+        k = self.next_k if announced else self.controller.choose(batch, greedy)
+        self.next_k, self.next_slots = self.controller.choose(batch, greedy), slots
         return k, self.next_k
 
     def _admit(self) -> None:

@@ -16,8 +16,9 @@ Each round the scheduler asks for k and reports back what happened. The controll
 
 and picks the k in 0..max_k that maximises expected tokens per second,
 E[tokens | k] / T(k) with E[tokens | k] = 1 + sum_{j<=k} a_1 * ... * a_j (overlapped rounds
-take no bonus token when all k are kept: less a_1 * ... * a_k; their measured cost is what
-overlapping makes of a round, so the choice needs no other model of it). k = 0 is a
+of sampled batches take no bonus token when all k are kept: less a_1 * ... * a_k; greedy ones
+take it; their measured cost is what overlapping makes of a round, so the choice needs no
+other model of it). k = 0 is a
 target-only round: no draft, the target decodes up to TARGET_ONLY_STEPS tokens on one command
 (so the control round trip is paid once for all of them), at 1 token per measured step; it
 wins when the draft is rarely right, and every other exploration round then tries k = 1.
@@ -75,7 +76,7 @@ class DraftLenController:
     def __init__(self, fixed: int | None, max_k: int, overlap: bool = False):
         self.fixed = fixed
         self.max_k = max_k
-        self.overlap = overlap      # a wholly accepted window commits no bonus token
+        self.overlap = overlap      # sampled batches: a wholly accepted window, no bonus
         self.accepted_w = 1.0       # pooled prior: alpha = 0.5
         self.reached_w = 2.0
         self.pos_accepted = [0.0] * max_k
@@ -129,8 +130,9 @@ class DraftLenController:
             costs.append(median(recent) if measured[-1] else t_verify + k * t_draft)
         return costs, measured
 
-    def choose(self, batch: int) -> int:
-        """Draft length for the next round of `batch` sequences."""
+    def choose(self, batch: int, greedy: bool = False) -> int:
+        """Draft length for the next round of `batch` sequences (greedy: all of them are,
+        and an overlapped round takes its bonus token)."""
         if self.fixed is not None:
             return self.fixed
         self.rounds += 1
@@ -141,7 +143,7 @@ class DraftLenController:
         costs, measured = estimate
         accept = self.position_acceptance()
         expected = [1.0] + expected_tokens_by_position(accept)
-        if self.overlap:    # no bonus when all k are kept: the next window is ready instead
+        if self.overlap and not greedy:   # no bonus when all k are kept: the window is held
             expected = [1.0] + [e - _reach(accept, k) for k, e in enumerate(expected[1:], 1)]
         rates = [e / t for e, t in zip(expected, costs)]
         self.last_k = self._explore(rates, measured)

@@ -4,17 +4,23 @@ verifies this one (speculation.overlap; PEARL, Liu et al., ICLR 2025, post-verif
 Per slot, with N tokens committed when round r begins and its window d_1..d_k:
 
 - draft: after sending d_1..d_k it goes on as if the target will keep them all: it decodes d_k
-  and samples w_1 (its guess of the token at index N+k), then w_2..w_m (m = the next round's
-  k): the next window, drafted while the target verifies.
-- target: one forward as always. When it accepts all k and a next window was announced
-  (the round's next_k > 0), it takes no bonus token: the slot commits d_1..d_k and the target
-  holds its logits at the last position (the distribution of the token at index N+k). Next
-  round its verify runs over w_1..w_m alone, and the held logits verify w_1: so every token
-  committed is still the target's choice (greedy), or passes the modified rejection rule with
-  the draft's q (sampled, `logits`), or equals the target's own sample (`tokens`).
+  and samples w_1 (its guess of the token at index N+k), then w_2, ...: the next window,
+  drafted while the target verifies.
+- target, greedy batches: one forward as always, bonus token b included. A slot whose k drafts
+  were all accepted and whose w_1 equals b keeps w_2..w_{m+1} as its next window (m = the next
+  round's k; the draft drafted m + 1): a rejected w_1 costs no forward, the draft learns it
+  with the verdict and drafts afresh from b.
+- target, sampled batches: when it accepts all k and a next window was announced (the round's
+  next_k > 0), it takes no bonus token: the slot commits d_1..d_k and the target holds its
+  logits at the last position (the distribution of the token at index N+k). Next round its
+  verify runs over w_1..w_m alone, and the held logits verify w_1 with the draft's q (the
+  modified rejection rule needs q of the token it tests, so the target cannot decide before
+  it sees w_1; `tokens` acceptance is held the same way).
 - draft, on the verdict: a slot kept keeps its next window; a slot rejected inside window r
   drops it (its KV rolls back by a length update) and drafts again from the correction.
 
+Every committed token is still the target's choice (greedy), or passes the modified rejection
+rule with the draft's q (sampled, `logits`), or equals the target's own sample (`tokens`).
 Exactness never depends on timing: a window is a proposal like any other, and a draft that
 lost one (a cache full, a batch that changed) drafts afresh from the same committed tokens.
 """
@@ -35,9 +41,16 @@ class DraftWindow:
     fallback: SlotState                 # the slot's state without it (re-feeds the last token)
 
 
-def kept_rows(accepted: list[int], k: int, next_k: int) -> list[bool]:
-    """Slots whose whole window was accepted with a next window announced: no bonus token."""
-    return [next_k > 0 and a == k for a in accepted]
+def held_rows(accepted: list[int], k: int, next_k: int, bonus: bool) -> list[bool]:
+    """Slots whose target holds its last logits (no bonus token): a sampled batch's rows whose
+    whole window was accepted with a next window announced; none when greedy (bonus)."""
+    return [not bonus and next_k > 0 and a == k for a in accepted]
+
+
+def window_len(next_k: int, bonus: bool) -> int:
+    """Tokens to draft during the verify for a next window of next_k: one more when the
+    target takes its bonus token (w_1 is then checked against it, not verified again)."""
+    return next_k + 1 if bonus and next_k > 0 else next_k
 
 
 # --- draft ---------------------------------------------------------------------------------
@@ -50,10 +63,10 @@ def drop_windows(draft: DraftShard, slots: list[int] | None = None) -> None:
 
 
 def take_drafts(draft: DraftShard, slots: list[int], k: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[bool]]:
     """This round's drafts: tokens [B, k] and q [B, k, V] (None when greedy): the windows
     drafted during the last round where the slot was kept, proposals for the others (made
-    ahead while control travelled, or now)."""
+    ahead while control travelled, or now); and which slots had a window (ready)."""
     windowed = [s for s in slots if s in draft.windows and
                 draft.windows[s].tokens.shape[0] >= k]
     drop_windows(draft, [s for s in slots if s not in windowed])
@@ -78,7 +91,8 @@ def take_drafts(draft: DraftShard, slots: list[int], k: int
         rows_q.append(probs)
     probs = None if greedy else torch.stack(
         [q if q is not None else _one_hot(t, draft) for q, t in zip(rows_q, rows_t)])
-    return torch.stack(rows_t), probs                                   # [B, k], [B, k, V]
+    ready = [s in windowed for s in slots]
+    return torch.stack(rows_t), probs, ready                            # [B, k], [B, k, V]
 
 
 def _probs_of(window: DraftWindow, tokens: torch.Tensor, k: int, draft: DraftShard
@@ -94,16 +108,17 @@ def _one_hot(tokens: torch.Tensor, draft: DraftShard) -> torch.Tensor:
 
 
 def draft_next_window(draft: DraftShard, slots: list[int], tokens: torch.Tensor,
-                      probs: torch.Tensor | None, next_k: int
+                      probs: torch.Tensor | None, count: int
                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """While the target verifies tokens [B, k]: decode on as if all are kept, next_k more
-    per slot (tokens [B, next_k], q or None). None when a slot's cache has no room."""
+    """While the target verifies tokens [B, k]: decode on as if all are kept, `count` more
+    per slot (window_len; tokens [B, count], q or None). None when a slot's cache has no
+    room."""
     k = tokens.shape[1]
     saved = draft._save(slots)
     try:
         more, more_q = draft._continue(slots, list(tokens.unbind(1)),
                                        [] if probs is None else list(probs.unbind(1)),
-                                       k + next_k, draft.sampling(slots),
+                                       k + count, draft.sampling(slots),
                                        draft.committed_index(slots))
     except ValueError:          # past the cache: this slot is about to finish anyway
         draft._restore(slots, saved)
@@ -112,30 +127,39 @@ def draft_next_window(draft: DraftShard, slots: list[int], tokens: torch.Tensor,
 
 
 def commit_draft(draft: DraftShard, slots: list[int], drafts: list[list[int]],
-                 accepted: list[int], next_tokens: list[int], kept: list[bool],
-                 window: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
-    """The verdict on the draft: kept slots commit their k drafts and keep the next window;
-    the others commit as in a plain round (the next window's KV is simply overwritten)."""
+                 accepted: list[int], next_tokens: list[int], held: list[bool],
+                 window: tuple[torch.Tensor, torch.Tensor | None] | None, bonus: bool
+                 ) -> None:
+    """The verdict on the draft. Kept slots keep their next window: with the target's bonus
+    token (greedy) those that had all k accepted and guessed it as w_1 (they commit k + 1 and
+    keep w_2..), else the held rows (they commit k). The others commit as in a plain round
+    (the next window's KV is simply overwritten)."""
+    kept = held
+    if bonus and window is not None:
+        firsts = window[0][:, 0].tolist()
+        kept = [a == len(d) and w == n
+                for d, a, n, w in zip(drafts, accepted, next_tokens, firsts)]
     plain = [i for i, keep in enumerate(kept) if not keep]
     if plain:
         draft.commit([slots[i] for i in plain], [drafts[i] for i in plain],
                      [accepted[i] for i in plain], [next_tokens[i] for i in plain])
+    skip = 1 if bonus else 0                # the bonus token: w_1, now committed
     for i, slot in enumerate(slots):
         if not kept[i]:
             continue
         state = draft.slots[slot]
-        k = len(drafts[i])
-        committed = state.committed + k
+        committed = state.committed + len(drafts[i]) + skip
+        last = next_tokens[i] if bonus else drafts[i][-1]
         fallback = replace(state, committed=committed, cache_len=committed - 1,
-                           pending=[drafts[i][-1]])
+                           pending=[last])
         if window is None:
             draft.slots[slot] = fallback
             continue
         state.committed = committed          # cache_len: through the window's last but one
         state.pending = []
         tokens, probs = window
-        draft.windows[slot] = DraftWindow(tokens[i], None if probs is None else probs[i],
-                                          fallback)
+        draft.windows[slot] = DraftWindow(tokens[i, skip:],
+                                          None if probs is None else probs[i, skip:], fallback)
 
 
 # --- target --------------------------------------------------------------------------------
@@ -174,13 +198,13 @@ def _device_ids(rows: list[list[int]], target: TargetShard) -> torch.Tensor:
 
 
 def commit_target(target: TargetShard, slots: list[int], accepted: list[int],
-                  next_tokens: list[int], kept: list[bool], last_logits: torch.Tensor) -> None:
-    """Kept slots commit their k drafts and hold the last position's logits (no pending
-    token); the others commit as in a plain round."""
+                  next_tokens: list[int], held: list[bool], last_logits: torch.Tensor) -> None:
+    """Held slots commit their k drafts and hold the last position's logits (no pending
+    token); the others commit as in a plain round (bonus token included)."""
     for i, slot in enumerate(slots):
         state = target.slots[slot]
         target.held.pop(slot, None)
-        if kept[i]:
+        if held[i]:
             state.committed += accepted[i]   # = k; every input position is now cached
             state.cache_len = state.committed
             state.pending = []

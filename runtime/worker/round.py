@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.transfer import bridge_broadcast
+from runtime.models.hostcopy import to_device
 from runtime.worker import overlap
 from runtime.worker.shards import DraftShard, TargetShard
 from runtime.worker.stepclock import StepClock
@@ -97,20 +98,25 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> dict:
 def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: int) -> dict:
     """A round of overlapped speculation (runtime.worker.overlap): the draft's ranks and the
     target's are disjoint, and while the target verifies this window the draft drafts the
-    next one as if this one will be kept. A slot whose window is wholly accepted commits its
-    k drafts without a bonus token (next_k > 0): its next window is ready, and the target's
-    held logits verify its first token next round."""
+    next one as if this one will be kept. Greedy: the target takes its bonus token, and a
+    slot keeps its next window when all k were accepted and the window's first token is that
+    bonus. Sampled: a slot whose window is wholly accepted commits its k drafts without a
+    bonus token (next_k > 0): its next window is ready, and the target's held logits verify
+    its first token next round."""
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     batch, dev, draft, target = len(slots), parts.device, parts.draft, parts.target
-    need_q = parts.acceptance == "logits" and not (target or draft).sampling(slots).greedy
+    greedy = (target or draft).sampling(slots).greedy            # greedy: the bonus is taken
+    need_q = parts.acceptance == "logits" and not greedy
     # 1. draft: this window (drafted during the last round where the slot was kept)
-    draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)    # [B, k]
+    sent = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)   # [B, k] drafts, [B] ready
     draft_probs = None                                                     # [B, k, V] q
     if draft is not None:
-        draft_tokens, draft_probs = overlap.take_drafts(draft, slots, k)
+        draft_tokens, draft_probs, ready = overlap.take_drafts(draft, slots, k)
+        sent = torch.cat([draft_tokens, to_device([[int(r)] for r in ready], torch.long, dev)], 1)
     clock.lap("draft_s")
     # 2. draft -> target
-    bridge_broadcast(draft_tokens, parts.draft_leader, parts.bridge)
+    bridge_broadcast(sent, parts.draft_leader, parts.bridge)
+    draft_tokens, ready = sent[:, :k], sent[:, k]                          # [B, k], [B]
     if need_q:
         if draft_probs is None:
             draft_probs = torch.zeros(batch, k, (target or draft).model.vocab_size, device=dev)
@@ -120,25 +126,27 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)         # [B, 2]
     window = last_logits = None
     if draft is not None and next_k > 0:
-        window = overlap.draft_next_window(draft, slots, draft_tokens, draft_probs, next_k)
+        window = overlap.draft_next_window(draft, slots, draft_tokens, draft_probs,
+                                           overlap.window_len(next_k, greedy))
     if target is not None:
         accepted, next_token, last_logits = overlap.verify_held(
             target, slots, draft_tokens, draft_probs if need_q else None)
         verdict = torch.stack([accepted, next_token], dim=1)
     clock.lap("verify_or_next_window_s")
-    # 4. target -> draft; 5. both commit: kept slots keep the next window (draft) and the
-    # held logits (target)
+    # 4. target -> draft; 5. both commit: kept slots keep the next window (draft), held ones
+    # the target's last logits
     drafts, accepted, next_tokens = _verdict_to_all(parts, draft_tokens, verdict, clock)
-    kept = overlap.kept_rows(accepted, k, next_k)
+    held = overlap.held_rows(accepted, k, next_k, bonus=greedy)
     if draft is not None:
-        overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, kept, window)
+        overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, held, window,
+                             bonus=greedy)
     if target is not None:
-        overlap.commit_target(target, slots, accepted, next_tokens, kept, last_logits)
-    tokens = [d[:a] if keep else d[:a] + [n]
-              for d, a, n, keep in zip(drafts, accepted, next_tokens, kept)]
+        overlap.commit_target(target, slots, accepted, next_tokens, held, last_logits)
+    tokens = [d[:a] if hold else d[:a] + [n]
+              for d, a, n, hold in zip(drafts, accepted, next_tokens, held)]
     result = _result(parts, start, clock, tokens, accepted)
-    if parts.reports:
-        result["overlapped"] = kept
+    if parts.reports:   # rounds whose window was drafted during the last verify
+        result["overlapped"] = [bool(r) for r in ready.tolist()]
     return result
 
 

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.timeout(180)
 
 CPU = torch.device("cpu")
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0}
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2]]
 
 
@@ -27,12 +28,12 @@ def pair(llama_path, tmp_path_factory):
             "other": build_checkpoint(root / "other", seed=9), "same": llama_path}
 
 
-def shards(draft_path: str, target_path: str) -> RoundParts:
-    draft = DraftShard(load_model(draft_path, torch.float32, CPU), CPU, 4, 96, "tokens",
+def shards(draft_path: str, target_path: str, acceptance: str = "tokens") -> RoundParts:
+    draft = DraftShard(load_model(draft_path, torch.float32, CPU), CPU, 4, 96, acceptance,
                        max_step_len=2)
-    target = TargetShard(load_model(target_path, torch.float32, CPU), CPU, 4, 96, "tokens",
+    target = TargetShard(load_model(target_path, torch.float32, CPU), CPU, 4, 96, acceptance,
                          max_step_len=9)
-    return RoundParts(draft, target, None, 0, 0, 0, CPU, "tokens", overlap=True)
+    return RoundParts(draft, target, None, 0, 0, 0, CPU, acceptance, overlap=True)
 
 
 def target_greedy(target_path: str, prompt: list[int], n: int) -> list[int]:
@@ -44,18 +45,19 @@ def target_greedy(target_path: str, prompt: list[int], n: int) -> list[int]:
     return tokens
 
 
-def run(parts: RoundParts, ks: list[int], join_at: int = 2) -> tuple[dict, list[list[bool]]]:
+def run(parts: RoundParts, ks: list[int], join_at: int = 2, params=GREEDY
+        ) -> tuple[dict, list[list[bool]]]:
     """Rounds of speculate_overlapped with draft lengths ks (the next round's announced as
     next_k); the third prompt joins before round `join_at`. Returns slot -> committed
-    tokens, and each round's kept flags."""
+    tokens, and each round's overlapped flags (its window drafted during the last verify)."""
     out: dict[int, list[int]] = {}
     for shard in (parts.draft, parts.target):
-        shard.prefill([0, 2], PROMPTS[:2], [GREEDY, GREEDY])
+        shard.prefill([0, 2], PROMPTS[:2], [params, params])
     slots, kept_log = [0, 2], []
     for r, k in enumerate(ks):
         if r == join_at:
             for shard in (parts.draft, parts.target):
-                shard.prefill([3], PROMPTS[2:], [GREEDY])
+                shard.prefill([3], PROMPTS[2:], [params])
             slots = [0, 2, 3]
         next_k = ks[r + 1] if r + 1 < len(ks) else 0
         result = speculate_overlapped(parts, slots, k, next_k)
@@ -72,26 +74,33 @@ def test_greedy_equals_target_whatever_the_draft(pair, draft):
     for slot, prompt in zip([0, 2, 3], PROMPTS):
         assert out[slot] == target_greedy(pair["same"], prompt, len(out[slot])), slot
     flat = [flag for flags in kept for flag in flags]
-    if draft == "same":        # every window kept but the last (no next window announced)
-        assert all(flat[:-3]) and not any(kept[-1])
+    if draft == "same":        # every window kept: each round after a slot's first has one
+        assert kept[:3] == [[False, False], [True, True], [True, True, False]]
+        assert all(flat[7:])
     if draft == "other":       # a draft that is never right keeps nothing
         assert not any(flat)
     if draft == "near":        # rows of one round kept and rejected side by side
         assert any(any(f) and not all(f) for f in kept), kept
 
 
-def test_windows_survive_a_prefill_and_go_with_a_release(pair):
-    parts = shards(pair["same"], pair["same"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_windows_survive_a_prefill_and_go_with_a_release(pair, params):
+    """Greedy rounds take the target's bonus token (nothing held); sampled ones hold the
+    target's last logits for the next window's first token (draft = target under `logits`
+    acceptance keeps every window)."""
+    parts = shards(pair["same"], pair["same"], "logits")
+    held = {0, 2} if params is SAMPLED else set()
     for shard in (parts.draft, parts.target):
-        shard.prefill([0, 2], PROMPTS[:2], [GREEDY, GREEDY])
-    speculate_overlapped(parts, [0, 2], 3, 3)
-    assert set(parts.draft.windows) == set(parts.target.held) == {0, 2}
+        shard.prefill([0, 2], PROMPTS[:2], [params, params])
+    tokens = speculate_overlapped(parts, [0, 2], 3, 3)["tokens"]
+    assert set(parts.draft.windows) == {0, 2} and set(parts.target.held) == held
+    assert [len(t) for t in tokens] == [3 if held else 4] * 2
     for shard in (parts.draft, parts.target):
-        shard.prefill([3], PROMPTS[2:], [GREEDY])
+        shard.prefill([3], PROMPTS[2:], [params])
     assert set(parts.draft.windows) == {0, 2}
     for shard in (parts.draft, parts.target):
         shard.release([2])
-    assert set(parts.draft.windows) == set(parts.target.held) == {0}
+    assert set(parts.draft.windows) == {0} and set(parts.target.held) == held - {2}
     overlap.drop_windows(parts.draft)       # a target-only round: back to a pending token
     state = parts.draft.slots[0]
     assert not parts.draft.windows and state.cache_len + len(state.pending) == \
