@@ -21,3 +21,20 @@ def test_quickstart_runs():
     assert sum(line.startswith("  sampled: ") for line in lines) == 2
     # the stream is the greedy generation again, delta by delta
     assert lines[-1].split(" (streamed) -> ")[1] == lines[0].split(" -> ", 1)[1].strip("'")
+
+
+@pytest.mark.timeout(300)
+def test_overlap_bench_runs(tmp_path):
+    """examples/cpu/overlap_bench.py on a tiny synthetic pair: both modes, the same tokens'
+    count, and overlap on counts overlapped rounds (draft = target here: eps 0)."""
+    from runtime.models.synthetic import build_pair
+
+    build_pair(str(tmp_path), "tiny", 1, eps=0.0)
+    res = subprocess.run([sys.executable, "examples/cpu/overlap_bench.py", str(tmp_path),
+                          "--calls", "1", "--new-tokens", "12", "--prompt-len", "8"],
+                         cwd=ROOT, text=True, capture_output=True, timeout=280)
+    assert res.returncode == 0, res.stderr[-3000:]
+    on, off, ratio = res.stdout.splitlines()[-3:]
+    assert on.startswith("overlap on : ") and off.startswith("overlap off: ")
+    assert float(on.split("overlapped ")[1]) > 0 and off.endswith("overlapped 0.0")
+    assert ratio.startswith("on / off: ")
