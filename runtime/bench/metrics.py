@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-
 import time
 
 import torch
