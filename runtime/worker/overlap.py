@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from runtime.models.hostcopy import to_device
 from runtime.worker.shards import DraftShard, SlotState, TargetShard
 
 
@@ -173,11 +174,13 @@ def verify_held(target: TargetShard, slots: list[int], draft_tokens: torch.Tenso
     held = [s in target.held for s in slots]
     if not any(held):
         pending = [target.slots[s].pending for s in slots]
-        ids = torch.cat([_device_ids(pending, target), draft_tokens], dim=1)   # [B, k+1]
+        ids = torch.cat([to_device(pending, torch.long, target.device), draft_tokens],
+                        dim=1)                                                 # [B, k+1]
         logits = target._step(slots, ids)                                      # [B, k+1, V]
     else:
         pad = torch.zeros(bsz, 1, dtype=torch.long, device=target.device)
-        pending = _device_ids([target.slots[s].pending or [0] for s in slots], target)
+        pending = to_device([target.slots[s].pending or [0] for s in slots], torch.long,
+                            target.device)
         is_held = torch.tensor(held, device=target.device)[:, None]            # [B, 1]
         ids = torch.where(is_held, torch.cat([draft_tokens, pad], 1),
                           torch.cat([pending, draft_tokens], 1))               # [B, k+1]
@@ -189,12 +192,6 @@ def verify_held(target: TargetShard, slots: list[int], draft_tokens: torch.Tenso
     accepted, next_token = target._choose(draft_tokens, logits, target.sampling(slots),
                                           target.committed_index(slots), draft_probs)
     return accepted, next_token, logits[:, k]
-
-
-def _device_ids(rows: list[list[int]], target: TargetShard) -> torch.Tensor:
-    from runtime.models.hostcopy import to_device
-
-    return to_device(rows, torch.long, target.device)
 
 
 def commit_target(target: TargetShard, slots: list[int], accepted: list[int],
