@@ -30,6 +30,16 @@ def theoretical_speedup(alpha: float, k: int, c: float) -> float:
     return tokens_per_round / (k * c + 1.0)
 
 
+def theoretical_overlap_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected speedup of overlapped speculation (greedy; runtime.worker.overlap) over the
+    same k without overlap, both in units of a target verify: a plain round costs 1 + k·c; an
+    overlapped one max(1, (k+1)·c), plus k·c of drafting afresh when its next window was not
+    kept (it is with probability alpha^(k+1)). Both commit the same tokens a round."""
+    theoretical_speedup(alpha, k, c)          # the same argument checks
+    kept = alpha ** (k + 1)
+    return (1.0 + k * c) / (max(1.0, (k + 1) * c) + (1.0 - kept) * k * c)
+
+
 def alpha_from_tokens_per_round(mean_tokens: float, k: int) -> float:
     """Solve (1 - a^(k+1)) / (1 - a) = mean_tokens for a in [0, 1] (bisection); used when the
     per-position counts are not available."""

@@ -126,11 +126,28 @@ class TandemTarget:
 def timed(mode, prompts: list[list[int]], new_tokens: int, warmup: int,
           repeats: int) -> Outcome:
     """`warmup` untimed calls, then the median of `repeats` timed ones."""
-    for _ in range(warmup):
-        mode.run(prompts, new_tokens)
-    runs = sorted((mode.run(prompts, new_tokens) for _ in range(repeats)),
-                  key=lambda o: o.wall_s)
-    return runs[(len(runs) - 1) // 2]
+    return timed_side_by_side({"mode": mode}, prompts, new_tokens, warmup, repeats)["mode"]
+
+
+def timed_side_by_side(modes: dict, prompts: list[list[int]], new_tokens: int, warmup: int,
+                       repeats: int) -> dict[str, Outcome]:
+    """`timed` for modes loaded at once: each gets `warmup` untimed calls, then the timed
+    calls take turns (A B, B A, A B, ...), so that a drifting host or a busy neighbour weighs
+    on each alike; per mode the median of its `repeats` calls, and in its extra the
+    tokens/s of every timed call in order (`call_tokens_per_s`)."""
+    for mode in modes.values():
+        for _ in range(warmup):
+            mode.run(prompts, new_tokens)
+    runs: dict[str, list[Outcome]] = {name: [] for name in modes}
+    for i in range(repeats):
+        for name in (list(modes) if i % 2 == 0 else list(modes)[::-1]):
+            runs[name].append(modes[name].run(prompts, new_tokens))
+    medians = {}
+    for name, outs in runs.items():
+        median = sorted(outs, key=lambda o: o.wall_s)[(len(outs) - 1) // 2]
+        median.extra["call_tokens_per_s"] = [o.tokens_per_s for o in outs]
+        medians[name] = median
+    return medians
 
 
 class TandemSpec:

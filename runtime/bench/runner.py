@@ -1,9 +1,10 @@
 """`tandem bench`: run the modes side by side on the same prompts and derive the figures.
 
 Order: the in-process phase (the `target` mode, the copy bandwidth, the step costs behind c),
-then `spec` (one Engine for all batch sizes), then the transformers modes; each phase frees
-its models before the next loads. Every mode gets `warmup` untimed calls of the same shape
-before `repeats` timed ones (the median is kept).
+then `spec` and `spec-sequential` (overlap on and off: both Engines up at once, one for all
+batch sizes each, their timed calls taking turns), then the transformers modes; each phase
+frees its models before the next loads. Every mode gets `warmup` untimed calls of the same
+shape before `repeats` timed ones (the median is kept).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from runtime.bench import metrics
 from runtime.bench.modes import (MODES, HFAssisted, HFGenerate, Outcome, Skipped, TandemSpec,
-                                 free_memory, timed, worker_backends)
+                                 free_memory, timed_side_by_side, worker_backends)
 from runtime.bench.tp_target import TargetJob, measure, run_tensor_parallel
 from runtime.bench.report import hardware, now, row, versions
 
@@ -213,41 +214,53 @@ class Bench:
     def progress(self, text: str) -> None:
         print(f"bench: {text}", file=sys.stderr, flush=True)
 
-    # -- one mode over all batch sizes -------------------------------------------------------
-    def _mode(self, name: str, factory) -> None:
-        if name not in self.s.modes:
-            return
+    # -- modes over all batch sizes, side by side ---------------------------------------------
+    def _load(self, name: str, factory):
+        """The mode loaded, or None with its rows skipped or failed."""
         self.progress(f"{name}: loading")
         try:
-            mode = factory()
+            return factory()
         except Skipped as exc:
             self.rows += [row(name, b, "skipped", str(exc)) for b in self.s.batch_sizes]
-            return
         except Exception as exc:  # noqa: BLE001 - reported in the table, exit code 1
             traceback.print_exc()
             self.rows += [row(name, b, "failed", f"{type(exc).__name__}: {exc}")
                           for b in self.s.batch_sizes]
-            return
+        return None
+
+    def _modes(self, factories: dict) -> None:
+        """The requested ones of these modes, loaded at once and timed side by side
+        (modes.timed_side_by_side) at every batch size."""
+        loaded = {}
         try:
-            for bsz in self.s.batch_sizes:
-                self.progress(f"{name}: batch {bsz}")
-                try:
-                    out = timed(mode, self.prompts[:bsz], self.s.new_tokens, self.s.warmup,
-                                self.s.repeats)
-                except Skipped as exc:
-                    self.rows.append(row(name, bsz, "skipped", str(exc)))
-                    continue
-                except Exception as exc:  # noqa: BLE001
-                    traceback.print_exc()
-                    self.rows.append(row(name, bsz, "failed", f"{type(exc).__name__}: {exc}"))
-                    continue
-                self.tokens[(name, bsz)] = out.extra.get("token_ids")
-                self.rows.append(_ok_row(name, bsz, out))
-                if name == "spec":
-                    self.info.setdefault("spec_server_stats", {})[str(bsz)] = \
-                        mode.server_stats()
+            for name, factory in factories.items():
+                if name in self.s.modes and (mode := self._load(name, factory)) is not None:
+                    loaded[name] = mode
+            for bsz in self.s.batch_sizes if loaded else ():
+                self._batch(loaded, bsz)
         finally:
-            mode.close()
+            for mode in loaded.values():
+                mode.close()
+
+    def _batch(self, loaded: dict, bsz: int) -> None:
+        self.progress(f"{', '.join(loaded)}: batch {bsz}")
+        try:
+            outs = timed_side_by_side(loaded, self.prompts[:bsz], self.s.new_tokens,
+                                      self.s.warmup, self.s.repeats)
+        except Skipped as exc:
+            self.rows += [row(name, bsz, "skipped", str(exc)) for name in loaded]
+            return
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            self.rows += [row(name, bsz, "failed", f"{type(exc).__name__}: {exc}")
+                          for name in loaded]
+            return
+        for name, out in outs.items():
+            self.tokens[(name, bsz)] = out.extra.get("token_ids")
+            self.rows.append(_ok_row(name, bsz, out))
+            if name == "spec":
+                self.info.setdefault("spec_server_stats", {})[str(bsz)] = \
+                    loaded[name].server_stats()
 
     # -- the target phase: target mode, bandwidth, step costs ---------------------------------
     def _in_process(self, st: Setup) -> None:
@@ -340,6 +353,24 @@ class Bench:
                 r["roofline_fraction"] = (wbytes / bw) / seconds_per_step
             if r["mode"].startswith("spec") and bsz in self.step_costs:
                 self._spec_figures(r, st, self.step_costs[bsz], target.get(bsz))
+        self._overlap_figures(st)
+
+    def _overlap_figures(self, st: Setup) -> None:
+        """On each `spec` row that has a `spec-sequential` one beside it: overlap on / off
+        (measured, and by the model at the row's alpha, k and c)."""
+        sequential = {r["batch_size"]: r for r in self.rows if r["mode"] == "spec-sequential"
+                      and r["status"] == "ok" and r["tokens_per_s"]}
+        for r in self.rows:
+            off = sequential.get(r["batch_size"])
+            if r["mode"] != "spec" or r["status"] != "ok" or off is None:
+                continue
+            r["overlap_speedup"] = r["tokens_per_s"] / off["tokens_per_s"]
+            note = f"overlap {r['overlap_speedup']:.2f}x off"
+            if st.draft_len != "auto" and r.get("alpha") is not None and r.get("c"):
+                r["theoretical_overlap_speedup"] = metrics.theoretical_overlap_speedup(
+                    r["alpha"], int(st.draft_len), r["c"])
+                note += f" (model {r['theoretical_overlap_speedup']:.2f}x)"
+            r["note"] = "; ".join(filter(None, (r.get("note"), note)))
 
     def _spec_figures(self, r: dict, st: Setup, costs: dict, target: dict | None) -> None:
         r.update(draft_step_s=costs["draft_step_s"],
@@ -375,15 +406,18 @@ class Bench:
             self.prompts = make_prompts(st.target, s)
             with worker_backends():
                 self._in_process(st)
-            self._mode("spec", lambda: TandemSpec(st.engine_config))
-            self._mode("spec-sequential", lambda: TandemSpec(st.engine_config, overlap=False))
-            self._mode("hf", lambda: HFGenerate(st.target, st.target_dtype, st.target_device))
-            self._mode("hf-compiled", lambda: HFGenerate(
+            # overlap on and off side by side: both engines up, their calls taking turns
+            self._modes({"spec": lambda: TandemSpec(st.engine_config),
+                         "spec-sequential": lambda: TandemSpec(st.engine_config,
+                                                               overlap=False)})
+            self._modes({"hf": lambda: HFGenerate(st.target, st.target_dtype,
+                                                  st.target_device)})
+            self._modes({"hf-compiled": lambda: HFGenerate(
                 st.target, st.target_dtype, st.target_device, compiled=True,
-                compile_on_cpu=s.compile_on_cpu))
-            self._mode("hf-assisted", lambda: HFAssisted(
+                compile_on_cpu=s.compile_on_cpu)})
+            self._modes({"hf-assisted": lambda: HFAssisted(
                 st.target, st.draft, st.target_dtype, st.target_device, st.draft_device,
-                st.draft_len))
+                st.draft_len)})
         finally:
             if st.cleanup:
                 shutil.rmtree(st.cleanup, ignore_errors=True)

@@ -58,7 +58,8 @@ class Orchestrator:
                                    self.config.speculation.fixed_draft_len,
                                    self.eos_token_ids,
                                    self.config.runtime.step_timeout_s,
-                                   overlap=self.config.overlapped)
+                                   overlap=self.config.overlapped,
+                                   acceptance=self.config.speculation.acceptance)
         scheduler = self._scheduler
         scheduler.metrics.watch(lambda: len(scheduler.running), lambda: len(scheduler.queue),
                                 scheduler.draft_len)

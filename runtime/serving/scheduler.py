@@ -7,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.speculation.adaptive import TARGET_ONLY_STEPS, DraftLenController
+from runtime.speculation.adaptive import TARGET_ONLY_STEPS, DraftLenController, takes_bonus
 from runtime.config import MAX_AUTO_DRAFT_LEN
 from runtime.params import SamplingParams
 from runtime.control.pool import WorkerPool
@@ -78,11 +78,12 @@ class Event:
 class Scheduler:
     def __init__(self, pool: WorkerPool, num_slots: int, draft_len: int | None,
                  eos_token_ids: tuple[int, ...], step_timeout_s: float,
-                 overlap: bool = False):
+                 overlap: bool = False, acceptance: str = "tokens"):
         self.pool = pool
         self.draft_len = MAX_AUTO_DRAFT_LEN if draft_len is None else draft_len  # max k
         self.controller = DraftLenController(draft_len, MAX_AUTO_DRAFT_LEN, overlap)
         self.overlap = overlap   # workers draft the next window during verification
+        self.acceptance = acceptance
         self.eos = set(eos_token_ids)
         self.step_timeout_s = step_timeout_s
         self.free_slots = list(range(num_slots))
@@ -149,9 +150,9 @@ class Scheduler:
         # overlapped, the announced k stands whatever joined or left: slots whose window was
         # kept hold no pending token and need a drafting round
         announced = self.next_k is not None and (self.overlap or self.next_slots == slots)
-        greedy = all(self.running[s].params.greedy for s in slots)
-        k = self.next_k if announced else self.controller.choose(batch, greedy)
-        self.next_k, self.next_slots = self.controller.choose(batch, greedy), slots
+        bonus = takes_bonus(all(self.running[s].params.greedy for s in slots), self.acceptance)
+        k = self.next_k if announced else self.controller.choose(batch, bonus)
+        self.next_k, self.next_slots = self.controller.choose(batch, bonus), slots
         return k, self.next_k
 
     def _admit(self) -> None:

@@ -16,9 +16,9 @@ Each round the scheduler asks for k and reports back what happened. The controll
 
 and picks the k in 0..max_k that maximises expected tokens per second,
 E[tokens | k] / T(k) with E[tokens | k] = 1 + sum_{j<=k} a_1 * ... * a_j (overlapped rounds
-of sampled batches take no bonus token when all k are kept: less a_1 * ... * a_k; greedy ones
-take it; their measured cost is what overlapping makes of a round, so the choice needs no
-other model of it). k = 0 is a
+of sampled batches under `acceptance: logits` take no bonus token when all k are kept: less
+a_1 * ... * a_k; greedy ones and `tokens` acceptance take it; their measured cost is what
+overlapping makes of a round, so the choice needs no other model of it). k = 0 is a
 target-only round: no draft, the target decodes up to TARGET_ONLY_STEPS tokens on one command
 (so the control round trip is paid once for all of them), at 1 token per measured step; it
 wins when the draft is rarely right, and every other exploration round then tries k = 1.
@@ -43,6 +43,15 @@ PER_K = 8              # recent round costs kept per (bucket, k)
 MIN_COST_OBS = 3       # measured rounds at k needed to trust their median over the line
 MAX_COST_AGE = 512     # rounds after which a measured cost no longer counts as recent
 PLAUSIBLE = 0.8        # unmeasured k predicted within this share of the best get measured
+
+
+def takes_bonus(greedy: bool, acceptance: str) -> bool:
+    """Whether an overlapped round keeps the target's bonus token: its argmax (greedy) or its
+    own sample (`tokens`: a draft token counts only when it equals the target's sample, so
+    the target draws b without looking at w_1, and w_1 == b is a match like any other).
+    `logits` acceptance of a sampled batch tests w_1 with its q: the target holds its logits
+    (runtime.worker.overlap)."""
+    return greedy or acceptance == "tokens"
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -130,9 +139,9 @@ class DraftLenController:
             costs.append(median(recent) if measured[-1] else t_verify + k * t_draft)
         return costs, measured
 
-    def choose(self, batch: int, greedy: bool = False) -> int:
-        """Draft length for the next round of `batch` sequences (greedy: all of them are,
-        and an overlapped round takes its bonus token)."""
+    def choose(self, batch: int, bonus: bool = False) -> int:
+        """Draft length for the next round of `batch` sequences (bonus: an overlapped round
+        takes the target's bonus token: takes_bonus)."""
         if self.fixed is not None:
             return self.fixed
         self.rounds += 1
@@ -143,7 +152,7 @@ class DraftLenController:
         costs, measured = estimate
         accept = self.position_acceptance()
         expected = [1.0] + expected_tokens_by_position(accept)
-        if self.overlap and not greedy:   # no bonus when all k are kept: the window is held
+        if self.overlap and not bonus:   # no bonus when all k are kept: the window is held
             expected = [1.0] + [e - _reach(accept, k) for k, e in enumerate(expected[1:], 1)]
         rates = [e / t for e, t in zip(expected, costs)]
         self.last_k = self._explore(rates, measured)

@@ -6,16 +6,18 @@ Per slot, with N tokens committed when round r begins and its window d_1..d_k:
 - draft: after sending d_1..d_k it goes on as if the target will keep them all: it decodes d_k
   and samples w_1 (its guess of the token at index N+k), then w_2, ...: the next window,
   drafted while the target verifies.
-- target, greedy batches: one forward as always, bonus token b included. A slot whose k drafts
-  were all accepted and whose w_1 equals b keeps w_2..w_{m+1} as its next window (m = the next
-  round's k; the draft drafted m + 1): a rejected w_1 costs no forward, the draft learns it
-  with the verdict and drafts afresh from b.
-- target, sampled batches: when it accepts all k and a next window was announced (the round's
-  next_k > 0), it takes no bonus token: the slot commits d_1..d_k and the target holds its
-  logits at the last position (the distribution of the token at index N+k). Next round its
-  verify runs over w_1..w_m alone, and the held logits verify w_1 with the draft's q (the
-  modified rejection rule needs q of the token it tests, so the target cannot decide before
-  it sees w_1; `tokens` acceptance is held the same way).
+- target, greedy batches and sampled ones under `acceptance: tokens` (takes_bonus in
+  runtime.speculation.adaptive): one forward as always, bonus token b (its argmax, or its own
+  sample) included. A slot whose k drafts were all accepted and whose w_1 equals b keeps
+  w_2..w_{m+1} as its next window (m = the next round's k; the draft drafted m + 1): a
+  rejected w_1 costs no forward, the draft learns it with the verdict and drafts afresh
+  from b.
+- target, sampled batches under `acceptance: logits`: when it accepts all k and a next window
+  was announced (the round's next_k > 0), it takes no bonus token: the slot commits
+  d_1..d_k and the target holds its logits at the last position (the distribution of the
+  token at index N+k). Next round its verify runs over w_1..w_m alone, and the held logits
+  verify w_1 with the draft's q (the modified rejection rule needs q of the token it tests,
+  so the target cannot decide before it sees w_1).
 - draft, on the verdict: a slot kept keeps its next window; a slot rejected inside window r
   drops it (its KV rolls back by a length update) and drafts again from the correction.
 
@@ -43,8 +45,8 @@ class DraftWindow:
 
 
 def held_rows(accepted: list[int], k: int, next_k: int, bonus: bool) -> list[bool]:
-    """Slots whose target holds its last logits (no bonus token): a sampled batch's rows whose
-    whole window was accepted with a next window announced; none when greedy (bonus)."""
+    """Slots whose target holds its last logits (no bonus token): rows whose whole window was
+    accepted with a next window announced, when the round takes no bonus (adaptive.takes_bonus)."""
     return [not bonus and next_k > 0 and a == k for a in accepted]
 
 

@@ -21,6 +21,7 @@ import torch
 
 from parallel.transfer import bridge_broadcast
 from runtime.models.hostcopy import to_device
+from runtime.speculation.adaptive import takes_bonus
 from runtime.worker import overlap
 from runtime.worker.shards import DraftShard, TargetShard
 from runtime.worker.stepclock import StepClock
@@ -98,14 +99,15 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> dict:
 def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: int) -> dict:
     """A round of overlapped speculation (runtime.worker.overlap): the draft's ranks and the
     target's are disjoint, and while the target verifies this window the draft drafts the
-    next one as if this one will be kept. Greedy: the target takes its bonus token, and a
-    slot keeps its next window when all k were accepted and the window's first token is that
-    bonus. Sampled: a slot whose window is wholly accepted commits its k drafts without a
-    bonus token (next_k > 0): its next window is ready, and the target's held logits verify
-    its first token next round."""
+    next one as if this one will be kept. Greedy or `tokens` acceptance: the target takes its
+    bonus token, and a slot keeps its next window when all k were accepted and the window's
+    first token is that bonus. Sampled under `logits`: a slot whose window is wholly accepted
+    commits its k drafts without a bonus token (next_k > 0): its next window is ready, and the
+    target's held logits verify its first token next round."""
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     batch, dev, draft, target = len(slots), parts.device, parts.draft, parts.target
-    greedy = (target or draft).sampling(slots).greedy            # greedy: the bonus is taken
+    greedy = (target or draft).sampling(slots).greedy
+    bonus = takes_bonus(greedy, parts.acceptance)               # else held logits
     need_q = parts.acceptance == "logits" and not greedy
     # 1. draft: this window (drafted during the last round where the slot was kept)
     sent = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)   # [B, k] drafts, [B] ready
@@ -127,7 +129,7 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     window = last_logits = None
     if draft is not None and next_k > 0:
         window = overlap.draft_next_window(draft, slots, draft_tokens, draft_probs,
-                                           overlap.window_len(next_k, greedy))
+                                           overlap.window_len(next_k, bonus))
     if target is not None:
         accepted, next_token, last_logits = overlap.verify_held(
             target, slots, draft_tokens, draft_probs if need_q else None)
@@ -136,10 +138,10 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     # 4. target -> draft; 5. both commit: kept slots keep the next window (draft), held ones
     # the target's last logits
     drafts, accepted, next_tokens = _verdict_to_all(parts, draft_tokens, verdict, clock)
-    held = overlap.held_rows(accepted, k, next_k, bonus=greedy)
+    held = overlap.held_rows(accepted, k, next_k, bonus)
     if draft is not None:
         overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, held, window,
-                             bonus=greedy)
+                             bonus)
     if target is not None:
         overlap.commit_target(target, slots, accepted, next_tokens, held, last_logits)
     tokens = [d[:a] if hold else d[:a] + [n]

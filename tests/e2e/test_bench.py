@@ -210,3 +210,70 @@ def test_resolve_config_and_devices(tmp_path):
     assert runner._engine_device(runner._torch_device("cuda")) == 0
     assert runner._engine_device(torch.device("cuda", 1)) == 1
     assert runner._engine_device(torch.device("cpu")) == "cpu:0"
+
+
+def test_theoretical_overlap_speedup():
+    # the docs' table: c 0.3 at k 2, c 0.2 at k 4 (alpha 0.8)
+    assert metrics.theoretical_overlap_speedup(0.8, 2, 0.3) == pytest.approx(
+        1.6 / (1 + (1 - 0.8 ** 3) * 0.6))
+    assert round(metrics.theoretical_overlap_speedup(0.8, 2, 0.3), 2) == 1.24
+    assert round(metrics.theoretical_overlap_speedup(0.8, 4, 0.2), 2) == 1.17
+    # every window kept: a round costs the longer of the two sides
+    assert metrics.theoretical_overlap_speedup(1.0, 2, 0.3) == pytest.approx(1.6)
+    assert metrics.theoretical_overlap_speedup(1.0, 4, 0.5) == pytest.approx(3.0 / 2.5)
+    # none kept: the next window is drafted during the verify for nothing
+    assert metrics.theoretical_overlap_speedup(0.0, 2, 0.3) == pytest.approx(1.0)
+    assert metrics.theoretical_overlap_speedup(0.0, 2, 0.5) == pytest.approx(2.0 / 2.5)
+    with pytest.raises(ValueError):
+        metrics.theoretical_overlap_speedup(0.8, 0, 0.3)
+
+
+class _Recorder:
+    """A bench mode that records the order of its calls; call i takes walls[i] seconds."""
+    def __init__(self, name, walls, calls):
+        self.name, self.walls, self.calls = name, list(walls), calls
+
+    def run(self, prompts, new_tokens):
+        from runtime.bench.modes import Outcome
+
+        self.calls.append(self.name)
+        return Outcome(tokens=10, wall_s=self.walls.pop(0))
+
+
+def test_side_by_side_calls_take_turns():
+    from runtime.bench.modes import timed_side_by_side
+
+    calls = []
+    modes = {"a": _Recorder("a", [9, 1.0, 3.0, 2.0], calls),
+             "b": _Recorder("b", [9, 4.0, 5.0, 6.0], calls)}
+    outs = timed_side_by_side(modes, [[1]], 4, warmup=1, repeats=3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert outs["a"].wall_s == 2.0 and outs["b"].wall_s == 5.0        # the medians
+    assert outs["a"].extra["call_tokens_per_s"] == [10.0, 10 / 3, 5.0]
+
+
+def test_overlap_on_and_off_side_by_side(tmp_path):
+    """A config with draft and target on their own CPU devices: `spec` (overlap on) and
+    `spec-sequential` (off) run side by side, greedy tokens equal; the spec row carries the
+    measured on/off ratio and the model's; only the overlapped engine kept windows (the
+    draft equals the target: eps 0)."""
+    from runtime.models.synthetic import build_pair
+
+    draft, target = build_pair(tmp_path, "tiny", 2)
+    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_len=2)
+    out = tmp_path / "ov.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", "bench", cfg, "--prompt-len", "8", "--new-tokens",
+         "24", "--repeats", "3", "--modes", "target,spec,spec-sequential", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env=launch.clean_env())
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "spec, spec-sequential: batch 1" in res.stderr
+    report = json.loads(out.read_text())
+    on, off = rows(report, "spec")[1], rows(report, "spec-sequential")[1]
+    assert on["status"] == off["status"] == "ok"
+    assert on["tokens_equal_target"] is True and off["tokens_equal_target"] is True
+    assert on["overlap_share"] > 0.5 and off["overlap_share"] == 0.0
+    assert on["overlap_speedup"] == pytest.approx(on["tokens_per_s"] / off["tokens_per_s"])
+    assert on["alpha"] == 1.0 and is_num(on["theoretical_overlap_speedup"])
+    assert "overlap" in on["note"] and "overlap_speedup" not in off
+    assert len(on["call_tokens_per_s"]) == len(off["call_tokens_per_s"]) == 3

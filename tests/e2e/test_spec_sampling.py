@@ -36,8 +36,9 @@ def pair(tmp_path_factory):
     target = checkpoints.build_checkpoint(root / "target", "llama", seed=10, **kw)
     draft = checkpoints.build_checkpoint(root / "draft", "llama", seed=11, **kw)
     # a draft that agrees often (alpha about 0.8 at temperature 1) yet is told apart: with
-    # draft_len 1 most first windows are kept, so the second token is the overlapped
-    # round's, verified with the target's held logits (runtime.worker.overlap)
+    # draft_len 1 under `logits` acceptance most first windows are kept, so the second token
+    # is the overlapped round's, verified with the target's held logits
+    # (runtime.worker.overlap)
     near = checkpoints.build_near_draft(target, root / "near", noise=0.3)
     return {"random": draft, "near": near}, target
 
@@ -92,7 +93,7 @@ def sample_pairs(engine, setting: dict, seed: int) -> tuple[np.ndarray, int]:
     ("logits", ["cpu:0"], ["cpu:1"], "random", 3),
     ("logits", ["cpu:0"], ["cpu:1", "cpu:2"], "random", 3),   # draft TP 1, target TP 2
     ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"], "random", 3),   # draft TP 2, target TP 1
-    ("tokens", ["cpu:0"], ["cpu:1"], "near", 1),              # overlapped rounds kept
+    # overlapped rounds kept (held logits; `tokens` keeps the bonus: test_overlap_sampling)
     ("logits", ["cpu:0"], ["cpu:1"], "near", 1),
 ])
 def test_sampled_output_follows_target(acceptance, draft_devices, target_devices, draft_kind,

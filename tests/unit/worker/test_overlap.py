@@ -1,5 +1,6 @@
 """Overlapped rounds (runtime.worker.overlap) in one process: both shards on the CPU, the
-bridge a no-op. Greedy output must be the target's own token for token whatever the draft,
+bridge a no-op. Greedy output (and sampled output under `acceptance: tokens`) must be the
+target's own token for token whatever the draft,
 with rows of one batch kept and rejected in the same round, k changing between rounds and a
 sequence joining while others hold next windows."""
 from __future__ import annotations
@@ -36,11 +37,12 @@ def shards(draft_path: str, target_path: str, acceptance: str = "tokens") -> Rou
     return RoundParts(draft, target, None, 0, 0, 0, CPU, acceptance, overlap=True)
 
 
-def target_greedy(target_path: str, prompt: list[int], n: int) -> list[int]:
-    """The target alone: one token per decode step."""
+def target_alone(target_path: str, prompt: list[int], n: int, params=GREEDY) -> list[int]:
+    """The target alone: one token per decode step (sampled: with the uniforms of its
+    position, rng.STREAM_TARGET, as a round's corrections and bonus tokens use them)."""
     target = TargetShard(load_model(target_path, torch.float32, CPU), CPU, 1, 96, "tokens",
                          max_step_len=2)
-    target.prefill([0], [prompt], [GREEDY])
+    target.prefill([0], [prompt], [params])
     tokens = target.decode([0], n)[0].tolist()
     return tokens
 
@@ -72,7 +74,7 @@ def test_greedy_equals_target_whatever_the_draft(pair, draft):
     ks = [4, 4, 3, 1, 4, 2, 4, 4]
     out, kept = run(shards(pair[draft], pair["same"]), ks)
     for slot, prompt in zip([0, 2, 3], PROMPTS):
-        assert out[slot] == target_greedy(pair["same"], prompt, len(out[slot])), slot
+        assert out[slot] == target_alone(pair["same"], prompt, len(out[slot])), slot
     flat = [flag for flags in kept for flag in flags]
     if draft == "same":        # every window kept: each round after a slot's first has one
         assert kept[:3] == [[False, False], [True, True], [True, True, False]]
@@ -81,6 +83,21 @@ def test_greedy_equals_target_whatever_the_draft(pair, draft):
         assert not any(flat)
     if draft == "near":        # rows of one round kept and rejected side by side
         assert any(any(f) and not all(f) for f in kept), kept
+
+
+@pytest.mark.parametrize("draft", ["near", "other", "same"])
+def test_sampled_tokens_acceptance_equals_the_targets_own_samples(pair, draft):
+    """Under `acceptance: tokens` a sampled round keeps the target's bonus token (its own
+    sample) like a greedy one, and every committed token is the target's own sample with the
+    uniforms of its position: the output equals the target alone sampling, token for token,
+    whatever the draft and whichever windows were kept."""
+    ks = [4, 4, 3, 1, 4, 2, 4, 4]
+    out, kept = run(shards(pair[draft], pair["same"]), ks, params=SAMPLED)
+    for slot, prompt in zip([0, 2, 3], PROMPTS):
+        assert out[slot] == target_alone(pair["same"], prompt, len(out[slot]), SAMPLED), slot
+    flat = [flag for flags in kept for flag in flags]
+    if draft == "same":        # coupled uniforms: the draft samples what the target does
+        assert all(flat[7:]), kept
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
