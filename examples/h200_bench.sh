@@ -11,6 +11,8 @@
 #       (a Triton small-M linear against cuBLAS / _scaled_mm per shape; the FP8 step's kernels)
 #   bash examples/h200_bench.sh OUTDIR gemm-layout
 #       (the decode GEMMs as x @ W^T against W @ x^T, cold weights against weights in L2)
+#   bash examples/h200_bench.sh OUTDIR cpu-overlap
+#       (overlap on / off on two of the host's CPU cores: examples/cpu/overlap_figures.sh)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -77,6 +79,7 @@ for phase in "$@"; do
                           --draft-len 4 --modes spec ;;   # phases: spec_server_stats.profile
         k[0-9]*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len "${phase#k}" \
                      --modes spec ;;
+        cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac
 done

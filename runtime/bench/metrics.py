@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 
 import torch
@@ -158,18 +159,21 @@ def cpu_threads(device: torch.device, threads: int | None):
 @torch.inference_mode()
 def step_time(runner, device: torch.device, batch: int, tokens: int, position: int,
               iters: int = 20, warmup: int = 3) -> float:
-    """Mean seconds of one step of `tokens` tokens per row for `batch` rows through a
+    """Median seconds of one step of `tokens` tokens per row for `batch` rows through a
     runtime.models.step_runner.StepRunner (the workers' path: static shapes, CUDA graphs on
     CUDA), written at cache position `position` (the cache must hold batch slots of
-    position + tokens)."""
+    position + tokens). Each step is timed on its own (a sync after each): one step slowed
+    by a busy host moves a mean, not the median."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, runner.model.vocab_size, (batch, tokens), generator=gen).to(device)
     slots, starts, n = list(range(batch)), [position] * batch, [tokens] * batch
     for _ in range(warmup):
         runner.run(ids, slots, starts, n)
-    sync(device)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
         runner.run(ids, slots, starts, n)
-    sync(device)
-    return (time.perf_counter() - t0) / iters
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -25,7 +25,7 @@ from runtime.bench.tp_target import TargetJob, measure, run_tensor_parallel
 from runtime.bench.report import hardware, now, row, versions
 
 log = logging.getLogger("tandem.bench")
-C_SOURCE = ("in-process: mean time of one draft decode step (1 token per row) / one target "
+C_SOURCE = ("in-process: median time of one draft decode step (1 token per row) / one target "
             "verify step (k+1 tokens per row), both through the workers' StepRunner (CUDA "
             "graphs unless --no-cuda-graphs) on their configured devices (on CPU with the "
             "threads each engine worker gets), at cache position prompt_len + new_tokens / 2")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The overlap figures of docs/configuration.md ("Overlapped speculation"), on two CPU cores:
+#   bash examples/cpu/overlap_figures.sh OUTDIR [EPS...]          (default EPS: 0.0425 0.045)
+# For each EPS: the `small` synthetic pair with its 2-layer draft (bf16), draft on cpu:0 and
+# target on cpu:1 with one thread each, draft_len 2, greedy, 32-token prompts, 128 new tokens;
+# `tandem bench` with overlap on and off side by side (7 timed calls each, taking turns), then
+# examples/cpu/overlap_bench.py (9 prompts, one call of each mode per prompt). On a host with
+# more cores, CORES="0,1" (say) runs everything under `taskset -c $CORES`; PIN=0 leaves the
+# workers unpinned (TANDEM_CPU_AFFINITY). Writes OUTDIR/eps-<EPS>.json and .log.
+set -u
+OUT=${1:?usage: overlap_figures.sh OUTDIR [EPS...]}; shift
+mkdir -p "$OUT"
+SYN=${SYN:-/tmp/tandem-ov}
+export TANDEM_CPU_AFFINITY=${PIN:-1} CUDA_VISIBLE_DEVICES=
+run() { if [ -n "${CORES:-}" ]; then taskset -c "$CORES" "$@"; else "$@"; fi; }
+for eps in "${@:-0.0425 0.045}"; do
+    for e in $eps; do
+        pair="$SYN/eps-$e"
+        [ -d "$pair/target" ] || python -c "from runtime.models.synthetic import build_pair; \
+            build_pair('$pair', 'small', 2, eps=$e)"
+        cat > "$pair/config.yaml" <<YAML
+draft: {model: $pair/draft, devices: ["cpu:0"], dtype: bfloat16}
+target: {model: $pair/target, devices: ["cpu:1"], dtype: bfloat16}
+speculation: {draft_len: 2}
+runtime: {max_batch_size: 1, max_seq_len: 1024}
+YAML
+        start=$SECONDS
+        { run python -m launcher bench "$pair/config.yaml" --modes spec,spec-sequential \
+              --prompt-len 32 --new-tokens 128 --repeats 7 --out "$OUT/eps-$e.json"
+          run python examples/cpu/overlap_bench.py "$pair" --draft-len 2 --new-tokens 128 \
+              --calls 9; } > "$OUT/eps-$e.log" 2>&1
+        echo "== eps $e (rc $?, $((SECONDS - start)) s)"
+        grep '^|\|^overlap\|^on / off' "$OUT/eps-$e.log"
+    done
+done
