@@ -68,12 +68,23 @@ def test_vocab_mismatch_is_a_config_error(tiny, tmp_path):
 
 def test_bad_request_arguments_exit_2(tiny, tmp_path):
     cfg = write(tmp_path, base(tiny[0]))
-    for args, name in ((["--prompt-ids", "1,x"], "--prompt-ids"),
-                       (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
-                       (["--prompt-ids", "1", "--top-p", "0"], "--top-p"),
-                       (["--prompt-ids", "1", "--temperature", "-1"], "--temperature")):
-        res = tandem("run", cfg, *args)
-        assert res.returncode == 2 and name in res.stderr, (args, res.stderr)
+    cases = ((["--prompt-ids", "1,x"], "--prompt-ids"),
+             (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
+             (["--prompt-ids", "1", "--top-p", "0"], "--top-p"),
+             (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"))
+    # started at once (each is one busy core: an interpreter importing torch), then checked
+    procs = [subprocess.Popen([sys.executable, "-m", "launcher", "run", cfg, *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=launch.clean_env()) for args, _ in cases]
+    try:
+        for proc, (args, name) in zip(procs, cases):
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 2 and name in err, (args, err)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_token_outside_vocab_exits_2(tiny, tmp_path):

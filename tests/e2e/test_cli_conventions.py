@@ -111,7 +111,7 @@ def test_demo_print_config_is_the_builtin_default():
 
 
 # --- errors: the flag the user typed, before anything starts --------------------------------
-@pytest.mark.parametrize("args, expected", [
+REQUEST_ERRORS = [
     (["--prompt-ids", "1,x"], "--prompt-ids: expected comma-separated integers"),
     (["--prompt-ids", "1,99999"], "--prompt-ids: token id 99999 is outside the vocabulary"),
     (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer"),
@@ -121,9 +121,30 @@ def test_demo_print_config_is_the_builtin_default():
     (["--prompt-ids", "1", "--top-k", "-1"], "--top-k: expected an integer >= 0"),
     (["--prompt-ids", "1", "--temperature", "-1"], "--temperature: expected a finite"),
     (["--prompt", ""], "--prompt: empty prompt"),
-])
-def test_request_errors_name_the_flag(cfg, args, expected):
-    res = tandem("run", cfg, *args)
+]
+
+
+@pytest.fixture(scope="module")
+def request_errors(cfg):
+    """`tandem run CFG ARGS` of every case of test_request_errors_name_the_flag, started at
+    once: each is one busy core (an interpreter that imports torch, then exits 2), so they
+    share the host's cores; each test waits for its own."""
+    procs = {tuple(args): subprocess.Popen(
+        [sys.executable, "-m", "launcher", "run", cfg, *args], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=launch.clean_env())
+        for args, _ in REQUEST_ERRORS}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("args, expected", REQUEST_ERRORS)
+def test_request_errors_name_the_flag(request_errors, args, expected):
+    proc = request_errors[tuple(args)]
+    out, err = proc.communicate(timeout=120)
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert res.returncode == 2, res.stderr
     assert res.stderr.startswith("tandem: error: ") and expected in res.stderr, res.stderr
     for python_name in ("prompt_token_ids", "max_new_tokens", "top_p", "top_k"):

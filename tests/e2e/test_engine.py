@@ -15,12 +15,31 @@ from tests import checkpoints, launch
 pytestmark = pytest.mark.timeout(300)
 
 
+class ImpatientEngine(Engine):
+    """Declares a running server dead after 0.2 s of silence: far less than a startup."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, dead_after_s=0.2, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def engine(tokenized_pair, tmp_path_factory):
+def launched(tokenized_pair, tmp_path_factory):
+    """The file's one Engine, an ImpatientEngine (test_launch_waits_for_a_slow_startup_...
+    checks its launch), with what its launch showed: (engine, seconds the launch took, its
+    dead_after_s right after the launch). The other tests use it with the Client's default
+    silence limit (30 s) put back."""
     cfg = launch.write_config(tmp_path_factory.mktemp("cfg") / "c.yaml", *tokenized_pair,
                               max_seq_len=128)
-    with Engine.launch(cfg) as eng:
-        yield eng
+    start = time.monotonic()
+    with ImpatientEngine.launch(cfg) as eng:
+        took, dead_after_s = time.monotonic() - start, eng.dead_after_s
+        eng.dead_after_s = 30.0                     # generating may be silent longer
+        yield eng, took, dead_after_s
+
+
+@pytest.fixture(scope="module")
+def engine(launched):
+    return launched[0]
 
 
 def test_generate_text_equals_target_greedy(engine, tokenized_pair):
@@ -131,22 +150,11 @@ def test_killed_worker_raises_engine_dead(tokenized_pair, tmp_path):
     launch.assert_group_gone(server)
 
 
-class ImpatientEngine(Engine):
-    """Declares a running server dead after 0.2 s of silence: far less than a startup."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, dead_after_s=0.2, **kwargs)
-
-
-def test_launch_waits_for_a_slow_startup_then_restores_the_liveness_limit(tokenized_pair,
-                                                                         tmp_path):
+def test_launch_waits_for_a_slow_startup_then_restores_the_liveness_limit(launched):
     """Loading (and on GPUs capturing CUDA graphs) may outlast the silence allowed to a
     running server: launch waits up to the startup timeout instead."""
-    cfg = launch.write_config(tmp_path / "c.yaml", *tokenized_pair, max_seq_len=64)
-    start = time.monotonic()
-    with ImpatientEngine.launch(cfg) as eng:
-        assert time.monotonic() - start > 0.2       # the startup took longer than the limit
-        assert eng.dead_after_s == 0.2
-        eng.dead_after_s = 30.0                     # generating may be silent longer
-        out = eng.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
-        assert len(out.token_ids) == 4
+    eng, took, dead_after_s = launched
+    assert took > 0.2                               # the startup took longer than the limit
+    assert dead_after_s == 0.2
+    out = eng.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
+    assert len(out.token_ids) == 4

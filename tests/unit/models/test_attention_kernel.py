@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.interpreted import run_interpreted
+from tests.interpreted import start_interpreted
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -119,13 +119,23 @@ print("ok")
 '''
 
 
-def test_long_cache_short_rows_reads_no_dead_chunk():
+@pytest.fixture(scope="module")
+def scripts():
+    """This file's interpreted scripts, started at once (each is one busy core's work) and
+    checked by their tests."""
+    started = {"long": start_interpreted(LONG_CACHE), "fp8": start_interpreted(FP8)}
+    yield started
+    for script in started.values():
+        script.kill()
+
+
+def test_long_cache_short_rows_reads_no_dead_chunk(scripts):
     """Rows of 5..40 positions in a 1024-position cache equal eager attention; dead chunks
     store no partial and the combine reads none (NaN-filled buffers stay out of the result)."""
-    run_interpreted(LONG_CACHE)
+    scripts["long"].check()
 
 
-def test_quantize_equals_fp8_quantize_rows_of_the_output():
+def test_quantize_equals_fp8_quantize_rows_of_the_output(scripts):
     """quantize=True (combine and per-token FP8 quantization in one launch) equals
     fused.fp8_quantize_rows of the plain output, bf16 / float16 / float32."""
-    run_interpreted(FP8)
+    scripts["fp8"].check()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.interpreted import run_interpreted
+from tests.interpreted import start_interpreted
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -118,9 +118,11 @@ print("ok")
 '''
 
 
-def test_slot_attention_equals_grouped_attention():
-    run_interpreted(CASES)
+def test_slot_attention_equals_grouped_attention(scripts):
+    scripts["cases"].check()
 
+
+QUANTIZATIONS = [None, "fp8"]
 
 MODEL_CASE = r'''
 import sys
@@ -152,10 +154,23 @@ print("ok")
 '''
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_model_steps_through_the_kernels_equal_eager(llama_path, quantization):
+@pytest.fixture(scope="module")
+def scripts(llama_path):
+    """This file's interpreted scripts, started at once (each is one busy core's work) and
+    checked by their tests."""
+    started = {"cases": start_interpreted(CASES)}
+    for quantization in QUANTIZATIONS:
+        started[quantization] = start_interpreted(
+            MODEL_CASE, llama_path, *([quantization] if quantization else []))
+    yield started
+    for script in started.values():
+        script.kill()
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_model_steps_through_the_kernels_equal_eager(scripts, quantization):
     """forward_static with the kernels on (interpreted) equals the eager path: prefill rows
     and a ragged verify step of a whole model, the kernels reading the cache in place; with
     FP8 weights on the fused FP8 GEMM path (emulated) too: the qkv rescale in the RoPE
     kernel, the output quantized in the attention kernel's combine."""
-    run_interpreted(MODEL_CASE, llama_path, *([quantization] if quantization else []))
+    scripts[quantization].check()
