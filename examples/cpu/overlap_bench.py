@@ -57,12 +57,17 @@ def main() -> None:
             engine.close()
     for on in (True, False):
         mean = lambda key: statistics.mean(s[key] for s in stats[on])  # noqa: E731
+        alpha = sum(sum(s["accepted_per_position"]) for s in stats[on]) / \
+            sum(s["tested_draft_tokens"] for s in stats[on])      # kept / tested, as the bench
         print(f"overlap {'on ' if on else 'off'}: {statistics.median(rates[on]):.1f} tokens/s "
-              f"(median; {min(rates[on]):.1f}-{max(rates[on]):.1f}), acceptance "
-              f"{mean('acceptance_rate'):.3f}, tokens/round {mean('mean_accepted_tokens'):.2f}, "
+              f"(median; {min(rates[on]):.1f}-{max(rates[on]):.1f}), alpha {alpha:.3f}, "
+              f"acceptance {mean('acceptance_rate'):.3f}, "
+              f"tokens/round {mean('mean_accepted_tokens'):.2f}, "
               f"rounds {mean('rounds'):.1f}, overlapped {mean('overlapped_rounds'):.1f}")
+    paired = [x / y for x, y in zip(rates[True], rates[False])]
     print(f"on / off: {statistics.median(rates[True]) / statistics.median(rates[False]):.2f}x "
-          f"(per call {', '.join(f'{x / y:.2f}' for x, y in zip(rates[True], rates[False]))})")
+          f"(medians); per call (same prompt) median {statistics.median(paired):.2f}x: "
+          f"{', '.join(f'{r:.2f}' for r in paired)}")
 
 
 if __name__ == "__main__":

@@ -37,4 +37,5 @@ def test_overlap_bench_runs(tmp_path):
     on, off, ratio = res.stdout.splitlines()[-3:]
     assert on.startswith("overlap on : ") and off.startswith("overlap off: ")
     assert float(on.split("overlapped ")[1]) > 0 and off.endswith("overlapped 0.0")
+    assert "alpha 1.000" in on and "per call (same prompt) median" in ratio
     assert ratio.startswith("on / off: ")
