@@ -16,7 +16,8 @@ import torch
 
 from runtime import Engine
 from tests import checkpoints, launch
-from tests.e2e.test_spec_sampling import PROMPT, SAMPLES, SETTINGS, VOCAB, chi_square_p
+from tests.e2e.test_spec_sampling import (PROMPT, SAMPLES, SETTINGS, VOCAB, build_target,
+                                         chi_square_p, model_and_warpers)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,23 +25,13 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("vocab24-overlap")
-    kw = dict(vocab_size=VOCAB, initializer_range=0.08, eos_token_id=None, bos_token_id=None,
-              pad_token_id=None)
-    target = checkpoints.build_checkpoint(root / "target", "llama", seed=10, **kw)
+    target = build_target(root)
     return checkpoints.build_near_draft(target, root / "near", noise=0.3), target
 
 
 def exact_triple(model_dir: str, setting: dict) -> np.ndarray:
     """[V, V, V] probability of the first three generated tokens under the model alone."""
-    import transformers
-    from transformers.generation import logits_process as lp
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    warpers = lp.LogitsProcessorList([lp.TemperatureLogitsWarper(setting["temperature"])])
-    if setting.get("top_k"):
-        warpers.append(lp.TopKLogitsWarper(setting["top_k"]))
-    if setting.get("top_p", 1.0) < 1.0:
-        warpers.append(lp.TopPLogitsWarper(setting["top_p"]))
+    model, warpers = model_and_warpers(model_dir, setting)
     pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))     # [V*V, 2]
     ids = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], 1)  # [V*V, P+2]
     with torch.no_grad():

@@ -28,13 +28,20 @@ SETTINGS = [
 ]
 
 
+KW = dict(vocab_size=VOCAB, initializer_range=0.08, eos_token_id=None, bos_token_id=None,
+          pad_token_id=None)
+
+
+def build_target(root) -> str:
+    """The 24-token-vocabulary target of these tests (test_overlap_sampling's too)."""
+    return checkpoints.build_checkpoint(root / "target", "llama", seed=10, **KW)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("vocab24")
-    kw = dict(vocab_size=VOCAB, initializer_range=0.08, eos_token_id=None, bos_token_id=None,
-              pad_token_id=None)
-    target = checkpoints.build_checkpoint(root / "target", "llama", seed=10, **kw)
-    draft = checkpoints.build_checkpoint(root / "draft", "llama", seed=11, **kw)
+    target = build_target(root)
+    draft = checkpoints.build_checkpoint(root / "draft", "llama", seed=11, **KW)
     # a draft that agrees often (alpha about 0.8 at temperature 1) yet is told apart: with
     # draft_len 1 under `logits` acceptance most first windows are kept, so the second token
     # is the overlapped round's, verified with the target's held logits
@@ -43,8 +50,8 @@ def pair(tmp_path_factory):
     return {"random": draft, "near": near}, target
 
 
-def exact_joint(model_dir: str, setting: dict) -> np.ndarray:
-    """[V, V] probability of (first, second) generated token under the model alone."""
+def model_and_warpers(model_dir: str, setting: dict):
+    """The model (float32, transformers) and transformers' warpers of `setting`."""
     import transformers
     from transformers.generation import logits_process as lp
 
@@ -55,6 +62,12 @@ def exact_joint(model_dir: str, setting: dict) -> np.ndarray:
         warpers.append(lp.TopKLogitsWarper(setting["top_k"]))
     if setting.get("top_p", 1.0) < 1.0:
         warpers.append(lp.TopPLogitsWarper(setting["top_p"]))
+    return model, warpers
+
+
+def exact_joint(model_dir: str, setting: dict) -> np.ndarray:
+    """[V, V] probability of (first, second) generated token under the model alone."""
+    model, warpers = model_and_warpers(model_dir, setting)
     ids = torch.tensor([PROMPT + [x] for x in range(VOCAB)])
     with torch.no_grad():
         logits = model(ids).logits                                # [V, P+1, V]
