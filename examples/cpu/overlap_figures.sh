@@ -2,8 +2,9 @@
 # The overlap figures of docs/configuration.md ("Overlapped speculation"), on two CPU cores:
 #   bash examples/cpu/overlap_figures.sh OUTDIR [EPS...]          (default EPS: 0.0425 0.045)
 # For each EPS: the `small` synthetic pair with its 2-layer draft (bf16), draft on cpu:0 and
-# target on cpu:1 with one thread each, draft_len 2, greedy, 32-token prompts, 128 new tokens;
-# `tandem bench` with overlap on and off side by side (7 timed calls each, taking turns), then
+# target on cpu:1 with one thread each, draft_len 2, greedy, 32-token prompts, 128 new tokens
+# (overlap_bench.engine_config, written out as the bench's config); `tandem bench` with
+# overlap on and off side by side (7 timed calls each, taking turns), then
 # examples/cpu/overlap_bench.py (9 prompts, one call of each mode per prompt). On a host with
 # more cores, CORES="0,1" (say) runs everything under `taskset -c $CORES`; PIN=0 leaves the
 # workers unpinned (TANDEM_CPU_AFFINITY). Writes OUTDIR/eps-<EPS>.json and .log.
@@ -18,12 +19,9 @@ for eps in "${@:-0.0425 0.045}"; do
         pair="$SYN/eps-$e"
         [ -d "$pair/target" ] || python -c "from runtime.models.synthetic import build_pair; \
             build_pair('$pair', 'small', 2, eps=$e)"
-        cat > "$pair/config.yaml" <<YAML
-draft: {model: $pair/draft, devices: ["cpu:0"], dtype: bfloat16}
-target: {model: $pair/target, devices: ["cpu:1"], dtype: bfloat16}
-speculation: {draft_len: 2}
-runtime: {max_batch_size: 1, max_seq_len: 1024}
-YAML
+        python -c "import sys, yaml; sys.path.insert(0, 'examples/cpu'); \
+            from overlap_bench import engine_config; \
+            yaml.safe_dump(engine_config('$pair', 2, True), open('$pair/config.yaml', 'w'))"
         start=$SECONDS
         { run python -m launcher bench "$pair/config.yaml" --modes spec,spec-sequential \
               --prompt-len 32 --new-tokens 128 --repeats 7 --out "$OUT/eps-$e.json"
