@@ -77,7 +77,9 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_start: int, vocab_stop: int, vocab_size: int, embedding_dim: int,
                  group: dist.ProcessGroup | None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None):
-        super().__init__(vocab_stop - vocab_start, embedding_dim, device=device, dtype=dtype)
+        rows = vocab_stop - vocab_start   # uninitialised, as the model's own embedding
+        super().__init__(rows, embedding_dim, _weight=torch.empty(
+            rows, embedding_dim, device=device, dtype=dtype))
         self.vocab_start, self.vocab_stop, self.vocab_size = vocab_start, vocab_stop, vocab_size
         self.group = group
 

@@ -157,10 +157,10 @@ def check_kv_memory(cfg: TandemConfig) -> None:
 
     per_device: dict[Device, list[tuple[str, int, float | None]]] = {}
     for name, model in model_lists(cfg):
-        need = kv_cache_bytes(cfg, model, inspect_checkpoint(model.model))
-        for device in model.devices:
-            if device.kind == "cuda" and need is not None:
-                per_device.setdefault(device, []).append((name, need, model.kv_cache_memory))
+        cuda = [device for device in model.devices if device.kind == "cuda"]
+        need = kv_cache_bytes(cfg, model, inspect_checkpoint(model.model)) if cuda else None
+        for device in cuda if need is not None else ():
+            per_device.setdefault(device, []).append((name, need, model.kv_cache_memory))
     if not per_device:
         return
     from runtime.models.kv_budget import RESERVE   # imports torch: only with CUDA devices

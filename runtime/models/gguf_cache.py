@@ -229,17 +229,28 @@ def cached(gguf_path: str | os.PathLike, name: str, make: Callable[[], T],
 
 # --- what is cached ----------------------------------------------------------------------
 def load_config(gguf_path: str | os.PathLike) -> Any:
-    """transformers' config of a .gguf file (AutoConfig, gguf_file=...), cached."""
-    import transformers
+    """transformers' config of a .gguf file (AutoConfig, gguf_file=...), cached; from the
+    cache as a PortableConfig (no transformers import) when our model runs it."""
+    from runtime.models import portable_config
 
     gguf_path = Path(gguf_path)
     directory = str(gguf_path.parent)
-    config = cached(
-        gguf_path, "config",
-        make=lambda: transformers.AutoConfig.from_pretrained(directory,
-                                                             gguf_file=gguf_path.name),
-        save=lambda cfg, tmp: cfg.save_pretrained(tmp),
-        load=lambda d: transformers.AutoConfig.from_pretrained(str(d)))
+
+    def make():
+        import transformers
+
+        return transformers.AutoConfig.from_pretrained(directory, gguf_file=gguf_path.name)
+
+    def save(cfg, tmp: Path) -> None:
+        cfg.save_pretrained(tmp)
+        portable_config.write(cfg, tmp)
+
+    def load(d: Path):
+        import transformers
+
+        return portable_config.read(d) or transformers.AutoConfig.from_pretrained(str(d))
+
+    config = cached(gguf_path, "config", make, save, load)
     config._name_or_path = directory     # as read from the GGUF, not from the cache
     return config
 

@@ -117,7 +117,10 @@ def _add_then_norm_fp8(x: torch.Tensor, delta: Delta, norm: RMSNorm
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # an uninitialised weight: the loader fills it (nn.Embedding's own normal_ init would,
+        # on the meta device, import torch._dynamo: 1.5 s of every worker's start)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

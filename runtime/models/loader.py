@@ -23,7 +23,7 @@ from torch import nn
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_args import ModelArgs, unsupported_reason
 from runtime.models.quant import load_dtype
-from runtime.models import gguf_cache
+from runtime.models import gguf_cache, portable_config
 from runtime.models.weights import SafetensorsWeights, WeightSource
 from runtime.models.synthetic import RECIPE_FILE, SyntheticWeights
 
@@ -52,13 +52,19 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, str | None]:
 
 
 def load_config(path: str | os.PathLike) -> Any:
-    """The transformers config of an HF checkpoint directory or a .gguf file."""
-    import transformers
-
+    """The transformers config of an HF checkpoint directory or a .gguf file (once read,
+    a config our model runs comes from the cache as a PortableConfig, without importing
+    transformers: runtime.models.portable_config)."""
     directory, gguf_file = _resolve(path)
     if gguf_file:   # parsing the GGUF takes seconds: converted once, then cached on disk
         return gguf_cache.load_config(directory / gguf_file)
-    return transformers.AutoConfig.from_pretrained(str(directory))
+
+    def read():
+        import transformers
+
+        return transformers.AutoConfig.from_pretrained(str(directory))
+
+    return portable_config.load_hf(directory, read)
 
 
 def build_model(config: Any) -> LlamaForCausalLM:

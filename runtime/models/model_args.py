@@ -33,8 +33,6 @@ def rope_parameters(config: Any) -> dict:
 
 def unsupported_reason(config: Any) -> str | None:
     """Why our implementation cannot run `config` (then the transformers fallback is used)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
@@ -44,12 +42,19 @@ def unsupported_reason(config: Any) -> str | None:
         rope = rope_parameters(config)
     except NotImplementedError as exc:
         return str(exc)
-    if rope["rope_type"] != "default" and rope["rope_type"] not in ROPE_INIT_FUNCTIONS:
+    if rope["rope_type"] != "default" and rope["rope_type"] not in _rope_init_functions():
         return f"unknown rope_type {rope['rope_type']!r}"
     partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):
         return f"partial_rotary_factor {partial} (only 1.0)"
     return None
+
+
+def _rope_init_functions() -> dict:
+    """transformers' RoPE initialisers (imported only for a config that needs one)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS
 
 
 def _layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
