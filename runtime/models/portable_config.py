@@ -49,6 +49,9 @@ class PortableConfig(SimpleNamespace):
     def to_dict(self) -> dict:
         return dict(self._values)
 
+    def __reduce__(self):   # copy.deepcopy (a draft that copies the target's model), pickle
+        return PortableConfig, (self.to_dict(),)
+
     @property
     def name_or_path(self) -> str:
         return self._values.get("_name_or_path", "")

@@ -1,6 +1,7 @@
 """The config cache (runtime.models.portable_config): a config read once through transformers
 comes back from the cache as a PortableConfig that our model reads exactly as the real one,
 without importing transformers; other configs are never cached; the key follows config.json."""
+import copy
 import dataclasses
 import json
 import subprocess
@@ -49,6 +50,8 @@ def test_cached_config_reads_as_the_transformers_one(tmp_path, case):
     for got, want in zip(compute_inv_freq(second, 16), compute_inv_freq(first, 16)):
         assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
     assert gguf_cache.weights_key(second, ["a"]) == gguf_cache.weights_key(first, ["a"])
+    copied = copy.deepcopy(second)      # a draft that is the target copies its model
+    assert isinstance(copied, PortableConfig) and copied.to_dict() == second.to_dict()
 
 
 def test_model_from_cached_config_gives_the_same_logits(tmp_path):
