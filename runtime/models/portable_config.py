@@ -62,7 +62,7 @@ def is_portable(config: Any) -> bool:
     config with plain RoPE."""
     from runtime.models.model_args import rope_parameters, unsupported_reason
 
-    return (not isinstance(config, PortableConfig) and unsupported_reason(config) is None
+    return (unsupported_reason(config) is None
             and rope_parameters(config)["rope_type"] == "default")
 
 
