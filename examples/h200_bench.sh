@@ -13,6 +13,8 @@
 #       (the decode GEMMs as x @ W^T against W @ x^T, cold weights against weights in L2)
 #   bash examples/h200_bench.sh OUTDIR cpu-overlap
 #       (overlap on / off on two of the host's CPU cores: examples/cpu/overlap_figures.sh)
+#   bash examples/h200_bench.sh OUTDIR nopdl-profile-fp8 profile-fp8 nopdl-fp8-auto-0.02 fp8-auto-0.02
+#       (nopdl-PHASE: PHASE without programmatic dependent launch, into OUTDIR/nopdl)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -79,6 +81,8 @@ for phase in "$@"; do
                           --draft-len 4 --modes spec ;;   # phases: spec_server_stats.profile
         k[0-9]*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len "${phase#k}" \
                      --modes spec ;;
+        nopdl-*) TANDEM_PDL=0 TORCHINDUCTOR_ENABLE_PDL=0 bash "$0" "$OUT/nopdl" "${phase#nopdl-}"
+                 ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac

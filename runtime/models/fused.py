@@ -12,6 +12,7 @@ size, step length and KV length while the feature dimensions stay static (vector
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +212,16 @@ def _check_compiler(device: torch.device) -> None:
     torch.compile(_probe, fullgraph=True)(x, torch.ones(4, device=device, dtype=x.dtype))
 
 
+def _inductor_pdl(device: torch.device) -> None:
+    """Compiled kernels launch with programmatic dependent launch where our Triton kernels do
+    (runtime/models/kernels/pdl.py), unless TORCHINDUCTOR_ENABLE_PDL says otherwise."""
+    import torch._inductor.config as inductor_config
+    from runtime.models.kernels import pdl
+    if "TORCHINDUCTOR_ENABLE_PDL" not in os.environ and hasattr(inductor_config.triton,
+                                                                 "enable_pdl"):
+        inductor_config.triton.enable_pdl = pdl.supported(device)
+
+
 def compile_kernels(device: torch.device) -> bool:
     """Replace this module's functions by torch.compile'd ones (once per process) and compile
     them on `device`. Returns whether they are compiled; on failure (no C compiler, no triton)
@@ -219,6 +230,7 @@ def compile_kernels(device: torch.device) -> bool:
     if _compiled:
         return True
     try:
+        _inductor_pdl(device)
         _check_compiler(device)
         for name in ("recompile_limit", "cache_size_limit"):   # shapes: see the docstring
             if hasattr(torch._dynamo.config, name):
