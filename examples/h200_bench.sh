@@ -81,7 +81,7 @@ for phase in "$@"; do
                           --draft-len 4 --modes spec ;;   # phases: spec_server_stats.profile
         k[0-9]*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len "${phase#k}" \
                      --modes spec ;;
-        nopdl-*) TANDEM_PDL=0 TORCHINDUCTOR_ENABLE_PDL=0 bash "$0" "$OUT/nopdl" "${phase#nopdl-}"
+        nopdl-*) TANDEM_PDL=0 bash "$0" "$OUT/nopdl" "${phase#nopdl-}"
                  ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;

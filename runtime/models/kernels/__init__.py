@@ -28,29 +28,19 @@ def available(device: torch.device) -> bool:
 
 
 _enabled = False
-_pdl = False
 
 
 def enable(device: torch.device) -> bool:
-    """Use the kernels from now on in this process if they can run on `device` (with
-    programmatic dependent launch where the device has it: kernels/pdl.py)."""
-    global _enabled, _pdl
+    """Use the kernels from now on in this process if they can run on `device`."""
+    global _enabled
     _enabled = os.environ.get("TANDEM_TRITON", "1") != "0" and available(device)
-    if _enabled:
-        from runtime.models.kernels import pdl
-        _pdl = pdl.supported(device)
     return _enabled
 
 
 def disable() -> None:
-    global _enabled, _pdl
-    _enabled = _pdl = False
+    global _enabled
+    _enabled = False
 
 
 def enabled() -> bool:
     return _enabled
-
-
-def pdl_on() -> bool:
-    """Whether the kernels launch with programmatic dependent launch (enable decides)."""
-    return _pdl

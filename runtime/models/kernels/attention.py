@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.models import fused, kernels
+from runtime.models import fused
 from runtime.models.kernels.e4m3 import e4m3_rne
-from runtime.models.kernels.pdl import launch_options, wait_and_release
 
 # KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
 # idle, so they get short chunks: more programs, a shorter serial loop in each (measured on an
@@ -74,9 +73,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
                     stride_ob, stride_oh, stride_oc, stride_om,
                     T, M, scale, window, chunk,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr):
-    wait_and_release(PDL)
+                    D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr):
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = c * chunk
     length = _row_length(pos_ptr, valid_ptr, b, T, T_POW2)                # row's KV length
@@ -137,8 +134,7 @@ def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, pos_ptr, valid_ptr,
                     stride_outb, stride_outt, stride_outh,
                     T, R, n_chunks, chunk,
                     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                    D: tl.constexpr, T_POW2: tl.constexpr, PDL: tl.constexpr):
-    wait_and_release(PDL)
+                    D: tl.constexpr, T_POW2: tl.constexpr):
     b, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)    # j: stacked query row
     head, t = h * R + j // T, j % T
     cs = tl.arange(0, BLOCK_C)
@@ -165,11 +161,10 @@ def _combine_fp8_kernel(o_ptr, m_ptr, l_ptr, data_ptr, scale_ptr, pos_ptr, valid
                         T, R, H, n_chunks, chunk,
                         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
-                        ROUND: tl.constexpr, RECIPROCAL: tl.constexpr, PDL: tl.constexpr):
+                        ROUND: tl.constexpr, RECIPROCAL: tl.constexpr):
     """One program per token (b, t): all its H query heads combined over the live chunks
     ([BLOCK_H, BLOCK_D] accumulator, a chunk a step), rounded to ROUND (q's dtype), then
     quantized per token like fused.fp8_quantize_rows."""
-    wait_and_release(PDL)
     b, t = tl.program_id(0), tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)                      # query head = KV head * R + group index
     cs = tl.arange(0, BLOCK_C)
@@ -242,8 +237,7 @@ def _partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         seq, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
-        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32,
-        **launch_options(kernels.pdl_on()))
+        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32)
     return o_part, m_part, l_part
 
 
@@ -283,7 +277,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=q.dtype, device=q.device)
     _combine_kernel[(bsz, n_kv, rows)](
         *parts, out, pos, ok, *strides, out.stride(0), out.stride(1), out.stride(2),
-        seq, n_rep, n_chunks, chunk, **meta, **launch_options(kernels.pdl_on()))
+        seq, n_rep, n_chunks, chunk, **meta)
     return out
 
 
@@ -306,8 +300,7 @@ def _combine_fp8(q: torch.Tensor, parts: tuple[torch.Tensor, ...], pos: torch.Te
     _combine_fp8_kernel[(bsz, seq)](
         *parts, data, scale, pos, ok, *strides, seq, n_rep, n_heads, parts[0].shape[2], chunk,
         BLOCK_H=block_h, ROUND=_ROUND[q.dtype], RECIPROCAL=q.is_cuda,
-        num_warps=max(4, min(16, block_h * meta["BLOCK_D"] // 256)), **meta,
-        **launch_options(kernels.pdl_on()))
+        num_warps=max(4, min(16, block_h * meta["BLOCK_D"] // 256)), **meta)
     return data, scale
 
 

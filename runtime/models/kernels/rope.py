@@ -21,9 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.models import kernels
-from runtime.models.kernels.pdl import launch_options, wait_and_release
-
 
 @triton.jit
 def _load(src, col, dims, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -48,8 +45,7 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
                        stride_ob, stride_oh, stride_om, stride_slot, stride_pos, stride_xs,
                        T, H, R, KV_COL, V_COL,
                        D: tl.constexpr, HALF: tl.constexpr, RAW: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    wait_and_release(PDL)
+                       HAS_BIAS: tl.constexpr):
     tok, head = tl.program_id(0), tl.program_id(1)      # tok = b * T + t; head < H: a q head
     act = out_ptr.dtype.element_ty
     dims = tl.arange(0, HALF)
@@ -135,8 +131,7 @@ def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, positions, dtype, scales
         cos2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), slots.stride(0), positions.stride(0),
         x_scale.stride(0), seq, n_heads, n_heads // n_kv, n_heads * dim, (n_heads + n_kv) * dim,
-        D=dim, HALF=dim // 2, RAW=scales is not None, HAS_BIAS=bias is not None,
-        **launch_options(kernels.pdl_on()))
+        D=dim, HALF=dim // 2, RAW=scales is not None, HAS_BIAS=bias is not None)
     return out
 
 

@@ -1,43 +1,50 @@
-"""Programmatic dependent launch (runtime/models/kernels/pdl.py): when it is on, and what a
-kernel launch gets. (The PDL path itself needs a Hopper GPU: examples/gpu/graphs_check.py and
-fp8_check.py run the kernels with it, exact against eager; the interpreter has no PDL.)"""
+"""Programmatic dependent launch of the compiled pieces (runtime.models.fused.pdl_supported):
+when it is on, and that compile_kernels' switch respects inductor's own variable. (PDL itself
+needs a Hopper GPU: examples/gpu/pdl_ab.py measures it and checks the logits bit for bit.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from runtime.models import fused
 
-from runtime.models import kernels  # noqa: E402
-from runtime.models.kernels import pdl  # noqa: E402
+inductor_config = pytest.importorskip("torch._inductor.config")
+CUDA = torch.device("cuda", 0)
 
 
-def test_never_on_the_cpu(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@pytest.fixture
+def capability(monkeypatch):
+    value = {"cc": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: value["cc"])
     monkeypatch.delenv("TANDEM_PDL", raising=False)
-    assert not pdl.supported(torch.device("cpu"))
-    try:
-        assert kernels.enable(torch.device("cpu"))
-        assert kernels.enabled() and not kernels.pdl_on()
-    finally:
-        kernels.disable()
+    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
+    saved = getattr(inductor_config.triton, "enable_pdl", None)
+    yield value
+    if saved is not None:
+        inductor_config.triton.enable_pdl = saved
 
 
-def test_by_capability_and_switch(monkeypatch):
-    capability = {"value": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability["value"])
-    cuda = torch.device("cuda", 0)
-    monkeypatch.delenv("TANDEM_PDL", raising=False)
-    assert pdl.supported(cuda)
-    capability["value"] = (8, 9)                     # Ada: no griddepcontrol
-    assert not pdl.supported(cuda)
-    capability["value"] = (10, 0)
+def test_by_device_capability_and_switch(capability, monkeypatch):
+    assert fused.pdl_supported(CUDA)                 # Hopper
+    capability["cc"] = (10, 0)
+    assert fused.pdl_supported(CUDA)                 # Blackwell
+    capability["cc"] = (8, 9)                        # Ada: no griddepcontrol
+    assert not fused.pdl_supported(CUDA)
+    assert not fused.pdl_supported(torch.device("cpu"))
+    capability["cc"] = (9, 0)
     monkeypatch.setenv("TANDEM_PDL", "0")
-    assert not pdl.supported(cuda)
+    assert not fused.pdl_supported(CUDA)
 
 
-def test_launch_options():
-    assert pdl.launch_options(False) == {"PDL": False}
-    assert pdl.launch_options(True) == {"PDL": True, "launch_pdl": True}
-    kernels.disable()
-    assert not kernels.pdl_on()
+def test_inductor_switch_follows_unless_its_variable_is_set(capability, monkeypatch):
+    if not hasattr(inductor_config.triton, "enable_pdl"):
+        pytest.skip("this torch's inductor has no PDL switch")
+    fused._inductor_pdl(CUDA)
+    assert inductor_config.triton.enable_pdl is True
+    capability["cc"] = (8, 0)
+    fused._inductor_pdl(CUDA)
+    assert inductor_config.triton.enable_pdl is False
+    capability["cc"] = (9, 0)
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "0")  # the user's word stands
+    fused._inductor_pdl(CUDA)
+    assert inductor_config.triton.enable_pdl is False
