@@ -13,7 +13,8 @@
 #       (the decode GEMMs as x @ W^T against W @ x^T, cold weights against weights in L2)
 #   bash examples/h200_bench.sh OUTDIR cpu-overlap
 #       (overlap on / off on two of the host's CPU cores: examples/cpu/overlap_figures.sh)
-#   bash examples/h200_bench.sh OUTDIR nopdl-profile-fp8 profile-fp8 nopdl-fp8-auto-0.02 fp8-auto-0.02
+#   bash examples/h200_bench.sh OUTDIR nopdl-profile-fp8 profile-fp8 \
+#       nopdl-fp8-auto-0.02 fp8-auto-0.02
 #       (nopdl-PHASE: PHASE without programmatic dependent launch, into OUTDIR/nopdl)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median

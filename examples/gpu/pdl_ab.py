@@ -46,9 +46,9 @@ def gpu_step_us(model, device, tokens: int, ids: torch.Tensor) -> tuple[float, t
     """Capture the step's graph (a fresh StepRunner), then GPU microseconds per replay."""
     batch = ids.shape[0]
     runner = StepRunner(model, device, batch, 8, cuda_graphs=True)
-    for _ in range(3):
-        logits = runner.run(ids, list(range(batch)), [POSITION] * batch,
-                            [tokens] * batch).clone()
+    for _ in range(3):   # captures, then replays
+        logits = runner.run(ids, list(range(batch)), [POSITION] * batch, [tokens] * batch)
+    logits = logits.clone()                     # a view the next step would overwrite
     graph = next(iter(runner.graphs.values()))
     start, end = torch.cuda.Event(True), torch.cuda.Event(True)
     graph.replay()
