@@ -219,7 +219,7 @@ def pdl_supported(device: torch.device) -> bool:
     With PDL a kernel is launched while the one before it still runs and waits on the device
     (griddepcontrol.wait) for its results: launch and ramp-up overlap the previous kernel's
     tail (inductor's `triton.enable_pdl` writes the waits). Measured on an H200 with
-    examples/gpu/pdl_ab.py: 8b steps 0.3-0.9% faster, logits the same bit for bit
+    examples/gpu/step_ab.py: 8b steps 0.3-0.9% faster, logits the same bit for bit
     (docs/benchmarks.md)."""
     if os.environ.get("TANDEM_PDL", "1") == "0" or device.type != "cuda":
         return False

@@ -1,6 +1,6 @@
 """Programmatic dependent launch of the compiled pieces (runtime.models.fused.pdl_supported):
 when it is on, and that compile_kernels' switch respects inductor's own variable. (PDL itself
-needs a Hopper GPU: examples/gpu/pdl_ab.py measures it and checks the logits bit for bit.)"""
+needs a Hopper GPU: examples/gpu/step_ab.py measures it and checks the logits bit for bit.)"""
 from __future__ import annotations
 
 import pytest

@@ -1,0 +1,150 @@
+"""Settings of a decode step side by side in one process: one synthetic model's decode and
+verify steps replayed from their CUDA graphs (the workers' path, runtime/models/step_runner.py),
+GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes taking turns:
+
+    none         no programmatic dependent launch (what TANDEM_PDL=0 gives), cuBLAS
+    pdl          inductor's enable_pdl (the default on Hopper), cuBLAS: what the workers run
+    lt           pdl, and torch's cuBLASLt backend for bf16/fp16 GEMMs (TANDEM_BLAS=cublaslt)
+    lt-nosplitk  lt, and no split-K reductions in bf16/fp16 GEMMs
+                 (TANDEM_BLAS=cublaslt-nosplitk; runtime/models/blas.py)
+
+Each turn applies its mode, recompiles the torch.compile'd pieces and recaptures the graphs;
+the median per mode over the rounds, the paired ratio first mode / mode (above 1: the mode is
+faster), and the kernels a step launches (torch profiler over a few replays). Each step's
+logits are compared with the first mode's first run: PDL changes when a kernel starts, not
+what it computes (0.0 expected); another GEMM algorithm may add in another order.
+
+    python examples/gpu/step_ab.py --shape 8b --quantization fp8 --rounds 3 --out pdl.json
+    python examples/gpu/step_ab.py --shape 8b --modes pdl lt lt-nosplitk --batch 16
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from runtime.models import blas, fused, load_model  # noqa: E402
+from runtime.models.step_runner import StepRunner  # noqa: E402
+from runtime.models.synthetic import build_pair  # noqa: E402
+
+# mode: (PDL, runtime.models.blas choice)
+MODES = {"none": (False, "cublas"), "pdl": (True, "cublas"), "lt": (True, "cublaslt"),
+         "lt-nosplitk": (True, "cublaslt-nosplitk")}
+POSITION, REPLAYS, PROFILED = 300, 50, 5
+
+
+def set_mode(name: str, device: torch.device) -> None:
+    """Apply `name`'s settings and recompile the pieces (PDL is a compile-time switch)."""
+    pdl, choice = MODES[name]
+    os.environ["TANDEM_PDL"] = "1" if pdl else "0"
+    blas.configure_gemms(device, choice)
+    fused.use_eager()
+    torch._dynamo.reset()
+    fused.compile_kernels(device)       # sets the PDL switch by fused.pdl_supported
+
+
+def kernels_per_replay(graph) -> float:
+    """CUDA kernels (and memory operations) one replay of `graph` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            graph.replay()
+        torch.cuda.synchronize()
+    return sum(ev.device_type == torch.autograd.DeviceType.CUDA
+               for ev in prof.events()) / PROFILED
+
+
+def gpu_step_us(model, device, tokens: int, ids: torch.Tensor, count: bool
+                ) -> tuple[float, torch.Tensor, float | None]:
+    """Capture the step's graph (a fresh StepRunner), then GPU microseconds per replay, its
+    logits and (when `count`) its kernels per replay."""
+    batch = ids.shape[0]
+    runner = StepRunner(model, device, batch, 8, cuda_graphs=True)
+    for _ in range(3):   # captures, then replays
+        logits = runner.run(ids, list(range(batch)), [POSITION] * batch, [tokens] * batch)
+    logits = logits.clone()                     # a view the next step would overwrite
+    graph = next(iter(runner.graphs.values()))
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    graph.replay()
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    us = start.elapsed_time(end) * 1e3 / REPLAYS
+    kernels = kernels_per_replay(graph) if count else None
+    del runner, graph
+    gc.collect()
+    torch.cuda.empty_cache()
+    return us, logits, kernels
+
+
+def summary(times: dict, modes: list[str]) -> tuple[dict, dict]:
+    """Median µs per mode, and the median paired ratio first mode / mode."""
+    med = {m: statistics.median(times[m]) for m in modes}
+    base = times[modes[0]]
+    ratios = {m: statistics.median(b / x for b, x in zip(base, times[m])) for m in modes[1:]}
+    return med, ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=["fp8"])
+    ap.add_argument("--modes", nargs="+", default=["none", "pdl"], choices=list(MODES))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    torch.backends.cuda.enable_cudnn_sdp(False)   # as the workers do
+    paths = build_pair(tempfile.mkdtemp(), a.shape, draft_layers=2, dtype=dtype,
+                       materialize=False)
+    model = load_model(paths[1], dtype, device, quantization=a.quantization)
+    model.allocate_cache(a.batch, 1024)
+    gen = torch.Generator().manual_seed(1)
+    ids = {t: torch.randint(0, model.vocab_size, (a.batch, t), generator=gen).to(device)
+           for t in a.tokens}
+    times: dict = {t: {m: [] for m in a.modes} for t in a.tokens}
+    kernels: dict = {t: {} for t in a.tokens}
+    reference: dict = {}
+    diffs = {m: 0.0 for m in a.modes}
+    for r in range(a.rounds):
+        for mode in (a.modes if r % 2 == 0 else a.modes[::-1]):
+            set_mode(mode, device)
+            for t in a.tokens:
+                us, out, n = gpu_step_us(model, device, t, ids[t], mode not in kernels[t])
+                times[t][mode].append(us)
+                if n is not None:
+                    kernels[t][mode] = n
+                ref = reference.setdefault(t, out)
+                diffs[mode] = max(diffs[mode], (out.float() - ref.float()).abs().max().item())
+                print(f"round {r} {mode:12s} {t}-token step {us:8.1f} us", flush=True)
+    report = {"shape": a.shape, "batch": a.batch, "dtype": a.dtype, "quantization": a.quantization,
+              "modes": a.modes, "replays": REPLAYS, "steps_us": times, "median_us": {},
+              f"paired_vs_{a.modes[0]}": {}, "kernels_per_step": kernels,
+              f"max_abs_logit_diff_vs_{a.modes[0]}": diffs}
+    for t in a.tokens:
+        med, ratios = summary(times[t], a.modes)
+        report["median_us"][t], report[f"paired_vs_{a.modes[0]}"][t] = med, ratios
+        print(f"== {t}-token step: " + ", ".join(
+            f"{m} {v:.1f} us ({kernels[t][m]:.0f} kernels)" for m, v in med.items())
+            + f"; {a.modes[0]} / mode: " + ", ".join(f"{m} {v:.3f}x" for m, v in ratios.items()))
+    print("largest logit difference against the first mode: "
+          + ", ".join(f"{m} {v}" for m, v in diffs.items()))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
