@@ -16,10 +16,9 @@
 #   bash examples/h200_bench.sh OUTDIR nopdl-profile-fp8 profile-fp8 \
 #       nopdl-fp8-auto-0.02 fp8-auto-0.02
 #       (nopdl-PHASE: PHASE without programmatic dependent launch, into OUTDIR/nopdl)
-#   bash examples/h200_bench.sh OUTDIR step-ab nosplitk-auto-0.02 auto-0.02
+#   bash examples/h200_bench.sh OUTDIR step-ab
 #       (cuBLAS against cuBLASLt with and without split-K on the 8b steps, bf16 and FP8, batch
-#        1 and 16: examples/gpu/step_ab.py; lt-PHASE / nosplitk-PHASE: PHASE with
-#        TANDEM_BLAS=cublaslt / cublaslt-nosplitk, into OUTDIR/lt / OUTDIR/nosplitk)
+#        1 and 16: examples/gpu/step_ab.py)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -88,8 +87,6 @@ for phase in "$@"; do
                      --modes spec ;;
         nopdl-*) TANDEM_PDL=0 bash "$0" "$OUT/nopdl" "${phase#nopdl-}"
                  ;;
-        lt-*) TANDEM_BLAS=cublaslt bash "$0" "$OUT/lt" "${phase#lt-}" ;;
-        nosplitk-*) TANDEM_BLAS=cublaslt-nosplitk bash "$0" "$OUT/nosplitk" "${phase#nosplitk-}" ;;
         step-ab) i=0
                  for args in "" "--quantization fp8" "--batch 16" "--batch 16 --quantization fp8"; do
                      i=$((i + 1))

@@ -4,9 +4,11 @@ GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes 
 
     none         no programmatic dependent launch (what TANDEM_PDL=0 gives), cuBLAS
     pdl          inductor's enable_pdl (the default on Hopper), cuBLAS: what the workers run
-    lt           pdl, and torch's cuBLASLt backend for bf16/fp16 GEMMs (TANDEM_BLAS=cublaslt)
+    lt           pdl, and torch's cuBLASLt backend for bf16/fp16 GEMMs
+                 (torch.backends.cuda.preferred_blas_library("cublaslt"))
     lt-nosplitk  lt, and no split-K reductions in bf16/fp16 GEMMs
-                 (TANDEM_BLAS=cublaslt-nosplitk; runtime/models/blas.py)
+                 (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction =
+                 (False, False))
 
 Each turn applies its mode, recompiles the torch.compile'd pieces and recaptures the graphs;
 the median per mode over the rounds, the paired ratio first mode / mode (above 1: the mode is
@@ -30,21 +32,24 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from runtime.models import blas, fused, load_model  # noqa: E402
+from runtime.models import fused, load_model  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402
 from runtime.models.synthetic import build_pair  # noqa: E402
 
-# mode: (PDL, runtime.models.blas choice)
-MODES = {"none": (False, "cublas"), "pdl": (True, "cublas"), "lt": (True, "cublaslt"),
-         "lt-nosplitk": (True, "cublaslt-nosplitk")}
+# mode: (PDL, torch's BLAS backend for bf16/fp16 GEMMs, split-K allowed in them)
+MODES = {"none": (False, "cublas", True), "pdl": (True, "cublas", True),
+         "lt": (True, "cublaslt", True), "lt-nosplitk": (True, "cublaslt", False)}
+REDUCTIONS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 POSITION, REPLAYS, PROFILED = 300, 50, 5
 
 
 def set_mode(name: str, device: torch.device) -> None:
     """Apply `name`'s settings and recompile the pieces (PDL is a compile-time switch)."""
-    pdl, choice = MODES[name]
+    pdl, library, splitk = MODES[name]
     os.environ["TANDEM_PDL"] = "1" if pdl else "0"
-    blas.configure_gemms(device, choice)
+    for attr in REDUCTIONS:      # torch's defaults, or no split-K (needs full precision)
+        setattr(torch.backends.cuda.matmul, attr, True if splitk else (False, False))
+    torch.backends.cuda.preferred_blas_library(library)
     fused.use_eager()
     torch._dynamo.reset()
     fused.compile_kernels(device)       # sets the PDL switch by fused.pdl_supported

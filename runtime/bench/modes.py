@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from runtime.bench.metrics import DeviceClock, sync
-from runtime.models.blas import configure_gemms, restore_gemms
 
 MODES = ("target", "spec", "spec-sequential", "hf", "hf-compiled", "hf-assisted")
 
@@ -56,23 +55,17 @@ def free_memory() -> None:
 
 
 class worker_backends:
-    """The backend settings of a tandem worker (runtime/worker/process.py), for running our
+    """The attention backend settings of a tandem worker (runtime/worker.py), for running our
     model code in this process: cuDNN attention off on CUDA (it rebuilds a plan for every new
-    KV length), the GEMMs' cuBLAS settings (TANDEM_BLAS, runtime/models/blas.py). Restored on
-    exit, so the transformers modes get torch's defaults."""
-
-    def __init__(self, device: torch.device | None = None):
-        self.device = device
+    KV length). Restored on exit, so the transformers modes get torch's defaults."""
 
     def __enter__(self):
         self.cudnn = torch.backends.cuda.cudnn_sdp_enabled()
         torch.backends.cuda.enable_cudnn_sdp(False)
-        self.gemms = configure_gemms(self.device) if self.device is not None else {}
         return self
 
     def __exit__(self, *exc):
         torch.backends.cuda.enable_cudnn_sdp(self.cudnn)
-        restore_gemms(self.gemms)
 
 
 class TandemTarget:

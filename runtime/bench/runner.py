@@ -404,7 +404,7 @@ class Bench:
             torch.cuda.set_device(st.target_device)
         try:
             self.prompts = make_prompts(st.target, s)
-            with worker_backends(st.target_device):
+            with worker_backends():
                 self._in_process(st)
             # overlap on and off side by side: both engines up, their calls taking turns
             self._modes({"spec": lambda: TandemSpec(st.engine_config),

@@ -109,7 +109,7 @@ def _rank_main(rank: int, job_json: str, init_file: str, conn) -> None:
                             init_method=f"file://{init_file}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=job.timeout_s))
     try:
-        with worker_backends(device), torch.no_grad():
+        with worker_backends(), torch.no_grad():
             report = measure(job, TPInfo(dist.group.WORLD, rank, size))
         if rank == 0:
             conn.send_bytes(json.dumps(report).encode())

@@ -22,7 +22,6 @@ from runtime.control import auth, protocol
 from runtime.config import TandemConfig, load_config
 from runtime.control.heartbeat import Pulse
 from runtime.control.progress import ProgressReporter
-from runtime.models.blas import configure_gemms
 from runtime.worker.loading import load_shards
 from runtime.worker.round import (NextWork, RoundParts, decode_target_only, drop_stale_ahead,
                                   speculate, speculate_overlapped, work_ahead)
@@ -140,7 +139,6 @@ class Worker:
             # cuDNN attention builds a new plan for every new KV length (tens of ms each);
             # the KV length changes every round, so use the flash / memory-efficient kernels
             torch.backends.cuda.enable_cudnn_sdp(False)
-            configure_gemms(self.device)                    # TANDEM_BLAS
         else:  # CPU workers share the host's cores, each on its own block of them
             torch.set_num_threads(_bind_cpu_block(self.topology.workers.index(self.spec),
                                                   len(self.topology.workers)))
