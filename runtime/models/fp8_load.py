@@ -68,8 +68,6 @@ def prepare(model: nn.Module, source: WeightSource, path: str | os.PathLike,
     stored_fp8 = {n.rpartition(".")[0] for n in names if n.endswith(".weight_scale")}
     if not modules and not stored_fp8:
         return source
-    if modules and torch.device(device).type == "cuda":
-        no_gemm_workspace()
     shards = getattr(model, "tp_shards", None)
     for name in modules:
         module = model.get_submodule(name)
@@ -77,17 +75,6 @@ def prepare(model: nn.Module, source: WeightSource, path: str | os.PathLike,
         if shards is not None and hasattr(module, "shards"):   # the scale shards too
             shards.update({f"{name}.{p}": s for p, s in module.shards().items()})
     return FP8Source(source, set(modules), stored_fp8, device)
-
-
-def no_gemm_workspace() -> None:
-    """Run this process's cuBLASLt GEMMs (torch._scaled_mm's) without a workspace, unless
-    CUBLASLT_WORKSPACE_SIZE (torch's variable, KiB, read at the process's first cuBLASLt
-    call) is set already. Without a workspace cuBLASLt picks no split-K algorithm for the FP8
-    decode GEMMs, so the separate reduction kernel after one GEMM a layer goes (two on the
-    70b), and the GEMMs themselves run as fast: measured on an H200 (examples/gpu/step_ab.py,
-    docs/benchmarks.md) FP8 8b steps 1.9-2.1% faster, 70b 1.4-1.8%. bf16 GEMMs without a bias
-    run on cuBLAS, which this does not touch."""
-    os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
 
 
 class FP8Source:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from torch import nn
 from runtime.config import ConfigError, load_config as load_tandem_config
 from runtime.models import load_model
 from runtime.models.fp8_formats import read_format
-from runtime.models import fp8_load
 from runtime.models.fp8_load import FP8Source, fp8_modules
 from runtime.models.kv_budget import cache_bytes
 from runtime.models.loader import build_model, load_config
@@ -184,26 +182,6 @@ def test_quantize_on_load_follows_the_recipe(float_llama, root):
             assert torch.equal(module.weight_scale, scale.reshape(-1)), name
     assert ours.lm_head.weight.dtype == F32 and not is_fp8(ours.lm_head)
     assert_matches_reference(ours, fc.write_quantized_reference(float_llama, root / "qref"))
-
-
-def test_fp8_gemms_on_cuda_get_no_cublaslt_workspace(float_llama, monkeypatch):
-    """Loading FP8 layers for a CUDA device sets torch's CUBLASLT_WORKSPACE_SIZE to 0 (no
-    split-K reduction kernels after the FP8 decode GEMMs) unless it is set; for the CPU, or a
-    float model, it is left alone."""
-    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
-    load_model(float_llama, F32, CPU, quantization="fp8")
-    assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ
-    built = []
-    monkeypatch.setattr(fp8_load, "FP8Source", lambda *args: built.append(args) or args[0])
-    model = build_model(load_config(float_llama))
-    source = SafetensorsWeights(float_llama)
-    fp8_load.prepare(model, source, float_llama, None, torch.device("cuda", 0))   # float
-    assert "CUBLASLT_WORKSPACE_SIZE" not in os.environ and not built
-    fp8_load.prepare(model, source, float_llama, "fp8", torch.device("cuda", 0))
-    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0" and built
-    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")     # the user's choice stays
-    fp8_load.no_gemm_workspace()
-    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "4096"
 
 
 def test_bfloat16_activations(float_llama):
