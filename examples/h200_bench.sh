@@ -16,9 +16,10 @@
 #   bash examples/h200_bench.sh OUTDIR nopdl-profile-fp8 profile-fp8 \
 #       nopdl-fp8-auto-0.02 fp8-auto-0.02
 #       (nopdl-PHASE: PHASE without programmatic dependent launch, into OUTDIR/nopdl)
-#   bash examples/h200_bench.sh OUTDIR step-ab
+#   bash examples/h200_bench.sh OUTDIR step-ab workspace-ab
 #       (cuBLAS against cuBLASLt with and without split-K on the 8b steps, bf16 and FP8, batch
-#        1 and 16: examples/gpu/step_ab.py)
+#        1 and 16: examples/gpu/step_ab.py; the 8b bf16, 8b FP8 and 70b FP8 steps with and
+#        without a cuBLAS / cuBLASLt workspace, runtime.models.loader.no_gemm_workspace)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -87,14 +88,25 @@ for phase in "$@"; do
                      --modes spec ;;
         nopdl-*) TANDEM_PDL=0 bash "$0" "$OUT/nopdl" "${phase#nopdl-}"
                  ;;
+        workspace-ab)   # "with": torch's cuBLAS default and a large cuBLASLt one
+            for args in "" "--quantization fp8" "--shape 70b --quantization fp8"; do
+                for ws in with without with without; do
+                    vars="CUBLAS_WORKSPACE_CONFIG=:4096:8 CUBLASLT_WORKSPACE_SIZE=131072"
+                    [ $ws = with ] || vars="CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0"
+                    env $vars python examples/gpu/step_ab.py --shape 8b $args --modes pdl \
+                        --rounds 1 > "$OUT/workspace-ab.log" 2>&1
+                    echo "== workspace-ab $args, $ws a workspace (rc $?)"
+                    grep "^==" "$OUT/workspace-ab.log"
+                done
+            done ;;
         step-ab) i=0
-                 for args in "" "--quantization fp8" "--batch 16" "--batch 16 --quantization fp8"; do
-                     i=$((i + 1))
-                     python examples/gpu/step_ab.py --shape 8b --modes pdl lt lt-nosplitk \
-                         --rounds "${ROUNDS:-3}" $args --out "$OUT/step-ab-$i.json" \
-                         > "$OUT/step-ab-$i.log" 2>&1
-                     echo "== step-ab $args (rc $?)"; grep "^==\|^largest" "$OUT/step-ab-$i.log"
-                 done ;;
+            for args in "" "--quantization fp8" "--batch 16" "--batch 16 --quantization fp8"; do
+                i=$((i + 1))
+                python examples/gpu/step_ab.py --shape 8b --modes pdl lt lt-nosplitk \
+                    --rounds "${ROUNDS:-3}" $args --out "$OUT/step-ab-$i.json" \
+                    > "$OUT/step-ab-$i.log" 2>&1
+                echo "== step-ab $args (rc $?)"; grep "^==\|^largest" "$OUT/step-ab-$i.log"
+            done ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac
