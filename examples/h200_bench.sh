@@ -20,6 +20,8 @@
 #       (cuBLAS against cuBLASLt with and without split-K on the 8b steps, bf16 and FP8, batch
 #        1 and 16: examples/gpu/step_ab.py; the 8b bf16, 8b FP8 and 70b FP8 steps with and
 #        without a cuBLAS / cuBLASLt workspace, runtime.models.loader.no_gemm_workspace)
+#   bash examples/h200_bench.sh OUTDIR silu-quant
+#       (an experiment: SiLU·up + FP8 quantize in one launch against the compiled pieces)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -107,6 +109,8 @@ for phase in "$@"; do
                     > "$OUT/step-ab-$i.log" 2>&1
                 echo "== step-ab $args (rc $?)"; grep "^==\|^largest" "$OUT/step-ab-$i.log"
             done ;;
+        silu-quant) python examples/gpu/silu_quant_kernel.py > "$OUT/silu-quant.log" 2>&1
+                    echo "== silu-quant (rc $?)"; cat "$OUT/silu-quant.log" ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac
