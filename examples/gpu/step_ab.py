@@ -98,6 +98,27 @@ def summary(times: dict, modes: list[str]) -> tuple[dict, dict]:
     return med, ratios
 
 
+def measure(model, device, ids: dict, modes: list[str], rounds: int) -> tuple[dict, dict, dict]:
+    """The modes taking turns for `rounds` rounds, each step length of `ids` (tokens -> [B, T]
+    ids) in each: µs per run, kernels per step, largest logit difference from the first."""
+    times: dict = {t: {m: [] for m in modes} for t in ids}
+    kernels: dict = {t: {} for t in ids}
+    reference: dict = {}
+    diffs = {m: 0.0 for m in modes}
+    for r in range(rounds):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            set_mode(mode, device)
+            for t in ids:
+                us, out, n = gpu_step_us(model, device, t, ids[t], mode not in kernels[t])
+                times[t][mode].append(us)
+                if n is not None:
+                    kernels[t][mode] = n
+                ref = reference.setdefault(t, out)
+                diffs[mode] = max(diffs[mode], (out.float() - ref.float()).abs().max().item())
+                print(f"round {r} {mode:12s} {t}-token step {us:8.1f} us", flush=True)
+    return times, kernels, diffs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b")
@@ -119,21 +140,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     ids = {t: torch.randint(0, model.vocab_size, (a.batch, t), generator=gen).to(device)
            for t in a.tokens}
-    times: dict = {t: {m: [] for m in a.modes} for t in a.tokens}
-    kernels: dict = {t: {} for t in a.tokens}
-    reference: dict = {}
-    diffs = {m: 0.0 for m in a.modes}
-    for r in range(a.rounds):
-        for mode in (a.modes if r % 2 == 0 else a.modes[::-1]):
-            set_mode(mode, device)
-            for t in a.tokens:
-                us, out, n = gpu_step_us(model, device, t, ids[t], mode not in kernels[t])
-                times[t][mode].append(us)
-                if n is not None:
-                    kernels[t][mode] = n
-                ref = reference.setdefault(t, out)
-                diffs[mode] = max(diffs[mode], (out.float() - ref.float()).abs().max().item())
-                print(f"round {r} {mode:12s} {t}-token step {us:8.1f} us", flush=True)
+    times, kernels, diffs = measure(model, device, ids, a.modes, a.rounds)
     report = {"shape": a.shape, "batch": a.batch, "dtype": a.dtype, "quantization": a.quantization,
               "modes": a.modes, "replays": REPLAYS, "steps_us": times, "median_us": {},
               f"paired_vs_{a.modes[0]}": {}, "kernels_per_step": kernels,
