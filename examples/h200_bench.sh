@@ -91,11 +91,12 @@ for phase in "$@"; do
         nopdl-*) TANDEM_PDL=0 bash "$0" "$OUT/nopdl" "${phase#nopdl-}"
                  ;;
         workspace-ab)   # "with": torch's cuBLAS default and a large cuBLASLt one
-            for args in "" "--quantization fp8" "--shape 70b --quantization fp8"; do
+            for args in "--shape 8b" "--shape 8b --quantization fp8" \
+                        "--shape 70b --quantization fp8"; do
                 for ws in with without with without; do
                     vars="CUBLAS_WORKSPACE_CONFIG=:4096:8 CUBLASLT_WORKSPACE_SIZE=131072"
                     [ $ws = with ] || vars="CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0"
-                    env $vars python examples/gpu/step_ab.py --shape 8b $args --modes pdl \
+                    env $vars python examples/gpu/step_ab.py $args --modes pdl \
                         --rounds 1 > "$OUT/workspace-ab.log" 2>&1
                     echo "== workspace-ab $args, $ws a workspace (rc $?)"
                     grep "^==" "$OUT/workspace-ab.log"

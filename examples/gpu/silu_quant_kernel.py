@@ -24,9 +24,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from runtime.models.kernels.attention import _ROUND  # noqa: E402
 from runtime.models.kernels.e4m3 import e4m3_rne  # noqa: E402
-
-FP8_MAX = 448.0
 
 
 @triton.jit
@@ -89,12 +88,10 @@ class SiluQuant:
         assert raw.shape == (self.tokens, 2 * self.inter) and raw.is_contiguous(), raw.shape
         out = torch.empty(m, self.inter, dtype=torch.float8_e4m3fn, device=raw.device)
         scale = torch.empty(m, 1, dtype=torch.float32, device=raw.device)
-        act = tl.bfloat16 if self.dtype == torch.bfloat16 else (
-            tl.float16 if self.dtype == torch.float16 else tl.float32)
         _silu_quant[(m, self.programs)](
             raw, x_scale, w_scale, w_scale if bias is None else bias, self.h, self.partials,
             self.counters, out, scale, self.inter, P=self.programs, BLOCK=self.block,
-            HAS_BIAS=bias is not None, ACT=act)
+            HAS_BIAS=bias is not None, ACT=_ROUND[self.dtype])
         return out, scale
 
 
