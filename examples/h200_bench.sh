@@ -22,6 +22,9 @@
 #        without a cuBLAS / cuBLASLt workspace, runtime.models.loader.no_gemm_workspace)
 #   bash examples/h200_bench.sh OUTDIR silu-quant
 #       (an experiment: SiLU·up + FP8 quantize in one launch against the compiled pieces)
+#   bash examples/h200_bench.sh OUTDIR fold-ab
+#       (RoPE and the KV write folded into the attention kernel against their own kernel:
+#        the 8b decode and verify steps, bf16 and FP8, batch 1 and 16, step_ab.py)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -109,6 +112,14 @@ for phase in "$@"; do
                     --rounds "${ROUNDS:-3}" $args --out "$OUT/step-ab-$i.json" \
                     > "$OUT/step-ab-$i.log" 2>&1
                 echo "== step-ab $args (rc $?)"; grep "^==\|^largest" "$OUT/step-ab-$i.log"
+            done ;;
+        fold-ab) i=0
+            for args in "" "--quantization fp8" "--batch 16" "--batch 16 --quantization fp8"; do
+                i=$((i + 1))
+                python examples/gpu/step_ab.py --shape 8b --modes nofold pdl \
+                    --rounds "${ROUNDS:-2}" $args --out "$OUT/fold-ab-$i.json" \
+                    > "$OUT/fold-ab-$i.log" 2>&1
+                echo "== fold-ab $args (rc $?)"; grep "^==\|^largest" "$OUT/fold-ab-$i.log"
             done ;;
         silu-quant) python examples/gpu/silu_quant_kernel.py > "$OUT/silu-quant.log" 2>&1
                     echo "== silu-quant (rc $?)"; cat "$OUT/silu-quant.log" ;;

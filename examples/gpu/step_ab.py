@@ -9,6 +9,8 @@ GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes 
     lt-nosplitk  lt, and no split-K reductions in bf16/fp16 GEMMs
                  (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction =
                  (False, False))
+    nofold       pdl, with RoPE and the KV write in their own kernel, not folded into the
+                 attention kernel (what TANDEM_FOLD_ROPE=0 gives)
 
 Each turn applies its mode, recompiles the torch.compile'd pieces and recaptures the graphs;
 the median per mode over the rounds, the paired ratio first mode / mode (above 1: the mode is
@@ -33,20 +35,24 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models import fused, load_model  # noqa: E402
+from runtime.models.kernels import attention as attention_kernel  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402
 from runtime.models.synthetic import build_pair  # noqa: E402
 
-# mode: (PDL, torch's BLAS backend for bf16/fp16 GEMMs, split-K allowed in them)
-MODES = {"none": (False, "cublas", True), "pdl": (True, "cublas", True),
-         "lt": (True, "cublaslt", True), "lt-nosplitk": (True, "cublaslt", False)}
+# mode: (PDL, torch's BLAS backend for bf16/fp16 GEMMs, split-K allowed in them, RoPE folded
+# into the attention kernel)
+MODES = {"none": (False, "cublas", True, True), "pdl": (True, "cublas", True, True),
+         "lt": (True, "cublaslt", True, True), "lt-nosplitk": (True, "cublaslt", False, True),
+         "nofold": (True, "cublas", True, False)}
 REDUCTIONS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 POSITION, REPLAYS, PROFILED = 300, 50, 5
 
 
 def set_mode(name: str, device: torch.device) -> None:
     """Apply `name`'s settings and recompile the pieces (PDL is a compile-time switch)."""
-    pdl, library, splitk = MODES[name]
+    pdl, library, splitk, fold = MODES[name]
     os.environ["TANDEM_PDL"] = "1" if pdl else "0"
+    attention_kernel.FOLD_ROPE = fold   # read when the graphs are captured
     for attr in REDUCTIONS:      # torch's defaults, or no split-K (needs full precision)
         setattr(torch.backends.cuda.matmul, attr, True if splitk else (False, False))
     torch.backends.cuda.preferred_blas_library(library)

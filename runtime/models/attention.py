@@ -68,9 +68,12 @@ class Attention(nn.Module):
         else:
             q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
         cache = self.kv_cache
-        q = rotary_write(q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d),
-                         v.view(bsz, seq, h_kv, d), cos, sin, cache.k_cache, cache.v_cache,
-                         batch.write_slots, batch.write_pos)
+        q, k, v = q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d), v.view(bsz, seq, h_kv, d)
+        if self._folds_rope(seq) and rope_kernel().fits(q, k, v, cos, sin):
+            q = rope_kernel().new_tokens(q, k, v, cos, sin)    # rotated in attention's kernel
+        else:
+            q = rotary_write(q, k, v, cos, sin, cache.k_cache, cache.v_cache,
+                             batch.write_slots, batch.write_pos)         # [B, Hkv, r*T, D]
         out = self._attend(q, batch, seq)                                  # [B, T, H, D]
         return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
 
@@ -78,20 +81,39 @@ class Attention(nn.Module):
                      batch: ExtendBatch) -> FP8Out | torch.Tensor:
         cache = self.kv_cache
         qkv = self.qkv.forward_fp8(x)                                      # raw [M, (H+2Hkv)D]
-        q = rotary_write_fp8(*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin,
-                             cache.k_cache, cache.v_cache, batch.write_slots,
-                             batch.write_pos)                              # [B, Hkv, r*T, D]
+        args = (*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin)
+        if (self._folds_rope(cos.shape[1])
+                and rope_kernel().fits_fp8(*qkv, self.head_dim, cos, sin)):
+            q = rope_kernel().new_tokens_fp8(*args)         # rescaled and rotated in attention
+        else:
+            q = rotary_write_fp8(*args, cache.k_cache, cache.v_cache, batch.write_slots,
+                                 batch.write_pos)                          # [B, Hkv, r*T, D]
         out8, out_scale = self._attend(q, batch, cos.shape[1], quantize=True)  # [M, H*D], [M, 1]
         return self.o_proj.forward_fp8(FP8Act(out8, out_scale, x.dtype))  # [M, hidden]
 
-    def _attend(self, q: torch.Tensor, batch: ExtendBatch, seq: int, quantize: bool = False
+    def _folds_rope(self, seq: int) -> bool:
+        """Whether the Triton attention kernel attends this step and can also rotate its q/k
+        and write its new k/v (kernels.attention.FOLD_ROPE, a head_dim it takes): then the
+        separate RoPE kernel is not launched."""
+        if not (kernels.enabled() and self._slot_kernel(seq)):
+            return False
+        from runtime.models.kernels import attention as kernel
+
+        return kernel.FOLD_ROPE and kernel.fits_head_dim(self.head_dim)
+
+    def _slot_kernel(self, seq: int) -> bool:
+        """Whether _attend uses the Triton kernel for a step of seq tokens a row."""
+        return self.n_heads // self.n_kv_heads * seq <= SLOT_KERNEL_ROWS
+
+    def _attend(self, q, batch: ExtendBatch, seq: int, quantize: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D].
+        """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D];
+        or the step's kernels.rope.NewTokens (only where _folds_rope said so).
         quantize: o_proj's FP8 input instead ([B*T, H*D] e4m3, [B*T, 1]), quantized in the
         attention kernel's combine where that pays (kernels.attention.fp8_combine_pays), else
         by fused.fp8_quantize_heads after it."""
         cache = self.kv_cache
-        if kernels.enabled() and q.shape[2] <= SLOT_KERNEL_ROWS:
+        if kernels.enabled() and self._slot_kernel(seq):
             from runtime.models.kernels.attention import fp8_combine_pays
 
             in_combine = quantize and fp8_combine_pays(q, cache.k_cache, seq)
@@ -104,6 +126,13 @@ class Attention(nn.Module):
             k_all, v_all = cache.read(batch)                               # [B, Hkv, L, D]
             out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
         return fused.fp8_quantize_heads(out) if quantize else out
+
+
+def rope_kernel():
+    """runtime.models.kernels.rope, imported on first use (Triton)."""
+    from runtime.models.kernels import rope
+
+    return rope
 
 
 def rotary_write(*args) -> torch.Tensor:

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from runtime.models import fused
 from runtime.models.kernels.e4m3 import e4m3_rne
+from runtime.models.kernels.rope import NewTokens, new_rows, write_new_kv
 
 # KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
 # idle, so they get short chunks: more programs, a shorter serial loop in each (measured on an
@@ -43,6 +44,9 @@ CHUNK_LONG, CHUNK_SHORT = 256, 64
 FEW_PROGRAMS = 64      # rows x KV heads at most for CHUNK_SHORT
 BLOCK_N = 32           # KV positions per inner step
 MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
+# RoPE and the new tokens' KV write inside the partial kernel (slot_attention of NewTokens)
+# instead of the separate rope kernel: TANDEM_FOLD_ROPE=0 keeps them apart (A/B runs)
+FOLD_ROPE = os.environ.get("TANDEM_FOLD_ROPE", "1") != "0"
 FP8_MAX = tl.constexpr(fused.FP8_MAX)   # the largest e4m3 value
 _ROUND = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -72,8 +76,18 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
                     stride_ks, stride_kh, stride_kl,
                     stride_ob, stride_oh, stride_oc, stride_om,
                     T, M, scale, window, chunk,
+                    nq_ptr, nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr,
+                    stride_nqt, stride_nqh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                    stride_ct, stride_xs, R, KV_COL, V_COL,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr):
+                    D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr,
+                    ROPE: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ACT: tl.constexpr):
+    """ROPE: q_ptr is unused; the program rotates its queries itself from the step's q
+    (nq_ptr: rope.NewTokens, raw FP8 output with RAW) and first writes the rotated keys and
+    the values of the row's new tokens whose positions fall in its chunk (nk_ptr, nv_ptr) to
+    the caches, which it then reads like any other position (after a barrier: the program's
+    own stores). Every new position lies in exactly one live chunk, so each is written once."""
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = c * chunk
     length = _row_length(pos_ptr, valid_ptr, b, T, T_POW2)                # row's KV length
@@ -91,9 +105,23 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     slot = tl.load(slots_ptr + b)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm
-                + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
     kv_base = slot.to(tl.int64) * stride_ks + h * stride_kh
+    if ROPE:
+        # the rows' query heads h * R + j // T (token t), rotated and rounded as
+        # rope._rope_write_kernel stores them
+        tok = b * T + t
+        head = h * R + rows // T
+        q = new_rows(nq_ptr + tok[:, None] * stride_nqt + head[:, None] * stride_nqh,
+                      head[:, None] * D, tok, row_ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr,
+                      bias_ptr, stride_ct, stride_xs, True, D, RAW, HAS_BIAS, ACT).to(ACT)
+        write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr,
+                      v_ptr, pos_ptr, valid_ptr, kv_base, b, h, T, start, stop, stride_nkt,
+                      stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kl,
+                      KV_COL, V_COL, BLOCK_D, D, T_POW2, RAW, HAS_BIAS, ACT)
+        tl.debug_barrier()             # this program's cache stores before its loads
+    else:
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm
+                    + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
     for n0 in range(start, stop, BLOCK_N):
         kv = n0 + tl.arange(0, BLOCK_N)                                     # [BLOCK_N]
         kv_ok = kv < stop
@@ -219,36 +247,69 @@ def chunks(cache_len: int, programs: int) -> tuple[int, int]:
     return chunk, -(-cache_len // chunk)
 
 
-def _partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor, seq: int,
               window: int | None, chunk: int, n_chunks: int) -> tuple[torch.Tensor, ...]:
     """_partial_kernel over grid (B, Hkv, chunks of the cache) -> (o [B, Hkv, C, BLOCK_M, D],
-    m and l [B, Hkv, C, BLOCK_M]) float32, written for the live chunks only."""
-    bsz, n_kv, rows, dim = q.shape
+    m and l [B, Hkv, C, BLOCK_M]) float32, written for the live chunks only. q: the stacked
+    queries, or the step's NewTokens (the kernel rotates them and writes the new KV)."""
+    bsz, n_kv, rows, dim = _query_shape(q)
     block_m = max(16, triton.next_power_of_2(rows))
-    o_part = torch.empty(bsz, n_kv, n_chunks, block_m, dim, dtype=torch.float32,
-                         device=q.device)
-    m_part = torch.empty(bsz, n_kv, n_chunks, block_m, dtype=torch.float32, device=q.device)
+    device = k_cache.device
+    o_part = torch.empty(bsz, n_kv, n_chunks, block_m, dim, dtype=torch.float32, device=device)
+    m_part = torch.empty(bsz, n_kv, n_chunks, block_m, dtype=torch.float32, device=device)
     l_part = torch.empty_like(m_part)
+    rope = isinstance(q, NewTokens)
+    if rope:
+        new, stacked = q, (k_cache, 0, 0, 0)           # no stacked q: placeholders
+        dtype = new.dtype
+    else:
+        new, stacked = rope_tokens_placeholder(q), (q, q.stride(0), q.stride(1), q.stride(2))
+        dtype = q.dtype
     _partial_kernel[(bsz, n_kv, n_chunks)](
-        q, k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part,
-        q.stride(0), q.stride(1), q.stride(2),
+        stacked[0], k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part, *stacked[1:],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         seq, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
+        *new.pointers(), *new.strides(), *new.columns(),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
-        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=q.dtype == torch.float32)
+        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=dtype == torch.float32,
+        ROPE=rope, RAW=new.raw, HAS_BIAS=new.has_bias, ACT=_ROUND[dtype])
     return o_part, m_part, l_part
 
 
-def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _query_shape(q: torch.Tensor | NewTokens) -> tuple[int, int, int, int]:
+    """(B, Hkv, r*T, D) of the stacked queries either form stands for."""
+    if isinstance(q, NewTokens):
+        tokens, n_heads, dim = q.q.shape
+        return tokens // q.seq, q.k.shape[1], n_heads // q.k.shape[1] * q.seq, dim
+    return tuple(q.shape)
+
+
+def rope_tokens_placeholder(q: torch.Tensor) -> NewTokens:
+    """NewTokens the kernel does not read (ROPE off): q's own pointer, one head per KV head."""
+    flat = q[:, :, 0]                                  # [B, Hkv, D]
+    return NewTokens(flat, flat, flat, flat[:, 0], flat[:, 0], q.dtype, 1)
+
+
+def fits_head_dim(dim: int) -> bool:
+    """Whether slot_attention takes a step's NewTokens of this head_dim (rotating and writing
+    them itself): a power of two, at least 16 (one block of it)."""
+    return dim >= 16 and dim & (dim - 1) == 0
+
+
+def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                    seq: int, window: int | None = None, *, quantize: bool = False
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the new tokens over the slot KV cache, their own keys included (written
-    before this runs: runtime.models.fused.rotary_write).
+    """Attention of the new tokens over the slot KV cache, their own keys included.
 
-    q [B, Hkv, r*T, D] (query heads stacked per KV head, fused.stack_heads); k_cache,
+    q [B, Hkv, r*T, D] (query heads stacked per KV head, fused.stack_heads), rotated and with
+    the new keys and values already in the caches (runtime.models.fused.rotary_write); or
+    the step's q, k, v before RoPE (rope.NewTokens, `fits_rope`): then the partial kernel
+    rotates them and writes the new keys and values itself, one launch fewer, the same
+    arithmetic (a row's valid tokens must be its newest positions, as ExtendBatch builds
+    them; padding tokens are not written to the scratch position). k_cache,
     v_cache [S, Hkv, L, D]; slots [B]; positions [B, T] absolute position of each query;
     valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window:
     sliding window (keys in (pos - window, pos]) or None.
@@ -259,9 +320,14 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     different orders (a tree; c = 0, 1, ...), so a float32 sum can differ in its last bit
     (an H200, bf16/fp16/float32: 13 of 19M e4m3 values one step apart; float32 q: scales
     within 3e-7). Speed: see _combine_fp8."""
-    bsz, n_kv, rows, dim = q.shape
+    bsz, n_kv, rows, dim = _query_shape(q)
     n_rep = rows // seq
-    q = q.contiguous()
+    if not isinstance(q, NewTokens):
+        q = q.contiguous()
+    elif not fits_head_dim(dim):
+        raise ValueError(f"slot_attention: head_dim {dim} must be a power of two >= 16 for "
+                         "the step's q/k/v before RoPE")
+    dtype = q.dtype
     pos, ok = (t if t.dtype == torch.int32 and t.is_contiguous()
                else t.to(torch.int32).contiguous() for t in (positions, valid))
     chunk, n_chunks = chunks(k_cache.shape[2], bsz * n_kv)
@@ -273,16 +339,16 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                 T_POW2=max(2, triton.next_power_of_2(seq)))
     strides = [o_part.stride(i) for i in range(4)]
     if quantize:
-        return _combine_fp8(q, parts, pos, ok, strides, seq, n_rep, chunk, meta)
-    out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=q.dtype, device=q.device)
+        return _combine_fp8(parts, pos, ok, strides, seq, n_rep, chunk, dtype, meta)
+    out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=dtype, device=k_cache.device)
     _combine_kernel[(bsz, n_kv, rows)](
         *parts, out, pos, ok, *strides, out.stride(0), out.stride(1), out.stride(2),
         seq, n_rep, n_chunks, chunk, **meta)
     return out
 
 
-def _combine_fp8(q: torch.Tensor, parts: tuple[torch.Tensor, ...], pos: torch.Tensor,
-                 ok: torch.Tensor, strides: list[int], seq: int, n_rep: int, chunk: int,
+def _combine_fp8(parts: tuple[torch.Tensor, ...], pos: torch.Tensor, ok: torch.Tensor,
+                 strides: list[int], seq: int, n_rep: int, chunk: int, dtype: torch.dtype,
                  meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """_combine_fp8_kernel over grid (B, T) -> ([B*T, H*D] e4m3, [B*T, 1] float32).
 
@@ -292,14 +358,15 @@ def _combine_fp8(q: torch.Tensor, parts: tuple[torch.Tensor, ...], pos: torch.Te
     fp8_quantize_heads: batch 1 at 256 positions 11.3 us against 12.3, at 1024 13.3 against
     12.6, at 4096 25.1 against 15.3; batch 16 x 5 tokens at 256 18.9 against 28.1, at 4096
     98.1 against 101.7 (70b-tp1, H 64, batch 1 at 4096: 37.8 against 16.5)."""
-    bsz, n_kv, _, dim = q.shape
+    bsz, n_kv, _, _, dim = parts[0].shape
+    device = parts[0].device
     n_heads = n_kv * n_rep
-    data = torch.empty(bsz * seq, n_heads * dim, dtype=torch.float8_e4m3fn, device=q.device)
-    scale = torch.empty(bsz * seq, 1, dtype=torch.float32, device=q.device)
+    data = torch.empty(bsz * seq, n_heads * dim, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(bsz * seq, 1, dtype=torch.float32, device=device)
     block_h = triton.next_power_of_2(n_heads)
     _combine_fp8_kernel[(bsz, seq)](
         *parts, data, scale, pos, ok, *strides, seq, n_rep, n_heads, parts[0].shape[2], chunk,
-        BLOCK_H=block_h, ROUND=_ROUND[q.dtype], RECIPROCAL=q.is_cuda,
+        BLOCK_H=block_h, ROUND=_ROUND[dtype], RECIPROCAL=device.type == "cuda",
         num_warps=max(4, min(16, block_h * meta["BLOCK_D"] // 256)), **meta)
     return data, scale
 
@@ -313,7 +380,7 @@ def fp8_combine_pays(q: torch.Tensor, k_cache: torch.Tensor, seq: int) -> bool:
     q [B, Hkv, r*T, D] over k_cache (host-side: the allocated chunks, not the live ones). Its
     one program per token reads all the token's partials (see _combine_fp8): it pays for a
     short cache or many tokens."""
-    bsz, n_kv = q.shape[:2]
+    bsz, n_kv = _query_shape(q)[:2]
     n_chunks = chunks(k_cache.shape[2], bsz * n_kv)[1]
     return n_chunks <= FUSED_FP8_CHUNKS or bsz * seq >= FUSED_FP8_TOKENS
 

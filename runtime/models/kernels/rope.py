@@ -17,6 +17,8 @@ does; compiled, that path was two kernels.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,81 @@ def _load(src, col, dims, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS: tl.con
             x = x + tl.load(b_ptr + col + dims).to(tl.float32)
         x = x.to(ACT).to(tl.float32)
     return x
+
+
+@triton.jit
+def _load_masked(src, col, mask, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACT: tl.constexpr):
+    """_load over a tile: src / col are the elements' pointers / raw-output columns (any
+    shape), xs broadcasts against them; masked elements read 0."""
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    if RAW:
+        x = x * xs * tl.load(ws_ptr + col, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x = x + tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(ACT).to(tl.float32)
+    return x
+
+
+@triton.jit
+def rotated(src, col, dims, mask, cos, sin, xs, ws_ptr, b_ptr, HALF: tl.constexpr,
+            RAW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """RoPE of a tile of heads, float32: src / col the pointers / raw columns of each row's
+    element 0 ([R, 1]), dims [1, D], cos / sin [R, D] float32. The same arithmetic as
+    _rope_write_kernel (lo * cos - hi * sin, hi * cos + lo * sin), the halves read twice
+    instead of split: runtime.models.kernels.attention folds it into its partial kernel."""
+    low = dims < HALF
+    swap = tl.where(low, dims + HALF, dims - HALF)
+    x = _load_masked(src + dims, col + dims, mask, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, ACT)
+    x_sw = _load_masked(src + swap, col + swap, mask, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, ACT)
+    return tl.where(low, x * cos - x_sw * sin, x * cos + x_sw * sin)
+
+
+@triton.jit
+def new_rows(src, col, tok, ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct,
+              stride_xs, ROTATE: tl.constexpr, D: tl.constexpr, RAW: tl.constexpr,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """Rows of the step's new q / k (ROTATE) or v (runtime.models.kernels.attention's partial
+    kernel reads them through these two): src / col [R, 1] each row's element 0 and
+    raw column, tok [R] its token, ok [R]; float32 [R, BLOCK_D], masked rows 0."""
+    mask = ok[:, None] & (dims[None, :] < D)
+    xs = 1.0
+    if RAW:
+        xs = tl.load(xs_ptr + tok * stride_xs, mask=ok, other=0.0)[:, None]
+    if ROTATE:
+        at = tok[:, None] * stride_ct + dims[None, :]
+        cos = tl.load(cos_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        return rotated(src, col, dims[None, :], mask, cos, sin, xs, ws_ptr, bias_ptr, D // 2,
+                       RAW, HAS_BIAS, ACT)
+    return _load_masked(src + dims[None, :], col + dims[None, :], mask, xs, ws_ptr, bias_ptr,
+                        RAW, HAS_BIAS, ACT)
+
+
+@triton.jit
+def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr, v_ptr,
+                  pos_ptr, valid_ptr, kv_base, b, h, T, start, stop, stride_nkt, stride_nkh,
+                  stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kl, KV_COL, V_COL,
+                  BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
+                  RAW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """KV head h of row b's valid new tokens at positions in [start, stop): k rotated, v as
+    is, stored to the caches at kv_base (the row's slot and head) + position."""
+    ts = tl.arange(0, T_POW2)
+    dims = tl.arange(0, BLOCK_D)
+    pos = tl.load(pos_ptr + b * T + ts, mask=ts < T, other=-1)
+    ok = (ts < T) & (tl.load(valid_ptr + b * T + ts, mask=ts < T, other=0) != 0)
+    ok = ok & (pos >= start) & (pos < stop)
+    tok = b * T + ts
+    k = new_rows(nk_ptr + tok[:, None] * stride_nkt + h * stride_nkh, KV_COL + h * D, tok, ok,
+                  dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, True,
+                  D, RAW, HAS_BIAS, ACT)
+    v = new_rows(nv_ptr + tok[:, None] * stride_nvt + h * stride_nvh, V_COL + h * D, tok, ok,
+                  dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, False,
+                  D, RAW, HAS_BIAS, ACT)
+    at = kv_base + pos[:, None].to(tl.int64) * stride_kl + dims[None, :]
+    mask = ok[:, None] & (dims[None, :] < D)
+    tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -83,6 +160,66 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         tl.store(vc_ptr + at + full, v.to(vc_ptr.dtype.element_ty))
 
 
+class NewTokens(NamedTuple):
+    """A step's q, k, v before RoPE as the kernels read them: q [B*T, H, D], k, v
+    [B*T, Hkv, D] (views: last axis contiguous), cos, sin [B*T, D]; on the fused FP8 path
+    slices of the qkv GEMM's raw float32 output with its scales (x_scale [B*T, 1], w_scale
+    and bias over the output's columns: raw=True), the activation dtype `dtype` either way."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    dtype: torch.dtype
+    seq: int                                   # T
+    scales: tuple | None = None                # (x_scale, w_scale, bias or None)
+
+    @property
+    def raw(self) -> bool:
+        return self.scales is not None
+
+    def pointers(self) -> tuple:
+        """q, k, v, cos, sin, x_scale, w_scale, bias (placeholders where not raw)."""
+        x_scale, w_scale, bias = self.scales if self.raw else (self.q, self.q, None)
+        return (self.q, self.k, self.v, self.cos, self.sin, x_scale, w_scale,
+                bias if bias is not None else w_scale)
+
+    def strides(self) -> tuple:
+        """q, k, v token and head strides, cos's token stride, x_scale's."""
+        x_scale = self.scales[0] if self.raw else self.q
+        return (self.q.stride(0), self.q.stride(1), self.k.stride(0), self.k.stride(1),
+                self.v.stride(0), self.v.stride(1), self.cos.stride(0), x_scale.stride(0))
+
+    def columns(self) -> tuple:
+        """R (query heads per KV head) and where k and v start in a raw output's columns."""
+        n_heads, n_kv, dim = self.q.shape[1], self.k.shape[1], self.q.shape[2]
+        return n_heads // n_kv, n_heads * dim, (n_heads + n_kv) * dim
+
+    @property
+    def has_bias(self) -> bool:
+        return self.raw and self.scales[2] is not None
+
+
+def new_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> NewTokens:
+    """NewTokens of q [B, T, H, D], k, v [B, T, Hkv, D], cos, sin [B, T, D] (`fits`)."""
+    bsz, seq, _, dim = q.shape
+    flat = (t.flatten(0, 1) for t in (q, k, v))        # [B*T, heads, D]: views (fits)
+    return NewTokens(*flat, cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim),
+                     q.dtype, seq)
+
+
+def new_tokens_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                   bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int, n_kv: int,
+                   cos: torch.Tensor, sin: torch.Tensor) -> NewTokens:
+    """NewTokens of the raw qkv GEMM output [B*T, (H + 2 Hkv) D] float32 (`fits_fp8`)."""
+    bsz, seq, dim = cos.shape
+    qkv = raw.view(bsz * seq, -1, dim)
+    q, k, v = qkv.split([n_heads, n_kv, n_kv], dim=1)
+    return NewTokens(q, k, v, cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim),
+                     dtype, seq, (x_scale, w_scale, bias))
+
+
 def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -92,7 +229,7 @@ def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     if not fits(q, k, v, cos, sin):
         raise ValueError(f"rotary_write kernel: head_dim {q.shape[-1]} and last-axis strides "
                          f"must fit (q {tuple(q.shape)}, k {tuple(k.shape)})")
-    return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, positions, q.dtype, None)
+    return _launch(new_tokens(q, k, v, cos, sin), k_cache, v_cache, slots, positions)
 
 
 def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -104,47 +241,39 @@ def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Te
     float32 with its token scales x_scale [B*T, 1], channel scales w_scale [(H + 2 Hkv) D]
     (and bias) -> q [B, Hkv, r*T, D] in dtype, k and v written to the caches. `fits_fp8`
     says whether it takes these (else the caller keeps fused.rotary_write_fp8)."""
-    bsz, seq, dim = cos.shape
-    if not fits_fp8(raw, x_scale, w_scale, bias, dim, cos, sin):
-        raise ValueError(f"rotary_write_fp8 kernel: head_dim {dim} and the raw output "
-                         f"{tuple(raw.shape)} / scales must fit")
-    qkv = raw.view(bsz, seq, -1)
-    q, k, v = qkv.split([n_heads * dim, n_kv * dim, n_kv * dim], dim=-1)
-    q, k, v = (t.view(bsz, seq, -1, dim) for t in (q, k, v))
-    return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, positions, dtype,
-                   (x_scale, w_scale, bias))
+    if not fits_fp8(raw, x_scale, w_scale, bias, cos.shape[-1], cos, sin):
+        raise ValueError(f"rotary_write_fp8 kernel: head_dim {cos.shape[-1]} and the raw "
+                         f"output {tuple(raw.shape)} / scales must fit")
+    new = new_tokens_fp8(raw, x_scale, w_scale, bias, dtype, n_heads, n_kv, cos, sin)
+    return _launch(new, k_cache, v_cache, slots, positions)
 
 
-def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, positions, dtype, scales
-            ) -> torch.Tensor:
-    bsz, seq, n_heads, dim = q.shape
-    n_kv = k.shape[2]
-    out = torch.empty(bsz, n_kv, n_heads // n_kv * seq, dim, dtype=dtype, device=q.device)
-    tokens = bsz * seq
-    q2, k2, v2 = (t.flatten(0, 1) for t in (q, k, v))   # [B*T, heads, D]: views (fits)
-    cos2, sin2 = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
-    x_scale, w_scale, bias = scales if scales is not None else (q2, q2, None)
+def _launch(new: NewTokens, k_cache, v_cache, slots, positions) -> torch.Tensor:
+    tokens, n_heads, dim = new.q.shape
+    n_kv, seq = new.k.shape[1], new.seq
+    out = torch.empty(tokens // seq, n_kv, n_heads // n_kv * seq, dim, dtype=new.dtype,
+                      device=new.q.device)
+    (q, k, v, cos, sin, x_scale, w_scale, bias), strides = new.pointers(), new.strides()
     _rope_write_kernel[(tokens, n_heads + n_kv)](
-        q2, k2, v2, cos2, sin2, k_cache, v_cache, slots, positions, out,
-        x_scale, w_scale, bias if bias is not None else w_scale,
-        q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), v2.stride(0), v2.stride(1),
-        cos2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k, v, cos, sin, k_cache, v_cache, slots, positions, out, x_scale, w_scale, bias,
+        *strides[:7], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), slots.stride(0), positions.stride(0),
-        x_scale.stride(0), seq, n_heads, n_heads // n_kv, n_heads * dim, (n_heads + n_kv) * dim,
-        D=dim, HALF=dim // 2, RAW=scales is not None, HAS_BIAS=bias is not None)
+        strides[7], seq, n_heads, *new.columns(),
+        D=dim, HALF=dim // 2, RAW=new.raw, HAS_BIAS=new.has_bias)
     return out
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> bool:
     """Whether the kernel takes these: a power-of-two head_dim, unit last-axis strides, and
-    token axes that flatten to one stride (a view: no copy)."""
+    token axes that flatten to one stride (a view: no copy; a [B, 1, ...] decode step always
+    does, whatever stride its size-1 axis reports)."""
     dim = q.shape[-1]
     if dim < 2 or dim & (dim - 1) or any(t.stride(-1) != 1 for t in (q, k, v, cos, sin)):
         return False
     if cos.stride() != sin.stride():
         return False
-    return all(t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+    return all(t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
                for t in (q, k, v, cos, sin))
 
 

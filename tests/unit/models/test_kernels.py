@@ -114,6 +114,60 @@ raw = torch.zeros(6, 128)
 cos6 = torch.zeros(2, 3, 16)
 assert not rope.fits_fp8(raw, torch.zeros(6, 1), torch.zeros(64), None, 16, cos6, cos6)
 assert not rope.fits_fp8(raw[:, :64], torch.zeros(6, 1), torch.zeros(64), None, 16, cos6, cos6)
+one = torch.zeros(3, 1, 128).split([64, 32, 32], dim=-1)        # a decode step at batch 3:
+assert rope.fits(*(t.view(3, 1, -1, 16) for t in one), cos6[:, :1], cos6[:, :1])  # size-1 T
+
+
+def fold_case(starts, n_valid, seq, n_heads, n_kv, dim, cache_len, dtype, raw, quantize=False,
+              bias=False):
+    """slot_attention of the step's NewTokens (RoPE and the KV write in its partial kernel)
+    against rope.rotary_write(_fp8) then slot_attention: bit for bit, outputs and caches."""
+    bsz = len(starts)
+    caches = [KVCache(4, cache_len - 1, n_kv, dim, dtype) for _ in range(2)]
+    caches[0].k_cache.normal_()
+    caches[0].v_cache.normal_()
+    caches[1].k_cache.copy_(caches[0].k_cache)
+    caches[1].v_cache.copy_(caches[0].v_cache)
+    slots = torch.tensor([3, 0, 2][:bsz])
+    kv_len = max(s + n for s, n in zip(starts, n_valid))
+    batch = ExtendBatch.build(slots, torch.tensor(starts), torch.tensor(n_valid), seq, kv_len,
+                              cache_len - 1)
+    angle = torch.rand(bsz, seq, dim) * 6
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    n = (n_heads + 2 * n_kv) * dim
+    writes = (batch.write_slots, batch.write_pos)
+    if raw:
+        out = torch.randn(bsz * seq, n) * 300
+        scales = (torch.rand(bsz * seq, 1) * 0.01 + 1e-3, torch.rand(n) * 0.01 + 1e-3,
+                  (torch.randn(n) * 0.5).to(dtype) if bias else None)
+        args = (out, *scales, dtype, n_heads, n_kv, cos, sin)
+        q = rope.rotary_write_fp8(*args, caches[0].k_cache, caches[0].v_cache, *writes)
+        new = rope.new_tokens_fp8(*args)
+    else:
+        qkv = torch.randn(bsz, seq, n).to(dtype)
+        parts = qkv.split([n_heads * dim, n_kv * dim, n_kv * dim], dim=-1)
+        parts = [t.view(bsz, seq, -1, dim) for t in parts]
+        q = rope.rotary_write(*parts, cos, sin, caches[0].k_cache, caches[0].v_cache, *writes)
+        new = rope.new_tokens(*parts, cos, sin)
+    rows = batch.int32_rows()
+    want = slot_attention(q, caches[0].k_cache, caches[0].v_cache, slots, *rows, seq,
+                          quantize=quantize)
+    got = slot_attention(new, caches[1].k_cache, caches[1].v_cache, slots, *rows, seq,
+                         quantize=quantize)
+    if quantize:
+        assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
+    else:
+        assert torch.equal(got[batch.valid], want[batch.valid])
+    cells = cache_len - 1                          # the scratch position is not written
+    for a, b in ((caches[1].k_cache, caches[0].k_cache), (caches[1].v_cache, caches[0].v_cache)):
+        assert torch.equal(a[:, :, :cells], b[:, :, :cells]), (starts, dtype, raw)
+
+
+fold_case([5, 0, 17], [1, 1, 1], 1, 4, 2, 16, 64, torch.float32, False)        # decode
+fold_case([9, 30, 2], [5, 3, 0], 5, 4, 2, 16, 64, torch.float32, False)        # a padding row
+fold_case([60, 1], [5, 3], 5, 8, 2, 32, 256, torch.float16, False)   # new tokens over 2 chunks
+fold_case([60, 1, 7], [5, 3, 0], 5, 8, 2, 32, 256, torch.float32, True, bias=True)   # raw FP8
+fold_case([60, 1], [5, 3], 5, 8, 2, 32, 256, torch.bfloat16, True, quantize=True)
 print("ok")
 '''
 
@@ -128,6 +182,7 @@ MODEL_CASE = r'''
 import sys
 import torch
 from runtime.models import kernels, load_model, quant
+from runtime.models.kernels import attention as attention_kernel, rope
 
 path, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
 quant.EMULATE_FP8_GEMM = quantization == "fp8"   # the fused FP8 GEMM path, emulated on CPU
@@ -142,14 +197,24 @@ prompts = torch.randint(0, 96, (3, 12))
 slots, zeros = torch.tensor([2, 0, 3]), torch.zeros(3, dtype=torch.long)
 steps = [(prompts, zeros, torch.tensor([12, 7, 10])),          # prefill, ragged
          (torch.randint(0, 96, (3, 5)), torch.tensor([12, 7, 10]), torch.tensor([5, 3, 1]))]
+calls = []                              # the separate RoPE kernel's launches
+for name in ("rotary_write", "rotary_write_fp8"):
+    def counted(*args, _fn=getattr(rope, name)):
+        calls.append(1)
+        return _fn(*args)
+    setattr(rope, name, counted)
 for ids, start, n in steps:
     kernels.disable()
     want = eager.forward_static(ids, slots, start, n, kv_len=64)
     assert kernels.enable(torch.device("cpu"))
-    got = fast.forward_static(ids, slots, start, n, kv_len=64)
     ok = torch.arange(ids.shape[1])[None, :] < n[:, None]
-    err = (got[ok] - want[ok]).abs().max().item()
-    assert err < 1e-4, err
+    for fold in (True, False):          # RoPE in the attention kernel, then separate
+        attention_kernel.FOLD_ROPE = fold
+        del calls[:]
+        got = fast.forward_static(ids, slots, start, n, kv_len=64)
+        assert len(calls) == (0 if fold else fast.args.n_layers), (fold, len(calls))
+        err = (got[ok] - want[ok]).abs().max().item()
+        assert err < 1e-4, err
 print("ok")
 '''
 
@@ -172,5 +237,6 @@ def test_model_steps_through_the_kernels_equal_eager(scripts, quantization):
     """forward_static with the kernels on (interpreted) equals the eager path: prefill rows
     and a ragged verify step of a whole model, the kernels reading the cache in place; with
     FP8 weights on the fused FP8 GEMM path (emulated) too: the qkv rescale in the RoPE
-    kernel, the output quantized in the attention kernel's combine."""
+    kernel, the output quantized in the attention kernel's combine. Each step twice: RoPE
+    and the KV write folded into the attention kernel (no RoPE launch), then apart."""
     scripts[quantization].check()
