@@ -41,8 +41,8 @@ def _rescaled(raw_ptr, ws_ptr, b_ptr, col, mask, xs, HAS_BIAS: tl.constexpr,
 
 @triton.jit
 def _silu_quant(raw_ptr, xs_ptr, ws_ptr, b_ptr, h_ptr, part_ptr, count_ptr, out_ptr, scale_ptr,
-                inter, P: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                ACT: tl.constexpr):
+                inter, P: tl.constexpr, BLOCK: tl.constexpr, FINAL: tl.constexpr,
+                HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     t, j = tl.program_id(0), tl.program_id(1)
     col = j * BLOCK + tl.arange(0, BLOCK)
     mask = col < inter
@@ -59,8 +59,8 @@ def _silu_quant(raw_ptr, xs_ptr, ws_ptr, b_ptr, h_ptr, part_ptr, count_ptr, out_
         amax = tl.max(tl.load(part_ptr + t * P + tl.arange(0, P), volatile=True), 0)
         scale = tl.maximum(amax, 1e-12) / 448.0
         tl.store(scale_ptr + t, scale)
-        for start in range(0, inter, BLOCK):
-            c = start + tl.arange(0, BLOCK)
+        for start in range(0, inter, FINAL):      # FINAL columns a step
+            c = start + tl.arange(0, FINAL)
             v = tl.load(h_ptr + t * inter + c, mask=c < inter, other=0.0, volatile=True)
             q = tl.minimum(tl.maximum(v.to(tl.float32) / scale, -448.0), 448.0)
             tl.store(out_ptr + t * inter + c, e4m3_rne(q).to(tl.float8e4nv), mask=c < inter)
@@ -71,8 +71,12 @@ class SiluQuant:
     per-token counters (zero between calls), reused by every call, so calls can be captured
     in CUDA graphs."""
 
-    def __init__(self, tokens: int, inter: int, dtype: torch.dtype, device, block: int = 1024):
+    def __init__(self, tokens: int, inter: int, dtype: torch.dtype, device, block: int = 1024,
+                 final: int | None = None, warps: int = 4):
+        """block: columns a program; final: columns a step of the last program's quantize
+        loop (default block); warps: a program's warps."""
         self.tokens, self.inter, self.dtype, self.block = tokens, inter, dtype, block
+        self.final, self.warps = final or block, warps
         # a power of two (the partials are combined in one tl.arange); programs past the
         # row's end have no columns and count in with a partial of 0
         self.programs = triton.next_power_of_2(triton.cdiv(inter, block))
@@ -91,8 +95,14 @@ class SiluQuant:
         _silu_quant[(m, self.programs)](
             raw, x_scale, w_scale, w_scale if bias is None else bias, self.h, self.partials,
             self.counters, out, scale, self.inter, P=self.programs, BLOCK=self.block,
-            HAS_BIAS=bias is not None, ACT=_ROUND[self.dtype])
+            FINAL=self.final, HAS_BIAS=bias is not None, ACT=_ROUND[self.dtype],
+            num_warps=self.warps)
         return out, scale
+
+
+# (columns a program, columns a step of the last program's quantize, warps a program)
+VARIANTS = [(1024, 1024, 4), (1024, 4096, 8), (2048, 4096, 8), (512, 4096, 8),
+            (1024, 8192, 16)]
 
 
 def main() -> None:
@@ -106,16 +116,17 @@ def main() -> None:
             raw = torch.randn(tokens, 2 * inter, device=device) * 30
             xs = torch.rand(tokens, 1, device=device) / 100
             ws = torch.rand(2 * inter, device=device) / 100
-            ours = SiluQuant(tokens, inter, dtype, device)
-            (q, scale), (want_q, want_scale) = ours(raw, xs, ws), fused.silu_mul_fp8(
-                raw, xs, ws, None, dtype)
-            kernel_us = graphed_us(lambda: ours(raw, xs, ws))
+            want_q, want_scale = fused.silu_mul_fp8(raw, xs, ws, None, dtype)
             compiled_us = graphed_us(lambda: fused.silu_mul_fp8(raw, xs, ws, None, dtype))
-            print(f"I {inter} tokens {tokens}: kernel {kernel_us:.1f} us, compiled "
-                  f"{compiled_us:.1f} us; scales equal {torch.equal(scale, want_scale)}, "
-                  f"e4m3 values differing {int((q.float() != want_q.float()).sum())} of "
-                  f"{q.numel()}", flush=True)
-
+            print(f"I {inter} tokens {tokens}: compiled {compiled_us:.1f} us", flush=True)
+            for block, final, warps in VARIANTS:
+                ours = SiluQuant(tokens, inter, dtype, device, block, final, warps)
+                q, scale = ours(raw, xs, ws)
+                kernel_us = graphed_us(lambda: ours(raw, xs, ws))
+                print(f"  block {block} final {final} warps {warps}: kernel {kernel_us:.1f} "
+                      f"us; scales equal {torch.equal(scale, want_scale)}, e4m3 values "
+                      f"differing {int((q.float() != want_q.float()).sum())} of {q.numel()}",
+                      flush=True)
 
 if __name__ == "__main__":
     main()

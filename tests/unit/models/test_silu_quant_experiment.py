@@ -19,12 +19,13 @@ from examples.gpu.silu_quant_kernel import SiluQuant
 torch.manual_seed(0)
 # float32 activations: the eager sequence's values (up to the last bit of exp); bf16: the
 # interpreter's bf16 casts truncate instead of rounding to nearest, so only roughly
-for tokens, inter, block, dtype, bias in [(1, 256, 64, torch.float32, False),
-                                          (3, 130, 32, torch.float32, True),
-                                          (5, 200, 64, torch.float32, False),
-                                          (3, 130, 32, torch.bfloat16, True)]:
+# final: the last program's quantize loop in steps of other sizes than a program's columns
+for tokens, inter, block, dtype, bias, final in [(1, 256, 64, torch.float32, False, None),
+                                                 (3, 130, 32, torch.float32, True, 128),
+                                                 (5, 200, 64, torch.float32, False, 16),
+                                                 (3, 130, 32, torch.bfloat16, True, None)]:
     exact = dtype == torch.float32
-    ours = SiluQuant(tokens, inter, dtype, "cpu", block=block)
+    ours = SiluQuant(tokens, inter, dtype, "cpu", block=block, final=final)
     assert ours.programs & (ours.programs - 1) == 0
     for call in range(2):                          # the second call reuses the buffers
         raw = torch.randn(tokens, 2 * inter) * 30
