@@ -92,14 +92,15 @@ class Attention(nn.Module):
         return self.o_proj.forward_fp8(FP8Act(out8, out_scale, x.dtype))  # [M, hidden]
 
     def _folds_rope(self, seq: int) -> bool:
-        """Whether the Triton attention kernel attends this step and can also rotate its q/k
-        and write its new k/v (kernels.attention.FOLD_ROPE, a head_dim it takes): then the
-        separate RoPE kernel is not launched."""
+        """Whether the Triton attention kernel attends this step and also rotates its q/k
+        and writes its new k/v (kernels.attention.FOLD_ROPE, for steps of FOLD_ROPE_MIN_SEQ
+        tokens or more, a head_dim it takes): then the separate RoPE kernel is not launched."""
         if not (kernels.enabled() and self._slot_kernel(seq)):
             return False
         from runtime.models.kernels import attention as kernel
 
-        return kernel.FOLD_ROPE and kernel.fits_head_dim(self.head_dim)
+        return (kernel.FOLD_ROPE and seq >= kernel.FOLD_ROPE_MIN_SEQ
+                and kernel.fits_head_dim(self.head_dim))
 
     def _slot_kernel(self, seq: int) -> bool:
         """Whether _attend uses the Triton kernel for a step of seq tokens a row."""

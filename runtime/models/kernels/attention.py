@@ -45,8 +45,13 @@ FEW_PROGRAMS = 64      # rows x KV heads at most for CHUNK_SHORT
 BLOCK_N = 32           # KV positions per inner step
 MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
 # RoPE and the new tokens' KV write inside the partial kernel (slot_attention of NewTokens)
-# instead of the separate rope kernel: TANDEM_FOLD_ROPE=0 keeps them apart (A/B runs)
+# instead of the separate rope kernel, for steps of at least FOLD_ROPE_MIN_SEQ tokens a row:
+# measured on an H200 (examples/h200_bench.sh fold-ab, 8b, GPU time a step), a 5-token
+# verify step runs 1.009-1.019x faster folded (bf16 / FP8, batch 1 / 16), a 1-token decode
+# step 0.990-0.999x (every chunk's program rotates the queries on its critical path), so
+# decode keeps the separate kernel. TANDEM_FOLD_ROPE=0 never folds (A/B runs).
 FOLD_ROPE = os.environ.get("TANDEM_FOLD_ROPE", "1") != "0"
+FOLD_ROPE_MIN_SEQ = 2
 FP8_MAX = tl.constexpr(fused.FP8_MAX)   # the largest e4m3 value
 _ROUND = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
