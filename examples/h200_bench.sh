@@ -15,7 +15,8 @@
 #       (overlap on / off on two of the host's CPU cores: examples/cpu/overlap_figures.sh)
 #   bash examples/h200_bench.sh OUTDIR nopdl-profile-fp8 profile-fp8 \
 #       nopdl-fp8-auto-0.02 fp8-auto-0.02
-#       (nopdl-PHASE: PHASE without programmatic dependent launch, into OUTDIR/nopdl)
+#       (nopdl-PHASE: PHASE without programmatic dependent launch, into OUTDIR/nopdl;
+#        nofold-PHASE: RoPE never folded into the attention kernel, into OUTDIR/nofold)
 #   bash examples/h200_bench.sh OUTDIR step-ab workspace-ab
 #       (cuBLAS against cuBLASLt with and without split-K on the 8b steps, bf16 and FP8, batch
 #        1 and 16: examples/gpu/step_ab.py; the 8b bf16, 8b FP8 and 70b FP8 steps with and
@@ -93,6 +94,8 @@ for phase in "$@"; do
                      --modes spec ;;
         nopdl-*) TANDEM_PDL=0 bash "$0" "$OUT/nopdl" "${phase#nopdl-}"
                  ;;
+        nofold-*) TANDEM_FOLD_ROPE=0 bash "$0" "$OUT/nofold" "${phase#nofold-}"
+                  ;;
         workspace-ab)   # "with": torch's cuBLAS default and a large cuBLASLt one
             for args in "--shape 8b" "--shape 8b --quantization fp8" \
                         "--shape 70b --quantization fp8"; do
