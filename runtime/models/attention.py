@@ -6,6 +6,8 @@ This module holds no collectives.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,9 @@ from runtime.models import fused, kernels
 from runtime.models.cache import ExtendBatch, KVCache
 from runtime.models.model_args import ModelArgs
 from runtime.models.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
+
+if TYPE_CHECKING:   # Triton's module: imported where the kernels run
+    from runtime.models.kernels.rope import NewTokens
 
 SMALL_QUERY = 64   # up to this many query rows per KV head: explicit matmul-softmax-matmul
 SLOT_KERNEL_ROWS = 128  # up to this many: the Triton kernel over the cache (when enabled)
@@ -106,7 +111,8 @@ class Attention(nn.Module):
         """Whether _attend uses the Triton kernel for a step of seq tokens a row."""
         return self.n_heads // self.n_kv_heads * seq <= SLOT_KERNEL_ROWS
 
-    def _attend(self, q, batch: ExtendBatch, seq: int, quantize: bool = False
+    def _attend(self, q: torch.Tensor | NewTokens, batch: ExtendBatch, seq: int,
+                quantize: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D];
         or the step's kernels.rope.NewTokens (only where _folds_rope said so).

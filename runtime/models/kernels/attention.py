@@ -48,8 +48,8 @@ MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
 # instead of the separate rope kernel, for steps of at least FOLD_ROPE_MIN_SEQ tokens a row:
 # measured on an H200 (examples/h200_bench.sh fold-ab, 8b, GPU time a step), a 5-token
 # verify step runs 1.009-1.019x faster folded (bf16 / FP8, batch 1 / 16), a 1-token decode
-# step 0.990-0.999x (every chunk's program rotates the queries on its critical path), so
-# decode keeps the separate kernel. TANDEM_FOLD_ROPE=0 never folds (A/B runs).
+# step 0.990-0.999x (probably: every chunk's program rotates the queries before its first
+# KV load), so decode keeps the separate kernel. TANDEM_FOLD_ROPE=0 never folds (A/B runs).
 FOLD_ROPE = os.environ.get("TANDEM_FOLD_ROPE", "1") != "0"
 FOLD_ROPE_MIN_SEQ = 2
 FP8_MAX = tl.constexpr(fused.FP8_MAX)   # the largest e4m3 value
@@ -117,12 +117,12 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
         tok = b * T + t
         head = h * R + rows // T
         q = new_rows(nq_ptr + tok[:, None] * stride_nqt + head[:, None] * stride_nqh,
-                      head[:, None] * D, tok, row_ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr,
-                      bias_ptr, stride_ct, stride_xs, True, D, RAW, HAS_BIAS, ACT).to(ACT)
+                     head[:, None] * D, tok, row_ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr,
+                     bias_ptr, stride_ct, stride_xs, True, D, RAW, HAS_BIAS, ACT).to(ACT)
         write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr,
-                      v_ptr, pos_ptr, valid_ptr, kv_base, b, h, T, start, stop, stride_nkt,
-                      stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kl,
-                      KV_COL, V_COL, BLOCK_D, D, T_POW2, RAW, HAS_BIAS, ACT)
+                     v_ptr, pos_ptr, valid_ptr, kv_base, b, h, T, start, stop, stride_nkt,
+                     stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kl,
+                     KV_COL, V_COL, BLOCK_D, D, T_POW2, RAW, HAS_BIAS, ACT)
         tl.debug_barrier()             # this program's cache stores before its loads
     else:
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm
@@ -269,7 +269,7 @@ def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch
         new, stacked = q, (k_cache, 0, 0, 0)           # no stacked q: placeholders
         dtype = new.dtype
     else:
-        new, stacked = rope_tokens_placeholder(q), (q, q.stride(0), q.stride(1), q.stride(2))
+        new, stacked = _placeholder_tokens(q), (q, q.stride(0), q.stride(1), q.stride(2))
         dtype = q.dtype
     _partial_kernel[(bsz, n_kv, n_chunks)](
         stacked[0], k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part, *stacked[1:],
@@ -291,7 +291,7 @@ def _query_shape(q: torch.Tensor | NewTokens) -> tuple[int, int, int, int]:
     return tuple(q.shape)
 
 
-def rope_tokens_placeholder(q: torch.Tensor) -> NewTokens:
+def _placeholder_tokens(q: torch.Tensor) -> NewTokens:
     """NewTokens the kernel does not read (ROPE off): q's own pointer, one head per KV head."""
     flat = q[:, :, 0]                                  # [B, Hkv, D]
     return NewTokens(flat, flat, flat, flat[:, 0], flat[:, 0], q.dtype, 1)
@@ -311,7 +311,7 @@ def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: 
 
     q [B, Hkv, r*T, D] (query heads stacked per KV head, fused.stack_heads), rotated and with
     the new keys and values already in the caches (runtime.models.fused.rotary_write); or
-    the step's q, k, v before RoPE (rope.NewTokens, `fits_rope`): then the partial kernel
+    the step's q, k, v before RoPE (rope.NewTokens, `fits_head_dim`): then the partial kernel
     rotates them and writes the new keys and values itself, one launch fewer, the same
     arithmetic (a row's valid tokens must be its newest positions, as ExtendBatch builds
     them; padding tokens are not written to the scratch position). k_cache,

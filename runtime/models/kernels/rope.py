@@ -14,6 +14,10 @@ On the fused FP8 path (fused.rotary_write_fp8) the same kernel also applies the 
 epilogue: q, k and v are slices of its raw float32 output, rescaled per token and per
 channel (+ bias) and rounded to the activation dtype before the rotation, as fp8_rescale
 does; compiled, that path was two kernels.
+
+Steps of several tokens a row skip this kernel: runtime.models.kernels.attention's partial
+kernel rotates and writes the step's NewTokens itself, through new_rows / write_new_kv here
+(the same arithmetic).
 """
 from __future__ import annotations
 
@@ -69,8 +73,8 @@ def rotated(src, col, dims, mask, cos, sin, xs, ws_ptr, b_ptr, HALF: tl.constexp
 
 @triton.jit
 def new_rows(src, col, tok, ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct,
-              stride_xs, ROTATE: tl.constexpr, D: tl.constexpr, RAW: tl.constexpr,
-              HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+             stride_xs, ROTATE: tl.constexpr, D: tl.constexpr, RAW: tl.constexpr,
+             HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """Rows of the step's new q / k (ROTATE) or v (runtime.models.kernels.attention's partial
     kernel reads them through these two): src / col [R, 1] each row's element 0 and
     raw column, tok [R] its token, ok [R]; float32 [R, BLOCK_D], masked rows 0."""
@@ -90,10 +94,10 @@ def new_rows(src, col, tok, ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr
 
 @triton.jit
 def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr, v_ptr,
-                  pos_ptr, valid_ptr, kv_base, b, h, T, start, stop, stride_nkt, stride_nkh,
-                  stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kl, KV_COL, V_COL,
-                  BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
-                  RAW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+                 pos_ptr, valid_ptr, kv_base, b, h, T, start, stop, stride_nkt, stride_nkh,
+                 stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kl, KV_COL, V_COL,
+                 BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
+                 RAW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """KV head h of row b's valid new tokens at positions in [start, stop): k rotated, v as
     is, stored to the caches at kv_base (the row's slot and head) + position."""
     ts = tl.arange(0, T_POW2)
@@ -103,11 +107,11 @@ def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_p
     ok = ok & (pos >= start) & (pos < stop)
     tok = b * T + ts
     k = new_rows(nk_ptr + tok[:, None] * stride_nkt + h * stride_nkh, KV_COL + h * D, tok, ok,
-                  dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, True,
-                  D, RAW, HAS_BIAS, ACT)
+                 dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, True,
+                 D, RAW, HAS_BIAS, ACT)
     v = new_rows(nv_ptr + tok[:, None] * stride_nvt + h * stride_nvh, V_COL + h * D, tok, ok,
-                  dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, False,
-                  D, RAW, HAS_BIAS, ACT)
+                 dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, False,
+                 D, RAW, HAS_BIAS, ACT)
     at = kv_base + pos[:, None].to(tl.int64) * stride_kl + dims[None, :]
     mask = ok[:, None] & (dims[None, :] < D)
     tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=mask)
