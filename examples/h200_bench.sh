@@ -26,7 +26,7 @@
 #   bash examples/h200_bench.sh OUTDIR fold-ab
 #       (RoPE and the KV write folded into the attention kernel against their own kernel:
 #        the 8b decode and verify steps, bf16 and FP8, batch 1 and 16, step_ab.py;
-#        fold-short: the same for steps of 2, 3 and 9 tokens at batch 1)
+#        fold-short: steps of 1, 2, 3 and 9 tokens at batch 1, folded from 2 and from 1 on)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -125,10 +125,10 @@ for phase in "$@"; do
                     > "$OUT/fold-ab-$i.log" 2>&1
                 echo "== fold-ab $args (rc $?)"; grep "^==\|^largest" "$OUT/fold-ab-$i.log"
             done ;;
-        fold-short) i=0   # verify steps of 2, 3 and 9 tokens: where folding starts to pay
+        fold-short) i=0   # steps of 1, 2, 3 and 9 tokens: where folding starts to pay
             for args in "" "--quantization fp8"; do
                 i=$((i + 1))
-                python examples/gpu/step_ab.py --shape 8b --modes nofold pdl --tokens 2 3 9 \
+                python examples/gpu/step_ab.py --shape 8b --modes nofold pdl foldall --tokens 1 2 3 9 \
                     --rounds "${ROUNDS:-2}" $args --out "$OUT/fold-short-$i.json" \
                     > "$OUT/fold-short-$i.log" 2>&1
                 echo "== fold-short $args (rc $?)"; grep "^==\|^largest" "$OUT/fold-short-$i.log"

@@ -11,6 +11,8 @@ GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes 
                  (False, False))
     nofold       pdl, with RoPE and the KV write in their own kernel, not folded into the
                  attention kernel (what TANDEM_FOLD_ROPE=0 gives)
+    foldall      pdl, RoPE folded into the attention kernel in every step, decode included
+                 (kernels.attention.FOLD_ROPE_MIN_SEQ = 1)
 
 Each turn applies its mode, recompiles the torch.compile'd pieces and recaptures the graphs;
 the median per mode over the rounds, the paired ratio first mode / mode (above 1: the mode is
@@ -40,10 +42,11 @@ from runtime.models.step_runner import StepRunner  # noqa: E402
 from runtime.models.synthetic import build_pair  # noqa: E402
 
 # mode: (PDL, torch's BLAS backend for bf16/fp16 GEMMs, split-K allowed in them, RoPE folded
-# into the attention kernel)
-MODES = {"none": (False, "cublas", True, True), "pdl": (True, "cublas", True, True),
-         "lt": (True, "cublaslt", True, True), "lt-nosplitk": (True, "cublaslt", False, True),
-         "nofold": (True, "cublas", True, False)}
+# into the attention kernel from this many tokens a row on: 0 never)
+FOLD = attention_kernel.FOLD_ROPE_MIN_SEQ
+MODES = {"none": (False, "cublas", True, FOLD), "pdl": (True, "cublas", True, FOLD),
+         "lt": (True, "cublaslt", True, FOLD), "lt-nosplitk": (True, "cublaslt", False, FOLD),
+         "nofold": (True, "cublas", True, 0), "foldall": (True, "cublas", True, 1)}
 REDUCTIONS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 POSITION, REPLAYS, PROFILED = 300, 50, 5
 
@@ -52,7 +55,8 @@ def set_mode(name: str, device: torch.device) -> None:
     """Apply `name`'s settings and recompile the pieces (PDL is a compile-time switch)."""
     pdl, library, splitk, fold = MODES[name]
     os.environ["TANDEM_PDL"] = "1" if pdl else "0"
-    attention_kernel.FOLD_ROPE = fold   # read when the graphs are captured
+    attention_kernel.FOLD_ROPE = fold > 0           # read when the graphs are captured
+    attention_kernel.FOLD_ROPE_MIN_SEQ = fold or FOLD
     for attr in REDUCTIONS:      # torch's defaults, or no split-K (needs full precision)
         setattr(torch.backends.cuda.matmul, attr, True if splitk else (False, False))
     torch.backends.cuda.preferred_blas_library(library)
