@@ -99,21 +99,19 @@ def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_p
                  BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
                  RAW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """KV head h of row b's valid new tokens at positions in [start, stop): k rotated, v as
-    is, stored to the caches at kv_base (the row's slot and head) + position. All T tokens
-    are read (their loads wait on nothing), only the stores on the positions."""
+    is, stored to the caches at kv_base (the row's slot and head) + position."""
     ts = tl.arange(0, T_POW2)
     dims = tl.arange(0, BLOCK_D)
-    live = ts < T
-    tok = b * T + ts
-    k = new_rows(nk_ptr + tok[:, None] * stride_nkt + h * stride_nkh, KV_COL + h * D, tok,
-                 live, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs,
-                 True, D, RAW, HAS_BIAS, ACT)
-    v = new_rows(nv_ptr + tok[:, None] * stride_nvt + h * stride_nvh, V_COL + h * D, tok,
-                 live, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs,
-                 False, D, RAW, HAS_BIAS, ACT)
-    pos = tl.load(pos_ptr + b * T + ts, mask=live, other=-1)
-    ok = live & (tl.load(valid_ptr + b * T + ts, mask=live, other=0) != 0)
+    pos = tl.load(pos_ptr + b * T + ts, mask=ts < T, other=-1)
+    ok = (ts < T) & (tl.load(valid_ptr + b * T + ts, mask=ts < T, other=0) != 0)
     ok = ok & (pos >= start) & (pos < stop)
+    tok = b * T + ts
+    k = new_rows(nk_ptr + tok[:, None] * stride_nkt + h * stride_nkh, KV_COL + h * D, tok, ok,
+                 dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, True,
+                 D, RAW, HAS_BIAS, ACT)
+    v = new_rows(nv_ptr + tok[:, None] * stride_nvt + h * stride_nvh, V_COL + h * D, tok, ok,
+                 dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, False,
+                 D, RAW, HAS_BIAS, ACT)
     at = kv_base + pos[:, None].to(tl.int64) * stride_kl + dims[None, :]
     mask = ok[:, None] & (dims[None, :] < D)
     tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=mask)
