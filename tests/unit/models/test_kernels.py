@@ -119,7 +119,7 @@ assert rope.fits(*(t.view(3, 1, -1, 16) for t in one), cos6[:, :1], cos6[:, :1])
 
 
 def fold_case(starts, n_valid, seq, n_heads, n_kv, dim, cache_len, dtype, raw, quantize=False,
-              bias=False):
+              bias=False, window=None):
     """slot_attention of the step's NewTokens (RoPE and the KV write in its partial kernel)
     against rope.rotary_write(_fp8) then slot_attention: bit for bit, outputs and caches."""
     bsz = len(starts)
@@ -150,9 +150,9 @@ def fold_case(starts, n_valid, seq, n_heads, n_kv, dim, cache_len, dtype, raw, q
         q = rope.rotary_write(*parts, cos, sin, caches[0].k_cache, caches[0].v_cache, *writes)
         new = rope.new_tokens(*parts, cos, sin)
     rows = batch.int32_rows()
-    want = slot_attention(q, caches[0].k_cache, caches[0].v_cache, slots, *rows, seq,
+    want = slot_attention(q, caches[0].k_cache, caches[0].v_cache, slots, *rows, seq, window,
                           quantize=quantize)
-    got = slot_attention(new, caches[1].k_cache, caches[1].v_cache, slots, *rows, seq,
+    got = slot_attention(new, caches[1].k_cache, caches[1].v_cache, slots, *rows, seq, window,
                          quantize=quantize)
     if quantize:
         assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
@@ -168,6 +168,8 @@ fold_case([9, 30, 2], [5, 3, 0], 5, 4, 2, 16, 64, torch.float32, False)        #
 fold_case([60, 1], [5, 3], 5, 8, 2, 32, 256, torch.float16, False)   # new tokens over 2 chunks
 fold_case([60, 1, 7], [5, 3, 0], 5, 8, 2, 32, 256, torch.float32, True, bias=True)   # raw FP8
 fold_case([60, 1], [5, 3], 5, 8, 2, 32, 256, torch.bfloat16, True, quantize=True)
+fold_case([40, 10], [3, 3], 3, 4, 2, 16, 128, torch.float32, False, window=8)   # sliding window
+fold_case([124, 3], [9, 6], 9, 4, 1, 16, 256, torch.float32, True)   # 9 tokens over chunk 1 | 2
 print("ok")
 '''
 
