@@ -26,7 +26,8 @@
 #   bash examples/h200_bench.sh OUTDIR fold-ab
 #       (RoPE and the KV write folded into the attention kernel against their own kernel:
 #        the 8b decode and verify steps, bf16 and FP8, batch 1 and 16, step_ab.py;
-#        fold-short: steps of 1, 2, 3 and 9 tokens at batch 1, folded from 2 and from 1 on)
+#        fold-short: steps of 1, 2, 3 and 9 tokens at batch 1, folded from 2 and from 1 on;
+#        fold-kernels: the two kernels against the folded one alone, examples/gpu/fold_bench.py)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -133,6 +134,9 @@ for phase in "$@"; do
                     > "$OUT/fold-short-$i.log" 2>&1
                 echo "== fold-short $args (rc $?)"; grep "^==\|^largest" "$OUT/fold-short-$i.log"
             done ;;
+        fold-kernels) python examples/gpu/fold_bench.py --out "$OUT/fold-kernels.json" \
+                          > "$OUT/fold-kernels.log" 2>&1
+                      echo "== fold-kernels (rc $?)"; cat "$OUT/fold-kernels.log" ;;
         silu-quant) python examples/gpu/silu_quant_kernel.py > "$OUT/silu-quant.log" 2>&1
                     echo "== silu-quant (rc $?)"; cat "$OUT/silu-quant.log" ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
