@@ -23,7 +23,7 @@
 #        without a cuBLAS / cuBLASLt workspace, runtime.models.loader.no_gemm_workspace)
 #   bash examples/h200_bench.sh OUTDIR silu-quant
 #       (an experiment: SiLU·up + FP8 quantize in one launch against the compiled pieces)
-#   bash examples/h200_bench.sh OUTDIR fold-ab
+#   bash examples/h200_bench.sh OUTDIR fold-ab fold-short fold-kernels
 #       (RoPE and the KV write folded into the attention kernel against their own kernel:
 #        the 8b decode and verify steps, bf16 and FP8, batch 1 and 16, step_ab.py;
 #        fold-short: steps of 1, 2, 3 and 9 tokens at batch 1, folded from 2 and from 1 on;
@@ -44,6 +44,16 @@ bench() {   # bench PHASE ARGS...: a synthetic pair (8b unless --synthetic follo
         --prompt-len 128 --new-tokens 256 --synthetic-dir "$SYN" --out "$OUT/$phase.json" \
         --repeats "${REPEATS:-3}" ${EXTRA:-} "$@" > "$OUT/$phase.log" 2>&1
     echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
+}
+step_ab_set() {   # step_ab_set PHASE MODES TOKENS ARGS...: step_ab.py (8b, $R rounds) once
+                  # per ARGS, into OUTDIR/PHASE-1.json, -2, ...
+    local phase=$1 modes=$2 tokens=$3 i=0 args; shift 3
+    for args in "$@"; do
+        i=$((i + 1))
+        python examples/gpu/step_ab.py --shape 8b --modes $modes --tokens $tokens \
+            --rounds "$R" $args --out "$OUT/$phase-$i.json" > "$OUT/$phase-$i.log" 2>&1
+        echo "== $phase $args (rc $?)"; grep "^==\|^largest" "$OUT/$phase-$i.log"
+    done
 }
 for phase in "$@"; do
     case $phase in
@@ -110,30 +120,12 @@ for phase in "$@"; do
                     grep "^==" "$OUT/workspace-ab.log"
                 done
             done ;;
-        step-ab) i=0
-            for args in "" "--quantization fp8" "--batch 16" "--batch 16 --quantization fp8"; do
-                i=$((i + 1))
-                python examples/gpu/step_ab.py --shape 8b --modes pdl lt lt-nosplitk \
-                    --rounds "${ROUNDS:-3}" $args --out "$OUT/step-ab-$i.json" \
-                    > "$OUT/step-ab-$i.log" 2>&1
-                echo "== step-ab $args (rc $?)"; grep "^==\|^largest" "$OUT/step-ab-$i.log"
-            done ;;
-        fold-ab) i=0
-            for args in "" "--quantization fp8" "--batch 16" "--batch 16 --quantization fp8"; do
-                i=$((i + 1))
-                python examples/gpu/step_ab.py --shape 8b --modes nofold pdl \
-                    --rounds "${ROUNDS:-2}" $args --out "$OUT/fold-ab-$i.json" \
-                    > "$OUT/fold-ab-$i.log" 2>&1
-                echo "== fold-ab $args (rc $?)"; grep "^==\|^largest" "$OUT/fold-ab-$i.log"
-            done ;;
-        fold-short) i=0   # steps of 1, 2, 3 and 9 tokens: where folding starts to pay
-            for args in "" "--quantization fp8"; do
-                i=$((i + 1))
-                python examples/gpu/step_ab.py --shape 8b --modes nofold pdl foldall --tokens 1 2 3 9 \
-                    --rounds "${ROUNDS:-2}" $args --out "$OUT/fold-short-$i.json" \
-                    > "$OUT/fold-short-$i.log" 2>&1
-                echo "== fold-short $args (rc $?)"; grep "^==\|^largest" "$OUT/fold-short-$i.log"
-            done ;;
+        step-ab) R=${ROUNDS:-3} step_ab_set step-ab "pdl lt lt-nosplitk" "1 5" "" \
+                     "--quantization fp8" "--batch 16" "--batch 16 --quantization fp8" ;;
+        fold-ab) R=${ROUNDS:-2} step_ab_set fold-ab "nofold pdl" "1 5" "" "--quantization fp8" \
+                     "--batch 16" "--batch 16 --quantization fp8" ;;
+        fold-short) R=${ROUNDS:-2} step_ab_set fold-short "nofold pdl foldall" "1 2 3 9" "" \
+                        "--quantization fp8" ;;   # where folding starts to pay
         fold-kernels) python examples/gpu/fold_bench.py --out "$OUT/fold-kernels.json" \
                           > "$OUT/fold-kernels.log" 2>&1
                       echo "== fold-kernels (rc $?)"; cat "$OUT/fold-kernels.log" ;;
