@@ -29,25 +29,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _load(src, col, dims, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
-          ACT: tl.constexpr):
-    """Elements dims of one head at src, in float32; RAW: a raw FP8 GEMM output whose
-    columns start at col, times the token's scale xs and the columns' scales (+ bias), rounded
-    to the activation dtype ACT (fused.fp8_rescale's order: (raw * xs) * ws + bias)."""
-    x = tl.load(src + dims).to(tl.float32)
-    if RAW:
-        x = x * xs * tl.load(ws_ptr + col + dims)
-        if HAS_BIAS:
-            x = x + tl.load(b_ptr + col + dims).to(tl.float32)
-        x = x.to(ACT).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _load_masked(src, col, mask, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr):
-    """_load over a tile: src / col are the elements' pointers / raw-output columns (any
-    shape), xs broadcasts against them; masked elements read 0."""
+    """Elements at src in float32 (src / col: the elements' pointers and, RAW, their columns
+    of a raw FP8 GEMM output; any shape; masked elements read 0). RAW: times the token's
+    scale xs (broadcast) and the columns' scales (+ bias), rounded to the activation dtype ACT
+    (fused.fp8_rescale's order: (raw * xs) * ws + bias)."""
     x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     if RAW:
         x = x * xs * tl.load(ws_ptr + col, mask=mask, other=0.0)
@@ -142,8 +129,10 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         src, col = q_ptr + tok * stride_qt + head * stride_qh, head * D
     else:
         src, col = k_ptr + tok * stride_kt + (head - H) * stride_kh, KV_COL + (head - H) * D
-    lo = _load(src, col, dims, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, act)
-    hi = _load(src + HALF, col + HALF, dims, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, act)
+    whole = dims < HALF                                  # every element: one head's half
+    lo = _load_masked(src + dims, col + dims, whole, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, act)
+    hi = _load_masked(src + HALF + dims, col + HALF + dims, whole, xs, ws_ptr, b_ptr, RAW,
+                      HAS_BIAS, act)
     rot_lo = lo * cos_lo - hi * sin_lo                   # rotate_half: (-hi, lo)
     rot_hi = hi * cos_hi + lo * sin_hi
     if head < H:
@@ -159,8 +148,8 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         tl.store(kc_ptr + at + dims, rot_lo.to(kc_ptr.dtype.element_ty))
         tl.store(kc_ptr + at + HALF + dims, rot_hi.to(kc_ptr.dtype.element_ty))
         full = tl.arange(0, D)
-        v = _load(v_ptr + tok * stride_vt + kv * stride_vh, V_COL + kv * D, full, xs, ws_ptr,
-                  b_ptr, RAW, HAS_BIAS, act)
+        v = _load_masked(v_ptr + tok * stride_vt + kv * stride_vh + full, V_COL + kv * D + full,
+                         full < D, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, act)
         tl.store(vc_ptr + at + full, v.to(vc_ptr.dtype.element_ty))
 
 
