@@ -145,11 +145,8 @@ def rope_kernel():
 def rotary_write(*args) -> torch.Tensor:
     """runtime.models.kernels.rope.rotary_write (one Triton kernel) when the kernels are on and
     it takes these tensors, else fused.rotary_write (same arguments)."""
-    if kernels.enabled():
-        from runtime.models.kernels import rope
-
-        if rope.fits(*args[:5]):
-            return rope.rotary_write(*args)
+    if kernels.enabled() and rope_kernel().fits(*args[:5]):
+        return rope_kernel().rotary_write(*args)
     return fused.rotary_write(*args)
 
 
@@ -157,11 +154,9 @@ def rotary_write_fp8(*args) -> torch.Tensor:
     """runtime.models.kernels.rope.rotary_write_fp8 (one Triton kernel) when the kernels are
     on and it takes these tensors, else fused.rotary_write_fp8 (same arguments)."""
     if kernels.enabled():
-        from runtime.models.kernels import rope
-
         raw, x_scale, w_scale, bias, cos, sin = *args[:4], *args[7:9]
-        if rope.fits_fp8(raw, x_scale, w_scale, bias, cos.shape[-1], cos, sin):
-            return rope.rotary_write_fp8(*args)
+        if rope_kernel().fits_fp8(raw, x_scale, w_scale, bias, cos.shape[-1], cos, sin):
+            return rope_kernel().rotary_write_fp8(*args)
     return fused.rotary_write_fp8(*args)
 
 
