@@ -187,6 +187,10 @@ from runtime.models import kernels, load_model, quant
 from runtime.models.kernels import attention as attention_kernel, rope
 
 path, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
+# fixed prompts: with FP8 weights an activation that the two paths' float32 roundings put on
+# either side of an e4m3 rounding boundary moves the logits by an e4m3 step or more, so
+# unseeded prompts failed now and then (once in CI; 5 of 200 seeds, the fold on or off alike)
+torch.manual_seed(0)
 quant.EMULATE_FP8_GEMM = quantization == "fp8"   # the fused FP8 GEMM path, emulated on CPU
 eager, fast = (load_model(path, torch.float32, "cpu", quantization=quantization)
                for _ in range(2))
