@@ -40,6 +40,7 @@ class Cluster:
     topology: Topology
     context: zmq.Context
     pool: WorkerPool
+    store: object              # the rendezvous store, which the workers' world still uses
     procs: list[subprocess.Popen] = field(default_factory=list)
     mpi_children: object | None = None
 
@@ -59,8 +60,6 @@ class Cluster:
                 proc.wait()
         self.pool.close()
         self.context.term()
-        if self.pool.dead is None:
-            _pgroups().destroy()
 
 
 def _pgroups():
@@ -143,32 +142,31 @@ def _listen_loopback(port: int = 0) -> socket.socket:
 
 
 def _join_world(init_method: str, world_size: int, timeout_s: float,
-                listener: socket.socket | None) -> None:
-    """Rank 0 joins the world group. torch's TCPStore server listens on every interface;
-    given a loopback listener, rank 0 hosts the store on that socket instead (the other
-    ranks reach it at 127.0.0.1 through `init_method` as usual)."""
-    if listener is None:
-        _pgroups().init_world(0, world_size, init_method, timeout_s)
-        return
-    import torch.distributed as dist
+                listener: socket.socket | None, joined: list) -> None:
+    """Rank 0 joins the startup world (parallel.groups); its rendezvous store goes into
+    `joined`. torch's TCPStore server listens on every interface; given a loopback listener,
+    rank 0 hosts the store on that socket instead (the other ranks reach it at 127.0.0.1
+    through `init_method` as usual)."""
+    store = None
+    if listener is not None:
+        import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False, master_listen_fd=listener.detach())
-    # the prefix init_process_group gives a store it made from init_method itself
-    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
-                            world_size=world_size, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], world_size,
+                              is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=listener.detach())
+    joined.append(_pgroups().init_world(0, world_size, init_method, timeout_s, store))
 
 
 def _init_world_watching(init_method: str, world_size: int, timeout_s: float,
-                         liveness, listener: socket.socket | None = None) -> None:
-    """Join the world group; with children of our own, fail fast if one dies first."""
+                         liveness, listener: socket.socket | None = None):
+    """Join the startup world; with children of our own, fail fast if one dies first.
+    Returns the rendezvous store (the workers' world meets there: keep it while serving)."""
     errors: list[BaseException] = []
+    joined: list = []
 
     def join() -> None:
         try:
-            _join_world(init_method, world_size, timeout_s, listener)
+            _join_world(init_method, world_size, timeout_s, listener, joined)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
@@ -181,6 +179,7 @@ def _init_world_watching(init_method: str, world_size: int, timeout_s: float,
             raise EngineDeadError(f"startup failed: {reason}")
     if errors:
         raise EngineDeadError(f"startup failed: {errors[0]}")
+    return joined[0]
 
 
 def control_bind() -> str:
@@ -216,8 +215,8 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
     context = zmq.Context()
     rt = config.runtime
     try:
-        _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s, liveness,
-                             listener)
+        store = _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s,
+                                     liveness, listener)
         # no key file: a random key for this launch, so that no other local process can
         # forge a worker's frames; the workers get it with the address
         key = None if auth.control_key() is not None else auth.launch_key()
@@ -228,8 +227,8 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
         log.info("control plane at %s (%s)", pool.address,
                  "key file" if key is None else "key of this launch")
         _pgroups().broadcast_control(pool.address, key)
+        _pgroups().end_startup_world()   # the workers build their groups among themselves
         pool.handshake(config.to_dict(), rt.startup_timeout_s)
-        _pgroups().build_groups(topology, rt.step_timeout_s)
         try:
             pool.wait_for("ready", rt.startup_timeout_s, watch=display.observe)
         except EngineDeadError:
@@ -248,4 +247,4 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
         if listener is not None and listener.fileno() != -1:   # not handed to the store yet
             listener.close()
         raise
-    return Cluster(config, topology, context, pool, procs)
+    return Cluster(config, topology, context, pool, store, procs)

@@ -143,8 +143,15 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
     from runtime.serving.server import Server
 
     stop = threading.Event()
+
+    def on_signal(signum, _frame):   # the normal way to stop a server: no warning
+        log.info("received signal %d; shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
-        _watch_owner(stop)
+        _watch_owner()
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -171,12 +178,6 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
                 http_sock.close()
             return EXIT_USAGE
 
-    def on_signal(signum, _frame):   # the normal way to stop a server: no warning
-        log.info("received signal %d; shutting down", signum)
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     started = _start(config, env, quiet)
     if isinstance(started, int):
         if http_sock is not None:
@@ -223,12 +224,13 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
     return code
 
 
-def _watch_owner(stop: threading.Event) -> None:
+def _watch_owner() -> None:
     """A server that Engine.launch started ends with the process that launched it, however
     that process ends: it gave us the read end of a pipe whose write end only it holds, so
     EOF there means it is gone (the OS closes a dead process's files, after SIGKILL too).
-    Then `stop` is set, as by SIGTERM; a server still running OWNER_GRACE_S later (startup
-    does not look at `stop`) exits at once, and its workers die with it (PR_SET_PDEATHSIG).
+    Then it sends itself SIGTERM (which also ends the idle server's wait at once); a server
+    still running OWNER_GRACE_S later (startup does not look at the signal) exits at once,
+    and its workers die with it (PR_SET_PDEATHSIG).
     A `tandem serve` that a user started has no such pipe and serves until signalled."""
     value = os.environ.pop(OWNER_FD_ENV, None)   # our workers must not see it
     if value is None:
@@ -241,11 +243,11 @@ def _watch_owner(stop: threading.Event) -> None:
         raise ValueError(f"{OWNER_FD_ENV}: expected the file descriptor of a pipe "
                          f"(set by Engine.launch), got {value!r}: {exc}") from None
     os.set_inheritable(fd, False)
-    threading.Thread(target=_await_owner_end, args=(fd, stop), name="tandem-owner",
+    threading.Thread(target=_await_owner_end, args=(fd,), name="tandem-owner",
                      daemon=True).start()
 
 
-def _await_owner_end(fd: int, stop: threading.Event) -> None:
+def _await_owner_end(fd: int) -> None:
     try:
         while os.read(fd, 512):   # the owner never writes: this returns at EOF only
             pass
@@ -253,6 +255,6 @@ def _await_owner_end(fd: int, stop: threading.Event) -> None:
         pass
     os.close(fd)
     log.warning("the process that launched this server is gone; shutting down")
-    stop.set()
+    os.kill(os.getpid(), signal.SIGTERM)     # as a user's SIGTERM: serve_forever's handler
     time.sleep(OWNER_GRACE_S)
     os._exit(EXIT_DEAD)

@@ -1,10 +1,17 @@
 """Process groups, built once from the topology and passed down explicitly.
 
-The world group (gloo) holds every rank, the orchestrator included; it is only used at startup.
-The worker groups use NCCL on CUDA devices and gloo on CPU devices, so the orchestrator never
-joins an NCCL communicator:
+Two torch.distributed worlds meet at the launch's rendezvous store, one after the other:
+- the startup world (gloo) holds every rank, the orchestrator (rank 0) included: rank 0 hands
+  the workers its control address and key over it (broadcast_control), then every rank
+  leaves it (end_startup_world);
+- the workers' world holds the workers alone (torch rank = tandem rank - 1), with the groups
+  below. So the orchestrator never joins an NCCL communicator, and holds no process group
+  while it serves: each gloo group costs its members a transport thread that wakes an idle
+  process every 10 ms.
+The worker groups use NCCL on CUDA devices and gloo on CPU devices:
 - draft_tp: the draft's tensor-parallel ranks; target_tp: the target's;
-- bridge: every worker, for draft -> target and target -> draft transfers.
+- bridge: every worker, for draft -> target and target -> draft transfers (the workers'
+  world itself, as is any group of every worker: no group of its own).
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from parallel.topology import Topology
 
 ADDRESS_BYTES = 256
 KEY_BYTES = 32         # runtime.control.auth.LAUNCH_KEY_BYTES
+WORKERS_PREFIX = "tandem_workers"   # the workers' world's keys in the rendezvous store
 
 
 @dataclass(frozen=True)
@@ -64,11 +72,29 @@ class Groups:
     bridge_ranks: tuple[int, ...]
 
 
-def init_world(rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
-    """Join the gloo world group of all ranks (orchestrator = rank 0)."""
-    dist.init_process_group(
-        backend="gloo", init_method=init_method, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s))
+def torch_rank(rank: int) -> int:
+    """A worker's rank in the workers' world (rank 0, the orchestrator, is not in it)."""
+    return rank - 1
+
+
+def init_world(rank: int, world_size: int, init_method: str, timeout_s: float,
+               store: "dist.Store | None" = None) -> "dist.Store":
+    """Join the startup world of all ranks (gloo; the orchestrator = rank 0) at the launch's
+    rendezvous store (`store`, else the one `init_method` names), which is returned: the
+    workers' world meets there later (build_groups), so rank 0 keeps it while it runs."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+    # the prefix init_process_group gives a store it made from init_method itself
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+    return store
+
+
+def end_startup_world() -> None:
+    """Leave the startup world (every rank, after broadcast_control): its transport thread
+    goes with it."""
+    dist.destroy_process_group()
 
 
 def backend_for(topology: Topology) -> str:
@@ -76,33 +102,40 @@ def backend_for(topology: Topology) -> str:
     return "nccl" if kinds == {"cuda"} else "gloo"
 
 
-def build_groups(topology: Topology, timeout_s: float) -> Groups:
-    """Create the worker groups. Every rank of the world, the orchestrator too, must call this
-    in the same order; non-members, and every member of a group of one rank, get None."""
+def build_groups(topology: Topology, rank: int, store: "dist.Store", timeout_s: float
+                 ) -> Groups:
+    """Join the workers' world at `store` and create the worker groups (every worker calls
+    this, in the same order; rank 0 does not). Non-members, and every member of a group of
+    one rank, get None; a group of every worker is the workers' world itself."""
     backend = backend_for(topology)
     timeout = datetime.timedelta(seconds=timeout_s)
-    me = dist.get_rank()
+    workers = topology.worker_ranks
+    dist.init_process_group(backend, store=dist.PrefixStore(WORKERS_PREFIX, store),
+                            rank=torch_rank(rank), world_size=len(workers), timeout=timeout)
     made = {}
     for name, ranks in (("draft_tp", topology.draft_ranks), ("target_tp", topology.target_ranks),
-                        ("bridge", topology.worker_ranks)):
+                        ("bridge", workers)):
         if len(ranks) == 1:
-            # A group of one rank talks to nobody; each gloo group costs its members transport
-            # threads that wake an idle process. Every rank takes this branch alike, so the
+            # A group of one rank talks to nobody. Every rank takes this branch alike, so the
             # new_group calls stay in the same order everywhere.
             made[name] = None
-            continue
-        group = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
-        made[name] = group if me in ranks else None
+        elif sorted(ranks) == sorted(workers):
+            made[name] = dist.group.WORLD
+        else:
+            group = dist.new_group(ranks=[torch_rank(r) for r in ranks], backend=backend,
+                                   timeout=timeout)
+            made[name] = group if rank in ranks else None
     return Groups(draft_tp=made["draft_tp"], target_tp=made["target_tp"], bridge=made["bridge"],
                   draft_ranks=tuple(topology.draft_ranks),
                   target_ranks=tuple(topology.target_ranks),
-                  bridge_ranks=tuple(topology.worker_ranks))
+                  bridge_ranks=tuple(workers))
 
 
 def broadcast_control(address: str | None, key: bytes | None = None
                       ) -> tuple[str, bytes | None]:
     """Rank 0 tells every rank where its control socket listens and, if it made one for this
-    launch, the HMAC key of the control frames (world group, gloo). Returns (address, key);
+    launch, the HMAC key of the control frames (the startup world, gloo: only its members
+    hear it, unlike the store's keys). Returns (address, key);
     the key is None where rank 0 sent none (a key file on every rank, or no key)."""
     buf = torch.zeros(ADDRESS_BYTES + 1 + KEY_BYTES, dtype=torch.uint8)
     if dist.get_rank() == 0:

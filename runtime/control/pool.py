@@ -1,9 +1,12 @@
 """The orchestrator's side of the worker control plane.
 
-One ROUTER socket; every worker connects a DEALER (identity b"w<rank>") and, from its Pulse
-thread, a heartbeat DEALER; the Beacon tells workers that the orchestrator lives. `command`
-sends one step to every worker and waits for all of them, watching heartbeats and child
-processes so that a dead or silent rank becomes EngineDeadError.
+One ROUTER socket; every worker connects a DEALER (identity b"w<rank>"). Each worker's Pulse
+thread sends its heartbeats to a second ROUTER, which nobody waits on: the Beacon's thread
+reads what came after each of its beats, and the pool before it judges heartbeat ages
+(check_alive), so an idle orchestrator's main thread sleeps until a heartbeat could be too
+old, not for each beat. The Beacon tells workers that the orchestrator lives. `command` sends one
+step to every worker and waits for all of them, watching heartbeats and child processes so
+that a dead or silent rank becomes EngineDeadError.
 
 When one rank dies, its peers usually fail first in a collective ("connection reset by
 peer") and report that error; the pool then names the rank that died without a word as the
@@ -16,6 +19,7 @@ import collections
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Callable, Collection
 
@@ -33,6 +37,7 @@ log = logging.getLogger("tandem.pool")
 ATTRIBUTION_GRACE_S = 0.5
 MAX_DRAIN = 10000   # frames read per drain (the socket's receive high-water mark)
 DROP_LOG_S = 5.0    # at most one warning about dropped frames per this many seconds
+PULSE_READ_SHARE = 0.25   # an idle pool reads the heartbeats every this share of dead_after_s
 
 Liveness = Callable[..., "str | None"]   # liveness(exclude=ranks) -> why a rank is gone
 
@@ -53,11 +58,18 @@ class WorkerPool:
         self.sock.setsockopt(zmq.RCVHWM, MAX_DRAIN)
         port = self.sock.bind_to_random_port(bind)
         self.address = f"{bind}:{port}"
+        self.pulses = context.socket(zmq.ROUTER)      # the Pulse threads' heartbeats
+        self.pulses.setsockopt(zmq.LINGER, 0)
+        self.pulses.setsockopt(zmq.RCVHWM, MAX_DRAIN)
+        self.pulses.setsockopt(zmq.MAXMSGSIZE, 4096)
+        self.pulse_address = f"{bind}:{self.pulses.bind_to_random_port(bind)}"
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.liveness = liveness          # returns a message when a child process has died
         now = time.monotonic()
         self.last_seen = {r: now for r in self.ranks}
+        self.promised = {r: heartbeat_s for r in self.ranks}   # rank -> its next heartbeat's
+                                                               # delay, as it said last
         self.step = 0
         self.dead: str | None = None
         self.processes: dict[int, tuple[str, int]] = {}   # rank -> (host, pid), from hello
@@ -69,7 +81,9 @@ class WorkerPool:
         self._poller = zmq.Poller()                  # the socket and the local workers' pidfds
         self._poller.register(self.sock, zmq.POLLIN)
         self._watch = ProcessWatch(self._poller)     # the workers on this host
-        self.beacon = Beacon(context, bind, heartbeat_s, self.key)
+        self._pulse_lock = threading.Lock()         # the pulse socket: two threads read it
+        self._pulses_read = now
+        self.beacon = Beacon(context, bind, heartbeat_s, self.key, after_beat=self._on_beat)
 
     # --- low level -----------------------------------------------------------------------
     def send(self, rank: int, msg: dict) -> None:
@@ -102,6 +116,8 @@ class WorkerPool:
         rank = msg.get("rank")
         if rank in self.last_seen:
             self.last_seen[rank] = time.monotonic()
+            if msg["type"] == "heartbeat":
+                self._note_promise(rank, msg)
         if msg["type"] == "error":
             self._worker_failed(rank, msg["message"])
             if msg.get("kind") == "usage":
@@ -123,12 +139,50 @@ class WorkerPool:
         """Read every frame already queued on the socket: heartbeats count before ages are
         judged (after a stall of this process, live ranks' beats are waiting there). At most
         MAX_DRAIN frames, so that a flood cannot keep us here."""
+        self._drain_pulses()
         for _ in range(MAX_DRAIN):
             if not self.sock.poll(0):
                 return
             msg = self._read()
             if msg is not None and msg["type"] != "heartbeat":
                 self._inbox.append(msg)
+
+    def _on_beat(self) -> None:
+        """The Beacon's turn: read the heartbeats every PULSE_READ_SHARE of dead_after_s
+        (between commands nothing else reads them; each look costs an idle process more
+        than its wake-up), so an idle pool notices silence that much late at most."""
+        if time.monotonic() - self._pulses_read >= PULSE_READ_SHARE * self.dead_after_s:
+            self._drain_pulses()
+
+    def _drain_pulses(self) -> None:
+        """The heartbeats that came to the pulse socket since the last look (at most
+        MAX_DRAIN): each marks its rank seen now. On the main thread and the Beacon's."""
+        with self._pulse_lock:
+            self._pulses_read = time.monotonic()
+            self._read_pulses()
+
+    def _read_pulses(self) -> None:
+        for _ in range(MAX_DRAIN):
+            try:
+                parts = self.pulses.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = protocol.decode(parts[-1], self.key) if len(parts) == 2 else None
+            except protocol.ProtocolError as exc:
+                self._dropped(f"a heartbeat frame: {exc}")
+                continue
+            if msg is None or msg["type"] != "heartbeat":
+                self._dropped("a frame on the heartbeat socket that is no heartbeat")
+            elif msg["rank"] in self.last_seen:
+                self.last_seen[msg["rank"]] = time.monotonic()
+                self._note_promise(msg["rank"], msg)
+
+    def _note_promise(self, rank: int, heartbeat: dict) -> None:
+        """When the rank says its next heartbeat comes (an idle worker beats less often:
+        runtime.control.heartbeat.pace), within a period .. dead_after_s."""
+        next_s = heartbeat.get("next_s", self.heartbeat_s)
+        self.promised[rank] = min(max(float(next_s), self.heartbeat_s), self.dead_after_s)
 
     def _poll_one(self, timeout_ms: int) -> dict | None:
         if self._inbox:
@@ -181,7 +235,7 @@ class WorkerPool:
                 return reason or f"rank {rank} (pid {pid}) died"
         now = time.monotonic()
         for rank, seen in sorted(self.last_seen.items()):
-            if rank not in exclude and now - seen > max(2 * self.heartbeat_s, 1.5):
+            if rank not in exclude and now - seen > max(2 * self.promised[rank], 1.5):
                 return f"rank {rank} sent no heartbeat for {now - seen:.0f} s"
         return None
 
@@ -259,7 +313,8 @@ class WorkerPool:
         self.processes = {rank: (m["host"], m["pid"]) for rank, m in hellos.items()}
         for rank, (host, pid) in sorted(self.processes.items()):
             self._watch.add(rank, host, pid)
-        self.send_all({"type": "init", "config": config, "heartbeat": self.beacon.address})
+        self.send_all({"type": "init", "config": config, "heartbeat": self.beacon.address,
+                       "pulse": self.pulse_address})
 
     def command(self, msg: dict, timeout_s: float) -> dict[int, dict]:
         """Run one step on every worker; returns rank -> result map."""
@@ -267,6 +322,7 @@ class WorkerPool:
             raise EngineDeadError(self.dead)
         self.step += 1
         msg = dict(msg, step=self.step)
+        self.beacon.active_at = time.monotonic()   # beats at the working pace from its next
         self.send_all(msg)
         done = self.wait_for("done", timeout_s, step=self.step)
         return {rank: m["result"] for rank, m in done.items()}
@@ -280,6 +336,11 @@ class WorkerPool:
         (ATTRIBUTION_GRACE_S), the wait is at most 50 ms."""
         if self._failed_at is not None:
             timeout_ms = min(timeout_ms, 50)
+        # ... and no longer than until a heartbeat could be too old (the Beacon's thread keeps
+        # the ages fresh meanwhile)
+        oldest = min(self.last_seen.values(), default=time.monotonic())
+        timeout_ms = max(1, min(timeout_ms, int(1000 * (oldest + self.dead_after_s -
+                                                        time.monotonic())) + 1))
         ready: dict = {}
         if not self._inbox:
             for item in wake:
@@ -307,6 +368,7 @@ class WorkerPool:
     def close(self) -> None:
         self._watch.close()
         self.beacon.stop()
+        self.pulses.close(0)
         self.sock.close(0)
 
 

@@ -41,9 +41,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # kind "usage": the config asks for what the rank cannot do (a KV cache over its
     # budget): rank 0 reports it as a usage error, not as a crash
     "error": {"rank": INT, "step": INT, "message": STR, "kind": STR},
-    "heartbeat": {"rank": INT},
+    "heartbeat": {"rank": INT, "next_s": FLOAT},   # next_s: when the next one comes
     # orchestrator -> worker
-    "init": {"config": MAP, "heartbeat": STR},
+    # heartbeat: the Beacon's address (beats to listen to); pulse: where to send heartbeats
+    "init": {"config": MAP, "heartbeat": STR, "pulse": STR},
     "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST},
     # steps: k = 0 only; next_k: the next round's k, worked on ahead (runtime.worker.process)
     "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT},
@@ -65,6 +66,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "metrics_reply": {"id": STR, "text": STR},
 }
 OPTIONAL: dict[str, set[str]] = {
+    "heartbeat": {"next_s"},
     "generate": {"prompts", "prompt_ids", "chat", "messages"},
     "round": {"steps", "next_k"},
     "error": {"kind"},

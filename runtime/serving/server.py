@@ -1,15 +1,14 @@
 """The serving loop of rank 0: clients over ZeroMQ (ROUTER) <-> the orchestrator.
 
 An idle server blocks: one poll over the client socket, the workers' control socket, the
-local workers' pidfds and a signal wake-up pipe, for at most a heartbeat period (workers'
-heartbeats arrive that often anyway). So it uses no CPU to speak of, and still sees a client's
-frame, a worker's error or death and a stopping signal at once.
+local workers' pidfds and a signal wake-up pipe, until a worker's heartbeat could be too old
+(the Beacon's thread reads the heartbeats meanwhile: runtime.control.pool), at most
+IDLE_WAIT_S. So it uses no CPU to speak of, and still sees a client's frame, a worker's error
+or death and a stopping signal at once.
 """
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import zmq
 
 from runtime.control import protocol
+from runtime.control.signals import SignalWakeup
 from runtime.errors import EngineDeadError
 from runtime.serving.orchestrator import Orchestrator
 from runtime.serving.scheduler import Event
@@ -24,8 +24,8 @@ from runtime.serving.scheduler import Event
 log = logging.getLogger("tandem.server")
 CLIENT_TIMEOUT_S = 10.0   # a client with requests in flight pings every second
 MAX_FRAMES_PER_TURN = 1000  # client frames handled between two scheduler steps
-IDLE_WAIT_S = 1.0         # longest idle wait (at most the heartbeat period): `stop` set by
-                          # a thread, not a signal, is seen this late
+IDLE_WAIT_S = 10.0        # longest idle wait: `stop` set by a thread, not a signal, is seen
+                          # this late (the owner watch of launcher.session signals instead)
 
 
 @dataclass
@@ -59,8 +59,7 @@ class Server:
 
     def serve(self, stop: threading.Event) -> None:
         """Until `stop` is set. Raises EngineDeadError when the workers are gone."""
-        heartbeat_s = self.orch.config.runtime.heartbeat_s
-        idle_ms = max(1, int(1000 * min(heartbeat_s, IDLE_WAIT_S)))
+        idle_ms = int(1000 * IDLE_WAIT_S)
         with SignalWakeup() as wakeup:
             try:
                 while not stop.is_set():
@@ -70,7 +69,7 @@ class Server:
                 raise
         self.fail_all("server shutting down", "dead")
 
-    def turn(self, idle_ms: int, wakeup: "SignalWakeup") -> None:
+    def turn(self, idle_ms: int, wakeup: SignalWakeup) -> None:
         """What has arrived, but a bounded number of frames (clients that keep sending,
         pings or stats, must not starve the rounds); then one round, or, with nothing to
         run, a wait for the next frame, worker event or signal."""
@@ -168,40 +167,3 @@ class Server:
 
     def close(self) -> None:
         self.sock.close(0)
-
-
-class SignalWakeup:
-    """A pipe that signal.set_wakeup_fd writes a byte to on every signal: in the idle poll,
-    a stopping signal ends the wait at once (pyzmq runs the Python handler, which sets
-    `stop`, when the poll is interrupted, then polls on). Only the main thread can set it;
-    elsewhere (no fds) a signal is seen within IDLE_WAIT_S. The previous wake-up fd is
-    restored on exit."""
-
-    def __init__(self):
-        self.fds: tuple[int, ...] = ()
-        self._previous = -1
-
-    def __enter__(self) -> "SignalWakeup":
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        read_fd, write_fd = os.pipe()
-        for fd in (read_fd, write_fd):
-            os.set_blocking(fd, False)
-        self._previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        self.fds, self._write_fd = (read_fd,), write_fd
-        return self
-
-    def drain(self) -> None:
-        for fd in self.fds:
-            try:
-                while os.read(fd, 512):
-                    pass
-            except BlockingIOError:
-                pass
-
-    def __exit__(self, *exc) -> None:
-        if self.fds:
-            signal.set_wakeup_fd(self._previous)
-            os.close(self.fds[0])
-            os.close(self._write_fd)
-            self.fds = ()

@@ -22,6 +22,7 @@ from runtime.control import auth, protocol
 from runtime.config import TandemConfig, load_config
 from runtime.control.heartbeat import Pulse
 from runtime.control.progress import ProgressReporter
+from runtime.control.signals import SignalWakeup
 from runtime.worker.loading import load_shards
 from runtime.worker.round import (NextWork, RoundParts, decode_target_only, drop_stale_ahead,
                                   speculate, speculate_overlapped, work_ahead)
@@ -45,11 +46,13 @@ EXIT_USAGE = 2         # the config asks for what this device cannot hold (the C
 
 
 class Worker:
-    def __init__(self, rank: int, world_size: int, sock: zmq.Socket, address: str):
+    def __init__(self, rank: int, world_size: int, sock: zmq.Socket, address: str,
+                 store=None):
         self.rank = rank
         self.world_size = world_size
         self.sock = sock
         self.address = address
+        self.store = store                      # the rendezvous store: the workers' world
         self.config: TandemConfig | None = None
         self.topology: Topology | None = None
         self.spec: WorkerSpec | None = None
@@ -59,6 +62,8 @@ class Worker:
         self.device = torch.device("cpu")
         self.pulse: Pulse | None = None
         self.signalled_at: float | None = None
+        self.wakeup = SignalWakeup()      # entered by run_worker: a signal ends recv's wait
+        self._poller: zmq.Poller | None = None
 
     def on_signal(self, signum, _frame) -> None:
         """SIGINT/SIGTERM (e.g. forwarded by torchrun or mpirun): the orchestrator gets it too
@@ -78,20 +83,18 @@ class Worker:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.signalled_at is not None:
-                # no shutdown will come from an orchestrator that stopped beating (killed
-                # together with us, e.g. torchrun tearing the job down after rank 0 died)
-                orphaned = self.pulse is not None and \
-                    self.pulse.orchestrator_silent_s > 3 * self.pulse.period_s
-                if orphaned or time.monotonic() - self.signalled_at > SIGNAL_GRACE_S:
+                # a live orchestrator got the signal too and sends shutdown at once; one
+                # killed together with us (torchrun tearing the job down) never will
+                if time.monotonic() - self.signalled_at > SIGNAL_GRACE_S:
                     raise WorkerExit("stopped by signal", code=0)
             if self.pulse is not None:
                 if self.pulse.orchestrator_silent_s > timeout_s:
                     raise WorkerExit(f"orchestrator silent for {timeout_s:.0f} s; exiting")
             elif time.monotonic() > deadline:
                 raise WorkerExit(f"no word from the orchestrator within {timeout_s:.0f} s")
-            # block until a message comes or a check above could first turn true (at most a
-            # heartbeat period): an idle worker wakes about once a second, not five times
-            if not self.sock.poll(self._recv_wait_ms(deadline, timeout_s)):
+            # block until a message or a signal comes or a check above could first turn true:
+            # an idle worker's main thread wakes about once per silence limit, not each second
+            if not self._wait(self._recv_wait_ms(deadline, timeout_s)):
                 continue
             frame = self.sock.recv()
             try:
@@ -99,20 +102,32 @@ class Worker:
             except protocol.ProtocolError as exc:
                 log.warning("rank %d: dropped control frame: %s", self.rank, exc)
 
+    def _wait(self, timeout_ms: int) -> bool:
+        """Whether a frame waits on the socket, after at most timeout_ms; a signal ends the
+        wait early (self.wakeup, set by run_worker)."""
+        if not self.wakeup.fds:
+            return bool(self.sock.poll(timeout_ms))
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            self._poller.register(self.sock, zmq.POLLIN)
+            for fd in self.wakeup.fds:
+                self._poller.register(fd, zmq.POLLIN)
+        ready = dict(self._poller.poll(timeout_ms))
+        self.wakeup.drain()
+        return self.sock in ready
+
     def _recv_wait_ms(self, deadline: float, timeout_s: float) -> int:
         """How long recv may block: until the earliest moment one of its checks could turn
         true (its deadline, the orchestrator's silence limit, after a signal the grace
-        period or the orphan limit), at most a heartbeat period, at least 10 ms."""
+        period), at least 10 ms. Without a signal wake-up pipe (not the main thread) at most
+        a heartbeat period, so that a signal is seen that soon."""
         now = time.monotonic()
         period = self.pulse.period_s if self.pulse is not None else 1.0
-        waits = [period]
+        waits = [] if self.wakeup.fds else [period]
         if self.pulse is None:
             waits.append(deadline - now)
         else:
-            silent = self.pulse.orchestrator_silent_s
-            waits.append(timeout_s - silent)
-            if self.signalled_at is not None:
-                waits.append(3 * period - silent)
+            waits.append(timeout_s - self.pulse.orchestrator_silent_s)
         if self.signalled_at is not None:
             waits.append(SIGNAL_GRACE_S - (now - self.signalled_at))
         return max(10, int(1000 * min(waits)) + 1)
@@ -125,12 +140,13 @@ class Worker:
         if msg["type"] != "init":
             raise WorkerExit(f"expected init, got {msg['type']}")
         self.config = load_config(msg["config"], check_files=False, check_devices=False)
-        self.pulse = Pulse(self.sock.context, self.rank, self.address, msg["heartbeat"],
+        self.pulse = Pulse(self.sock.context, self.rank, msg["pulse"], msg["heartbeat"],
                            self.config.runtime.heartbeat_s)
         self.topology = topology_from_config(self.config)
         self.topology.check_world_size(self.world_size)
         self.spec = self.topology.worker(self.rank)
-        self.groups = pgroups.build_groups(self.topology, self.config.runtime.step_timeout_s)
+        self.groups = pgroups.build_groups(self.topology, self.rank, self.store,
+                                           self.config.runtime.step_timeout_s)
         self.device = self.spec.device.torch_device
         if self.device.type == "cuda":
             # multi-node: config ids are global, each node numbers its own GPUs from 0
@@ -174,6 +190,7 @@ class Worker:
             if kind == "shutdown":
                 return
             step = msg.get("step", -1)
+            self.pulse.active_at = time.monotonic()   # beats at the working pace from its next
             try:
                 result = self.handle(msg)
             except Exception as exc:
@@ -295,8 +312,9 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
 
     signal.signal(signal.SIGTERM, on_early_signal)
     signal.signal(signal.SIGINT, on_early_signal)
-    pgroups.init_world(rank, world_size, init_method, startup_timeout_s)
+    store = pgroups.init_world(rank, world_size, init_method, startup_timeout_s)
     address, key = pgroups.broadcast_control(None)
+    pgroups.end_startup_world()
     if key is not None:             # rank 0's key for this launch (no key file configured)
         auth.use_control_key(key)
     context = zmq.Context()
@@ -306,14 +324,15 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
     sock.setsockopt(zmq.RCVHWM, 1000)
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.connect(address)
-    worker = Worker(rank, world_size, sock, address)
+    worker = Worker(rank, world_size, sock, address, store)
     worker.signalled_at = early[0] if early else None
     signal.signal(signal.SIGTERM, worker.on_signal)
     signal.signal(signal.SIGINT, worker.on_signal)
     code = 0
     try:
-        worker.start(startup_timeout_s)
-        worker.serve()
+        with worker.wakeup:
+            worker.start(startup_timeout_s)
+            worker.serve()
     except WorkerExit as exc:
         # stopped as asked, or rank 0 tells the user why: only a surprise is a warning
         log.log(logging.INFO if exc.code == 0 or exc.reported else logging.WARNING,

@@ -163,3 +163,61 @@ def test_local_worker_that_is_not_our_child_is_named_at_once(orphan, call):
         sock.close(0)
         pool.close()
         context.destroy(linger=0)
+
+
+def test_the_beacon_thread_reads_the_pulses_of_an_idle_pool(pool):
+    """Heartbeats to the pulse socket (where the workers' Pulse threads send them) are read
+    by the Beacon's thread every quarter of dead_after_s while the main thread does nothing,
+    and forged ones do not count."""
+    sock = pool.sock.context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pool.pulse_address)
+    try:
+        before = dict(pool.last_seen)
+        for _ in range(5):
+            sock.send(protocol.encode({"type": "heartbeat", "rank": 1}, pool.key))
+            sock.send(protocol.encode({"type": "heartbeat", "rank": 2}, b"not the key"))
+            time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while pool.last_seen[1] == before[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.last_seen[1] > before[1]         # no call on this thread read it
+        assert pool.last_seen[2] == before[2]        # the forged heartbeat did not count
+    finally:
+        sock.close(0)
+
+
+def test_an_idle_wait_ends_when_a_heartbeat_could_be_too_old(pool):
+    """idle() asked to wait 30 s returns by the time the oldest heartbeat passes
+    dead_after_s (1 s here), and then names the silent rank."""
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="sent no heartbeat"):
+        while time.monotonic() - start < 10:
+            pool.idle(30_000)
+    assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("rank2_next_s", [1.0, 2.5])
+def test_a_failure_is_blamed_on_a_rank_only_once_its_promised_heartbeat_is_overdue(
+        rank2_next_s):
+    """Each heartbeat says when the next one comes (an idle worker beats every 2.5 periods):
+    rank 1's error 2.3 s after both ranks' last heartbeats names rank 2 as its cause only
+    when rank 2 promised its next within 1 s (overdue twice over), not within 2.5 s."""
+    context = zmq.Context()
+    pool = WorkerPool((1, 2), context, heartbeat_s=1.0, dead_after_s=30.0)
+    sock = dealer(pool, 1)
+    try:
+        send(sock, pool, {"type": "heartbeat", "rank": 1, "next_s": 2.5})
+        send(sock, pool, {"type": "heartbeat", "rank": 2, "next_s": rank2_next_s})
+        time.sleep(0.2)
+        pool.check_alive()                  # both heartbeats read
+        time.sleep(2.1)
+        send(sock, pool, {"type": "error", "rank": 1, "step": 1, "message": "rank 1: boom"})
+        with pytest.raises(EngineDeadError) as info:
+            pool.wait_for("done", 5.0, step=1)
+        blamed = str(info.value).startswith("rank 2 sent no heartbeat")
+        assert blamed == (rank2_next_s == 1.0), str(info.value)
+    finally:
+        sock.close(0)
+        pool.close()
+        context.destroy(linger=0)
