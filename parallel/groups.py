@@ -106,12 +106,15 @@ def build_groups(topology: Topology, rank: int, store: "dist.Store", timeout_s: 
                  ) -> Groups:
     """Join the workers' world at `store` and create the worker groups (every worker calls
     this, in the same order; rank 0 does not). Non-members, and every member of a group of
-    one rank, get None; a group of every worker is the workers' world itself."""
+    one rank, get None; a group of every worker is the workers' world itself (a lone
+    worker joins none)."""
     backend = backend_for(topology)
     timeout = datetime.timedelta(seconds=timeout_s)
     workers = topology.worker_ranks
-    dist.init_process_group(backend, store=dist.PrefixStore(WORKERS_PREFIX, store),
-                            rank=torch_rank(rank), world_size=len(workers), timeout=timeout)
+    if len(workers) > 1:            # one worker talks to nobody: no world, no thread
+        dist.init_process_group(backend, store=dist.PrefixStore(WORKERS_PREFIX, store),
+                                rank=torch_rank(rank), world_size=len(workers),
+                                timeout=timeout)
     made = {}
     for name, ranks in (("draft_tp", topology.draft_ranks), ("target_tp", topology.target_ranks),
                         ("bridge", workers)):
