@@ -2,11 +2,11 @@
 
 One ROUTER socket; every worker connects a DEALER (identity b"w<rank>"). Each worker's Pulse
 thread sends its heartbeats to a second ROUTER, which nobody waits on: the Beacon's thread
-reads what came after each of its beats, and the pool before it judges heartbeat ages
-(check_alive), so an idle orchestrator's main thread sleeps until a heartbeat could be too
-old, not for each beat. The Beacon tells workers that the orchestrator lives. `command` sends one
-step to every worker and waits for all of them, watching heartbeats and child processes so
-that a dead or silent rank becomes EngineDeadError.
+reads what came every quarter of the silence limit, and the pool before it judges heartbeat
+ages (check_alive), so an idle orchestrator's main thread sleeps until a heartbeat could be
+too old, not for each beat. The Beacon tells workers that the orchestrator lives. `command`
+sends one step to every worker and waits for all of them, watching heartbeats and child
+processes so that a dead or silent rank becomes EngineDeadError.
 
 When one rank dies, its peers usually fail first in a collective ("connection reset by
 peer") and report that error; the pool then names the rank that died without a word as the

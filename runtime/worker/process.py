@@ -46,8 +46,7 @@ EXIT_USAGE = 2         # the config asks for what this device cannot hold (the C
 
 
 class Worker:
-    def __init__(self, rank: int, world_size: int, sock: zmq.Socket, address: str,
-                 store=None):
+    def __init__(self, rank: int, world_size: int, sock: zmq.Socket, address: str, store):
         self.rank = rank
         self.world_size = world_size
         self.sock = sock
