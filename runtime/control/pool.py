@@ -101,23 +101,27 @@ class WorkerPool:
             self.dead = reason
         raise EngineDeadError(self.dead)
 
-    def _read(self) -> dict | None:
-        """Receive one frame (one must be waiting): the valid message in it, else None.
-        Records the sender's heartbeat and any error it reports."""
-        parts = self.sock.recv_multipart()
+    def _decode(self, parts: list[bytes], what: str) -> dict | None:
+        """The valid message of a ROUTER frame (identity, message), else None (dropped and
+        logged as `what`)."""
         if len(parts) != 2:
-            self._dropped(f"a frame with {len(parts)} parts")
+            self._dropped(f"{what} with {len(parts)} parts")
             return None
         try:
-            msg = protocol.decode(parts[1], self.key)
+            return protocol.decode(parts[1], self.key)
         except protocol.ProtocolError as exc:
-            self._dropped(f"a worker frame: {exc}")
+            self._dropped(f"{what}: {exc}")
+            return None
+
+    def _read(self) -> dict | None:
+        """Receive one frame (one must be waiting): the valid message in it, else None.
+        Any message marks its sender seen; records any error it reports."""
+        msg = self._decode(self.sock.recv_multipart(), "a worker frame")
+        if msg is None:
             return None
         rank = msg.get("rank")
         if rank in self.last_seen:
             self.last_seen[rank] = time.monotonic()
-            if msg["type"] == "heartbeat":
-                self._note_promise(rank, msg)
         if msg["type"] == "error":
             self._worker_failed(rank, msg["message"])
             if msg.get("kind") == "usage":
@@ -167,22 +171,18 @@ class WorkerPool:
                 parts = self.pulses.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                msg = protocol.decode(parts[-1], self.key) if len(parts) == 2 else None
-            except protocol.ProtocolError as exc:
-                self._dropped(f"a heartbeat frame: {exc}")
+            msg = self._decode(parts, "a heartbeat frame")
+            if msg is None:
                 continue
-            if msg is None or msg["type"] != "heartbeat":
+            if msg["type"] != "heartbeat":
                 self._dropped("a frame on the heartbeat socket that is no heartbeat")
             elif msg["rank"] in self.last_seen:
-                self.last_seen[msg["rank"]] = time.monotonic()
-                self._note_promise(msg["rank"], msg)
-
-    def _note_promise(self, rank: int, heartbeat: dict) -> None:
-        """When the rank says its next heartbeat comes (an idle worker beats less often:
-        runtime.control.heartbeat.pace), within a period .. dead_after_s."""
-        next_s = heartbeat.get("next_s", self.heartbeat_s)
-        self.promised[rank] = min(max(float(next_s), self.heartbeat_s), self.dead_after_s)
+                rank = msg["rank"]
+                self.last_seen[rank] = time.monotonic()
+                # when it says its next one comes (an idle worker beats less often:
+                # runtime.control.heartbeat.pace), within a period .. dead_after_s
+                next_s = float(msg.get("next_s", self.heartbeat_s))
+                self.promised[rank] = min(max(next_s, self.heartbeat_s), self.dead_after_s)
 
     def _poll_one(self, timeout_ms: int) -> dict | None:
         if self._inbox:

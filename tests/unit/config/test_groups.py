@@ -6,12 +6,12 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from launcher.discovery import free_port
 from parallel import groups as pgroups
 from parallel.topology import Device, Topology, WorkerSpec
 from parallel.transfer import bridge_broadcast
@@ -29,12 +29,6 @@ def gloo_threads() -> int:
         with open(f"/proc/self/task/{tid}/comm") as fh:
             names.append(fh.read().strip())
     return names.count("gloo_tcp_loop")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker(rank: int, port: int, out) -> None:

@@ -43,10 +43,18 @@ def send(sock: zmq.Socket, pool: WorkerPool, msg: dict) -> None:
     sock.send(protocol.encode(msg, pool.key))
 
 
+def pulse(pool: WorkerPool) -> zmq.Socket:
+    """A worker's Pulse socket: where heartbeats go."""
+    sock = pool.sock.context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pool.pulse_address)
+    return sock
+
+
 def beating(pool: WorkerPool, stop: threading.Event) -> threading.Thread:
     """Ranks 1 and 2 heartbeat every 0.1 s from a thread until `stop` is set."""
     def run() -> None:
-        socks = [dealer(pool, rank) for rank in pool.ranks]
+        socks = [pulse(pool) for _ in pool.ranks]
         try:
             while not stop.wait(0.1):
                 for rank, sock in zip(pool.ranks, socks):
@@ -84,18 +92,19 @@ def test_error_after_stall_is_not_blamed_on_a_live_rank(pool):
     """Rank 1 reports an error, then rank 2's heartbeat (queued behind it, as after a stall):
     the error is reported as rank 1's, not as rank 2 having gone silent."""
     pool.dead_after_s = 10.0
-    sock = dealer(pool, 1)
+    sock, beats = dealer(pool, 1), pulse(pool)
     try:
         time.sleep(2.0)                       # both ranks' last beats are 2 s old now
-        send(sock, pool, {"type": "heartbeat", "rank": 1})
+        send(beats, pool, {"type": "heartbeat", "rank": 1})
         send(sock, pool, {"type": "error", "rank": 1, "step": 1, "message": "rank 1: boom"})
-        send(sock, pool, {"type": "heartbeat", "rank": 2})
+        send(beats, pool, {"type": "heartbeat", "rank": 2})
         time.sleep(0.2)                       # all three are queued
         with pytest.raises(EngineDeadError) as info:
             pool.wait_for("done", 5.0, step=1)
         assert str(info.value) == "rank 1: boom", str(info.value)
     finally:
         sock.close(0)
+        beats.close(0)
 
 
 def test_dead_child_is_named_with_its_exit_status_once_it_can_be_reaped():
@@ -169,9 +178,7 @@ def test_the_beacon_thread_reads_the_pulses_of_an_idle_pool(pool):
     """Heartbeats to the pulse socket (where the workers' Pulse threads send them) are read
     by the Beacon's thread every quarter of dead_after_s while the main thread does nothing,
     and forged ones do not count."""
-    sock = pool.sock.context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(pool.pulse_address)
+    sock = pulse(pool)
     try:
         before = dict(pool.last_seen)
         for _ in range(5):
@@ -205,10 +212,10 @@ def test_a_failure_is_blamed_on_a_rank_only_once_its_promised_heartbeat_is_overd
     when rank 2 promised its next within 1 s (overdue twice over), not within 2.5 s."""
     context = zmq.Context()
     pool = WorkerPool((1, 2), context, heartbeat_s=1.0, dead_after_s=30.0)
-    sock = dealer(pool, 1)
+    sock, beats = dealer(pool, 1), pulse(pool)
     try:
-        send(sock, pool, {"type": "heartbeat", "rank": 1, "next_s": 2.5})
-        send(sock, pool, {"type": "heartbeat", "rank": 2, "next_s": rank2_next_s})
+        send(beats, pool, {"type": "heartbeat", "rank": 1, "next_s": 2.5})
+        send(beats, pool, {"type": "heartbeat", "rank": 2, "next_s": rank2_next_s})
         time.sleep(0.2)
         pool.check_alive()                  # both heartbeats read
         time.sleep(2.1)
@@ -219,5 +226,6 @@ def test_a_failure_is_blamed_on_a_rank_only_once_its_promised_heartbeat_is_overd
         assert blamed == (rank2_next_s == 1.0), str(info.value)
     finally:
         sock.close(0)
+        beats.close(0)
         pool.close()
         context.destroy(linger=0)
