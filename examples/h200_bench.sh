@@ -28,6 +28,10 @@
 #        the 8b decode and verify steps, bf16 and FP8, batch 1 and 16, step_ab.py;
 #        fold-short: steps of 1, 2, 3 and 9 tokens at batch 1, folded from 2 and from 1 on;
 #        fold-kernels: the two kernels against the folded one alone, examples/gpu/fold_bench.py)
+#   bash examples/h200_bench.sh OUTDIR l2-ab l2-fp8-auto-0.02 fp8-auto-0.02
+#       (each GEMM's weights read into L2 ahead of it on a side stream against not:
+#        l2-ab: the 8b decode and verify steps, FP8 and bf16, step_ab.py's l2* modes;
+#        l2-PHASE: PHASE with TANDEM_L2_PREFETCH=1, into OUTDIR/l2)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -108,6 +112,10 @@ for phase in "$@"; do
                  ;;
         nofold-*) TANDEM_FOLD_ROPE=0 bash "$0" "$OUT/nofold" "${phase#nofold-}"
                   ;;
+        l2-ab) R=${ROUNDS:-2} step_ab_set l2-ab "${L2_MODES:-pdl l2-attn l2 l2-all l2-wide}" \
+                   "1 5" "--quantization fp8" "" ;;
+        l2-*) TANDEM_L2_PREFETCH=1 bash "$0" "$OUT/l2" "${phase#l2-}"
+              ;;
         workspace-ab)   # "with": torch's cuBLAS default and a large cuBLASLt one
             for args in "--shape 8b" "--shape 8b --quantization fp8" \
                         "--shape 70b --quantization fp8"; do

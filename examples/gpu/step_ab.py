@@ -13,6 +13,11 @@ GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes 
                  attention kernel (what TANDEM_FOLD_ROPE=0 gives)
     foldall      pdl, RoPE folded into the attention kernel in every step, decode included
                  (kernels.attention.FOLD_ROPE_MIN_SEQ = 1)
+    l2           pdl, each GEMM's weights read into L2 ahead of it on a side stream
+                 (TANDEM_L2_PREFETCH=1, runtime/models/kernels/prefetch.py's CAPS_MB)
+    l2-attn      l2 for o_proj only (read in while RoPE and attention run)
+    l2-all       l2 with every cap at the L2's three quarters
+    l2-wide      l2 with 4x the programs a prefetch (PROGRAMS 128)
 
 Each turn applies its mode, recompiles the torch.compile'd pieces and recaptures the graphs;
 the median per mode over the rounds, the paired ratio first mode / mode (above 1: the mode is
@@ -36,33 +41,50 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from runtime.models import fused, load_model  # noqa: E402
-from runtime.models.kernels import attention as attention_kernel  # noqa: E402
+from runtime.models import fused, kernels, load_model  # noqa: E402
+from runtime.models.kernels import attention as attention_kernel, prefetch  # noqa: E402
 from runtime.models.step_runner import StepRunner  # noqa: E402
 from runtime.models.synthetic import build_pair  # noqa: E402
 
 # mode: (PDL, torch's BLAS backend for bf16/fp16 GEMMs, split-K allowed in them, RoPE folded
-# into the attention kernel from this many tokens a row on: 0 never)
+# into the attention kernel from this many tokens a row on: 0 never, L2 prefetch: None off,
+# else (CAPS_MB, PROGRAMS))
 FOLD = attention_kernel.FOLD_ROPE_MIN_SEQ
-MODES = {"none": (False, "cublas", True, FOLD), "pdl": (True, "cublas", True, FOLD),
-         "lt": (True, "cublaslt", True, FOLD), "lt-nosplitk": (True, "cublaslt", False, FOLD),
-         "nofold": (True, "cublas", True, 0), "foldall": (True, "cublas", True, 1)}
+CAPS = dict(prefetch.CAPS_MB)
+ALL = {kind: 1e6 for kind in CAPS}
+L2 = {"l2": (CAPS, prefetch.PROGRAMS), "l2-attn": ({**dict.fromkeys(CAPS, 0.0), "o": 1e6},
+      prefetch.PROGRAMS), "l2-all": (ALL, prefetch.PROGRAMS), "l2-wide": (CAPS, 128)}
+MODES = {"none": (False, "cublas", True, FOLD, None), "pdl": (True, "cublas", True, FOLD, None),
+         "lt": (True, "cublaslt", True, FOLD, None),
+         "lt-nosplitk": (True, "cublaslt", False, FOLD, None),
+         "nofold": (True, "cublas", True, 0, None), "foldall": (True, "cublas", True, 1, None),
+         **{name: (True, "cublas", True, FOLD, l2) for name, l2 in L2.items()}}
 REDUCTIONS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 POSITION, REPLAYS, PROFILED = 300, 50, 5
 
 
+_compiled: list = [None]   # the PDL setting the pieces were last compiled with
+
+
 def set_mode(name: str, device: torch.device) -> None:
-    """Apply `name`'s settings and recompile the pieces (PDL is a compile-time switch)."""
-    pdl, library, splitk, fold = MODES[name]
+    """Apply `name`'s settings; recompile the pieces when PDL (a compile-time switch) changes."""
+    pdl, library, splitk, fold, l2 = MODES[name]
     os.environ["TANDEM_PDL"] = "1" if pdl else "0"
     attention_kernel.FOLD_ROPE = fold > 0           # read when the graphs are captured
     attention_kernel.FOLD_ROPE_MIN_SEQ = fold or FOLD
+    kernels.L2_PREFETCH = l2 is not None
+    if l2 is not None:
+        prefetch.CAPS_MB.update(l2[0])
+        prefetch.PROGRAMS = l2[1]
+        prefetch._sinks.clear()                     # sized by PROGRAMS
     for attr in REDUCTIONS:      # torch's defaults, or no split-K (needs full precision)
         setattr(torch.backends.cuda.matmul, attr, True if splitk else (False, False))
     torch.backends.cuda.preferred_blas_library(library)
-    fused.use_eager()
-    torch._dynamo.reset()
-    fused.compile_kernels(device)       # sets the PDL switch by fused.pdl_supported
+    if _compiled[0] != pdl:
+        fused.use_eager()
+        torch._dynamo.reset()
+        fused.compile_kernels(device)   # sets the PDL switch by fused.pdl_supported
+        _compiled[0] = pdl
 
 
 def kernels_per_replay(graph) -> float:

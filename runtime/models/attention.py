@@ -72,6 +72,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
+        kernels.ahead(self.o_proj.weight, "o")        # read in while RoPE and attention run
         cache = self.kv_cache
         q, k, v = q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d), v.view(bsz, seq, h_kv, d)
         if self._folds_rope(seq) and rope_kernel().fits(q, k, v, cos, sin):
@@ -86,6 +87,7 @@ class Attention(nn.Module):
                      batch: ExtendBatch) -> FP8Out | torch.Tensor:
         cache = self.kv_cache
         qkv = self.qkv.forward_fp8(x)                                      # raw [M, (H+2Hkv)D]
+        kernels.ahead(self.o_proj.weight, "o")
         args = (*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin)
         if (self._folds_rope(cos.shape[1])
                 and rope_kernel().fits_fp8(*qkv, self.head_dim, cos, sin)):

@@ -8,6 +8,8 @@ interpreter on the CPU.
 
 The model code asks `enabled()` at call time; the step runner turns the kernels on for the
 CUDA-graph fast path (`enable`), unless TANDEM_TRITON=0 (the fused-torch path, for A/B runs).
+With them, TANDEM_L2_PREFETCH=1 reads each GEMM's weights into L2 ahead of it (`ahead`,
+runtime.models.kernels.prefetch).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ def available(device: torch.device) -> bool:
 
 
 _enabled = False
+L2_PREFETCH = os.environ.get("TANDEM_L2_PREFETCH", "0") == "1"
 
 
 def enable(device: torch.device) -> bool:
@@ -40,7 +43,26 @@ def enable(device: torch.device) -> bool:
 def disable() -> None:
     global _enabled
     _enabled = False
+L2_PREFETCH = os.environ.get("TANDEM_L2_PREFETCH", "0") == "1"
 
 
 def enabled() -> bool:
     return _enabled
+
+
+def ahead(weight: torch.Tensor, kind: str) -> None:
+    """Read (part of) the next GEMM's weight into L2 while the small kernels before it run
+    (kernels.prefetch.ahead), when the kernels are on and L2_PREFETCH; kind: qkv, o, gate_up
+    or down (kernels.prefetch.CAPS_MB)."""
+    if _enabled and L2_PREFETCH:
+        from runtime.models.kernels import prefetch
+
+        prefetch.ahead(weight, kind)
+
+
+def join(device: torch.device) -> None:
+    """The current stream waits for the prefetches `ahead` launched (end of a forward)."""
+    if _enabled and L2_PREFETCH:
+        from runtime.models.kernels import prefetch
+
+        prefetch.join(device)
