@@ -18,6 +18,8 @@ GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes 
     l2-attn      l2 for o_proj only (read in while RoPE and attention run)
     l2-all       l2 with every cap at the L2's three quarters
     l2-wide      l2 with 4x the programs a prefetch (PROGRAMS 128)
+    l2-o12       l2-attn reading at most 12 MB of o_proj's weights
+    l2-o-wide    l2-attn with 128 programs a prefetch; l2-o-narrow with 8
 
 Each turn applies its mode, recompiles the torch.compile'd pieces and recaptures the graphs;
 the median per mode over the rounds, the paired ratio first mode / mode (above 1: the mode is
@@ -50,10 +52,13 @@ from runtime.models.synthetic import build_pair  # noqa: E402
 # into the attention kernel from this many tokens a row on: 0 never, L2 prefetch: None off,
 # else (CAPS_MB, PROGRAMS))
 FOLD = attention_kernel.FOLD_ROPE_MIN_SEQ
-CAPS = dict(prefetch.CAPS_MB)
+CAPS = {"qkv": 24.0, "o": 24.0, "gate_up": 12.0, "down": 16.0}   # the first setting tried
 ALL = {kind: 1e6 for kind in CAPS}
 L2 = {"l2": (CAPS, prefetch.PROGRAMS), "l2-attn": ({**dict.fromkeys(CAPS, 0.0), "o": 1e6},
-      prefetch.PROGRAMS), "l2-all": (ALL, prefetch.PROGRAMS), "l2-wide": (CAPS, 128)}
+      prefetch.PROGRAMS), "l2-all": (ALL, prefetch.PROGRAMS), "l2-wide": (CAPS, 128),
+      "l2-o12": ({**dict.fromkeys(CAPS, 0.0), "o": 12.0}, prefetch.PROGRAMS),
+      "l2-o-wide": ({**dict.fromkeys(CAPS, 0.0), "o": 1e6}, 128),
+      "l2-o-narrow": ({**dict.fromkeys(CAPS, 0.0), "o": 1e6}, 8)}
 MODES = {"none": (False, "cublas", True, FOLD, None), "pdl": (True, "cublas", True, FOLD, None),
          "lt": (True, "cublaslt", True, FOLD, None),
          "lt-nosplitk": (True, "cublaslt", False, FOLD, None),
