@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 # MB of each GEMM's weights read ahead (0: none); kind: the GEMM the weights belong to
-CAPS_MB = {"qkv": 0.0, "o": 64.0, "gate_up": 0.0, "down": 0.0}
+CAPS_MB = {"qkv": 0.0, "o": 12.0, "gate_up": 0.0, "down": 0.0}
 PROGRAMS = 32          # programs of one prefetch: a few multiprocessors, the rest stay free
 BLOCK = 8192           # int32 words a program loads per iteration (32 KB in flight)
 _streams: dict[torch.device, torch.cuda.Stream] = {}
