@@ -31,7 +31,8 @@
 #   bash examples/h200_bench.sh OUTDIR l2-ab l2-fp8-auto-0.02 fp8-auto-0.02
 #       (each GEMM's weights read into L2 ahead of it on a side stream against not:
 #        l2-ab: the 8b decode and verify steps, FP8 and bf16, step_ab.py's l2* modes;
-#        l2-PHASE: PHASE with TANDEM_L2_PREFETCH=1, into OUTDIR/l2)
+#        l2-PHASE: PHASE with TANDEM_L2_PREFETCH=1, into OUTDIR/l2; l2v-PHASE: with
+#        TANDEM_L2_PREFETCH=verify, steps of 2 or more tokens a row only, into OUTDIR/l2v)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -116,6 +117,8 @@ for phase in "$@"; do
                    "1 5" "--quantization fp8" "" ;;
         l2-*) TANDEM_L2_PREFETCH=1 bash "$0" "$OUT/l2" "${phase#l2-}"
               ;;
+        l2v-*) TANDEM_L2_PREFETCH=verify bash "$0" "$OUT/l2v" "${phase#l2v-}"
+               ;;
         workspace-ab)   # "with": torch's cuBLAS default and a large cuBLASLt one
             for args in "--shape 8b" "--shape 8b --quantization fp8" \
                         "--shape 70b --quantization fp8"; do

@@ -204,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids.shape and kv_len, so a CUDA graph can capture it (runtime.models.step_runner)."""
         batch = ExtendBatch.build(slots, start_pos, n_valid, input_ids.shape[1], kv_len,
                                   self.max_seq_len, contiguous)
+        kernels.begin_step(input_ids.shape[1])
         input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
         cos, sin = self.rotary_emb(batch.positions, self.model.norm.weight.dtype)  # [B, T, D]
         hidden = self.model(input_ids, cos, sin, batch)                    # [B, T, hidden]

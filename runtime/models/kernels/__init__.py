@@ -8,8 +8,8 @@ interpreter on the CPU.
 
 The model code asks `enabled()` at call time; the step runner turns the kernels on for the
 CUDA-graph fast path (`enable`), unless TANDEM_TRITON=0 (the fused-torch path, for A/B runs).
-With them, TANDEM_L2_PREFETCH=1 reads each GEMM's weights into L2 ahead of it (`ahead`,
-runtime.models.kernels.prefetch).
+With them, TANDEM_L2_PREFETCH=1 (or `verify`: steps of 2 or more tokens a row only) reads
+each GEMM's weights into L2 ahead of it (`ahead`, runtime.models.kernels.prefetch).
 """
 from __future__ import annotations
 
@@ -30,7 +30,12 @@ def available(device: torch.device) -> bool:
 
 
 _enabled = False
-L2_PREFETCH = os.environ.get("TANDEM_L2_PREFETCH", "0") == "1"
+# TANDEM_L2_PREFETCH: 1 reads ahead in every step, `verify` only in steps of 2 or more tokens
+# a row (verify steps, prompt chunks: not the draft's or the target's decode steps)
+_L2 = os.environ.get("TANDEM_L2_PREFETCH", "0")
+L2_PREFETCH = _L2 in ("1", "verify")
+L2_MIN_TOKENS = 2 if _L2 == "verify" else 1
+_step_tokens = 1      # tokens a row of the forward being run (begin_step)
 
 
 def enable(device: torch.device) -> bool:
@@ -43,7 +48,6 @@ def enable(device: torch.device) -> bool:
 def disable() -> None:
     global _enabled
     _enabled = False
-L2_PREFETCH = os.environ.get("TANDEM_L2_PREFETCH", "0") == "1"
 
 
 def enabled() -> bool:
@@ -54,10 +58,17 @@ def ahead(weight: torch.Tensor, kind: str) -> None:
     """Read (part of) the next GEMM's weight into L2 while the small kernels before it run
     (kernels.prefetch.ahead), when the kernels are on and L2_PREFETCH; kind: qkv, o, gate_up
     or down (kernels.prefetch.CAPS_MB)."""
-    if _enabled and L2_PREFETCH:
+    if _enabled and L2_PREFETCH and _step_tokens >= L2_MIN_TOKENS:
         from runtime.models.kernels import prefetch
 
         prefetch.ahead(weight, kind)
+
+
+def begin_step(tokens: int) -> None:
+    """A forward of `tokens` tokens a row starts (L2_MIN_TOKENS decides whether it reads
+    ahead)."""
+    global _step_tokens
+    _step_tokens = tokens
 
 
 def join(device: torch.device) -> None:

@@ -80,6 +80,16 @@ kinds.clear(), reads.clear()
 prefetch.CAPS_MB.update(qkv=1.0, o=1.0, gate_up=1.0, down=1.0)
 got = model.forward_static(ids, slots, start, n, kv_len=32)
 assert torch.equal(got, want)
+kinds.clear(), reads.clear()
+kernels.L2_MIN_TOKENS = 2                   # TANDEM_L2_PREFETCH=verify: no decode step
+model.forward_static(ids[:, :1], slots, n, torch.ones(2, dtype=torch.long), kv_len=32)
+assert kinds == [] and reads == []
+model.forward_static(ids[:, :2], slots, n, torch.ones(2, dtype=torch.long) * 2, kv_len=32)
+assert len(kinds) == 4 * len(model.model.layers) - 1
+kinds.clear(), reads.clear()
+kernels.L2_MIN_TOKENS = 1
+got = model.forward_static(ids, slots, start, n, kv_len=32)
+assert torch.equal(got, want)
 layers = model.model.layers
 expected = []
 for i, layer in enumerate(layers):
