@@ -87,25 +87,27 @@ def ahead(weight: torch.Tensor, kind: str) -> None:
     """Read the first CAPS_MB[kind] of `weight` into L2 behind the work launched so far, on
     the side stream, while a CUDA graph is being captured (on the CPU inline, always);
     nothing when the cap is 0."""
-    cuda = weight.device.type == "cuda"
-    src = words(weight, cap_bytes(kind, weight.device)) if weight.is_contiguous() else None
-    if src is None or src.numel() == 0:
+    device = weight.device
+    cuda = device.type == "cuda"
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    # eager CUDA steps only compile the kernel (once); a capture before that reads nothing
+    if not weight.is_contiguous() or cuda and (capturing != (device in _warm)):
         return
-    if cuda and not torch.cuda.is_current_stream_capturing():
-        if weight.device not in _warm:    # compile the kernel outside a capture, once
-            read(src[:BLOCK], _sink(weight.device))
-            _streams.setdefault(weight.device, torch.cuda.Stream(weight.device))
-            _warm.add(weight.device)
+    src = words(weight, cap_bytes(kind, device))
+    if src.numel() == 0:
         return
     if not cuda:
-        read(src, _sink(weight.device))
-        return
-    main = torch.cuda.current_stream(weight.device)
-    side = _streams.setdefault(weight.device, torch.cuda.Stream(weight.device))
-    side.wait_stream(main)                 # after the GEMM just launched
-    with torch.cuda.stream(side):
-        read(src, _sink(weight.device))
-    _forked.add(weight.device)
+        read(src, _sink(device))
+    elif not capturing:                        # compile outside a capture, once
+        read(src[:BLOCK], _sink(device))
+        _streams.setdefault(device, torch.cuda.Stream(device))
+        _warm.add(device)
+    else:
+        main, side = torch.cuda.current_stream(device), _streams[device]
+        side.wait_stream(main)                 # after the GEMM just launched
+        with torch.cuda.stream(side):
+            read(src, _sink(device))
+        _forked.add(device)
 
 
 def join(device: torch.device) -> None:
