@@ -140,15 +140,16 @@ class WorkerPool:
             self._drops, self._drop_logged = 0, now
 
     def _drain(self) -> None:
-        """Read every frame already queued on the socket: heartbeats count before ages are
-        judged (after a stall of this process, live ranks' beats are waiting there). At most
-        MAX_DRAIN frames, so that a flood cannot keep us here."""
+        """Read every frame already queued: the pulse socket's heartbeats count before ages
+        are judged (after a stall of this process, live ranks' beats are waiting there), and
+        the control socket's messages mark their senders seen and wait in the inbox. At most
+        MAX_DRAIN frames each, so that a flood cannot keep us here."""
         self._drain_pulses()
         for _ in range(MAX_DRAIN):
             if not self.sock.poll(0):
                 return
             msg = self._read()
-            if msg is not None and msg["type"] != "heartbeat":
+            if msg is not None:
                 self._inbox.append(msg)
 
     def _on_beat(self) -> None:
