@@ -44,6 +44,10 @@ class Attention(nn.Module):
         """One GEMM for q, k and v (float or FP8); their weights become views of it."""
         self.qkv = stack_rows(self.q_proj, self.k_proj, self.v_proj)
 
+    def qkv_weight(self) -> torch.Tensor:
+        """The weight of the first GEMM (q/k/v fused, else q_proj)."""
+        return self.qkv.weight if self.qkv is not None else self.q_proj.weight
+
     def allocate_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None,
                        device: torch.device | None = None) -> None:
         """K and V in `dtype` on `device`: the model's activation dtype (default: that of

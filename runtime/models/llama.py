@@ -86,11 +86,6 @@ class DecoderLayer(nn.Module):
         x, h = add_then_norm(x, attn, self.post_attention_layernorm, mlp_fp8)
         return x, self.mlp(h)
 
-    def qkv_weight(self) -> torch.Tensor:
-        """The weight of this layer's first GEMM (q/k/v fused, else q_proj)."""
-        attn = self.self_attn
-        return attn.qkv.weight if attn.qkv is not None else attn.q_proj.weight
-
 
 Delta = torch.Tensor | FP8Out | None
 
@@ -142,7 +137,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, batch)
             if i + 1 < len(self.layers):      # read in while the next input norm runs
-                kernels.ahead(self.layers[i + 1].qkv_weight(), "qkv")
+                kernels.ahead(self.layers[i + 1].self_attn.qkv_weight(), "qkv")
         return add_then_norm(x, delta, self.norm)[1]
 
 
