@@ -7,8 +7,8 @@
 #       (the Triton attention kernel against the fused-torch path, FP8 8b and 70b on one GPU)
 #   bash examples/h200_bench.sh OUTDIR auto-0.02 prefill-off fp8-auto-0.02 fp8-unfused chunk-64
 #       (A/B: prefill graphs off, FP8 without its fused neighbours, attention KV chunks of 64)
-#   bash examples/h200_bench.sh OUTDIR gemv profile-fp8
-#       (a Triton small-M linear against cuBLAS / _scaled_mm per shape; the FP8 step's kernels)
+#   bash examples/h200_bench.sh OUTDIR gemv profile-fp8 profile-fp8-70b
+#       (a Triton small-M linear against cuBLAS / _scaled_mm per shape; the FP8 steps' kernels)
 #   bash examples/h200_bench.sh OUTDIR gemm-layout
 #       (the decode GEMMs as x @ W^T against W @ x^T, cold weights against weights in L2)
 #   bash examples/h200_bench.sh OUTDIR cpu-overlap
@@ -33,6 +33,10 @@
 #        l2-ab: the 8b decode and verify steps, FP8 and bf16, step_ab.py's l2* modes;
 #        l2-PHASE: PHASE with TANDEM_L2_PREFETCH=1, into OUTDIR/l2; l2v-PHASE: with
 #        TANDEM_L2_PREFETCH=verify, steps of 2 or more tokens a row only, into OUTDIR/l2v)
+#   bash examples/h200_bench.sh OUTDIR cdt-ab tune-fp8-auto-0.02 fp8-auto-0.02
+#       (the compiled pieces with inductor's coordinate-descent tuning against without:
+#        cdt-ab: the 8b steps, FP8 and bf16, step_ab.py's cdt modes; tune-PHASE: PHASE with
+#        TANDEM_TUNE_KERNELS=1, into OUTDIR/tune)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -73,6 +77,10 @@ for phase in "$@"; do
         gemm-layout) python examples/gpu/gemm_layout_bench.py --out "$OUT/gemm-layout.json" \
                          > "$OUT/gemm-layout.log" 2>&1
                      echo "== gemm-layout (rc $?)"; cat "$OUT/gemm-layout.log" ;;
+        profile-fp8-70b) python examples/gpu/profile_forward.py --shape 70b --quantization fp8 \
+                             --tokens 1 5 --slots 1 --out "$OUT/profile-fp8-70b.json" \
+                             > "$OUT/profile-fp8-70b.log" 2>&1
+                         echo "== profile-fp8-70b (rc $?)"; grep -A14 "^==" "$OUT/profile-fp8-70b.log" ;;
         profile-fp8) python examples/gpu/profile_forward.py --shape 8b --quantization fp8 \
                          --tokens 1 5 --slots 1 --out "$OUT/profile-fp8.json" \
                          > "$OUT/profile-fp8.log" 2>&1
@@ -117,6 +125,9 @@ for phase in "$@"; do
                    "1 5" "--quantization fp8" "" ;;
         l2-*) TANDEM_L2_PREFETCH=1 bash "$0" "$OUT/l2" "${phase#l2-}"
               ;;
+        cdt-ab) R=${ROUNDS:-2} step_ab_set cdt-ab "${CDT_MODES:-pdl cdt cdt-all}" "1 5" \
+                    "--quantization fp8" "" ;;
+        tune-*) TANDEM_TUNE_KERNELS=1 bash "$0" "$OUT/tune" "${phase#tune-}" ;;
         l2v-*) TANDEM_L2_PREFETCH=verify bash "$0" "$OUT/l2v" "${phase#l2v-}"
                ;;
         workspace-ab)   # "with": torch's cuBLAS default and a large cuBLASLt one

@@ -20,6 +20,10 @@ GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes 
     l2-wide      l2 with 4x the programs a prefetch (PROGRAMS 128)
     l2-o12       l2-attn reading at most 12 MB of o_proj's weights
     l2-o-wide    l2-attn with 128 programs a prefetch; l2-o-narrow with 8
+    cdt          pdl, the pieces compiled with inductor's coordinate_descent_tuning (each
+                 kernel's block sizes and warps tuned by timing it at compile time)
+    cdt-all      cdt, trying every direction of the search (coordinate_descent_check_all_
+                 directions) and a wider search radius
 
 Each turn applies its mode, recompiles the torch.compile'd pieces and recaptures the graphs;
 the median per mode over the rounds, the paired ratio first mode / mode (above 1: the mode is
@@ -41,6 +45,7 @@ import sys
 import tempfile
 
 import torch
+import torch._inductor.config as inductor_config
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models import fused, kernels, load_model  # noqa: E402
@@ -63,16 +68,25 @@ MODES = {"none": (False, "cublas", True, FOLD, None), "pdl": (True, "cublas", Tr
          "lt": (True, "cublaslt", True, FOLD, None),
          "lt-nosplitk": (True, "cublaslt", False, FOLD, None),
          "nofold": (True, "cublas", True, 0, None), "foldall": (True, "cublas", True, 1, None),
-         **{name: (True, "cublas", True, FOLD, l2) for name, l2 in L2.items()}}
+         **{name: (True, "cublas", True, FOLD, l2) for name, l2 in L2.items()},
+         "cdt": (True, "cublas", True, FOLD, None), "cdt-all": (True, "cublas", True, FOLD, None)}
+# inductor settings of a mode (torch._inductor.config), applied before the pieces compile
+INDUCTOR = {"cdt": {"coordinate_descent_tuning": True},
+            "cdt-all": {"coordinate_descent_tuning": True,
+                        "coordinate_descent_check_all_directions": True,
+                        "coordinate_descent_search_radius": 2}}
+INDUCTOR_DEFAULTS = {key: getattr(inductor_config, key)
+                     for options in INDUCTOR.values() for key in options}
 REDUCTIONS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 POSITION, REPLAYS, PROFILED = 300, 50, 5
 
 
-_compiled: list = [None]   # the PDL setting the pieces were last compiled with
+_compiled: list = [None]   # the (PDL, inductor settings) the pieces were last compiled with
 
 
 def set_mode(name: str, device: torch.device) -> None:
-    """Apply `name`'s settings; recompile the pieces when PDL (a compile-time switch) changes."""
+    """Apply `name`'s settings; recompile the pieces when PDL or the inductor settings
+    (compile-time switches) change."""
     pdl, library, splitk, fold, l2 = MODES[name]
     os.environ["TANDEM_PDL"] = "1" if pdl else "0"
     attention_kernel.FOLD_ROPE = fold > 0           # read when the graphs are captured
@@ -85,11 +99,14 @@ def set_mode(name: str, device: torch.device) -> None:
     for attr in REDUCTIONS:      # torch's defaults, or no split-K (needs full precision)
         setattr(torch.backends.cuda.matmul, attr, True if splitk else (False, False))
     torch.backends.cuda.preferred_blas_library(library)
-    if _compiled[0] != pdl:
+    options = INDUCTOR.get(name, {})
+    if _compiled[0] != (pdl, options):
+        for key, value in {**INDUCTOR_DEFAULTS, **options}.items():
+            setattr(inductor_config, key, value)
         fused.use_eager()
         torch._dynamo.reset()
         fused.compile_kernels(device)   # sets the PDL switch by fused.pdl_supported
-        _compiled[0] = pdl
+        _compiled[0] = (pdl, options)
 
 
 def kernels_per_replay(graph) -> float:
