@@ -33,10 +33,9 @@
 #        l2-ab: the 8b decode and verify steps, FP8 and bf16, step_ab.py's l2* modes;
 #        l2-PHASE: PHASE with TANDEM_L2_PREFETCH=1, into OUTDIR/l2; l2v-PHASE: with
 #        TANDEM_L2_PREFETCH=verify, steps of 2 or more tokens a row only, into OUTDIR/l2v)
-#   bash examples/h200_bench.sh OUTDIR cdt-ab tune-fp8-auto-0.02 fp8-auto-0.02
-#       (the compiled pieces with inductor's coordinate-descent tuning against without:
-#        cdt-ab: the 8b steps, FP8 and bf16, step_ab.py's cdt modes; tune-PHASE: PHASE with
-#        TANDEM_TUNE_KERNELS=1, into OUTDIR/tune)
+#   bash examples/h200_bench.sh OUTDIR cdt-ab
+#       (the compiled pieces with inductor's coordinate-descent tuning against without: the
+#        8b steps, FP8 and bf16, step_ab.py's cdt modes; not kept, docs/benchmarks.md)
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
 # of REPEATS timed runs (default 3) after one warm-up run.
@@ -127,7 +126,6 @@ for phase in "$@"; do
               ;;
         cdt-ab) R=${ROUNDS:-2} step_ab_set cdt-ab "${CDT_MODES:-pdl cdt cdt-all}" "1 5" \
                     "--quantization fp8" "" ;;
-        tune-*) TANDEM_TUNE_KERNELS=1 bash "$0" "$OUT/tune" "${phase#tune-}" ;;
         l2v-*) TANDEM_L2_PREFETCH=verify bash "$0" "$OUT/l2v" "${phase#l2v-}"
                ;;
         workspace-ab)   # "with": torch's cuBLAS default and a large cuBLASLt one

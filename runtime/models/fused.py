@@ -235,15 +235,6 @@ def _inductor_pdl(device: torch.device) -> None:
         inductor_config.triton.enable_pdl = pdl_supported(device)
 
 
-def _inductor_tuning() -> None:
-    """TANDEM_TUNE_KERNELS=1: inductor's coordinate-descent tuning for the compiled pieces
-    (each kernel's block sizes and warps chosen by timing it when it compiles; a slower first
-    compile, the same results up to the order of float32 additions in the norms' means)."""
-    import torch._inductor.config as inductor_config
-    if os.environ.get("TANDEM_TUNE_KERNELS", "0") == "1":
-        inductor_config.coordinate_descent_tuning = True
-
-
 def compile_kernels(device: torch.device) -> bool:
     """Replace this module's functions by torch.compile'd ones (once per process) and compile
     them on `device`. Returns whether they are compiled; on failure (no C compiler, no triton)
@@ -253,7 +244,6 @@ def compile_kernels(device: torch.device) -> bool:
         return True
     try:
         _inductor_pdl(device)
-        _inductor_tuning()
         _check_compiler(device)
         for name in ("recompile_limit", "cache_size_limit"):   # shapes: see the docstring
             if hasattr(torch._dynamo.config, name):

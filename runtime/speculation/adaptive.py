@@ -10,9 +10,12 @@ Each round the scheduler asks for k and reports back what happened. The controll
   reach it, so positions tested only by exploration still build up evidence;
 - the round cost T(k) per batch-size bucket: the median of the recent rounds run at that k
   when there are at least MIN_COST_OBS of them, otherwise t_verify + k * t_draft from a least
-  squares line over the bucket's recent (k, seconds) observations. Measured costs capture
-  what a line cannot (verify shapes that change cost in steps, fixed per-round overhead);
-  the line only fills in k values not measured lately,
+  squares line through those medians (when two k values have them; else through the
+  bucket's recent (k, seconds) observations). Measured costs capture what a line cannot
+  (verify shapes that change cost in steps, fixed per-round overhead); the line only fills
+  in k values not measured lately, and one slow round does not bend it (through single
+  observations, one slow first round at a short k flattened the line for WINDOW rounds, and
+  every unmeasured k, k = 0 included, looked as costly as the longest),
 
 and picks the k in 0..max_k that maximises expected tokens per second,
 E[tokens | k] / T(k) with E[tokens | k] = 1 + sum_{j<=k} a_1 * ... * a_j (overlapped rounds
@@ -22,7 +25,8 @@ overlapping makes of a round, so the choice needs no other model of it). k = 0 i
 target-only round: no draft, the target decodes up to TARGET_ONLY_STEPS tokens on one command
 (so the control round trip is paid once for all of them), at 1 token per measured step; it
 wins when the draft is rarely right, and every other exploration round then tries k = 1.
-Until it has seen two different k it alternates a short and a long k. Afterwards one round in
+Until it has measured two k values (MIN_COST_OBS rounds each) it alternates a short and a
+long k. Afterwards one round in
 EXPLORE_EVERY runs a neighbour of the best k, alternately above and below, so the k values
 around the choice stay measured; and, half-way between those, a round may run the most
 promising k whose cost is only read off the line, when the line puts it within PLAUSIBLE of
@@ -109,10 +113,21 @@ class DraftLenController:
     def _bucket(self, batch: int) -> int:
         return max(1, batch).bit_length()
 
+    def _recent(self, bucket: int, k: int) -> list[float]:
+        """Seconds of the recent rounds run at k in this bucket (k = 0: per step)."""
+        return [t for r, t in self.costs_at.get((bucket, k), ())
+                if self.rounds - r <= MAX_COST_AGE]
+
     def _fit(self, bucket: int) -> tuple[float, float] | None:
-        """(t_verify, t_draft) for this bucket, or None until two k values were seen."""
-        obs = self.costs.get(bucket)
-        if not obs or len({k for k, _ in obs}) < 2:
+        """(t_verify, t_draft) for this bucket: least squares through the medians of the k
+        values measured lately (MIN_COST_OBS rounds each) when there are two, so that one
+        slow round (a warm-up, a busy machine) moves no estimate; else through the recent
+        rounds' (k, seconds) when they are 2 * MIN_COST_OBS of two k values or more; else
+        None (the bucket is new: explore)."""
+        medians = [(k, median(t)) for k in range(1, self.max_k + 1)
+                   if len(t := self._recent(bucket, k)) >= MIN_COST_OBS]
+        obs = medians if len(medians) >= 2 else list(self.costs.get(bucket, ()))
+        if len({k for k, _ in obs}) < 2 or (len(medians) < 2 and len(obs) < 2 * MIN_COST_OBS):
             return None
         n = len(obs)
         mk = sum(k for k, _ in obs) / n
@@ -125,7 +140,7 @@ class DraftLenController:
         """Estimated seconds per round for k = 0..max_k (k = 0: per target-only step) and
         whether each was measured (rather than read off the line: a target-only step is
         taken to cost the line's intercept, one verify of the pending token with its
-        control round trip, until measured), or None until two k values were seen."""
+        control round trip, until measured), or None while the bucket is new (_fit)."""
         bucket = self._bucket(batch)
         fit = self._fit(bucket)
         if fit is None:
@@ -133,8 +148,7 @@ class DraftLenController:
         t_verify, t_draft = fit
         costs, measured = [], []
         for k in range(0, self.max_k + 1):
-            recent = [t for r, t in self.costs_at.get((bucket, k), ())
-                      if self.rounds - r <= MAX_COST_AGE]
+            recent = self._recent(bucket, k)
             measured.append(len(recent) >= MIN_COST_OBS)
             costs.append(median(recent) if measured[-1] else t_verify + k * t_draft)
         return costs, measured
@@ -146,7 +160,7 @@ class DraftLenController:
             return self.fixed
         self.rounds += 1
         estimate = self.round_costs(batch)
-        if estimate is None:                     # explore: alternate low and high k
+        if estimate is None:                     # new bucket: alternate a low and a high k
             self.last_k = 2 if self.rounds % 2 else min(self.max_k, 6)
             return self.last_k
         costs, measured = estimate

@@ -120,6 +120,26 @@ def test_target_only_rounds_amortise_the_overhead():
     assert 1 in chosen[-200:]
 
 
+@pytest.mark.parametrize("slow", [1.0, 3.0, 10.0])
+@pytest.mark.parametrize("early", [False, True], ids=["now", "a-round-early"])
+def test_one_slow_round_does_not_keep_a_useless_draft_drafting(slow, early):
+    """A draft that is never right, and a first round `slow` times its cost (a warm-up):
+    target-only rounds from the first round after the two k values explored first are
+    measured (through single observations, the slow short round flattened the line, and
+    the longest k looked best for dozens of rounds)."""
+    cost = linear(1.0, 0.3)
+    ctl = DraftLenController(None, max_k=8)
+    chosen, next_k = [], ctl.choose(3) if early else None
+    for r in range(64):
+        k, next_k = (next_k, ctl.choose(3)) if early else (ctl.choose(3), None)
+        steps = TARGET_ONLY_STEPS if k == 0 else 1
+        ctl.observe(k, [0, 0, 0], cost(k, steps) * (slow if r == 0 else 1.0), steps)
+        chosen.append(k)
+    explored = 2 * 3 + early                                  # MIN_COST_OBS rounds of two k
+    assert set(chosen[:explored - early]) == {2, 6}
+    assert chosen[explored] == 0 and chosen[explored:].count(0) > 0.8 * (64 - explored)
+
+
 def test_good_draft_never_runs_target_only():
     chosen, _ = simulate([0.85] * 8, linear(1.0, 0.1, overhead=0.3))
     assert 0 not in chosen
