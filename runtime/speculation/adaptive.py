@@ -118,14 +118,12 @@ class DraftLenController:
         return [t for r, t in self.costs_at.get((bucket, k), ())
                 if self.rounds - r <= MAX_COST_AGE]
 
-    def _fit(self, bucket: int) -> tuple[float, float] | None:
-        """(t_verify, t_draft) for this bucket: least squares through the medians of the k
-        values measured lately (MIN_COST_OBS rounds each) when there are two, so that one
-        slow round (a warm-up, a busy machine) moves no estimate; else through the recent
-        rounds' (k, seconds) when they are 2 * MIN_COST_OBS of two k values or more; else
-        None (the bucket is new: explore)."""
-        medians = [(k, median(t)) for k in range(1, self.max_k + 1)
-                   if len(t := self._recent(bucket, k)) >= MIN_COST_OBS]
+    def _fit(self, bucket: int, medians: list[tuple[int, float]]) -> tuple[float, float] | None:
+        """(t_verify, t_draft) for this bucket: least squares through `medians`, the (k,
+        median seconds) of the k >= 1 measured lately (MIN_COST_OBS rounds each), when there
+        are two, so that one slow round (a warm-up, a busy machine) moves no estimate; else
+        through the recent rounds' (k, seconds) when they are 2 * MIN_COST_OBS of two k
+        values or more; else None (the bucket is new: explore)."""
         obs = medians if len(medians) >= 2 else list(self.costs.get(bucket, ()))
         if len({k for k, _ in obs}) < 2 or (len(medians) < 2 and len(obs) < 2 * MIN_COST_OBS):
             return None
@@ -142,16 +140,14 @@ class DraftLenController:
         taken to cost the line's intercept, one verify of the pending token with its
         control round trip, until measured), or None while the bucket is new (_fit)."""
         bucket = self._bucket(batch)
-        fit = self._fit(bucket)
+        recent = [self._recent(bucket, k) for k in range(0, self.max_k + 1)]
+        measured = [len(t) >= MIN_COST_OBS for t in recent]
+        medians = {k: median(t) for k, (t, m) in enumerate(zip(recent, measured)) if m}
+        fit = self._fit(bucket, [(k, t) for k, t in medians.items() if k > 0])
         if fit is None:
             return None
         t_verify, t_draft = fit
-        costs, measured = [], []
-        for k in range(0, self.max_k + 1):
-            recent = self._recent(bucket, k)
-            measured.append(len(recent) >= MIN_COST_OBS)
-            costs.append(median(recent) if measured[-1] else t_verify + k * t_draft)
-        return costs, measured
+        return [medians.get(k, t_verify + k * t_draft) for k in range(0, self.max_k + 1)], measured
 
     def choose(self, batch: int, bonus: bool = False) -> int:
         """Draft length for the next round of `batch` sequences (bonus: an overlapped round

@@ -127,14 +127,13 @@ def test_one_slow_round_does_not_keep_a_useless_draft_drafting(slow, early):
     target-only rounds from the first round after the two k values explored first are
     measured (through single observations, the slow short round flattened the line, and
     the longest k looked best for dozens of rounds)."""
-    cost = linear(1.0, 0.3)
-    ctl = DraftLenController(None, max_k=8)
-    chosen, next_k = [], ctl.choose(3) if early else None
-    for r in range(64):
-        k, next_k = (next_k, ctl.choose(3)) if early else (ctl.choose(3), None)
-        steps = TARGET_ONLY_STEPS if k == 0 else 1
-        ctl.observe(k, [0, 0, 0], cost(k, steps) * (slow if r == 0 else 1.0), steps)
-        chosen.append(k)
+    rounds, cost = [], linear(1.0, 0.3)
+
+    def slow_first(k: int, steps: int = 1) -> float:
+        rounds.append(k)
+        return cost(k, steps) * (slow if len(rounds) == 1 else 1.0)
+
+    chosen, _ = simulate([0.0] * 8, slow_first, rounds=64, batch=3, early=early)
     explored = 2 * 3 + early                                  # MIN_COST_OBS rounds of two k
     assert set(chosen[:explored - early]) == {2, 6}
     assert chosen[explored] == 0 and chosen[explored:].count(0) > 0.8 * (64 - explored)
