@@ -20,7 +20,7 @@
 #   bash examples/h200_bench.sh OUTDIR step-ab workspace-ab
 #       (cuBLAS against cuBLASLt with and without split-K on the 8b steps, bf16 and FP8, batch
 #        1 and 16: examples/gpu/step_ab.py; the 8b bf16, 8b FP8 and 70b FP8 steps with and
-#        without a cuBLAS / cuBLASLt workspace, runtime.models.loader.no_gemm_workspace)
+#        without a cuBLAS / cuBLASLt workspace, runtime.models.loading.loader.no_gemm_workspace)
 #   bash examples/h200_bench.sh OUTDIR silu-quant
 #       (an experiment: SiLU·up + FP8 quantize in one launch against the compiled pieces)
 #   bash examples/h200_bench.sh OUTDIR fold-ab fold-short fold-kernels

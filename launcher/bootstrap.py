@@ -18,7 +18,7 @@ from typing import Collection
 import zmq
 
 from launcher.discovery import LaunchEnv
-from parallel.topology import LaunchError, Topology, topology_from_config
+from parallel.topology import LaunchError, Topology
 from runtime.control import auth
 from runtime.config import TandemConfig
 from runtime.errors import EngineDeadError
@@ -191,7 +191,7 @@ def control_bind() -> str:
 def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> Cluster:
     """Start (or join) every rank and wait until all have loaded, showing their progress on
     stderr (runtime.control.progress: bars on a terminal, plain lines when `quiet` or not)."""
-    topology = topology_from_config(config)
+    topology = config.topology()
     if env.world_size is not None:
         topology.check_world_size(env.world_size)
     display = StartupDisplay.for_stderr(rank_labels(topology), quiet)

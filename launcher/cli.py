@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
+
+from launcher.output import flag_message
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
@@ -143,24 +144,6 @@ def _worker_parser() -> argparse.ArgumentParser:
     return worker
 
 
-# Python argument names in tandem's messages -> what the `tandem run` user typed.
-_FLAG_NAMES = {"prompt_token_ids": "--prompt-ids", "max_new_tokens": "--max-new-tokens",
-               "top_k": "--top-k", "top_p": "--top-p"}
-_LEADING_FLAGS = ("prompt", "temperature", "seed", "stop")   # only as a message's subject
-
-
-def flag_message(message: str) -> str:
-    """An error message of the Python API ('top_p: ...', 'prompt_token_ids: ...') in the
-    CLI's words ('--top-p: ...', '--prompt-ids: ...'); a bare max_seq_len is the config key."""
-    for name, flag in _FLAG_NAMES.items():
-        message = re.sub(rf"(?<![\w.-]){name}\b", flag, message)
-    message = re.sub(r"(?<![\w.-])max_seq_len\b", "runtime.max_seq_len", message)
-    subject = re.match(r"(\w+):", message)
-    if subject and subject.group(1) in _LEADING_FLAGS:
-        message = f"--{message}"
-    return message
-
-
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
     print(f"tandem: error: {message}", file=sys.stderr)
     return code
@@ -190,7 +173,7 @@ def _main(argv: list[str]) -> int:
         return bench_main(args)
     from launcher.bootstrap import control_bind
     from launcher.discovery import discover, multi_node
-    from parallel.topology import LaunchError, topology_from_config
+    from parallel.topology import LaunchError
     from runtime.config import ConfigError
     from runtime.control.auth import check_control_bind
 
@@ -205,7 +188,7 @@ def _main(argv: list[str]) -> int:
         http, metrics = _serve_endpoints(args) if args.command == "serve" else (None, None)
         env = discover()
         check_control_bind(control_bind())   # beyond loopback only with a key, on every rank
-        topology = topology_from_config(config)
+        topology = config.topology()
         if env.world_size is not None:
             topology.check_world_size(env.world_size)
     except (ConfigError, LaunchError, ValueError, FileNotFoundError) as exc:
@@ -293,7 +276,7 @@ def _check_request(config, args, id_lists: list[list[int]] | None) -> None:
                          f"or name one with `tokenizer:` in the config")
     if id_lists is None:
         return
-    from runtime.models.checkpoint import inspect_checkpoint
+    from runtime.models.loading.checkpoint import inspect_checkpoint
     from runtime.params import check_prompt_ids
 
     vocab_size = inspect_checkpoint(config.target.model).vocab_size

@@ -7,6 +7,7 @@ never interleave. Interrupted, whatever was generated is printed, and nothing el
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 DEMO_NOTE = """\
@@ -112,3 +113,21 @@ def print_demo_header(prompts: list[str] | None) -> None:
     for prompt in prompts or ():
         print(f"prompt: {prompt}", file=sys.stderr)
     sys.stderr.flush()
+
+
+# Python argument names in tandem's messages -> what the `tandem run` user typed.
+_FLAG_NAMES = {"prompt_token_ids": "--prompt-ids", "max_new_tokens": "--max-new-tokens",
+               "top_k": "--top-k", "top_p": "--top-p"}
+_LEADING_FLAGS = ("prompt", "temperature", "seed", "stop")   # only as a message's subject
+
+
+def flag_message(message: str) -> str:
+    """An error message of the Python API ('top_p: ...', 'prompt_token_ids: ...') in the
+    CLI's words ('--top-p: ...', '--prompt-ids: ...'); a bare max_seq_len is the config key."""
+    for name, flag in _FLAG_NAMES.items():
+        message = re.sub(rf"(?<![\w.-]){name}\b", flag, message)
+    message = re.sub(r"(?<![\w.-])max_seq_len\b", "runtime.max_seq_len", message)
+    subject = re.match(r"(\w+):", message)
+    if subject and subject.group(1) in _LEADING_FLAGS:
+        message = f"--{message}"
+    return message

@@ -11,7 +11,7 @@ import time
 
 from launcher.bootstrap import StartupUsageError, start_cluster
 from launcher.discovery import LaunchEnv
-from launcher.output import RunOutput, print_demo_header
+from launcher.output import RunOutput, flag_message, print_demo_header
 from runtime.api.engine import OWNER_FD_ENV
 from runtime.control.auth import load_key
 from runtime.config import TandemConfig
@@ -104,8 +104,6 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool,
 
 def _generate(orch, cluster, request: dict, as_json: bool, stream: bool,
               interrupt: _Interrupt) -> int:
-    from launcher.cli import flag_message
-
     try:
         orch.attach(cluster.pool)
         seqs = orch.make_sequences("run", request["prompts"], request["prompt_ids"],

@@ -7,14 +7,11 @@ A device in both lists hosts both shards (co-location), so no two ranks share a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
-from runtime.config import Device
+from parallel.devices import Device
 
-if TYPE_CHECKING:
-    from runtime.config import TandemConfig
-
-__all__ = ["LaunchError", "WorkerSpec", "Topology", "build_topology", "topology_from_config"]
+__all__ = ["LaunchError", "WorkerSpec", "Topology", "build_topology"]
 
 
 class LaunchError(RuntimeError):
@@ -148,7 +145,10 @@ class Topology:
 
 
 def _as_devices(devices: Sequence[Device], name: str) -> list[Device]:
-    out = [Device.parse(d, f"{name}.devices") for d in devices]
+    try:
+        out = [Device.parse(d) for d in devices]
+    except ValueError as exc:
+        raise ValueError(f"{name}.devices: {exc}") from None
     if not out:
         raise ValueError(f"{name}.devices: must list at least one device")
     for i, d in enumerate(out):
@@ -175,7 +175,3 @@ def build_topology(draft_devices: Sequence[Device],
     return Topology(workers=workers,
                     draft_ranks=tuple(rank_of[d] for d in draft),
                     target_ranks=tuple(rank_of[d] for d in target))
-
-
-def topology_from_config(config: "TandemConfig") -> Topology:
-    return build_topology(config.draft.devices, config.target.devices)

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def gguf_cache_dir(tmp_path_factory):
-    """A test run's GGUF cache (runtime.models.gguf_cache) is its own, never the user's:
+    """A test run's GGUF cache (runtime.models.loading.gguf_cache) is its own, never the user's:
     every process the tests start inherits TANDEM_CACHE_DIR."""
     path = tmp_path_factory.mktemp("tandem-cache")
     old = os.environ.get("TANDEM_CACHE_DIR")

@@ -2,7 +2,7 @@
 and their references: float32 checkpoints holding the dequantized weights, which transformers
 reads as ordinary models (transformers itself is never asked to read FP8).
 
-The quantization here is written independently of runtime.models.quant (plain torch), so the
+The quantization here is written independently of runtime.models.arch.quant (plain torch), so the
 tests compare tandem's reading of each format with what the format's tools would write.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ FP8 = torch.float8_e4m3fn
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
-# name: (method, weight scales, activations); methods as in runtime.models.fp8_formats
+# name: (method, weight scales, activations); methods as in runtime.models.loading.fp8_formats
 FORMATS = {
     "ct-channel-static": ("compressed-tensors", "channel", "static"),
     "ct-tensor-dynamic": ("compressed-tensors", "tensor", "dynamic"),

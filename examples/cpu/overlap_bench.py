@@ -3,7 +3,7 @@ their sockets), one greedy call of each in turn per prompt, medians. Side by sid
 so a busy or drifting host affects both alike (`tandem bench` runs the modes one after the
 other). The figures in docs/configuration.md, "Overlapped speculation":
 
-    python -c "from runtime.models.synthetic import build_pair; \
+    python -c "from runtime.models.loading.synthetic import build_pair; \
                build_pair('/tmp/ov', 'small', 2, eps=0.045)"
     TANDEM_CPU_AFFINITY=1 python examples/cpu/overlap_bench.py /tmp/ov --draft-len 2
 """
@@ -29,7 +29,7 @@ def engine_config(pair: str, draft_len, overlap: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("pair", help="folder with draft/ and target/ (runtime.models.synthetic)")
+    ap.add_argument("pair", help="folder with draft/ and target/ (runtime.models.loading.synthetic)")
     ap.add_argument("--draft-len", default="2", help="an integer or auto (default 2)")
     ap.add_argument("--calls", type=int, default=5, help="prompts, one call each per mode")
     ap.add_argument("--prompt-len", type=int, default=32)

@@ -21,7 +21,7 @@ run() { if [ -n "${CORES:-}" ]; then taskset -c "$CORES" "$@"; else "$@"; fi; }
 for eps in "${@:-0.0425 0.045}"; do
     for e in $eps; do
         pair="$SYN/${TAG}eps-$e"
-        [ -d "$pair/target" ] || python -c "from runtime.models.synthetic import build_pair; \
+        [ -d "$pair/target" ] || python -c "from runtime.models.loading.synthetic import build_pair; \
             build_pair('$pair', 'small', $LAYERS, eps=$e)"
         python -c "import sys, yaml; sys.path.insert(0, 'examples/cpu'); \
             from overlap_bench import engine_config; \

@@ -1,4 +1,4 @@
-"""GPU check of FP8 weights (runtime/models/quant.py, fp8_load.py).
+"""GPU check of FP8 weights (runtime/models/arch/quant.py, fp8_load.py).
 
 1. Float exactness: a synthetic target quantized on load (`quantization: fp8`), float32
    activations (the weight-only GEMM), ragged prompts decoded greedily through the eager
@@ -36,9 +36,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from examples.gpu.graphs_check import decode  # noqa: E402
 from runtime.bench.metrics import step_time, weight_bytes_per_step  # noqa: E402
-from runtime.models import fused, kernels, load_model, quant  # noqa: E402
-from runtime.models.step_runner import StepRunner  # noqa: E402
-from runtime.models.synthetic import SHAPES, build_pair  # noqa: E402
+from runtime.models import load_model  # noqa: E402
+from runtime.models.arch import fused, kernels, quant  # noqa: E402
+from runtime.models.runners.step_runner import StepRunner  # noqa: E402
+from runtime.models.loading.synthetic import SHAPES, build_pair  # noqa: E402
 
 SLOTS, CACHE_LEN, K = 4, 640, 4
 GIB = 1024 ** 3
@@ -142,7 +143,7 @@ def gemm_times(shape: str, device) -> dict:
     quantization, the unscaled _scaled_mm, the rescale). Microseconds."""
     if device.type != "cuda":
         return {}
-    from runtime.models import fused
+    from runtime.models.arch import fused
 
     fused.compile_kernels(device)
     s = SHAPES[shape]
@@ -242,7 +243,7 @@ def step_times(target: str, device) -> dict:
 
 def fit_70b(tmp: str, device) -> dict:
     """70b target + 8b draft, both FP8 on `device`: memory and KV room."""
-    from runtime.models.kv_budget import cache_bytes, device_memory
+    from runtime.models.runners.kv_budget import cache_bytes, device_memory
 
     _, target = build_pair(f"{tmp}/70b", "70b", 2, 0.02, 0, torch.bfloat16,
                            materialize=False)

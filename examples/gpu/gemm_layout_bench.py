@@ -1,6 +1,6 @@
 """Microbenchmark of the decode GEMMs' operand order and of weights found in L2, on one
 decoder layer's shapes of the synthetic models (what the runtime might change in
-runtime/models/quant.py and the float linears):
+runtime/models/arch/quant.py and the float linears):
 
 - `x @ W^T` as the runtime runs it (F.linear for bf16, torch._scaled_mm(x8, W8^T) unscaled for
   FP8) against the swapped product `W @ x^T` (the weight as the GEMM's M side: the few tokens
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from examples.gpu.gemv_bench import layer_shapes  # noqa: E402
 from runtime.bench.metrics import copy_bandwidth  # noqa: E402
-from runtime.models import fused, quant  # noqa: E402
+from runtime.models.arch import fused, quant  # noqa: E402
 
 COLD_BYTES = 512 << 20     # the weight copies of one cold measurement, in all
 PAD = 16                   # _scaled_mm's N granularity

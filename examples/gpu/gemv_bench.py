@@ -27,9 +27,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from examples.gpu.kernel_bench import graphed_us  # noqa: E402
 from runtime.bench.metrics import copy_bandwidth  # noqa: E402
-from runtime.models import fused, quant  # noqa: E402
+from runtime.models.arch import fused, quant  # noqa: E402
 from examples.gpu.gemv_kernel import gemv  # noqa: E402
-from runtime.models.synthetic import SHAPES  # noqa: E402
+from runtime.models.loading.synthetic import SHAPES  # noqa: E402
 
 
 def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:

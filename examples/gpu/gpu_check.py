@@ -23,7 +23,7 @@ import time
 import yaml
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from runtime.models.synthetic import build_pair  # noqa: E402
+from runtime.models.loading.synthetic import build_pair  # noqa: E402
 
 LAYOUTS = {  # name: (draft devices, target devices)
     "both [0]": ([0], [0]),

@@ -1,4 +1,4 @@
-"""GPU check of the static-shape / CUDA-graph step path (runtime/models/step_runner.py).
+"""GPU check of the static-shape / CUDA-graph step path (runtime/models/runners/step_runner.py).
 
 1. Exactness: a batch of ragged prompts decoded greedily in float32, once through the
    eager forward_extend and once through StepRunner (CUDA graphs): logits and tokens compared.
@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models import load_model  # noqa: E402
-from runtime.models.step_runner import StepRunner  # noqa: E402
+from runtime.models.runners.step_runner import StepRunner  # noqa: E402
 from runtime.worker.shards import DraftShard, TargetShard  # noqa: E402
-from runtime.models.synthetic import build_pair  # noqa: E402
+from runtime.models.loading.synthetic import build_pair  # noqa: E402
 
 SLOTS, CACHE_LEN, K = 4, 640, 4
 

@@ -1,5 +1,5 @@
-"""Microbenchmark of the Triton decode/verify attention (runtime/models/kernels/attention.py)
-against the eager path it replaces (runtime.models.attention.grouped_attention over the cache
+"""Microbenchmark of the Triton decode/verify attention (runtime/models/arch/kernels/attention.py)
+against the eager path it replaces (runtime.models.arch.attention.grouped_attention over the cache
 views, with the mask built per step), on the decode shapes of the synthetic models; and, for
 the FP8 path, the plain kernel followed by fused.fp8_quantize_rows of its output against the
 kernel's fused variant (slot_attention(..., quantize=True): combine and per-token
@@ -26,12 +26,12 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.bench.metrics import copy_bandwidth  # noqa: E402
-from runtime.models.attention import grouped_attention  # noqa: E402
-from runtime.models.cache import ExtendBatch, KVCache  # noqa: E402
-from runtime.models import fused  # noqa: E402
-from runtime.models.fused import fp8_quantize_rows, stack_heads  # noqa: E402
-from runtime.models.kernels import attention as kernel_module  # noqa: E402
-from runtime.models.kernels.attention import slot_attention  # noqa: E402
+from runtime.models.arch.attention import grouped_attention  # noqa: E402
+from runtime.models.arch.cache import ExtendBatch, KVCache  # noqa: E402
+from runtime.models.arch import fused  # noqa: E402
+from runtime.models.arch.fused import fp8_quantize_rows, stack_heads  # noqa: E402
+from runtime.models.arch.kernels import attention as kernel_module  # noqa: E402
+from runtime.models.arch.kernels.attention import slot_attention  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "70b-tp1": (64, 8, 128), "1b": (32, 8, 64)}  # H, Hkv, D
 REPEAT = 20

@@ -1,5 +1,5 @@
 """Where a decode step's GPU time goes: one model's static-shape step (the workers' path,
-runtime/models/step_runner.py) replayed from its CUDA graph under the torch profiler.
+runtime/models/runners/step_runner.py) replayed from its CUDA graph under the torch profiler.
 
 Prints the step time with and without CUDA graphs, the kernels of one replayed step grouped by
 name (count, GPU time), the GPU-busy fraction of the step (kernel time / step time), and with
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.bench.metrics import copy_bandwidth, step_time  # noqa: E402
 from runtime.models import load_model  # noqa: E402
-from runtime.models.step_runner import StepRunner  # noqa: E402
-from runtime.models.synthetic import build_pair  # noqa: E402
+from runtime.models.runners.step_runner import StepRunner  # noqa: E402
+from runtime.models.loading.synthetic import build_pair  # noqa: E402
 
 POSITION, REPLAYS = 300, 5
 

@@ -4,7 +4,7 @@ CUDA graph of 20 calls (kernel_bench.graphed_us; the same weight every call, so 
 weights partly sit in L2: compare the options, not the absolute bandwidths), and the largest
 difference of the fast-accumulation product from the exact one. Measured 2026-12-02 on one
 H200: no option is faster by more than 3% at M = 1 or 5, the decode and verify shapes
-(runtime/models/quant.py keeps the exact accumulation and its float32 output).
+(runtime/models/arch/quant.py keeps the exact accumulation and its float32 output).
 
     python examples/gpu/scaled_mm_options.py
 """
@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from examples.gpu.gemv_bench import layer_shapes  # noqa: E402
 from examples.gpu.kernel_bench import graphed_us  # noqa: E402
-from runtime.models.synthetic import SHAPES  # noqa: E402
+from runtime.models.loading.synthetic import SHAPES  # noqa: E402
 
 
 def main() -> None:

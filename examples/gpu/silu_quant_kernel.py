@@ -1,5 +1,5 @@
 """An experiment, not used by the runtime: the FP8 path's SiLU·up with its per-token e4m3
-quantize (runtime.models.fused.silu_mul_fp8) in one launch instead of the three kernels
+quantize (runtime.models.arch.fused.silu_mul_fp8) in one launch instead of the three kernels
 torch.compile makes of it (the row's amax split over programs, the amax combined, then the
 quantize: 6.4 µs a layer at one token on an H200, docs/benchmarks.md).
 
@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from runtime.models.kernels.attention import _ROUND  # noqa: E402
-from runtime.models.kernels.e4m3 import e4m3_rne  # noqa: E402
+from runtime.models.arch.kernels.attention import _ROUND  # noqa: E402
+from runtime.models.arch.kernels.e4m3 import e4m3_rne  # noqa: E402
 
 
 @triton.jit
@@ -111,7 +111,7 @@ VARIANTS = [(1024, 1024, 4), (1024, 4096, 8), (2048, 4096, 8), (512, 4096, 8),
 
 def main() -> None:
     from examples.gpu.kernel_bench import graphed_us
-    from runtime.models import fused
+    from runtime.models.arch import fused
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     fused.compile_kernels(device)

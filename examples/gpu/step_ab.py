@@ -1,5 +1,5 @@
 """Settings of a decode step side by side in one process: one synthetic model's decode and
-verify steps replayed from their CUDA graphs (the workers' path, runtime/models/step_runner.py),
+verify steps replayed from their CUDA graphs (the workers' path, runtime/models/runners/step_runner.py),
 GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes taking turns:
 
     none         no programmatic dependent launch (what TANDEM_PDL=0 gives), cuBLAS
@@ -14,7 +14,7 @@ GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes 
     foldall      pdl, RoPE folded into the attention kernel in every step, decode included
                  (kernels.attention.FOLD_ROPE_MIN_SEQ = 1)
     l2           pdl, each GEMM's weights read into L2 ahead of it on a side stream
-                 (TANDEM_L2_PREFETCH=1, runtime/models/kernels/prefetch.py's CAPS_MB)
+                 (TANDEM_L2_PREFETCH=1, runtime/models/arch/kernels/prefetch.py's CAPS_MB)
     l2-attn      l2 for o_proj only (read in while RoPE and attention run)
     l2-all       l2 with every cap at the L2's three quarters
     l2-wide      l2 with 4x the programs a prefetch (PROGRAMS 128)
@@ -48,10 +48,11 @@ import torch
 import torch._inductor.config as inductor_config
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from runtime.models import fused, kernels, load_model  # noqa: E402
-from runtime.models.kernels import attention as attention_kernel, prefetch  # noqa: E402
-from runtime.models.step_runner import StepRunner  # noqa: E402
-from runtime.models.synthetic import build_pair  # noqa: E402
+from runtime.models import load_model  # noqa: E402
+from runtime.models.arch import fused, kernels  # noqa: E402
+from runtime.models.arch.kernels import attention as attention_kernel, prefetch  # noqa: E402
+from runtime.models.runners.step_runner import StepRunner  # noqa: E402
+from runtime.models.loading.synthetic import build_pair  # noqa: E402
 
 # mode: (PDL, torch's BLAS backend for bf16/fp16 GEMMs, split-K allowed in them, RoPE folded
 # into the attention kernel from this many tokens a row on: 0 never, L2 prefetch: None off,

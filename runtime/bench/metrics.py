@@ -160,7 +160,7 @@ def cpu_threads(device: torch.device, threads: int | None):
 def step_time(runner, device: torch.device, batch: int, tokens: int, position: int,
               iters: int = 20, warmup: int = 3) -> float:
     """Median seconds of one step of `tokens` tokens per row for `batch` rows through a
-    runtime.models.step_runner.StepRunner (the workers' path: static shapes, CUDA graphs on
+    runtime.models.runners.step_runner.StepRunner (the workers' path: static shapes, CUDA graphs on
     CUDA), written at cache position `position` (the cache must hold batch slots of
     position + tokens). Each step is timed on its own (a sync after each): one step slowed
     by a busy host moves a mean, not the median."""

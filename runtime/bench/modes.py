@@ -80,7 +80,7 @@ class TandemTarget:
                  max_seq_len: int, max_step_len: int = 1, cuda_graphs: bool = True, tp=None,
                  quantization: str | None = None):
         from runtime.models import load_model
-        from runtime.models.step_runner import StepRunner
+        from runtime.models.runners.step_runner import StepRunner
 
         self.device = device
         parallel = tp is not None and tp.enabled

@@ -30,7 +30,7 @@ C_SOURCE = ("in-process: median time of one draft decode step (1 token per row) 
             "graphs unless --no-cuda-graphs) on their configured devices (on CPU with the "
             "threads each engine worker gets), at cache position prompt_len + new_tokens / 2")
 try:
-    from runtime.config import MAX_AUTO_DRAFT_LEN
+    from runtime.config.schema import MAX_AUTO_DRAFT_LEN
 except ImportError:   # pragma: no cover - older config without draft_len: auto
     MAX_AUTO_DRAFT_LEN = 8
 
@@ -142,7 +142,7 @@ def resolve(s: BenchSettings) -> Setup:
                      getattr(torch, d["draft"]["dtype"]), getattr(torch, d["target"]["dtype"]),
                      d, k, draft_quantization=d["draft"].get("quantization"),
                      target_quantization=d["target"].get("quantization"))
-    from runtime.models.synthetic import build_pair
+    from runtime.models.loading.synthetic import build_pair
 
     device = _torch_device(s.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -186,7 +186,7 @@ def resolve(s: BenchSettings) -> Setup:
 
 def make_prompts(target: str, s: BenchSettings) -> list[list[int]]:
     """max(batch_sizes) distinct prompts of random token ids (seeded); batch B uses the first B."""
-    from runtime.models.loader import load_config
+    from runtime.models.loading.loader import load_config
 
     vocab = int(load_config(target).vocab_size)
     gen = torch.Generator().manual_seed(s.seed)
@@ -308,7 +308,7 @@ class Bench:
 
     def _draft_costs(self, st: Setup, job: TargetJob, target_steps: dict) -> None:
         from runtime.models import load_model
-        from runtime.models.step_runner import StepRunner
+        from runtime.models.runners.step_runner import StepRunner
 
         self.progress("measuring the draft step cost (c)")
         try:

@@ -1,10 +1,12 @@
-"""Models behind a worker: our Llama-family implementation and a transformers fallback.
+"""Models behind a worker, in three rooms: `arch/` (the model itself), `loading/` (checkpoints
+to a model on a device) and `runners/` (the fast path: static-shape steps, CUDA graphs, the KV
+budget).
 
-load_model(path, dtype, device, tp=None) -> CausalLM (see runtime.models.base.CausalLM);
-`tp` (parallel.groups.TPInfo) loads one tensor-parallel shard, see loader.load_model.
+load_model(path, dtype, device, tp=None) -> CausalLM (see runtime.models.arch.base.CausalLM);
+`tp` (parallel.groups.TPInfo) loads one tensor-parallel shard, see loading.loader.load_model.
 
-Exports resolve lazily, so importing a light submodule (runtime.models.checkpoint) does not
-import torch.
+Exports resolve lazily, so importing a light submodule (runtime.models.loading.checkpoint)
+does not import torch.
 """
 from __future__ import annotations
 
@@ -13,17 +15,17 @@ from typing import TYPE_CHECKING
 __all__ = ["CausalLM", "HFFallbackModel", "LlamaForCausalLM", "load_model"]
 
 _EXPORTS = {
-    "CausalLM": "runtime.models.base",
-    "HFFallbackModel": "runtime.models.hf_fallback",
-    "LlamaForCausalLM": "runtime.models.llama",
-    "load_model": "runtime.models.loader",
+    "CausalLM": "runtime.models.arch.base",
+    "HFFallbackModel": "runtime.models.loading.hf_fallback",
+    "LlamaForCausalLM": "runtime.models.arch.llama",
+    "load_model": "runtime.models.loading.loader",
 }
 
 if TYPE_CHECKING:
-    from runtime.models.base import CausalLM
-    from runtime.models.hf_fallback import HFFallbackModel
-    from runtime.models.llama import LlamaForCausalLM
-    from runtime.models.loader import load_model
+    from runtime.models.arch.base import CausalLM
+    from runtime.models.loading.hf_fallback import HFFallbackModel
+    from runtime.models.arch.llama import LlamaForCausalLM
+    from runtime.models.loading.loader import load_model
 
 
 def __getattr__(name: str):

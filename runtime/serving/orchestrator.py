@@ -12,7 +12,7 @@ import socket
 import threading
 
 from runtime.config import TandemConfig
-from runtime.models.checkpoint import inspect_checkpoint
+from runtime.models.loading.checkpoint import inspect_checkpoint
 from runtime.params import SamplingParams, check_prompt_ids
 from runtime.control.pool import WorkerPool
 from runtime.serving.scheduler import Event, Scheduler, Sequence

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.speculation.adaptive import TARGET_ONLY_STEPS, DraftLenController, takes_bonus
-from runtime.config import MAX_AUTO_DRAFT_LEN
+from runtime.config.schema import MAX_AUTO_DRAFT_LEN
 from runtime.params import SamplingParams
 from runtime.control.pool import WorkerPool
 from runtime.serving.metrics import ServingMetrics

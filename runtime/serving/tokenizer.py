@@ -58,10 +58,10 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     """The tokenizer embedded in a .gguf file. transformers builds it from the GGUF's
     vocabulary and merges (seconds); the result is saved once (save_pretrained:
     tokenizer.json, tokenizer_config.json, chat_template.jinja) in the GGUF cache
-    (runtime.models.gguf_cache) and read from there at every later start."""
+    (runtime.models.loading.gguf_cache) and read from there at every later start."""
     from transformers import AutoTokenizer
 
-    from runtime.models import gguf_cache
+    from runtime.models.loading import gguf_cache
 
     path = os.fspath(path)
     return gguf_cache.cached(

@@ -12,7 +12,7 @@ import torch
 
 from runtime.speculation import rng
 from runtime.speculation.acceptance import accept_rejection, accept_tokens, greedy_accept
-from runtime.models.hostcopy import to_device
+from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.sampling import sample_from, warp_probs
 
 

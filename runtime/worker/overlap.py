@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from runtime.models.hostcopy import to_device
+from runtime.models.runners.hostcopy import to_device
 from runtime.worker.shards import DraftShard, SlotState, TargetShard
 
 

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from parallel import groups as pgroups
-from parallel.topology import Topology, WorkerSpec, topology_from_config
+from parallel.topology import Topology, WorkerSpec
 from runtime.control import auth, protocol
 from runtime.config import TandemConfig, load_config
 from runtime.control.heartbeat import Pulse
@@ -141,7 +141,7 @@ class Worker:
         self.config = load_config(msg["config"], check_files=False, check_devices=False)
         self.pulse = Pulse(self.sock.context, self.rank, msg["pulse"], msg["heartbeat"],
                            self.config.runtime.heartbeat_s)
-        self.topology = topology_from_config(self.config)
+        self.topology = self.config.topology()
         self.topology.check_world_size(self.world_size)
         self.spec = self.topology.worker(self.rank)
         self.groups = pgroups.build_groups(self.topology, self.rank, self.store,
@@ -161,7 +161,7 @@ class Worker:
             draft, target = load_shards(self.config, self.spec, self.groups, self.device,
                                         self.rank, ProgressReporter(self.send, self.rank))
         except MemoryError as exc:
-            # a KV cache over its budget (runtime.models.kv_budget): the config's problem,
+            # a KV cache over its budget (runtime.models.runners.kv_budget): the config's problem,
             # which rank 0 names in one line (exit 2); a crash's traceback would say nothing
             self.send({"type": "error", "rank": self.rank, "step": -1, "kind": "usage",
                        "message": _usage_message(str(exc))})

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.transfer import bridge_broadcast
-from runtime.models.hostcopy import to_device
+from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.adaptive import takes_bonus
 from runtime.worker import overlap
 from runtime.worker.shards import DraftShard, TargetShard

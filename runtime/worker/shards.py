@@ -12,8 +12,8 @@ import torch
 
 from runtime.speculation.acceptance import accept_choices
 from runtime.speculation.choose import BatchSampling, draft_choose, target_verify
-from runtime.models.hostcopy import to_device
-from runtime.models.step_runner import StepRunner
+from runtime.models.runners.hostcopy import to_device
+from runtime.models.runners.step_runner import StepRunner
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
 

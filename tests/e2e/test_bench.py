@@ -127,8 +127,8 @@ def test_alpha_estimates():
 
 
 def test_synthetic_shards_match_single_file(tmp_path):
-    from runtime.models.weights import SafetensorsWeights
-    from runtime.models.synthetic import build_pair
+    from runtime.models.loading.weights import SafetensorsWeights
+    from runtime.models.loading.synthetic import build_pair
 
     _, single = build_pair(tmp_path / "a", "tiny", 2, eps=0.1)
     draft, sharded = build_pair(tmp_path / "b", "tiny", 2, eps=0.1, shard_bytes=50_000)
@@ -146,9 +146,9 @@ def test_synthetic_shards_match_single_file(tmp_path):
 def test_synthetic_recipe_draws_the_files_weights(tmp_path):
     """A recipe (no weight files) loads the very tensors build_pair writes, whole or as one
     tensor-parallel slice, and holds only config.json and synthetic.json."""
-    from runtime.models.loader import open_weights
-    from runtime.models.weights import SafetensorsWeights
-    from runtime.models.synthetic import build_pair
+    from runtime.models.loading.loader import open_weights
+    from runtime.models.loading.weights import SafetensorsWeights
+    from runtime.models.loading.synthetic import build_pair
 
     draft, target = build_pair(tmp_path / "files", "tiny", 2, eps=0.1)
     recipe_draft, recipe_target = build_pair(tmp_path / "recipe", "tiny", 2, eps=0.1,
@@ -195,7 +195,7 @@ def test_config_and_synthetic_together_is_a_usage_error(tmp_path, capsys):
 
 def test_resolve_config_and_devices(tmp_path):
     from runtime.bench import runner
-    from runtime.models.synthetic import build_pair
+    from runtime.models.loading.synthetic import build_pair
 
     draft, target = build_pair(tmp_path, "tiny", 2)
     path = launch.write_config(tmp_path / "c.yaml", draft, target, draft_len=3)
@@ -257,7 +257,7 @@ def test_overlap_on_and_off_side_by_side(tmp_path):
     `spec-sequential` (off) run side by side, greedy tokens equal; the spec row carries the
     measured on/off ratio and the model's; only the overlapped engine kept windows (the
     draft equals the target: eps 0)."""
-    from runtime.models.synthetic import build_pair
+    from runtime.models.loading.synthetic import build_pair
 
     draft, target = build_pair(tmp_path, "tiny", 2)
     cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_len=2)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from runtime.models import gguf_cache
+from runtime.models.loading import disk_cache, gguf_cache
 from tests import launch
 
 pytestmark = pytest.mark.timeout(600)
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def start(monkeypatch, cache) -> tuple[str, float]:
     """One demo run with `cache` as the GGUF cache: (its text, seconds until ready)."""
-    monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(cache))
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(cache))
     res = launch.run("spawn", 2, ["run", "--max-new-tokens", "12"], timeout=400)
     assert res.returncode == 0, res.stderr[-4000:]
     assert len(res.stdout.strip()) > 10

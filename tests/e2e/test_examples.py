@@ -27,7 +27,7 @@ def test_quickstart_runs():
 def test_overlap_bench_runs(tmp_path):
     """examples/cpu/overlap_bench.py on a tiny synthetic pair: both modes, the same tokens'
     count, and overlap on counts overlapped rounds (draft = target here: eps 0)."""
-    from runtime.models.synthetic import build_pair
+    from runtime.models.loading.synthetic import build_pair
 
     build_pair(str(tmp_path), "tiny", 1, eps=0.0)
     res = subprocess.run([sys.executable, "examples/cpu/overlap_bench.py", str(tmp_path),

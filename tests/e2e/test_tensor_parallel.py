@@ -1,4 +1,4 @@
-"""runtime.models.parallelize: Megatron-style TP of our Llama-family model, on CPU with gloo.
+"""runtime.models.arch.parallelize: Megatron-style TP of our Llama-family model, on CPU with gloo.
 
 One gloo world of 3 ranks is spawned per module; it runs every checkpoint variant with TP 2
 (ranks 0-1, a group of their own) and then TP 3. Each rank compares its TP logits with a TP 1
@@ -124,7 +124,7 @@ def _extend(model, rows) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def _run_case(path: str, tp: TPInfo) -> dict:
-    from runtime.models import weights as weights_mod
+    from runtime.models.loading import weights as weights_mod
 
     ref = load_model(path, F32, CPU)
     log: list = []

@@ -1,12 +1,15 @@
 """The layout's rules (README, Architecture): a few modules at runtime/'s root, a package per
-role, and parallel/ generic (it imports nothing from runtime.models)."""
+role, models/ in rooms by role, parallel/ generic (it imports nothing from runtime/), and no
+import circle anywhere in the product (imports inside functions included)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLES = {"api", "serving", "control", "worker", "speculation", "models", "bench"}
+ROLES = {"api", "serving", "control", "worker", "speculation", "models", "bench", "config"}
+MODEL_ROOMS = {"arch", "loading", "runners"}
+PACKAGES = ("runtime", "launcher", "parallel")
 
 
 def _imports(path: Path) -> set[str]:
@@ -27,10 +30,82 @@ def test_runtime_root_holds_only_the_shared_vocabulary():
     assert packages == ROLES
 
 
-def test_parallel_imports_no_model():
+def test_parallel_imports_nothing_from_runtime():
     for path in (ROOT / "parallel").glob("*.py"):
-        bad = [n for n in _imports(path) if n.startswith("runtime.models")]
+        bad = [n for n in _imports(path) if n == "runtime" or n.startswith("runtime.")]
         assert not bad, f"{path.name} imports {bad}"
+
+
+def test_models_live_in_rooms_by_role():
+    models = ROOT / "runtime" / "models"
+    assert [p.name for p in models.glob("*.py")] == ["__init__.py"]
+    rooms = {p.name for p in models.iterdir() if (p / "__init__.py").exists()}
+    assert rooms == MODEL_ROOMS
+    for room in rooms:
+        modules = list((models / room).rglob("*.py"))
+        assert len(modules) <= 16, f"models/{room} holds {len(modules)} modules"   # 15 + __init__
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the product modules it imports (a name imported from a package counts as
+    its submodule where one exists; a package's __init__ is not counted for its children)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in _imports(path):
+            if imported in modules:
+                deps.add(imported)
+            elif imported.rpartition(".")[0] in modules:
+                deps.add(imported.rpartition(".")[0])
+        deps.discard(name)
+        graph[name] = {d for d in deps if not name.startswith(d + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in graph.get(node, ()):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles():
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_circle_finder_finds_circles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_one_round_reads_in_one_module():

@@ -9,7 +9,8 @@ import torch
 import yaml
 
 from runtime.config import (ConfigError, Device, ModelConfig, RuntimeConfig, ServerConfig,
-                            SpeculationConfig, TandemConfig, default_config, load_config)
+                            SpeculationConfig, TandemConfig, default_config, load_config,
+                            parse_device)
 from tests.checkpoints import build_checkpoint, smollm2_gguf
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,14 +48,15 @@ def _error(cfg, key: str, *fragments: str, **kwargs) -> ConfigError:
     (Device("cpu", 4), Device("cpu", 4)),
 ])
 def test_device_parse(value, expected):
-    assert Device.parse(value, "x.devices") == expected
+    assert Device.parse(value) == expected
+    assert parse_device(value, "x.devices") == expected
 
 
 @pytest.mark.parametrize("value", [True, False, 1.0, 0.5, -1, "-1", "cpu:-1", "gpu:0",
                                    "cuda:", "cpu:a", "", None, [0], {"cpu": 0}, "0x1"])
 def test_device_parse_rejects(value):
     with pytest.raises(ConfigError) as info:
-        Device.parse(value, "target.devices")
+        parse_device(value, "target.devices")
     assert info.value.key == "target.devices"
     assert str(info.value).startswith("target.devices: ")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from runtime import config_checks as checks
+from runtime.config import checks
 from runtime.config import ConfigError, load_config
-from runtime.models.checkpoint import inspect_checkpoint
+from runtime.models.loading.checkpoint import inspect_checkpoint
 from tests.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.timeout(60)

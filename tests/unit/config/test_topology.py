@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.topology import (LaunchError, Topology, WorkerSpec, build_topology,
-                               topology_from_config)
+from parallel.topology import LaunchError, Topology, WorkerSpec, build_topology
 from runtime.config import Device, load_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -132,6 +131,6 @@ def test_from_config():
     cfg = load_config({"draft": {"model": "/d", "devices": ["cpu:0"]},
                        "target": {"model": "/t", "devices": ["cpu:0", "cpu:1"]}},
                       check_files=False, check_devices=False)
-    topo = topology_from_config(cfg)
+    topo = cfg.topology()
     assert topo == build_topology(cpu(0), cpu(0, 1))
     assert topo.world_size == 3

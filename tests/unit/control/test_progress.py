@@ -10,7 +10,6 @@ import threading
 import pytest
 import zmq
 
-from parallel.topology import topology_from_config
 from runtime.config import load_config
 from runtime.control import protocol
 from runtime.control.pool import WorkerPool
@@ -206,11 +205,11 @@ def test_rank_labels():
     cfg = load_config({"draft": {"model": "/d", "devices": [0]},
                        "target": {"model": "/t", "devices": [0, 1]}},
                       check_files=False, check_devices=False)
-    assert rank_labels(topology_from_config(cfg)) == LABELS
+    assert rank_labels(cfg.topology()) == LABELS
     cfg = load_config({"draft": {"model": "/d", "devices": ["cpu:0"]},
                        "target": {"model": "/t", "devices": ["cpu:1"]}},
                       check_files=False, check_devices=False)
-    assert rank_labels(topology_from_config(cfg)) == {1: "draft, cpu:0", 2: "target, cpu:1"}
+    assert rank_labels(cfg.topology()) == {1: "draft, cpu:0", 2: "target, cpu:1"}
 
 
 def test_pool_passes_progress_to_the_display_while_waiting_for_ready():

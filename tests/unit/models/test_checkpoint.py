@@ -1,4 +1,4 @@
-"""runtime.models.checkpoint (metadata only) and runtime.serving.tokenizer."""
+"""runtime.models.loading.checkpoint (metadata only) and runtime.serving.tokenizer."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.models.checkpoint import CheckpointInfo, inspect_checkpoint
+from runtime.models.loading.checkpoint import CheckpointInfo, inspect_checkpoint
 from runtime.serving.tokenizer import load_tokenizer
 from tests.checkpoints import build_checkpoint, smollm2_gguf
 

@@ -1,4 +1,4 @@
-"""FP8 weights (runtime.models.quant, fp8_formats, fp8_load): every recognised checkpoint
+"""FP8 weights (runtime.models.arch.quant, fp8_formats, fp8_load): every recognised checkpoint
 format and quantize-on-load give, on CPU in float32, the logits and greedy tokens of a float32
 transformers model holding the dequantized weights; scales shard with their weights; bad
 values are clear errors; and on the real SmolLM2-135M, quantize-on-load keeps the float
@@ -15,12 +15,13 @@ from torch import nn
 
 from runtime.config import ConfigError, load_config as load_tandem_config
 from runtime.models import load_model
-from runtime.models.fp8_formats import read_format
-from runtime.models.fp8_load import FP8Source, fp8_modules
-from runtime.models.kv_budget import cache_bytes
-from runtime.models.loader import build_model, load_config
-from runtime.models.quant import FP8, RowStack, is_fp8, to_fp8
-from runtime.models.weights import SafetensorsWeights
+from runtime.models.loading.fp8_formats import read_format
+from runtime.models.loading.fp8_load import FP8Source, fp8_modules
+from runtime.models.runners.kv_budget import cache_bytes
+from runtime.models.loading.loader import build_model, load_config
+from runtime.models.arch.fp8_linears import to_fp8
+from runtime.models.arch.quant import FP8, RowStack, is_fp8
+from runtime.models.loading.weights import SafetensorsWeights
 from tests import fp8_checkpoints as fc
 from tests.checkpoints import build_checkpoint, hf_generate, smollm2_gguf
 from tests.model_helpers import build_fallback_checkpoint, extend, extend_ragged, greedy, \
@@ -124,7 +125,7 @@ def test_ignore_is_honoured(float_llama, root):
 
 
 def test_ignore_matching_rules():
-    from runtime.models.fp8_formats import FP8Format
+    from runtime.models.loading.fp8_formats import FP8Format
 
     ct = FP8Format("compressed-tensors", ("tensor",), "static", ("lm_head", r"re:.*\.mlp\..*"))
     assert ct.ignores("lm_head") and ct.ignores("model.layers.3.mlp.up_proj")
@@ -259,7 +260,7 @@ def test_tp_layers_shard_scales_and_sum_exactly():
     """The FP8 TP linears: a column shard lists its scale rows for the loader; two
     row-parallel halves (the all-reduce is a no-op without a group) sum to the whole."""
     from parallel.layers import ColumnParallelLinear, RowParallelLinear, Shard
-    from runtime.models.quant import quantize_rows, fp8_linear
+    from runtime.models.arch.quant import quantize_rows, fp8_linear
 
     col = ColumnParallelLinear(16, 8, 24, bias=False, device="meta")
     to_fp8(col)

@@ -1,4 +1,4 @@
-"""The fused FP8 path (runtime.models.fused *_fp8, quant.FUSE_FP8): the activation quantize and
+"""The fused FP8 path (runtime.models.arch.fused *_fp8, quant.FUSE_FP8): the activation quantize and
 GEMM rescale steps folded into the neighbouring elementwise kernels compute exactly what the
 unfused sequence (rescale -> cast -> add -> norm -> quantize) computes: bit for bit in float32
 and in bfloat16 (the same cast points), eagerly and compiled; and whole FP8 models give the
@@ -10,9 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.models import fused, load_model, quant
-from runtime.models.quant import FP8Act, quantize_rows, to_fp8
-from runtime.models.step_runner import StepRunner
+from runtime.models import load_model
+from runtime.models.arch import fused, quant
+from runtime.models.arch.fp8_linears import to_fp8
+from runtime.models.arch.quant import FP8Act, quantize_rows
+from runtime.models.runners.step_runner import StepRunner
 from tests import fp8_checkpoints as fc
 from tests.checkpoints import build_checkpoint
 from tests.model_helpers import extend, extend_ragged
@@ -155,7 +157,7 @@ def emulated(monkeypatch):
 
 
 class Spy:
-    """Counts the outermost calls of runtime.models.fused's functions: on CUDA each is one
+    """Counts the outermost calls of runtime.models.arch.fused's functions: on CUDA each is one
     compiled kernel (or two) that a step launches."""
 
     def __init__(self, monkeypatch):
@@ -269,7 +271,7 @@ def test_row_parallel_layers_in_a_model(llama_path, emulated, monkeypatch):
     """o_proj and down_proj as (whole-input, group-less) FP8 row-parallel linears, as under
     TP: the attention and MLP fuse around them and hand rescaled [M, hidden] outputs to the
     norms; the logits equal the unfused path's."""
-    from runtime.models.quant_tp import FP8RowParallelLinear
+    from runtime.models.arch.fp8_linears import FP8RowParallelLinear
 
     model = load_model(llama_path, torch.bfloat16, CPU, quantization="fp8")
     for layer in model.model.layers:

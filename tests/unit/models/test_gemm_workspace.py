@@ -1,4 +1,4 @@
-"""runtime.models.loader.no_gemm_workspace: CUDA processes run their GEMMs without a cuBLAS /
+"""runtime.models.loading.loader.no_gemm_workspace: CUDA processes run their GEMMs without a cuBLAS /
 cuBLASLt workspace (no split-K reduction kernels after the decode GEMMs), unless the user set
 torch's variables; CPU processes are left alone. (Its speed is measured on an H200 by
 examples/gpu/step_ab.py; docs/benchmarks.md.)"""
@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from runtime.models import load_model, loader
+from runtime.models import load_model
+from runtime.models.loading import loader
 from tests.checkpoints import build_checkpoint
 
 VARS = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 CASES = r'''
 import torch
 import torch.nn.functional as F
-from runtime.models import fused, quant
+from runtime.models.arch import fused, quant
 from examples.gpu.gemv_kernel import gemv
 
 torch.manual_seed(0)

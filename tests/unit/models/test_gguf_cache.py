@@ -1,4 +1,4 @@
-"""runtime.models.gguf_cache: a GGUF converted once (config, metadata, dequantized weights),
+"""runtime.models.loading.gguf_cache: a GGUF converted once (config, metadata, dequantized weights),
 then read from the cache; bit-identical to reading the GGUF, entries atomic and rebuilt when
 broken, a cache that cannot be written never fatal."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.models import checkpoint, gguf_cache, load_model, weights
+from runtime.models import load_model
+from runtime.models.loading import checkpoint, disk_cache, gguf_cache, weights
 from tests.checkpoints import smollm2_gguf
 from tests.model_helpers import extend
 
@@ -67,7 +68,7 @@ def loads(tmp_path_factory):
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         for name, max_gb in (("direct", "0"), ("first", None), ("second", None)):
-            mp.setenv(gguf_cache.CACHE_DIR_ENV,
+            mp.setenv(disk_cache.CACHE_DIR_ENV,
                       str(tmp_path_factory.mktemp("direct") if max_gb else cache))
             if max_gb is None:
                 mp.delenv(gguf_cache.MAX_GB_ENV, raising=False)
@@ -79,7 +80,7 @@ def loads(tmp_path_factory):
                 info = checkpoint.inspect_checkpoint(path)
                 model = load_model(path, F32, "cpu")
             out[name] = {"model": model, "reads": reads, "info": info,
-                         "logits": _logits(model), "cache": gguf_cache.cache_root()}
+                         "logits": _logits(model), "cache": disk_cache.cache_root()}
     _fresh_process()
     return cache, out
 
@@ -112,14 +113,14 @@ def test_the_cached_config_equals_the_ggufs(loads, monkeypatch):
     import transformers
 
     path = Path(smollm2_gguf())
-    monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(loads[0]))
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(loads[0]))
     cached = gguf_cache.load_config(path)
     read = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     assert cached.to_dict() == read.to_dict()
 
 
 def test_weights_over_the_size_limit_are_not_cached(loads, monkeypatch, tmp_path):
-    from runtime.models.loader import build_model
+    from runtime.models.loading.loader import build_model
 
     path = Path(smollm2_gguf())
     # a cache holding what the module's first start converted but its weights: the config
@@ -127,7 +128,7 @@ def test_weights_over_the_size_limit_are_not_cached(loads, monkeypatch, tmp_path
     shutil.copytree(loads[0], tmp_path, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("weights-*"))
     assert not list(tmp_path.glob("gguf/*/*/weights-*"))
-    monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(gguf_cache.MAX_GB_ENV, "0.1")          # 100 MB < 538 MB of float32
     config = gguf_cache.load_config(path)
     model = build_model(config)
@@ -148,7 +149,7 @@ def test_entry_layout(loads):
     names = {p.name for p in entry.iterdir()}
     assert {"config", "info"} <= names
     (weights_dir,) = [entry / n for n in names if n.startswith("weights-")]
-    assert gguf_cache.is_complete(weights_dir)
+    assert disk_cache.is_complete(weights_dir)
     index = json.loads((weights_dir / weights.INDEX_FILE).read_text())
     assert len(index["weight_map"]) == 272
     assert not [p for p in entry.iterdir() if ".tmp-" in p.name]   # no temporaries left
@@ -158,7 +159,7 @@ def test_entry_layout(loads):
 @pytest.fixture()
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
-    monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(root))
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(root))
     return root
 
 
@@ -197,14 +198,14 @@ def _cached(source: Path, built: Built) -> str:
 
 
 def test_cache_root(monkeypatch, tmp_path):
-    monkeypatch.delenv(gguf_cache.CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv(disk_cache.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert gguf_cache.cache_root() == tmp_path / "xdg" / "tandem"
+    assert disk_cache.cache_root() == tmp_path / "xdg" / "tandem"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert gguf_cache.cache_root() == tmp_path / "home" / ".cache" / "tandem"
-    monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(tmp_path / "mine"))
-    assert gguf_cache.cache_root() == tmp_path / "mine"
+    assert disk_cache.cache_root() == tmp_path / "home" / ".cache" / "tandem"
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert disk_cache.cache_root() == tmp_path / "mine"
 
 
 def test_built_once_then_read(cache, source):
@@ -213,7 +214,7 @@ def test_built_once_then_read(cache, source):
     assert _cached(source, built) == "converted"
     assert built.made == 1
     target = gguf_cache.entry_dir(source) / "thing"
-    assert gguf_cache.is_complete(target)
+    assert disk_cache.is_complete(target)
 
 
 def test_the_digest_is_the_files_and_follows_its_bytes(cache, source):
@@ -237,10 +238,10 @@ def test_a_truncated_entry_is_rebuilt(cache, source):
     _cached(source, built)
     target = gguf_cache.entry_dir(source) / "thing"
     (target / "value.txt").write_text("conv")        # cut short: not the manifest's size
-    assert not gguf_cache.is_complete(target)
+    assert not disk_cache.is_complete(target)
     assert _cached(source, built) == "converted"
     assert built.made == 2
-    assert gguf_cache.is_complete(target)
+    assert disk_cache.is_complete(target)
 
 
 def test_an_entry_that_fails_to_load_is_rebuilt(cache, source):
@@ -248,7 +249,7 @@ def test_an_entry_that_fails_to_load_is_rebuilt(cache, source):
     _cached(source, built)
     target = gguf_cache.entry_dir(source) / "thing"
     (target / "value.txt").write_text("garbage!!")   # the manifest's size, wrong bytes
-    assert gguf_cache.is_complete(target)
+    assert disk_cache.is_complete(target)
     assert _cached(source, built) == "converted"
     assert built.made == 2
     assert (target / "value.txt").read_text() == "converted"
@@ -286,13 +287,13 @@ def test_concurrent_writers(cache, source):
     assert results == ["converted"] * 6
     parent = gguf_cache.entry_dir(source)
     assert [p.name for p in parent.iterdir()] == ["thing"]
-    assert gguf_cache.is_complete(parent / "thing")
+    assert disk_cache.is_complete(parent / "thing")
 
 
 def test_an_unusable_cache_is_no_error(tmp_path, monkeypatch, source, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv(gguf_cache.CACHE_DIR_ENV, str(blocker / "cache"))   # cannot exist
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(blocker / "cache"))   # cannot exist
     built = Built()
     with caplog.at_level("WARNING", logger="tandem.cache"):
         assert _cached(source, built) == "converted"

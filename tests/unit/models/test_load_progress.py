@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from runtime.models import load_model
-from runtime.models.step_runner import StepRunner
-from runtime.models.synthetic import build_pair, tensor_plan
+from runtime.models.runners.step_runner import StepRunner
+from runtime.models.loading.synthetic import build_pair, tensor_plan
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -195,7 +195,7 @@ def test_bfloat16_load(tmp_path):
 
 
 def test_rope_parameters_both_config_styles():
-    from runtime.models.model_args import rope_parameters
+    from runtime.models.arch.model_args import rope_parameters
 
     old = types.SimpleNamespace(rope_theta=500000.0, rope_scaling=None)
     assert rope_parameters(old) == {"rope_theta": 500000.0, "rope_type": "default"}

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch of the compiled pieces (runtime.models.fused.pdl_supported):
+"""Programmatic dependent launch of the compiled pieces (runtime.models.arch.fused.pdl_supported):
 when it is on, and that compile_kernels' switch respects inductor's own variable. (PDL itself
 needs a Hopper GPU: examples/gpu/step_ab.py measures it and checks the logits bit for bit.)"""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.models import fused
+from runtime.models.arch import fused
 
 inductor_config = pytest.importorskip("torch._inductor.config")
 CUDA = torch.device("cuda", 0)

@@ -1,4 +1,4 @@
-"""The config cache (runtime.models.portable_config): a config read once through transformers
+"""The config cache (runtime.models.loading.portable_config): a config read once through transformers
 comes back from the cache as a PortableConfig that our model reads exactly as the real one,
 without importing transformers; other configs are never cached; the key follows config.json."""
 import copy
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.models import gguf_cache, loader, portable_config
-from runtime.models.model_args import ModelArgs
-from runtime.models.portable_config import PortableConfig
-from runtime.models.rope import compute_inv_freq
+from runtime.models.loading import disk_cache, gguf_cache, loader, portable_config
+from runtime.models.arch.model_args import ModelArgs
+from runtime.models.loading.portable_config import PortableConfig
+from runtime.models.arch.rope import compute_inv_freq
 from tests import checkpoints
 
 CASES = {
@@ -100,10 +100,10 @@ def test_a_changed_config_json_is_read_again(tmp_path):
 def test_a_broken_entry_is_rebuilt(tmp_path, caplog):
     path = checkpoints.build_checkpoint(tmp_path / "m")
     loader.load_config(path)
-    entry = gguf_cache.cache_root() / "configs" / portable_config._key(Path(path))
+    entry = disk_cache.cache_root() / "configs" / portable_config._key(Path(path))
     (entry / portable_config.FILE).write_text("{not json")
-    manifest = json.loads((entry / gguf_cache.MANIFEST).read_text())
-    (entry / gguf_cache.MANIFEST).write_text(json.dumps(
+    manifest = json.loads((entry / disk_cache.MANIFEST).read_text())
+    (entry / disk_cache.MANIFEST).write_text(json.dumps(
         dict(manifest, **{portable_config.FILE: len("{not json")})))
     config = loader.load_config(path)
     assert not isinstance(config, PortableConfig) and config.hidden_size == 64

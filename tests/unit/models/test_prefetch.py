@@ -1,4 +1,4 @@
-"""The L2 prefetch (runtime/models/kernels/prefetch.py) under the Triton interpreter on the CPU:
+"""The L2 prefetch (runtime/models/arch/kernels/prefetch.py) under the Triton interpreter on the CPU:
 the kernel reads every word of the range it is given and nothing past it, and a model with
 the prefetches on asks for the next GEMM's weights after each GEMM and computes the same
 logits bit for bit."""
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(300)
 
 KERNEL_CASE = r'''
 import torch
-from runtime.models.kernels import prefetch
+from runtime.models.arch.kernels import prefetch
 
 torch.manual_seed(0)
 
@@ -44,8 +44,9 @@ print("ok")
 MODEL_CASE = r'''
 import sys
 import torch
-from runtime.models import kernels, load_model
-from runtime.models.kernels import prefetch
+from runtime.models import load_model
+from runtime.models.arch import kernels
+from runtime.models.arch.kernels import prefetch
 
 torch.manual_seed(0)
 model = load_model(sys.argv[1], torch.float32, "cpu")

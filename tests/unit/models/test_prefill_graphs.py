@@ -1,4 +1,4 @@
-"""runtime.models.prefill_runner (prompts in bucketed static chunks, CUDA graphs on CUDA) on
+"""runtime.models.runners.prefill_runner (prompts in bucketed static chunks, CUDA graphs on CUDA) on
 CPU, where the same chunks run eagerly: the chunked prefill must write the KV cache and give
 the logits of the eager forward_extend at the prompt's own shape, for single rows, ragged
 batches and chunks continuing a cache; the shapes captured at startup, the switch back to
@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.models import kernels, load_model
-from runtime.models.prefill_runner import MAX_TOKENS, PrefillRunner
-from runtime.models.step_runner import StepRunner, batch_buckets, kv_bucket
+from runtime.models import load_model
+from runtime.models.arch import kernels
+from runtime.models.runners.prefill_runner import MAX_TOKENS, PrefillRunner
+from runtime.models.runners.graphs import batch_buckets, kv_bucket
+from runtime.models.runners.step_runner import StepRunner
 from runtime.worker.shards import DraftShard
 from tests.interpreted import run_interpreted
 
@@ -175,8 +177,9 @@ def test_draft_shard_prefill_chunked_or_eager(llama_path):
 KERNEL_CASE = r'''
 import sys
 import torch
-from runtime.models import kernels, load_model
-from runtime.models.prefill_runner import PrefillRunner
+from runtime.models import load_model
+from runtime.models.arch import kernels
+from runtime.models.runners.prefill_runner import PrefillRunner
 
 path = sys.argv[1]
 eager, fast = (load_model(path, torch.float32, "cpu") for _ in range(2))

@@ -1,5 +1,5 @@
 """The experimental one-launch SiLU·up + per-token e4m3 quantize (examples/gpu/
-silu_quant_kernel.py; the runtime does not use it) against runtime.models.fused.silu_mul_fp8
+silu_quant_kernel.py; the runtime does not use it) against runtime.models.arch.fused.silu_mul_fp8
 under the Triton interpreter on the CPU: ragged rows (a program past the row's end), bias,
 float32 activations (and bf16, loosely: the interpreter truncates bf16), and calls reusing the
 buffers (the counters end at 0)."""
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 
 CASES = r'''
 import torch
-from runtime.models import fused
+from runtime.models.arch import fused
 from examples.gpu.silu_quant_kernel import SiluQuant
 
 torch.manual_seed(0)

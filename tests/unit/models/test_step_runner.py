@@ -1,4 +1,4 @@
-"""runtime.models.step_runner (static-shape decode/verify steps, CUDA graphs on CUDA),
+"""runtime.models.runners.step_runner (static-shape decode/verify steps, CUDA graphs on CUDA),
 grouped-query attention and the KV cache memory budget, on CPU: the static path that the
 graphs capture must give the logits of the dynamic forward_extend."""
 from __future__ import annotations
@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from runtime.models import load_model
-from runtime.models.attention import grouped_attention
-from runtime.models.fused import stack_heads
-from runtime.models.kv_budget import cache_bytes, check_kv_budget
-from runtime.models.step_runner import StepRunner, batch_buckets, kv_bucket
+from runtime.models.arch.attention import grouped_attention
+from runtime.models.arch.fused import stack_heads
+from runtime.models.runners.kv_budget import cache_bytes, check_kv_budget
+from runtime.models.runners.graphs import batch_buckets, kv_bucket
+from runtime.models.runners.step_runner import StepRunner
 from runtime.worker.shards import DraftShard
 
 pytestmark = pytest.mark.timeout(120)
@@ -120,10 +121,10 @@ def test_capture_all_enumerates_shapes_shortest_kv_first(llama_path, monkeypatch
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("slots", [[0, 1], [3, 1]], ids=["contiguous", "gather"])
 def test_compiled_kernels_equal_eager(llama_path, slots):
-    """runtime.models.fused compiled by torch.compile (on GPUs the graphs replay these): the
+    """runtime.models.arch.fused compiled by torch.compile (on GPUs the graphs replay these): the
     same logits as the eager functions through prefill, decode and verify steps, and the KV
     cache written in place (the compiled rotary_write mutates the cache tensors themselves)."""
-    from runtime.models import fused
+    from runtime.models.arch import fused
 
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (70, 9)]
@@ -166,7 +167,7 @@ def test_compiled_cache_write_touches_only_the_new_rows(device):
     with 16 slots. No kernel of the generated code may range over a whole cache."""
     from torch._inductor.utils import run_and_get_code
 
-    from runtime.models import fused
+    from runtime.models.arch import fused
 
     slots_n, n_kv, length, dim = 7, 2, 53, 16          # cache numel 11872: a telltale size
     g = torch.Generator().manual_seed(0)

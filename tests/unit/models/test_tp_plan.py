@@ -11,11 +11,11 @@ import torch
 
 from parallel.mappings import all_gather_last_dim, all_reduce, group_size
 from parallel.groups import TPInfo
-from runtime.models.parallelize import apply_tp, plan_tp
+from runtime.models.arch.parallelize import apply_tp, plan_tp
 from runtime.models import load_model
-from runtime.models.loader import build_model, load_config
-from runtime.models.model_args import ModelArgs
-from runtime.models.weights import SafetensorsWeights, read_shard
+from runtime.models.loading.loader import build_model, load_config
+from runtime.models.arch.model_args import ModelArgs
+from runtime.models.loading.weights import SafetensorsWeights, read_shard
 from tests.checkpoints import build_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,7 +104,7 @@ def test_read_shard_pads_past_the_end(llama_v97):
 
 def test_gguf_shard_is_a_slice_of_the_dequantized_tensor():
     """GGUF tensors are dequantized one at a time; get_shard slices that one tensor."""
-    from runtime.models.loader import open_weights
+    from runtime.models.loading.loader import open_weights
     from tests.checkpoints import smollm2_gguf
 
     try:

@@ -1,10 +1,10 @@
 """The tokenizer of a .gguf file: converted once into the GGUF cache
-(runtime.models.gguf_cache), then read from there, and the same tokenizer either way."""
+(runtime.models.loading.gguf_cache), then read from there, and the same tokenizer either way."""
 from __future__ import annotations
 
 import pytest
 
-from runtime.models import gguf_cache
+from runtime.models.loading import disk_cache, gguf_cache
 from runtime.serving.tokenizer import load_tokenizer
 from tests.checkpoints import smollm2_gguf, smollm2_tokenizer
 
@@ -22,7 +22,7 @@ def tokenizers(tmp_path_factory):
     from gguf import GGUFReader
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(gguf_cache.CACHE_DIR_ENV, str(tmp_path_factory.mktemp("tok-cache")))
+        mp.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path_factory.mktemp("tok-cache")))
         first = load_tokenizer(smollm2_gguf())
         parses, init = [], GGUFReader.__init__
 

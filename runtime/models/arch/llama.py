@@ -1,0 +1,214 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) with HF-identical parameter names."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.models.arch import fused, kernels
+from runtime.models.arch.attention import Attention
+from runtime.models.arch.base import check_extend_args
+from runtime.models.arch.cache import ExtendBatch
+from runtime.models.arch.model_args import ModelArgs
+from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
+from runtime.models.arch.rope import RotaryEmbedding, compute_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.rms_norm(x.flatten(0, -2), self.weight,
+                              self.variance_epsilon).view(x.shape)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up: RowStack | None = None   # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One [2I, hidden] GEMM for gate and up (float or FP8); their weights become views."""
+        self.gate_up = stack_rows(self.gate_proj, self.up_proj)
+
+    def gate_up_weight(self) -> torch.Tensor:
+        """The weight of the MLP's first GEMM (gate/up fused, else gate_proj)."""
+        return self.gate_up.weight if self.gate_up is not None else self.gate_proj.weight
+
+    def fp8_fused(self, x: torch.Tensor) -> bool:
+        """Whether forward takes an FP8Act (quant.fuses_fp8): gate_up and down_proj FP8 GEMMs."""
+        return fuses_fp8(x, self.gate_up, self.down_proj)
+
+    def forward(self, x: torch.Tensor | FP8Act) -> torch.Tensor | FP8Out:
+        # x [B, T, hidden] -> [B, T, hidden]; or the fused FP8 path (fp8_fused): x the FP8Act
+        # of [M, hidden] -> down_proj's FP8Out [M, hidden] (or rescaled [M, hidden] under TP)
+        if isinstance(x, FP8Act):
+            gate_up = self.gate_up.forward_fp8(x)                          # raw [M, 2I]
+            kernels.ahead(self.down_proj.weight, "down")  # read in while SiLU·up runs
+            a8, a_scale = fused.silu_mul_fp8(*gate_up, x.dtype)            # [M, I], [M, 1]
+            return self.down_proj.forward_fp8(FP8Act(a8, a_scale, x.dtype))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up(x)                                          # [B, T, 2I]
+        kernels.ahead(self.down_proj.weight, "down")
+        return self.down_proj(fused.silu_mul(gate_up.flatten(0, 1)).view(*x.shape[:2], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ExtendBatch) -> tuple[torch.Tensor, Delta]:
+        """x [B, T, hidden] the residual stream without `delta`, the previous layer's MLP
+        output (None for the first layer): adding it is fused into this layer's input norm.
+        Returns (residual stream, this layer's MLP output), likewise not yet added.
+
+        On the FP8 GEMM path (quant.fuses_fp8, decided from host-side facts, so the same in
+        eager and CUDA-graph steps) the attention's and the MLP's input norms also quantize
+        for their first GEMM, and the outputs of o_proj and down_proj may be raw (FP8Out):
+        the next norm rescales them (the quantize / rescale steps fold into neighbours)."""
+        attn_fp8, mlp_fp8 = self.self_attn.fp8_fused(x), self.mlp.fp8_fused(x)
+        x, h = add_then_norm(x, delta, self.input_layernorm, attn_fp8)
+        attn = self.self_attn(h, cos, sin, batch)
+        kernels.ahead(self.mlp.gate_up_weight(), "gate_up")   # while the norm runs
+        x, h = add_then_norm(x, attn, self.post_attention_layernorm, mlp_fp8)
+        return x, self.mlp(h)
+
+
+Delta = torch.Tensor | FP8Out | None
+
+
+def add_then_norm(x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | FP8Act]:
+    """(x + delta, norm(x + delta)) in one fused kernel; x and norm(x) when delta is None.
+    x [B, T, hidden]; delta [B, T, hidden] or [M, hidden] in x.dtype, or an FP8 GEMM's raw
+    output (FP8Out: its rescale is folded in). quantize: the norm comes back quantized for
+    the next FP8 GEMM (FP8Act of [M, hidden], the quantization folded in)."""
+    if quantize:
+        return _add_then_norm_fp8(x, delta, norm)
+    rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon   # [M, hidden]
+    if delta is None:
+        return x, norm(x)
+    if isinstance(delta, FP8Out):
+        s, h = fused.rescale_add_rms_norm(rows, *delta, weight, eps)
+    else:
+        s, h = fused.add_rms_norm(rows, delta.reshape(rows.shape), weight, eps)
+    return s.view(x.shape), h.view(x.shape)
+
+
+def _add_then_norm_fp8(x: torch.Tensor, delta: Delta, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, FP8Act]:
+    rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon   # [M, hidden]
+    if delta is None:
+        return x, FP8Act(*fused.rms_norm_fp8(rows, weight, eps), x.dtype)
+    if isinstance(delta, FP8Out):
+        s, h8, h_scale = fused.add_rms_norm_fp8(rows, delta.raw, weight, eps, delta.x_scale,
+                                                delta.w_scale, delta.bias)
+    else:
+        s, h8, h_scale = fused.add_rms_norm_fp8(rows, delta.reshape(rows.shape), weight, eps)
+    return s.view(x.shape), FP8Act(h8, h_scale, x.dtype)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        # an uninitialised weight: the loader fills it (nn.Embedding's own normal_ init would,
+        # on the meta device, import torch._dynamo: 1.5 s of every worker's start)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ExtendBatch) -> torch.Tensor:
+        x, delta = self.embed_tokens(input_ids), None                      # [B, T, hidden]
+        for i, layer in enumerate(self.layers):
+            x, delta = layer(x, delta, cos, sin, batch)
+            if i + 1 < len(self.layers):      # read in while the next input norm runs
+                kernels.ahead(self.layers[i + 1].self_attn.qkv_weight(), "qkv")
+        return add_then_norm(x, delta, self.norm)[1]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Our CausalLM. Build from ModelArgs (see runtime.models.loading.loader.load_model for weights)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.vocab_size = args.vocab_size
+        self.model = LlamaModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        inv_freq, scaling, self.rope_exact_until = compute_inv_freq(args.hf_config, args.head_dim)
+        self.rotary_emb = RotaryEmbedding(inv_freq, scaling)
+        self.num_slots: int | None = None
+        self.max_seq_len: int | None = None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up into one GEMM each (after loading, TP shards included)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
+        if num_slots < 1 or max_seq_len < 1:
+            raise ValueError(f"need num_slots >= 1 and max_seq_len >= 1, got "
+                             f"{num_slots}, {max_seq_len}")
+        if self.rope_exact_until is not None and max_seq_len > self.rope_exact_until:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds {self.rope_exact_until}, the "
+                             f"length up to which this length-dependent RoPE is supported")
+        norm = self.model.norm.weight   # the activation dtype (FP8 weights have another)
+        for layer in self.model.layers:
+            layer.self_attn.allocate_cache(num_slots, max_seq_len, norm.dtype, norm.device)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    def free_slot(self, slot: int) -> None:
+        """Nothing to do: the caller owns lengths and stale positions are never attended."""
+
+    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
+                n_valid: torch.Tensor) -> torch.Tensor:
+        # input_ids [B, T]; slots, start_pos, n_valid [B] -> logits [B, T, V]
+        slots, start_pos, n_valid = (torch.as_tensor(t).to(input_ids.device, torch.long)
+                                     for t in (slots, start_pos, n_valid))
+        kv_len = check_extend_args(input_ids, slots, start_pos, n_valid,
+                                   self.num_slots, self.max_seq_len)
+        return self.forward_static(input_ids, slots, start_pos, n_valid, kv_len)
+
+    def forward_static(self, input_ids: torch.Tensor, slots: torch.Tensor,
+                       start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int,
+                       contiguous: bool = False) -> torch.Tensor:
+        """forward without checks or host synchronisation: the caller guarantees the
+        arguments are valid and kv_len >= max(start_pos + n_valid); `contiguous` promises
+        slots == 0..B-1 (the cache is then read without a gather). Shapes depend only on
+        input_ids.shape and kv_len, so a CUDA graph can capture it (runtime.models.runners.step_runner)."""
+        batch = ExtendBatch.build(slots, start_pos, n_valid, input_ids.shape[1], kv_len,
+                                  self.max_seq_len, contiguous)
+        kernels.begin_step(input_ids.shape[1])
+        input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
+        cos, sin = self.rotary_emb(batch.positions, self.model.norm.weight.dtype)  # [B, T, D]
+        hidden = self.model(input_ids, cos, sin, batch)                    # [B, T, hidden]
+        logits = self.lm_head(hidden)                                      # [B, T, V]
+        kernels.join(logits.device)           # the L2 prefetches' stream (kernels.ahead)
+        return logits
+
+    @torch.no_grad()
+    def forward_extend(self, input_ids: torch.Tensor, slots: torch.Tensor,
+                       start_pos: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        """See runtime.models.arch.base.CausalLM.forward_extend."""
+        return self(input_ids, slots, start_pos, n_valid)

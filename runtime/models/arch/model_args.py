@@ -1,0 +1,129 @@
+"""ModelArgs: the few numbers our Llama-family model needs, read from a transformers config.
+
+Both config styles are understood: transformers 5 (`rope_parameters`) and transformers 4
+(`rope_theta` + `rope_scaling`). The transformers config object itself is kept, because the
+non-default RoPE initialisers of transformers (llama3, yarn, linear, ...) take it as input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# RoPE types whose transformers implementation changes the frequencies with the sequence length
+# at run time; a static table reproduces them only up to `original_max_position_embeddings`.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_parameters(config: Any) -> dict:
+    """The RoPE parameters of `config` as one flat dict with at least rope_type and rope_theta."""
+    params = getattr(config, "rope_parameters", None)
+    if not params:  # transformers 4 style: rope_theta attribute + optional rope_scaling dict
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    if "rope_type" not in params and "type" not in params and any(
+            isinstance(v, dict) for v in params.values()):
+        raise NotImplementedError("per-layer-type rope_parameters are not supported")
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """Why our implementation cannot run `config` (then the transformers fallback is used)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    try:
+        rope = rope_parameters(config)
+    except NotImplementedError as exc:
+        return str(exc)
+    if rope["rope_type"] != "default" and rope["rope_type"] not in _rope_init_functions():
+        return f"unknown rope_type {rope['rope_type']!r}"
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        return f"partial_rotary_factor {partial} (only 1.0)"
+    return None
+
+
+def _rope_init_functions() -> dict:
+    """transformers' RoPE initialisers (imported only for a config that needs one)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS
+
+
+def _layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
+    """Sliding-window size of each layer (None = full causal attention)."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "qwen2":
+        if not getattr(config, "use_sliding_window", False):
+            return (None,) * n_layers
+        types = getattr(config, "layer_types", None)
+        if types is None:  # transformers 4: layers from max_window_layers on use the window
+            start = getattr(config, "max_window_layers", n_layers)
+            types = ["sliding_attention" if i >= start else "full" for i in range(n_layers)]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * n_layers
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    layer_windows: tuple[int | None, ...] = ()
+    hf_config: Any = field(default=None, repr=False)  # for transformers' RoPE initialisers
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelArgs":
+        reason = unsupported_reason(config)
+        if reason is not None:
+            raise NotImplementedError(f"unsupported config: {reason}")
+        n_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        is_qwen2 = config.model_type == "qwen2"
+        return cls(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            n_layers=config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias,   # Qwen2 always has q/k/v bias
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            layer_windows=_layer_windows(config, config.num_hidden_layers),
+            hf_config=config,
+        )
+
+
+def check_tp_shape(name: str, n_heads: int, n_kv: int, size: int) -> None:
+    """ValueError unless the attention heads of model `name` split over `size` ranks: query
+    heads must divide; KV heads must divide or be replicated evenly (size % n_kv == 0)."""
+    if n_heads % size:
+        raise ValueError(f"cannot shard {name} over {size} ranks: num_attention_heads "
+                         f"{n_heads} is not divisible by the tensor-parallel size {size}")
+    if n_kv % size and size % n_kv:
+        raise ValueError(f"cannot shard {name} over {size} ranks: num_key_value_heads {n_kv} "
+                         f"is neither divisible by the tensor-parallel size {size} nor a "
+                         f"divisor of it")

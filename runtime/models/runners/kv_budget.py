@@ -1,0 +1,64 @@
+"""The KV cache's memory budget: each model's cache is preallocated once, at startup, for
+max_batch_size slots of max_seq_len (+ draft room) positions, and must fit its budget.
+
+Budget: `<model>.kv_cache_memory` (a share of the device's total memory) when set, so that a
+draft and a target sharing a GPU can each be given their part; otherwise what the device has
+free after the weights (measured once they are loaded, so FP8 weights count at their real
+size: 1 byte a value plus their float32 scales), less a reserve for activations and CUDA
+graphs. A cache that does not fit is a clear startup error naming the key, never an
+out-of-memory in the middle of a request.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from runtime.models.arch.cache import KVCache
+
+GIB = 1024 ** 3
+RESERVE = 0.05   # of total device memory, kept free for activations when no budget is set
+
+
+def cache_bytes(model, num_slots: int, cache_len: int) -> int | None:
+    """Bytes of K and V for every layer of this (possibly TP-sharded) model; None when the
+    model allocates its own cache (transformers fallback)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not hasattr(layers[0], "self_attn"):
+        return None
+    total = 0
+    for layer in layers:
+        attn = layer.self_attn
+        shape = KVCache.shape(num_slots, cache_len, attn.n_kv_heads, attn.head_dim)
+        # K and V, in the activation dtype (the norms'; FP8 weights are 1 byte)
+        total += 2 * math.prod(shape) * layer.input_layernorm.weight.element_size()
+    return total
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the device; physical memory for CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def check_kv_budget(key: str, model, num_slots: int, cache_len: int,
+                    fraction: float | None, device: torch.device) -> None:
+    """Raise MemoryError naming `key` when the cache does not fit its budget."""
+    need = cache_bytes(model, num_slots, cache_len)
+    if need is None:
+        return
+    free, total = device_memory(device)
+    if fraction is not None:
+        budget, what = fraction * total, f"{key}.kv_cache_memory {fraction} of {total / GIB:.1f} GiB"
+    else:
+        budget = free - RESERVE * total
+        what = f"the {free / GIB:.1f} GiB free on {device} less a {RESERVE:.0%} reserve " \
+               f"(set {key}.kv_cache_memory to choose)"
+    if need > budget:
+        raise MemoryError(
+            f"{key} KV cache needs {need / GIB:.2f} GiB ({num_slots} slots x {cache_len} "
+            f"positions) but the budget is {max(budget, 0) / GIB:.2f} GiB: {what}; lower "
+            f"runtime.max_batch_size or runtime.max_seq_len")

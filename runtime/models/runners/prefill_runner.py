@@ -1,0 +1,176 @@
+"""Prefill at static shapes: prompts in bucketed chunks, replayed from CUDA graphs.
+
+Why: run eagerly at its own shape, a prompt's forward is CPU-bound on a GPU (per layer the
+Python of the model and the guards of the torch.compile'd pieces, some 400 launches for an
+8b model), so the time to first token was mostly host time. Here a call of T tokens per row
+is split into chunks of at most `chunk_for(batch)` tokens (a chunk bucket: 16, 32, 64, 128,
+256); each chunk is padded to the smallest bucket holding it and runs through
+`model.forward_static` at a static shape, attending the KV that the earlier chunks wrote
+plus itself causally (each token's absolute position says what it may see). On CUDA each
+(batch bucket, chunk bucket, attended length) is captured once as a CUDA graph (at startup,
+runtime.models.runners.step_runner.StepRunner.capture_all, else on first use) and replayed: one
+launch per chunk. On CPU the same chunks run eagerly, so CPU tests cover the chunking.
+
+Attention: chunks whose stacked query rows (heads per KV head x chunk tokens) the Triton
+kernel serves (runtime.models.arch.attention: kernels enabled, at most SLOT_KERNEL_ROWS rows)
+read each row's length on the device, so one graph serves every KV length (the attended
+length passed is the whole cache). Longer chunks take grouped_attention over
+KVCache.read with a mask: their attended length is rounded up to a KV bucket
+(graphs.kv_bucket), one graph per bucket.
+
+Memory: a graph's tokens (batch bucket x chunk bucket) stay within `max_tokens` (the
+activations and the lm_head's logits of one chunk are what its graph holds while it runs),
+its logits are copied into one static [max_tokens, V] buffer, and the graphs share the step
+runner's memory pool, so they cost about one chunk's activations, not one per graph.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from runtime.models.arch import attention, kernels
+from runtime.models.runners.graphs import kv_bucket, kv_buckets, record_graph
+from runtime.models.runners.hostcopy import copy_into
+
+CHUNK_BUCKETS = (16, 32, 64, 128, 256)   # tokens per row of a prefill chunk
+MAX_TOKENS = 512           # batch bucket x chunk bucket of one prefill graph, at most
+MAX_STARTUP_GRAPHS = 64    # prefill graphs captured at startup at most; more on first use
+
+
+def prefill_graphs_on(flag: bool | None) -> bool:
+    """The constructor's choice, else TANDEM_PREFILL_GRAPHS (default on; 0: the eager
+    prefill at its own shape, for A/B runs)."""
+    if flag is not None:
+        return flag
+    return os.environ.get("TANDEM_PREFILL_GRAPHS", "1") != "0"
+
+
+def heads_per_kv_head(model) -> int | None:
+    """Query rows per token that attention stacks per KV head (local heads, TP included);
+    None for a model without runtime.models.arch.attention.Attention layers."""
+    for module in model.modules():
+        if isinstance(module, attention.Attention):
+            return module.n_heads // module.n_kv_heads
+    return None
+
+
+class PrefillRunner:
+    """Chunked static-shape forwards of calls longer than a decode step (prompts).
+
+    `run` has StepRunner.run's contract: ids [B, T] on the device, per-row slot, start and
+    valid length on the host -> logits [B, T, V] (valid positions meaningful). With
+    `logits=False` it only writes the KV cache (a shard's prefill needs nothing else)."""
+
+    def __init__(self, model, device: torch.device, batch_sizes: list[int], capture: bool,
+                 pool=None, max_tokens: int = MAX_TOKENS,
+                 chunks: tuple[int, ...] = CHUNK_BUCKETS):
+        self.model, self.device = model, device
+        self.batch_sizes, self.chunks = batch_sizes, sorted(chunks)
+        self.capture, self.pool = capture, pool
+        max_batch = batch_sizes[-1]
+        self.max_tokens = max(max_tokens, max_batch * self.chunks[0])   # rows of `out`
+        self.rows_per_token = heads_per_kv_head(model)
+        self.ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)  # [B*C]
+        self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
+        self.out: torch.Tensor | None = None      # [max_tokens, V] logits of the last chunk
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+
+    # -- shapes ------------------------------------------------------------------------------
+    def chunk_for(self, bsz: int) -> int:
+        """The longest chunk for a batch bucket: bsz x chunk within max_tokens."""
+        fits = [c for c in self.chunks if bsz * c <= self.max_tokens]
+        return fits[-1] if fits else self.chunks[0]
+
+    def kernel_serves(self, chunk: int) -> bool:
+        """Whether attention takes the Triton kernel (no KV bucket) for chunks this long."""
+        return kernels.enabled() and self.rows_per_token is not None and \
+            self.rows_per_token * chunk <= attention.SLOT_KERNEL_ROWS
+
+    def attended(self, chunk: int, kv_len: int) -> int:
+        """The attended length of a chunk's graph: the whole cache when the kernel reads
+        lengths on the device, else kv_len rounded up to a KV bucket."""
+        cache_len = self.model.max_seq_len
+        return cache_len if self.kernel_serves(chunk) else kv_bucket(kv_len, cache_len)
+
+    def startup_keys(self, limit: int = MAX_STARTUP_GRAPHS) -> list[tuple[int, int, int]]:
+        """(batch bucket, chunk bucket, attended length) of every graph a prefill can need,
+        those that serve every KV length first, then shortest KV first; at most `limit`."""
+        cache_len = self.model.max_seq_len
+        keys = []
+        for bsz in self.batch_sizes:
+            allowed = [c for c in self.chunks if c <= self.chunk_for(bsz)]
+            for low, chunk in zip([0] + allowed, allowed):   # chunk holds low+1..chunk tokens
+                if self.kernel_serves(chunk):
+                    keys.append((bsz, chunk, cache_len))
+                    continue
+                least = self.attended(chunk, low + 1)
+                keys += [(bsz, chunk, kv) for kv in kv_buckets(cache_len) if kv >= least]
+        keys.sort(key=lambda k: (0 if self.kernel_serves(k[1]) else k[2], k[0], k[1]))
+        return keys[:limit]
+
+    # -- running -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+            n_valid: list[int], logits: bool = True) -> torch.Tensor | None:
+        """ids [B, T] -> logits [B, T, V] (a view the next call overwrites when one chunk
+        did it all), or None with logits=False. B must not exceed the largest batch bucket.
+        Every chunk keeps all B rows; a row already done has no valid token in it."""
+        bsz, seq = ids.shape
+        padded = next(b for b in self.batch_sizes if b >= bsz)
+        step = self.chunk_for(padded)
+        longest = max(max(n_valid), 1)
+        result = None
+        for c0 in range(0, longest, step):
+            n = [min(max(v - c0, 0), step) for v in n_valid]               # valid in chunk
+            begin = [s + min(c0, v) for s, v in zip(starts, n_valid)]
+            out = self._chunk(ids, c0, padded, slots, begin, n)           # [B, C, V]
+            if not logits:
+                continue
+            if c0 == 0 and step >= longest and seq <= out.shape[1]:   # one chunk did it all
+                return out[:, :seq]            # the static buffer's view, as decode steps
+            if result is None:
+                result = torch.empty(bsz, seq, out.shape[-1], dtype=out.dtype,
+                                     device=self.device)
+            width = min(out.shape[1], seq - c0)
+            result[:, c0:c0 + width].copy_(out[:, :width])
+        return result
+
+    def _chunk(self, ids: torch.Tensor, c0: int, padded: int, slots: list[int],
+               starts: list[int], n_valid: list[int]) -> torch.Tensor:
+        """The chunk of ids [B, T] from column c0, n_valid tokens per row at `starts` ->
+        logits [B, C, V] (C its bucket), a view of `out`. Padding rows take slot 0 with no
+        valid token: they write only scratch positions."""
+        bsz, seq = ids.shape
+        chunk = next(c for c in self.chunks if c >= max(max(n_valid), 1))
+        kv_len = max([s + n for s, n in zip(starts, n_valid) if n] or [1])
+        key = (padded, chunk, self.attended(chunk, kv_len))
+        if self.capture and key not in self.graphs:
+            self.capture_key(key)
+        width = min(chunk, seq - c0)
+        pad = [0] * (padded - bsz)
+        self.ids[: padded * chunk].view(padded, chunk)[:bsz, :width].copy_(
+            ids[:, c0:c0 + width])
+        copy_into(self.meta[:, :padded], [slots + pad, starts + pad, n_valid + pad])
+        if self.capture:
+            self.graphs[key].replay()
+        else:
+            self._forward(*key)
+        return self.out[: padded * chunk].view(padded, chunk, -1)[:bsz]
+
+    def _forward(self, bsz: int, chunk: int, kv_len: int) -> None:
+        slots, starts, n_valid = self.meta[:, :bsz]
+        ids = self.ids[: bsz * chunk].view(bsz, chunk)                     # [b, C]
+        logits = self.model.forward_static(ids, slots, starts, n_valid, kv_len)  # [b, C, V]
+        if self.out is None:  # first call is never inside a capture (warm-up comes first)
+            self.out = torch.empty(self.max_tokens, logits.shape[-1], dtype=logits.dtype,
+                                   device=self.device)
+        self.out[: bsz * chunk].view(bsz, chunk, -1).copy_(logits)
+
+    def capture_key(self, key: tuple[int, int, int]) -> None:
+        """Warm up on a side stream, then record one chunk. Every row is padding while this
+        runs (n_valid 0), so warm-up writes nothing but the cache's scratch positions."""
+        self.meta[:, : key[0]].zero_()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        self.graphs[key] = record_graph(lambda: self._forward(*key), self.device, self.pool)

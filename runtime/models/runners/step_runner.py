@@ -1,0 +1,155 @@
+"""Decode and verify steps at static shapes, replayed from CUDA graphs.
+
+A step appends at most `max_step_len` tokens per row (the draft's decode steps, the target's
+k + 1 verify positions). The caller knows every length on the host, so a StepRunner never
+reads the device: it pads the batch to a bucket size (padding rows have n_valid 0 and write
+only the KV cache's scratch positions), rounds the attended KV length up to a bucket, copies the
+inputs into static buffers and runs `model.forward_static` on them. On CUDA each
+(batch bucket, step length, KV bucket) is captured once as a CUDA graph on first use and
+replayed from then on: one launch per step instead of one per kernel; the elementwise
+pieces of each layer are torch.compile'd first (runtime/models/arch/fused.py). On CPU the same
+static path runs eagerly, so CPU tests cover the padding and bucketing the graphs use.
+With the Triton attention kernel (runtime/models/kernels, on by default on CUDA) attention
+reads each row's length on the device, so no KV bucket is needed: one graph per (batch
+bucket, step length) serves every KV length.
+
+Longer calls (prompts) go to runtime.models.runners.prefill_runner.PrefillRunner: bucketed chunks at
+static shapes, CUDA graphs of their own captured with these (same memory pool), unless
+prefill graphs are off (`prefill_graphs=False`, TANDEM_PREFILL_GRAPHS=0): then they, like
+every call of a model without `forward_static`, run eagerly at their own shape.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from runtime.models.runners.hostcopy import copy_into, to_device
+from runtime.models.arch import fused, kernels
+from runtime.models.runners.graphs import batch_buckets, kv_bucket, kv_buckets, record_graph
+from runtime.models.runners.prefill_runner import PrefillRunner, prefill_graphs_on
+
+MAX_STARTUP_GRAPHS = 512  # captured at startup at most; further shapes on first use
+
+
+class StepRunner:
+    def __init__(self, model, device: torch.device, max_batch: int, max_step_len: int,
+                 cuda_graphs: bool = True, prefill_graphs: bool | None = None):
+        """prefill_graphs: calls longer than max_step_len in static chunks (PrefillRunner;
+        None: TANDEM_PREFILL_GRAPHS decides, default on), else eagerly at their shape."""
+        self.model, self.device = model, device
+        self.max_batch, self.max_step_len = max_batch, max_step_len
+        self.static = hasattr(model, "forward_static")
+        self.capture = cuda_graphs and self.static and device.type == "cuda"
+        # one attended length serves every step when attention reads each row's length on
+        # the device (the Triton kernel); else KV lengths are rounded up to buckets
+        self.kv_static = False
+        if self.capture:   # fused elementwise kernels; graphs then replay them
+            fused.compile_kernels(device)
+            self.kv_static = kernels.enable(device)
+        self.buckets = batch_buckets(max_batch)
+        self.ids = torch.zeros(max_batch, max_step_len, dtype=torch.long, device=device)
+        self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
+        self.out: torch.Tensor | None = None       # [max_batch, max_step_len, V] logits
+        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
+        # one memory pool shared by all graphs, the prefill graphs' included
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.chunked = PrefillRunner(model, device, self.buckets, self.capture, self.pool) \
+            if self.static and prefill_graphs_on(prefill_graphs) else None
+
+    @torch.no_grad()
+    def capture_all(self, step_lens: list[int], limit: int = MAX_STARTUP_GRAPHS,
+                    progress: Callable[[int, int], None] | None = None) -> int:
+        """Capture the graphs steps of these lengths can need (each batch bucket and KV
+        bucket, slots 0..B-1 or not), shortest KV first, at most `limit` of them, then the
+        prompt chunks' graphs (PrefillRunner.startup_keys): requests then pay for no capture
+        (longer contexts of very long max_seq_len configs capture on first use). Returns
+        how many graphs there are. `progress(done, total)` hears of each capture (the first
+        also compiles the fused kernels); nothing without CUDA."""
+        if not self.capture:
+            return 0
+        keys = [(bsz, seq, kv_len, contiguous)
+                for kv_len in self._kv_buckets() for bsz in self.buckets
+                for seq in step_lens for contiguous in (True, False)]
+        todo = [(self._capture, key) for key in keys[:limit] if key not in self.graphs]
+        chunked = self.chunked if self.chunked is not None and self.chunked.capture else None
+        if chunked is not None:   # then the prompts' chunks (PrefillRunner.startup_keys)
+            todo += [(chunked.capture_key, key) for key in chunked.startup_keys()
+                     if key not in chunked.graphs]
+        if progress is not None:
+            progress(0, len(todo))
+        for done, (capture, key) in enumerate(todo, 1):
+            capture(key)
+            if progress is not None:
+                progress(done, len(todo))
+        return self.graph_count()
+
+    def graph_count(self) -> int:
+        """Graphs captured: decode/verify steps plus prompt chunks."""
+        return len(self.graphs) + (len(self.chunked.graphs) if self.chunked else 0)
+
+    def prefill(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+                n_valid: list[int]) -> None:
+        """run() for callers that need only the KV cache written (a shard's prompts): no
+        logits are assembled across the chunks."""
+        if self._chunks(ids):
+            self.chunked.run(ids, slots, starts, n_valid, logits=False)
+        else:
+            self.run(ids, slots, starts, n_valid)
+
+    def _chunks(self, ids: torch.Tensor) -> bool:
+        """Whether this call goes to the prefill runner: static, longer than a step."""
+        return self.static and self.chunked is not None and \
+            ids.shape[0] <= self.max_batch and ids.shape[1] > self.max_step_len
+
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+            n_valid: list[int]) -> torch.Tensor:
+        """ids [B, T] on the device; per-row slot, start position and valid length on the
+        host -> logits [B, T, V]. Static steps return a view that the next call overwrites."""
+        if self._chunks(ids):
+            return self.chunked.run(ids, slots, starts, n_valid)
+        bsz, seq = ids.shape
+        kv_len = max(s + n for s, n in zip(starts, n_valid))
+        if not self.static or bsz > self.max_batch or seq > self.max_step_len:  # eager
+            meta = [to_device(v, torch.long, self.device) for v in (slots, starts, n_valid)]
+            if not self.static:
+                return self.model.forward_extend(ids, *meta)
+            return self.model.forward_static(ids, *meta, kv_len)
+        padded = next(b for b in self.buckets if b >= bsz)
+        contiguous = slots == list(range(bsz))   # then padding rows take the next slots
+        key = (padded, seq, self._kv_bucket(kv_len), contiguous)
+        if self.capture and key not in self.graphs:
+            self._capture(key)
+        pad = [0] * (padded - bsz)
+        pad_slots = list(range(bsz, padded)) if contiguous else pad
+        self.ids[:bsz, :seq].copy_(ids)
+        copy_into(self.meta[:, :padded], [slots + pad_slots, starts + pad, n_valid + pad])
+        if self.capture:
+            self.graphs[key].replay()
+        else:
+            self._forward(*key)
+        return self.out[:bsz, :seq]
+
+    def _kv_buckets(self) -> list[int]:
+        return [self.model.max_seq_len] if self.kv_static else kv_buckets(self.model.max_seq_len)
+
+    def _kv_bucket(self, kv_len: int) -> int:
+        return self.model.max_seq_len if self.kv_static else \
+            kv_bucket(kv_len, self.model.max_seq_len)
+
+    def _forward(self, bsz: int, seq: int, kv_len: int, contiguous: bool) -> None:
+        slots, starts, n_valid = self.meta[:, :bsz]
+        logits = self.model.forward_static(self.ids[:bsz, :seq], slots, starts, n_valid,
+                                           kv_len, contiguous)             # [b, T, V]
+        if self.out is None:  # first call is never inside a capture (warm-up comes first)
+            self.out = torch.empty(self.max_batch, self.max_step_len, logits.shape[-1],
+                                   dtype=logits.dtype, device=self.device)
+        self.out[:bsz, :seq].copy_(logits)
+
+    def _capture(self, key: tuple[int, int, int, bool]) -> None:
+        """Warm up on a side stream, then record one step. Every row is padding while this
+        runs (n_valid 0), so warm-up writes nothing but the cache's scratch positions."""
+        self.meta[:, : key[0]].zero_()
+        self.meta[0, : key[0]] = torch.arange(key[0], device=self.device)  # distinct slots
+        self.graphs[key] = record_graph(lambda: self._forward(*key), self.device, self.pool)
