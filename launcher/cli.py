@@ -44,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     """The public command line (the hidden `worker` entry has its own: _worker_parser)."""
     parser = argparse.ArgumentParser(prog="tandem", formatter_class=_HelpFormatter,
                                      description="Draft-target speculative decoding across "
-                                                 "processes and GPUs.")
+                                                 "processes and GPUs.",
+                                     epilog="Each command's options, with their defaults: "
+                                            "tandem COMMAND --help (e.g. tandem run --help).")
     parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{run,serve,bench}")
     _add_run(sub.add_parser("run", help="generate once and exit",
@@ -191,7 +193,9 @@ def _main(argv: list[str]) -> int:
         topology = config.topology()
         if env.world_size is not None:
             topology.check_world_size(env.world_size)
-    except (ConfigError, LaunchError, ValueError, FileNotFoundError) as exc:
+    except ConfigError as exc:   # names its dotted key, and lists config keys as they are
+        return _fail(str(exc))
+    except (LaunchError, ValueError, FileNotFoundError) as exc:
         return _fail(flag_message(str(exc)) if args.command == "run" else str(exc))
     if not env.is_orchestrator:
         from runtime.worker.process import run_worker

@@ -123,7 +123,9 @@ _LEADING_FLAGS = ("prompt", "temperature", "seed", "stop")   # only as a message
 
 def flag_message(message: str) -> str:
     """An error message of the Python API ('top_p: ...', 'prompt_token_ids: ...') in the
-    CLI's words ('--top-p: ...', '--prompt-ids: ...'); a bare max_seq_len is the config key."""
+    CLI's words ('--top-p: ...', '--prompt-ids: ...'). Not for a ConfigError: it names config
+    keys, which are no flags (runtime.max_seq_len, and a section's keys as listed). A bare
+    max_seq_len is the config key."""
     for name, flag in _FLAG_NAMES.items():
         message = re.sub(rf"(?<![\w.-]){name}\b", flag, message)
     message = re.sub(r"(?<![\w.-])max_seq_len\b", "runtime.max_seq_len", message)

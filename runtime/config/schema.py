@@ -158,13 +158,11 @@ class ModelConfig:
         return len(self.devices)
 
     def to_dict(self) -> dict:
-        out = {"model": self.model, "devices": [str(d) for d in self.devices],
-               "dtype": self.dtype}
-        if self.kv_cache_memory is not None:
-            out["kv_cache_memory"] = self.kv_cache_memory
-        if self.quantization is not None:
-            out["quantization"] = self.quantization
-        return out
+        """Every key of a model section (_MODEL_KEYS), None ones included: --print-config
+        shows the whole schema."""
+        return {"model": self.model, "devices": [str(d) for d in self.devices],
+                "dtype": self.dtype, "kv_cache_memory": self.kv_cache_memory,
+                "quantization": self.quantization}
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,13 @@ def test_help_lists_only_the_public_commands():
     assert worker.returncode == 0 and "--rank" in worker.stdout
 
 
+def test_top_level_help_says_where_each_commands_options_are():
+    """`tandem --help` lists the commands, not their options: it says where those are."""
+    res = tandem("--help")
+    assert res.returncode == 0
+    assert "tandem COMMAND --help" in " ".join(res.stdout.split()), res.stdout
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return dict(action.choices)
@@ -98,6 +105,40 @@ def test_print_config_round_trips_through_load_config(models, tmp_path):
     assert load_config(printed) == load_config(str(path))
     served = tandem("serve", str(path), "--address", "ipc:///tmp/x.sock", "--print-config")
     assert yaml.safe_load(served.stdout)["server"]["address"] == "ipc:///tmp/x.sock"
+
+
+def _schema_keys() -> set[str]:
+    """Every dotted key of the config schema, from the dataclasses themselves."""
+    from dataclasses import fields
+
+    from runtime.config import ModelConfig, TandemConfig
+
+    keys = set()
+    for top in fields(TandemConfig):
+        section = ModelConfig if top.name in ("draft", "target") else top.default_factory \
+            if callable(top.default_factory) else None
+        if section is None:
+            keys.add(top.name)
+        else:
+            keys |= {f"{top.name}.{f.name}" for f in fields(section)}
+    return keys
+
+
+def test_print_config_shows_every_key_of_the_schema(cfg):
+    """Unset optional keys too (quantization, kv_cache_memory: null): the printed YAML shows
+    the whole schema."""
+    res = tandem("run", cfg, "--print-config")
+    assert res.returncode == 0, res.stderr
+    printed = yaml.safe_load(res.stdout)
+    shown = {f"{top}.{key}" for top, section in printed.items() if isinstance(section, dict)
+             for key in section} | {top for top, value in printed.items()
+                                    if not isinstance(value, dict)}
+    missing = _schema_keys() - shown
+    assert not missing, f"--print-config omits {sorted(missing)}"
+    for model in ("draft", "target"):
+        assert printed[model]["quantization"] is None, printed
+        assert printed[model]["kv_cache_memory"] is None, printed
+    assert load_config(printed) == load_config(cfg)
 
 
 def test_demo_print_config_is_the_builtin_default():
@@ -205,6 +246,31 @@ def test_config_errors_exit_2_before_any_process_starts(models, tmp_path, case):
     assert expected in res.stderr, res.stderr
     assert not had_child, "a worker was started"
     assert seconds < 15, f"took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("section", ["runtime", "draft", "speculation", "server"])
+def test_unknown_key_lists_the_allowed_keys_as_documented(cfg, tmp_path, section):
+    """The list of allowed keys is the section's own keys, each once and unprefixed as in
+    the YAML (the flag wording of `run`'s errors once turned max_seq_len into
+    runtime.max_seq_len there)."""
+    from dataclasses import fields
+
+    from runtime.config import ModelConfig, RuntimeConfig, ServerConfig, SpeculationConfig
+
+    config = yaml.safe_load(open(cfg))
+    config.setdefault(section, {})["bogus"] = 1
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    for command in ("run", "serve"):
+        res = tandem(command, str(path), *(["--prompt-ids", "1"] if command == "run" else []))
+        assert res.returncode == 2, res.stderr
+        line = res.stderr.strip()
+        assert line.startswith(f"tandem: error: {section}.bogus: unknown key; allowed keys "
+                               f"here: "), line
+        cls = {"runtime": RuntimeConfig, "draft": ModelConfig, "speculation":
+               SpeculationConfig, "server": ServerConfig}[section]
+        listed = line.split("allowed keys here: ", 1)[1].split(", ")
+        assert listed == [f.name for f in fields(cls)], line
 
 
 def test_served_model_name_needs_http(cfg):
