@@ -2,9 +2,11 @@
 the built-in demo prints real text."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -102,3 +104,17 @@ def test_wrong_world_size_names_expected(form, ranks, tiny, tmp_path):
 
 
 # the default demo as a user runs it: tests/e2e/test_demo_cache.py
+
+
+def test_cpu_demo_config_runs_offline(tmp_path):
+    """examples/configs/cpu-demo.yaml after the Quickstart's install only: no Hugging Face
+    cache, the Hub offline (its model is builtin:smollm2-135m)."""
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "cpu-demo.yaml"
+    env = dict(launch.clean_env(), HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+               HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))
+    res = subprocess.run([sys.executable, "-m", "launcher", "run", str(config), "--prompt",
+                          "The capital of France is", "--max-new-tokens", "6", "--json"],
+                         capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    assert len(out["token_ids"]) == 6 and out["text"].strip(), out
