@@ -314,9 +314,10 @@ class HttpFront:
         self.url = socket_url(sock)
         self.client = HttpClient(connect_address(address), auth_key_file=auth_key_file)
         self.app = create_app(self.client, model_name)
-        config = uvicorn.Config(self.app, log_level=os.environ.get("TANDEM_HTTP_LOG",
-                                                                   "warning").lower(),
-                                access_log=False, lifespan="off",
+        level = os.environ.get("TANDEM_LOG", "warning").lower()     # as the logging's level
+        if level not in ("critical", "error", "warning", "info", "debug"):   # uvicorn's names
+            level = "warning"
+        config = uvicorn.Config(self.app, log_level=level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
