@@ -6,8 +6,8 @@ import json
 import os
 import platform
 
-FIGURES = ("tokens_per_s", "acceptance_rate", "mean_accepted_tokens", "c",
-           "theoretical_speedup", "efficiency", "roofline_fraction")
+FIGURES = ("tokens_per_s", "speedup_over_target", "acceptance_rate", "mean_accepted_tokens",
+           "c", "theoretical_speedup", "efficiency", "roofline_fraction")
 
 
 def row(mode: str, batch_size: int, status: str = "ok", reason: str | None = None,
@@ -66,9 +66,14 @@ def _fmt(value, digits: int = 2) -> str:
     return str(value)
 
 
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown table of the rows (skipped/failed rows carry their reason)."""
-    head = ["mode", "batch", "tokens/s", "acceptance", "tokens/round", "alpha", "c",
+    """Markdown table of the rows (skipped/failed rows carry their reason). `speed-up` is the
+    row's tokens/s over the `target` row's at the same batch size."""
+    head = ["mode", "batch", "tokens/s", "speed-up", "acceptance", "tokens/round", "alpha", "c",
             "theoretical", "efficiency", "roofline", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -77,7 +82,8 @@ def table(rows: list[dict]) -> str:
         else:
             note = r.get("note") or ""
         cells = [r["mode"], str(r["batch_size"]), _fmt(r["tokens_per_s"], 1),
-                 _fmt(r["acceptance_rate"]), _fmt(r["mean_accepted_tokens"]),
+                 _ratio(r.get("speedup_over_target")), _fmt(r["acceptance_rate"]),
+                 _fmt(r["mean_accepted_tokens"]),
                  _fmt(r.get("alpha")), _fmt(r["c"], 3), _fmt(r["theoretical_speedup"]),
                  _fmt(r["efficiency"]), _fmt(r["roofline_fraction"], 3), note]
         lines.append("| " + " | ".join(cells) + " |")

@@ -348,11 +348,15 @@ class Bench:
             if r["mode"].startswith("hf") and (st.target_quantization or
                                                st.draft_quantization):
                 r["note"] = f"{str(st.target_dtype).removeprefix('torch.')} weights, not FP8"
+            base = target.get(bsz)
+            if r["mode"] != "target" and base is not None and base["tokens_per_s"] \
+                    and r["tokens_per_s"]:
+                r["speedup_over_target"] = r["tokens_per_s"] / base["tokens_per_s"]
             if r["mode"] == "target" and bw and wbytes:
                 seconds_per_step = r["wall_s"] / (r["generated_tokens"] / bsz)
                 r["roofline_fraction"] = (wbytes / bw) / seconds_per_step
             if r["mode"].startswith("spec") and bsz in self.step_costs:
-                self._spec_figures(r, st, self.step_costs[bsz], target.get(bsz))
+                self._spec_figures(r, st, self.step_costs[bsz])
         self._overlap_figures(st)
 
     def _overlap_figures(self, st: Setup) -> None:
@@ -372,7 +376,7 @@ class Bench:
                 note += f" (model {r['theoretical_overlap_speedup']:.2f}x)"
             r["note"] = "; ".join(filter(None, (r.get("note"), note)))
 
-    def _spec_figures(self, r: dict, st: Setup, costs: dict, target: dict | None) -> None:
+    def _spec_figures(self, r: dict, st: Setup, costs: dict) -> None:
         r.update(draft_step_s=costs["draft_step_s"],
                  target_decode_step_s=costs["target_decode_step_s"])
         verify = costs["target_verify_step_s"]
@@ -391,10 +395,8 @@ class Bench:
         r["target_verify_step_s"] = verify[k]
         if st.draft_len == "auto":
             r["theoretical_k"] = k
-        if target is not None and target["tokens_per_s"] > 0:
-            speedup = r["tokens_per_s"] / target["tokens_per_s"]
-            r["speedup_over_target"] = speedup
-            r["efficiency"] = speedup / r["theoretical_speedup"]
+        if r.get("speedup_over_target") is not None:
+            r["efficiency"] = r["speedup_over_target"] / r["theoretical_speedup"]
 
     # -- everything ---------------------------------------------------------------------------
     def run(self) -> dict:

@@ -15,14 +15,15 @@ from tests import launch
 
 pytestmark = pytest.mark.timeout(300)
 
-FIGURES = ("tokens_per_s", "acceptance_rate", "mean_accepted_tokens", "c",
-           "theoretical_speedup", "efficiency", "roofline_fraction")
+FIGURES = ("tokens_per_s", "speedup_over_target", "acceptance_rate", "mean_accepted_tokens",
+           "c", "theoretical_speedup", "efficiency", "roofline_fraction")
 MODES = ("target", "spec", "hf", "hf-compiled", "hf-assisted")
 K, NEW = 4, 8
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def bench_run(tmp_path_factory):
+    """The CPU smoke run: its JSON report and its printed table."""
     out = tmp_path_factory.mktemp("bench") / "tmp.json"
     res = subprocess.run(
         [sys.executable, "-m", "launcher", "bench", "--synthetic", "tiny", "--device", "cpu",
@@ -31,7 +32,12 @@ def report(tmp_path_factory):
         capture_output=True, text=True, timeout=240, env=launch.clean_env())
     assert res.returncode == 0, res.stderr[-4000:]
     assert "| spec | 1 |" in res.stdout, res.stdout
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), res.stdout
+
+
+@pytest.fixture(scope="module")
+def report(bench_run):
+    return bench_run[0]
 
 
 def rows(report, mode):
@@ -94,6 +100,47 @@ def test_spec(report):
             metrics.theoretical_speedup(r["alpha"], K, r["c"]))
         assert r["tokens_equal_target"] is True    # greedy float32: the target's own tokens
         assert_first_token_times(r)
+
+
+def test_speedup_over_target(bench_run):
+    """Every row but `target`'s carries its tokens/s over the target's at the same batch
+    size, in the JSON and in the printed table's speed-up column."""
+    report, stdout = bench_run
+    header = next(line for line in stdout.splitlines() if line.startswith("| mode |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[:4] == ["mode", "batch", "tokens/s", "speed-up"], header
+    printed = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == len(columns) and cells[0] in MODES:
+            printed[cells[0], int(cells[1])] = cells[3]
+    for r in report["results"]:
+        base = rows(report, "target")[r["batch_size"]]["tokens_per_s"]
+        key = (r["mode"], r["batch_size"])
+        if r["mode"] == "target" or r["status"] != "ok":
+            assert r["speedup_over_target"] is None and printed[key] == "-", key
+            continue
+        assert r["speedup_over_target"] == pytest.approx(r["tokens_per_s"] / base), key
+        assert printed[key] == f"{r['speedup_over_target']:.2f}x", key
+    for r in rows(report, "spec").values():
+        assert r["efficiency"] == pytest.approx(
+            r["speedup_over_target"] / r["theoretical_speedup"])
+
+
+def test_table_speedup_column():
+    """report.table without a run: a spec row at 2.5x its target's tokens/s prints 2.50x;
+    a row with no target beside it, and the target row itself, print -."""
+    from runtime.bench import report as bench_report
+
+    rows_ = [bench_report.row("target", 1, tokens_per_s=100.0),
+             bench_report.row("spec", 1, tokens_per_s=250.0, speedup_over_target=2.5),
+             bench_report.row("spec", 2, tokens_per_s=300.0)]
+    lines = bench_report.table(rows_).splitlines()
+    assert lines[0].startswith("| mode | batch | tokens/s | speed-up |")
+    assert lines[2].startswith("| target | 1 | 100.0 | - |")
+    assert lines[3].startswith("| spec | 1 | 250.0 | 2.50x |")
+    assert lines[4].startswith("| spec | 2 | 300.0 | - |")
+    assert all("speedup_over_target" in r for r in rows_)
 
 
 def test_transformers_modes(report):
