@@ -268,8 +268,9 @@ def _request_from_args(args, config) -> dict:
 
 
 def _check_request(config, args, id_lists: list[list[int]] | None) -> None:
-    """What the orchestrator would refuse once everything has started, refused now: text
-    (--prompt, --stop) without a tokenizer; token ids outside the vocabulary or too long."""
+    """What the orchestrator would refuse once everything has started, refused now, on every
+    rank: text (--prompt, --stop) without a tokenizer; token ids outside the vocabulary or too
+    long. (Text too long: rank 0 tokenises before any worker starts, launcher.session.)"""
     from runtime.serving.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 
     path = config.tokenizer_path
@@ -282,14 +283,14 @@ def _check_request(config, args, id_lists: list[list[int]] | None) -> None:
         return
     from runtime.models.loading.checkpoint import inspect_checkpoint
     from runtime.params import check_prompt_ids
+    from runtime.serving.orchestrator import check_fits
 
     vocab_size = inspect_checkpoint(config.target.model).vocab_size
-    limit = config.runtime.max_seq_len
-    for ids in id_lists:
+    for i, ids in enumerate(id_lists):
         check_prompt_ids(ids, vocab_size, "--prompt-ids")
-        if len(ids) + args.max_new_tokens > limit:
-            raise ValueError(f"--max-new-tokens: prompt ({len(ids)} tokens) + --max-new-tokens "
-                             f"({args.max_new_tokens}) exceeds runtime.max_seq_len ({limit})")
+        # in the API's words, which _main's flag_message turns into --prompt-ids, --max-new-tokens
+        check_fits(len(ids), args.max_new_tokens, config.runtime.max_seq_len,
+                   "prompt_token_ids", i if len(id_lists) > 1 else None)
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -124,11 +124,9 @@ _LEADING_FLAGS = ("prompt", "temperature", "seed", "stop")   # only as a message
 def flag_message(message: str) -> str:
     """An error message of the Python API ('top_p: ...', 'prompt_token_ids: ...') in the
     CLI's words ('--top-p: ...', '--prompt-ids: ...'). Not for a ConfigError: it names config
-    keys, which are no flags (runtime.max_seq_len, and a section's keys as listed). A bare
-    max_seq_len is the config key."""
+    keys, which are no flags (runtime.max_seq_len, and a section's keys as listed)."""
     for name, flag in _FLAG_NAMES.items():
         message = re.sub(rf"(?<![\w.-]){name}\b", flag, message)
-    message = re.sub(r"(?<![\w.-])max_seq_len\b", "runtime.max_seq_len", message)
     subject = re.match(r"(\w+):", message)
     if subject and subject.group(1) in _LEADING_FLAGS:
         message = f"--{message}"

@@ -23,13 +23,15 @@ EXIT_USAGE = 2
 OWNER_GRACE_S = 5.0   # owner gone: how long an orderly shutdown may take before we just exit
 
 
-def _start(config: TandemConfig, env: LaunchEnv, quiet: bool = False):
+def _start(config: TandemConfig, env: LaunchEnv, quiet: bool = False, orch=None):
     """(orchestrator, cluster), or the exit code after printing why startup failed: 2 when
     the config asks for what a rank cannot hold (bootstrap.StartupUsageError), else 1;
-    `quiet`: startup progress in plain lines (launcher.bootstrap.start_cluster)."""
+    `quiet`: startup progress in plain lines (launcher.bootstrap.start_cluster). `orch`: an
+    Orchestrator made already (`run`'s, which made its sequences first)."""
     from runtime.serving.orchestrator import Orchestrator
 
-    orch = Orchestrator(config)  # loads the tokenizer while the workers load their shards
+    if orch is None:
+        orch = Orchestrator(config)  # loads the tokenizer while the workers load their shards
     try:
         return orch, start_cluster(config, env, quiet)
     except StartupUsageError as exc:
@@ -87,7 +89,11 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool,
     with _Interrupt() as interrupt:
         started = None
         try:
-            started = _start(config, env, quiet)
+            prepared = _prepare(config, request)
+            if isinstance(prepared, int):
+                return prepared
+            orch, seqs = prepared
+            started = _start(config, env, quiet, orch)
             interrupt.deferred = True
         except KeyboardInterrupt:
             if isinstance(started, tuple):
@@ -97,23 +103,35 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool,
             return started
         orch, cluster = started
         try:
-            return _generate(orch, cluster, request, as_json, stream, interrupt)
+            return _generate(orch, cluster, seqs, request, as_json, stream, interrupt)
         finally:
             cluster.shutdown()
 
 
-def _generate(orch, cluster, request: dict, as_json: bool, stream: bool,
-              interrupt: _Interrupt) -> int:
+def _prepare(config: TandemConfig, request: dict):
+    """(orchestrator, sequences): the request tokenised and checked on rank 0 before any
+    worker starts, so that a prompt that cannot fit (runtime.max_seq_len) is refused now,
+    not once the workers have loaded; or exit code 2 after saying why."""
+    from runtime.serving.orchestrator import Orchestrator
+
+    orch = Orchestrator(config)
     try:
-        orch.attach(cluster.pool)
-        seqs = orch.make_sequences("run", request["prompts"], request["prompt_ids"],
-                                   request["params"], chat=request["chat"])
-    except ValueError as exc:
+        return orch, orch.make_sequences("run", request["prompts"], request["prompt_ids"],
+                                         request["params"], chat=request["chat"])
+    except (ValueError, FileNotFoundError) as exc:
         print(f"tandem: error: {flag_message(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _generate(orch, cluster, seqs, request: dict, as_json: bool, stream: bool,
+              interrupt: _Interrupt) -> int:
+    orch.attach(cluster.pool)
     if request.get("demo"):
         print_demo_header(request["prompts"])
     out = RunOutput(seqs, as_json, stream, orch.profile)
+    now = time.perf_counter()
+    for seq in seqs:   # made before the workers started: their clock starts now
+        seq.t_start = now
     try:
         orch.submit(seqs)
         while interrupt.signum is None and any(s.finish_reason is None for s in seqs):

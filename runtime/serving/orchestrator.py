@@ -22,6 +22,23 @@ from runtime.serving.tokenizer import load_tokenizer
 log = logging.getLogger("tandem.orchestrator")
 
 
+def check_fits(prompt_len: int, max_new_tokens: int, max_seq_len: int, name: str,
+               index: int | None = None) -> None:
+    """A ValueError unless a prompt of `prompt_len` tokens and `max_new_tokens` fit in
+    runtime.max_seq_len: naming `name` (the prompt) when the prompt alone leaves no room for a
+    new token, else max_new_tokens. `index`: which prompt of several (from 0; said from 1)."""
+    which = "the prompt" if index is None else f"prompt {index + 1}"
+    if prompt_len >= max_seq_len:
+        raise ValueError(f"{name}: {which} is {prompt_len} tokens, too long for "
+                         f"runtime.max_seq_len ({max_seq_len}), which must hold the prompt "
+                         f"and at least one new token; shorten it or raise "
+                         f"runtime.max_seq_len")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise ValueError(f"max_new_tokens: {which} ({prompt_len} tokens) + max_new_tokens "
+                         f"({max_new_tokens}) exceeds runtime.max_seq_len ({max_seq_len}); "
+                         f"at most {max_seq_len - prompt_len} new tokens fit")
+
+
 class Orchestrator:
     def __init__(self, config: TandemConfig):
         self.config = config
@@ -48,11 +65,15 @@ class Orchestrator:
             eos = (tokenizer.eos_token_id,)
         self.vocab_size, self.tokenizer, self.eos_token_ids = info.vocab_size, tokenizer, eos
 
-    def attach(self, pool: WorkerPool) -> "Orchestrator":
-        """Start scheduling on the workers behind `pool`."""
+    def _loaded(self) -> None:
+        """Wait for _load; raise what it raised."""
         self._loader.join()
         if self._load_error is not None:
             raise self._load_error
+
+    def attach(self, pool: WorkerPool) -> "Orchestrator":
+        """Start scheduling on the workers behind `pool`."""
+        self._loaded()
         self._pool = pool
         self._scheduler = Scheduler(pool, self.config.runtime.max_batch_size,
                                    self.config.speculation.fixed_draft_len,
@@ -106,7 +127,9 @@ class Orchestrator:
                        chat: bool = False, messages: list[dict] | None = None
                        ) -> list[Sequence]:
         """Validate one request (server side too: a raw client can send anything).
-        `messages` is one chat conversation (one sequence) instead of prompts/prompt_ids."""
+        `messages` is one chat conversation (one sequence) instead of prompts/prompt_ids.
+        Needs no worker: `tandem run` makes its sequences before any worker starts."""
+        self._loaded()
         sampling = SamplingParams.from_kwargs(**params)
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
@@ -120,13 +143,13 @@ class Orchestrator:
             id_lists = [check_prompt_ids(ids, self.vocab_size) for ids in prompt_ids]
         if not id_lists:
             raise ValueError("prompt: expected at least one prompt")
-        limit = self.config.runtime.max_seq_len
+        name = "messages" if messages is not None else \
+            "prompt" if prompts is not None else "prompt_token_ids"
         seqs = []
         for i, ids in enumerate(id_lists):
             check_prompt_ids(ids, self.vocab_size)
-            if len(ids) + sampling.max_new_tokens > limit:
-                raise ValueError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
-                                 f"({sampling.max_new_tokens}) exceeds max_seq_len ({limit})")
+            check_fits(len(ids), sampling.max_new_tokens, self.config.runtime.max_seq_len,
+                       name, i if len(id_lists) > 1 else None)
             # prompt i of a request samples with seed + i: copies of one prompt give
             # independent samples, and the whole request is reproducible
             seed = sampling.seed + i if sampling.seed is not None else secrets.randbits(62)

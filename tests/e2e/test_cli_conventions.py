@@ -273,6 +273,40 @@ def test_unknown_key_lists_the_allowed_keys_as_documented(cfg, tmp_path, section
         assert listed == [f.name for f in fields(cls)], line
 
 
+LONG_TEXT = "Once upon a time there was a tokenizer. " * 200   # well over 512 tokens
+TOO_LONG = [  # (arguments, what the error says, what it must not say)
+    (["--prompt", LONG_TEXT], r"--prompt: the prompt is \d+ tokens, too long for "
+                              r"runtime\.max_seq_len \(512\)", "--max-new-tokens"),
+    (["--prompt", PROMPTS[0], "--prompt", LONG_TEXT],
+     r"--prompt: prompt 2 is \d+ tokens, too long for runtime\.max_seq_len \(512\)",
+     "--max-new-tokens"),
+    (["--prompt", PROMPTS[0], "--max-new-tokens", "510"],
+     r"--max-new-tokens: the prompt \(\d+ tokens\) \+ --max-new-tokens \(510\) exceeds "
+     r"runtime\.max_seq_len \(512\); at most \d+ new tokens fit", None),
+    (["--prompt-ids", ",".join(["1"] * 600)],
+     r"--prompt-ids: the prompt is 600 tokens, too long for runtime\.max_seq_len \(512\)",
+     "--max-new-tokens"),
+]
+
+
+@pytest.mark.parametrize("args, expected, absent", TOO_LONG,
+                         ids=["text", "second text", "text + new tokens", "ids"])
+def test_a_prompt_that_cannot_fit_is_refused_before_any_worker_starts(cfg, args, expected,
+                                                                       absent):
+    """rank 0 tokenises first: the error names the prompt (its token count) and
+    runtime.max_seq_len, and --max-new-tokens only where that is what overflows."""
+    import re
+
+    res, seconds, had_child = _run_watching_children(["run", cfg, *args])
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("tandem: error: ") and res.stderr.count("\n") == 1, \
+        res.stderr
+    assert re.search(expected, res.stderr), res.stderr
+    assert absent is None or absent not in res.stderr, res.stderr
+    assert not had_child, "a worker was started"
+    assert seconds < 15, f"took {seconds:.1f} s"
+
+
 def test_served_model_name_needs_http(cfg):
     res = tandem("serve", cfg, "--served-model-name", "m")
     assert res.returncode == 2 and "--served-model-name" in res.stderr and "--http" in res.stderr
