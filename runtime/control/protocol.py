@@ -6,7 +6,8 @@ that fails raises `ProtocolError`, which callers log and drop.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -37,6 +38,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # while starting: phase "weights" (tensors) or "graphs" (CUDA graphs), summed over the
     # rank's models; a few a second at most (runtime.control.progress)
     "progress": {"rank": INT, "phase": STR, "done": INT, "total": INT},
+    # result: the step's reply record, a map tagged "kind" (REPLIES: StepAck, RoundReply),
+    # checked against its schema where it is read
     "done": {"rank": INT, "step": INT, "result": MAP},
     # kind "usage": the config asks for what the rank cannot do (a KV cache over its
     # budget): rank 0 reports it as a usage error, not as a crash
@@ -47,6 +50,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "init": {"config": MAP, "heartbeat": STR, "pulse": STR},
     "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST},
     # steps: k = 0 only; next_k: the next round's k, worked on ahead (runtime.worker.process)
+    # (runtime.control.protocol.RoundCommand sends every field; steps defaults to 1, next_k
+    # to k)
     "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT},
     "release": {"step": INT, "slots": LIST},
     "shutdown": {},
@@ -117,7 +122,13 @@ def check(msg: Any) -> None:
     schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise ProtocolError(f"unknown message type {kind!r}")
-    optional = OPTIONAL.get(kind, set())
+    check_fields(kind, msg, schema, OPTIONAL.get(kind, set()), "type")
+
+
+def check_fields(kind: str, msg: dict, schema: dict[str, Any], optional: set[str] = frozenset(),
+                 tag: str = "type") -> None:
+    """Every field of `schema` present (unless optional) with an allowed type, none other
+    than `tag` (the field naming the record's kind)."""
     for field, types in schema.items():
         if field not in msg:
             if field in optional:
@@ -129,7 +140,7 @@ def check(msg: Any) -> None:
         if not isinstance(value, types):
             raise ProtocolError(f"{kind}.{field}: expected {_names(types)}, "
                                 f"got {type(value).__name__}")
-    extra = set(msg) - set(schema) - {"type"}
+    extra = set(msg) - set(schema) - {tag}
     if extra:
         raise ProtocolError(f"{kind}: unknown fields {sorted(extra)}")
 
@@ -204,3 +215,152 @@ def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict]]:
     if not len(prompts) == len(params) == len(msg["slots"]):
         raise ProtocolError("prefill: slots, prompts, params differ in length")
     return prompts, params
+
+
+# --- step commands and their replies, as typed records ------------------------------------
+# A command is a message above (to_msg / from_msg); a reply is the `result` map of a "done"
+# message, tagged "kind" with its schema here (to_map / from_map). Every field is always sent.
+TARGET_LEADER = "target_leader"     # reports the round's verdict
+WORKER = "worker"                   # any other rank: its time only
+REPLIES: dict[str, dict[str, Any]] = {
+    "ack": {},                      # a prefill or release done
+    "round": {"role": STR, "worker_s": FLOAT, "timing": MAP, "tokens": LIST, "accepted": LIST,
+              "overlapped": LIST},
+}
+
+
+def _command(msg: dict, kind: str) -> dict:
+    check(msg)
+    if msg["type"] != kind:
+        raise ProtocolError(f"expected a {kind} command, got {msg['type']!r}")
+    return msg
+
+
+@dataclass(frozen=True)
+class RoundCommand:
+    """orchestrator -> every worker: one round of `slots`. k drafts per slot (0: a
+    target-only round of `steps` decode steps); next_k: the next round's k, announced so
+    that the workers start on it ahead (runtime.worker.round.work_ahead)."""
+    TYPE: ClassVar[str] = "round"
+    slots: list[int]
+    k: int
+    next_k: int
+    steps: int = 1
+
+    def to_msg(self) -> dict:
+        return {"type": self.TYPE, "slots": list(self.slots), "k": self.k,
+                "steps": self.steps, "next_k": self.next_k}
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> RoundCommand:
+        msg = _command(msg, cls.TYPE)
+        return cls(int_list(msg["slots"], "round.slots"), msg["k"],
+                   msg.get("next_k", msg["k"]), msg.get("steps", 1))
+
+
+@dataclass(frozen=True)
+class PrefillCommand:
+    """orchestrator -> every worker: start these slots' sequences (prompt, sampling)."""
+    TYPE: ClassVar[str] = "prefill"
+    slots: list[int]
+    prompts: list[list[int]]
+    params: list[dict]
+
+    def to_msg(self) -> dict:
+        return {"type": self.TYPE, "slots": list(self.slots), "prompts": list(self.prompts),
+                "params": list(self.params)}
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> PrefillCommand:
+        msg = _command(msg, cls.TYPE)
+        prompts, params = check_prefill(msg)
+        return cls(int_list(msg["slots"], "prefill.slots"), prompts, params)
+
+
+@dataclass(frozen=True)
+class ReleaseCommand:
+    """orchestrator -> every worker: these slots' sequences are over."""
+    TYPE: ClassVar[str] = "release"
+    slots: list[int]
+
+    def to_msg(self) -> dict:
+        return {"type": self.TYPE, "slots": list(self.slots)}
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> ReleaseCommand:
+        return cls(int_list(_command(msg, cls.TYPE)["slots"], "release.slots"))
+
+
+def command(msg: dict) -> RoundCommand | PrefillCommand | ReleaseCommand:
+    """The typed step command in a message (ProtocolError for any other)."""
+    kinds = {c.TYPE: c for c in (RoundCommand, PrefillCommand, ReleaseCommand)}
+    kind = msg.get("type") if isinstance(msg, dict) else None
+    if kind not in kinds:
+        raise ProtocolError(f"not a step command: {kind!r}")
+    return kinds[kind].from_msg(msg)
+
+
+def _reply(result: Any, kind: str) -> dict:
+    if not isinstance(result, dict) or result.get("kind") != kind:
+        got = result.get("kind") if isinstance(result, dict) else type(result).__name__
+        raise ProtocolError(f"expected a {kind} reply, got {got!r}")
+    check_fields(f"{kind} reply", result, REPLIES[kind], tag="kind")
+    return result
+
+
+@dataclass(frozen=True)
+class StepAck:
+    """A worker's reply to a prefill or a release."""
+    KIND: ClassVar[str] = "ack"
+
+    def to_map(self) -> dict:
+        return {"kind": self.KIND}
+
+    @classmethod
+    def from_map(cls, result: Any) -> StepAck:
+        _reply(result, cls.KIND)
+        return cls()
+
+
+@dataclass(frozen=True)
+class RoundReply:
+    """A worker's reply to a round: its own time (and phases when profiling); from the
+    target leader (role TARGET_LEADER) also the verdict per slot: the committed tokens, the
+    drafts accepted, and (overlapped rounds) whether its window was drafted during the last
+    verify. Other workers (role WORKER) send empty lists."""
+    KIND: ClassVar[str] = "round"
+    role: str
+    worker_s: float
+    timing: dict[str, float] = field(default_factory=dict)
+    tokens: list[list[int]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    overlapped: list[bool] = field(default_factory=list)
+
+    @property
+    def reports(self) -> bool:
+        return self.role == TARGET_LEADER
+
+    def to_map(self) -> dict:
+        return {"kind": self.KIND, "role": self.role, "worker_s": float(self.worker_s),
+                "timing": dict(self.timing), "tokens": [list(t) for t in self.tokens],
+                "accepted": list(self.accepted), "overlapped": list(self.overlapped)}
+
+    @classmethod
+    def from_map(cls, result: Any) -> RoundReply:
+        m = _reply(result, cls.KIND)
+        if m["role"] not in (TARGET_LEADER, WORKER):
+            raise ProtocolError(f"round reply: unknown role {m['role']!r}")
+        tokens = [int_list(t, "round reply.tokens") for t in m["tokens"]]
+        accepted = int_list(m["accepted"], "round reply.accepted")
+        overlapped = m["overlapped"]
+        if not all(isinstance(v, bool) for v in overlapped):
+            raise ProtocolError("round reply.overlapped: expected a list of booleans")
+        if not all(isinstance(k, str) and isinstance(v, FLOAT) and not isinstance(v, bool)
+                   for k, v in m["timing"].items()):
+            raise ProtocolError("round reply.timing: expected phase -> seconds")
+        if len(tokens) != len(accepted) or overlapped and len(overlapped) != len(tokens):
+            raise ProtocolError("round reply: tokens, accepted, overlapped differ in length")
+        if m["role"] == WORKER and tokens:
+            raise ProtocolError("round reply: only the target leader reports tokens")
+        return cls(m["role"], float(m["worker_s"]), dict(m["timing"]), tokens, accepted,
+                   list(overlapped))

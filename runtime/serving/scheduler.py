@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from runtime.speculation.adaptive import TARGET_ONLY_STEPS, DraftLenController, takes_bonus
 from runtime.config.schema import MAX_AUTO_DRAFT_LEN
 from runtime.params import SamplingParams
+from runtime.control import protocol
 from runtime.control.pool import WorkerPool
 from runtime.serving.metrics import ServingMetrics
 from runtime.serving.textstream import TextStream
@@ -118,19 +119,19 @@ class Scheduler:
             return events
         slots = sorted(self.running)
         k, next_k = self._draft_lens(slots)
-        command, steps = {"type": "round", "slots": slots, "k": k, "next_k": next_k}, 1
+        steps = 1
         if k == 0:   # target-only: several decode steps on one command, none past a limit
             steps = min(TARGET_ONLY_STEPS, *(self.running[s].params.max_new_tokens -
                                              len(self.running[s].generated) for s in slots))
-            command["steps"] = steps
+        command = protocol.RoundCommand(slots, k, next_k, steps)
         start = self.metrics.round_begins()
-        results = self.pool.command(command, self.step_timeout_s)
+        results = self.pool.command(command.to_msg(), self.step_timeout_s)
         cost = self.metrics.round_ends(start, results, k)
-        result = next(r for r in results.values() if "tokens" in r)
+        verdict = _verdict(results)
         finished = []
-        self.controller.observe(k, result["accepted"], cost, steps)
-        overlapped = result.get("overlapped", [False] * len(slots))
-        for slot, tokens, accepted, kept in zip(slots, result["tokens"], result["accepted"],
+        self.controller.observe(k, verdict.accepted, cost, steps)
+        overlapped = verdict.overlapped or [False] * len(slots)
+        for slot, tokens, accepted, kept in zip(slots, verdict.tokens, verdict.accepted,
                                                 overlapped):
             seq = self.running[slot]
             seq.overlapped_rounds += kept
@@ -164,10 +165,10 @@ class Scheduler:
             admitted.append(seq)
         if admitted:
             start = time.perf_counter()
-            self.pool.command({"type": "prefill", "slots": [s.slot for s in admitted],
-                               "prompts": [s.prompt_ids for s in admitted],
-                               "params": [s.worker_params() for s in admitted]},
-                              self.step_timeout_s)
+            command = protocol.PrefillCommand([s.slot for s in admitted],
+                                              [s.prompt_ids for s in admitted],
+                                              [s.worker_params() for s in admitted])
+            self.pool.command(command.to_msg(), self.step_timeout_s)
             self.metrics.prefill_done(time.perf_counter() - start,
                                       sum(len(s.prompt_ids) for s in admitted))
 
@@ -217,7 +218,7 @@ class Scheduler:
         if not seqs:
             return []
         slots = [s.slot for s in seqs]
-        self.pool.command({"type": "release", "slots": slots}, self.step_timeout_s)
+        self.pool.command(protocol.ReleaseCommand(slots).to_msg(), self.step_timeout_s)
         events = []
         for seq in seqs:
             del self.running[seq.slot]
@@ -227,3 +228,24 @@ class Scheduler:
             events.append(Event("final", seq, [], ""))
         self.free_slots.sort()
         return events
+
+
+def _verdict(results: dict[int, dict]) -> protocol.RoundReply:
+    """The target leader's reply among a round's replies (one per worker rank)."""
+    replies = [_round_reply(r) for r in results.values()]
+    leaders = [r for r in replies if r.reports]
+    if len(leaders) != 1:
+        raise protocol.ProtocolError(f"a round got {len(leaders)} target leader replies")
+    return leaders[0]
+
+
+def _round_reply(result: dict) -> protocol.RoundReply:
+    """A worker's typed round reply. A map without "kind" is the untyped form that
+    the stand-in pool of tests/unit/speculation/test_adaptive.py still answers with
+    (tokens, accepted, worker_s): read as a target leader's reply until it sends
+    RoundReply maps."""
+    if isinstance(result, dict) and "kind" not in result and "tokens" in result:
+        result = protocol.RoundReply(protocol.TARGET_LEADER, result.get("worker_s", 0.0),
+                                     tokens=result["tokens"],
+                                     accepted=result["accepted"]).to_map()
+    return protocol.RoundReply.from_map(result)

@@ -200,7 +200,8 @@ class Worker:
                 self.await_shutdown(ERROR_GRACE_S)
                 log.error("rank %d step %d failed:\n%s", self.rank, step, traceback.format_exc())
                 raise
-            self.send({"type": "done", "rank": self.rank, "step": step, "result": result})
+            self.send({"type": "done", "rank": self.rank, "step": step,
+                       "result": result.to_map()})
             self.work_ahead()
 
     def work_ahead(self) -> None:
@@ -227,47 +228,40 @@ class Worker:
                 except protocol.ProtocolError:
                     pass
 
-    def handle(self, msg: dict) -> dict:
+    def handle(self, msg: dict) -> protocol.RoundReply | protocol.StepAck:
         """Dispatch one command: prefill, release, or a round (runtime.worker.round)."""
-        kind = msg["type"]
-        slots = protocol.int_list(msg["slots"], f"{kind}.slots")
-        k = msg["k"] if kind == "round" else None
-        drop_stale_ahead(self.parts, k)
+        cmd = protocol.command(msg)
+        drop_stale_ahead(self.parts, cmd.k if isinstance(cmd, protocol.RoundCommand) else None)
         shards = [s for s in (self.parts.draft, self.parts.target) if s is not None]
-        if kind == "prefill":
-            prompts, params = protocol.check_prefill(msg)
+        if isinstance(cmd, protocol.PrefillCommand):
             for shard in shards:
-                shard.prefill(slots, prompts, params)
-            return {}
-        if kind == "release":
+                shard.prefill(cmd.slots, cmd.prompts, cmd.params)
+            return protocol.StepAck()
+        if isinstance(cmd, protocol.ReleaseCommand):
             for shard in shards:
-                shard.release(slots)
-            return {}
-        if kind != "round":
-            raise protocol.ProtocolError(f"worker cannot handle {kind!r}")
-        steps, next_k = self._check_round(msg)
-        if k == 0:
-            result = decode_target_only(self.parts, slots, steps)
+                shard.release(cmd.slots)
+            return protocol.StepAck()
+        self._check_round(cmd)
+        if cmd.k == 0:
+            result = decode_target_only(self.parts, cmd.slots, cmd.steps)
         elif self.parts.overlap:
-            result = speculate_overlapped(self.parts, slots, k, next_k)
+            result = speculate_overlapped(self.parts, cmd.slots, cmd.k, cmd.next_k)
         else:
-            result = speculate(self.parts, slots, k)
+            result = speculate(self.parts, cmd.slots, cmd.k)
         if self.config.runtime.draft_ahead:   # started by work_ahead once result is sent
-            self.next_work = NextWork(slots, next_k)
+            self.next_work = NextWork(cmd.slots, cmd.next_k)
         return result
 
-    def _check_round(self, msg: dict) -> tuple[int, int]:
-        """(steps, next_k) of a round command, every number in its range."""
+    def _check_round(self, cmd: protocol.RoundCommand) -> None:
+        """Every number of a round command in its range."""
         max_k, max_len = self.config.speculation.max_draft_len, self.config.runtime.max_seq_len
-        k, steps, next_k = msg["k"], msg.get("steps", 1), msg.get("next_k", msg["k"])
-        if not 0 <= k <= max_k:
-            raise ValueError(f"round.k must be in 0..{max_k}, got {k}")
-        if not 0 <= next_k <= max_k:
-            raise ValueError(f"round.next_k must be in 0..{max_k}, got {next_k}")
-        if k == 0 and not 1 <= steps <= max_len:
+        if not 0 <= cmd.k <= max_k:
+            raise ValueError(f"round.k must be in 0..{max_k}, got {cmd.k}")
+        if not 0 <= cmd.next_k <= max_k:
+            raise ValueError(f"round.next_k must be in 0..{max_k}, got {cmd.next_k}")
+        if cmd.k == 0 and not 1 <= cmd.steps <= max_len:
             raise ValueError(f"round.steps of a target-only round must be in 1..{max_len}, "
-                             f"got {steps}")
-        return steps, next_k
+                             f"got {cmd.steps}")
 
     def close(self) -> None:
         if self.pulse is not None:

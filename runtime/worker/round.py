@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.transfer import bridge_broadcast
+from runtime.control.protocol import TARGET_LEADER, WORKER, RoundReply
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.adaptive import takes_bonus
 from runtime.worker import overlap
@@ -56,7 +57,7 @@ class NextWork:
     k: int                              # 0: a target-only round
 
 
-def speculate(parts: RoundParts, slots: list[int], k: int) -> dict:
+def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
     """Draft k tokens, move them (and q for `logits` acceptance) to the target, verify, move
     the verdict back, roll both caches to the accepted length. The result: the target
     leader's committed tokens per slot ([accepted drafts] + [correction or bonus token])."""
@@ -96,7 +97,8 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> dict:
     return _result(parts, start, clock, tokens, accepted)
 
 
-def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: int) -> dict:
+def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: int
+                         ) -> RoundReply:
     """A round of overlapped speculation (runtime.worker.overlap): the draft's ranks and the
     target's are disjoint, and while the target verifies this window the draft drafts the
     next one as if this one will be kept. Greedy or `tokens` acceptance: the target takes its
@@ -128,11 +130,11 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)         # [B, 2]
     window = last_logits = None
     if draft is not None and next_k > 0:
-        window = overlap.draft_next_window(draft, slots, draft_tokens, draft_probs,
-                                           overlap.window_len(next_k, bonus))
+        window = draft.draft_window(slots, draft_tokens, draft_probs,
+                                    overlap.window_len(next_k, bonus))
     if target is not None:
-        accepted, next_token, last_logits = overlap.verify_held(
-            target, slots, draft_tokens, draft_probs if need_q else None)
+        accepted, next_token, last_logits = target.verify_with_last(
+            slots, draft_tokens, draft_probs if need_q else None)
         verdict = torch.stack([accepted, next_token], dim=1)
     clock.lap("verify_or_next_window_s")
     # 4. target -> draft; 5. both commit: kept slots keep the next window (draft), held ones
@@ -143,16 +145,14 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
         overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, held, window,
                              bonus)
     if target is not None:
-        overlap.commit_target(target, slots, accepted, next_tokens, held, last_logits)
+        target.commit_held(slots, accepted, next_tokens, held, last_logits)
     tokens = [d[:a] if hold else d[:a] + [n]
               for d, a, n, hold in zip(drafts, accepted, next_tokens, held)]
-    result = _result(parts, start, clock, tokens, accepted)
-    if parts.reports:   # rounds whose window was drafted during the last verify
-        result["overlapped"] = [bool(r) for r in ready.tolist()]
-    return result
+    # per slot: was its window drafted during the last verify
+    return _result(parts, start, clock, tokens, accepted, [bool(r) for r in ready.tolist()])
 
 
-def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> dict:
+def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> RoundReply:
     """A round without a draft (draft_len auto, k = 0): the target decodes `steps` tokens
     per slot, exactly those a round that rejected every draft would take, then they move
     to the draft, which feeds them to its cache with its next proposal."""
@@ -183,14 +183,14 @@ def _verdict_to_all(parts: RoundParts, draft_tokens: torch.Tensor, verdict: torc
 
 
 def _result(parts: RoundParts, start: float, clock: StepClock, tokens: list[list[int]],
-            accepted: list[int]) -> dict:
-    """The worker's reply: its own time (and phases when profiling); the committed tokens
-    and accepted counts from the target leader only."""
-    result = {"timing": clock.laps} if parts.profile else {}
-    result["worker_s"] = time.perf_counter() - start
-    if parts.reports:
-        result["tokens"], result["accepted"] = tokens, accepted
-    return result
+            accepted: list[int], overlapped: list[bool] | None = None) -> RoundReply:
+    """The worker's reply: its own time (and phases when profiling); the committed tokens,
+    accepted counts (and overlapped flags) from the target leader only."""
+    timing = clock.laps if parts.profile else {}
+    worker_s = time.perf_counter() - start
+    if not parts.reports:
+        return RoundReply(WORKER, worker_s, timing)
+    return RoundReply(TARGET_LEADER, worker_s, timing, tokens, accepted, overlapped or [])
 
 
 def drop_stale_ahead(parts: RoundParts, k: int | None) -> None:
@@ -202,7 +202,7 @@ def drop_stale_ahead(parts: RoundParts, k: int | None) -> None:
         if shard is not None and not keep:
             shard.drop_ahead()
     if k == 0 and parts.draft is not None:
-        overlap.drop_windows(parts.draft)
+        parts.draft.drop_windows()
 
 
 def work_ahead(parts: RoundParts, nxt: NextWork) -> Exception | None:

@@ -1,12 +1,7 @@
-"""A model shard on a worker and its per-slot speculation state.
-
-Per slot the shard knows `committed` (tokens of the sequence so far: prompt + accepted),
-`cache_len` (positions held in the KV cache) and `pending` (committed tokens not yet in the
-cache). Invariant: cache_len + len(pending) == committed. Rollback is a length update.
-"""
+"""A model shard on a worker: its model, its step runner and its slots' speculation state
+(runtime.worker.slot_state: the shard's SlotBook is the only writer of lengths and pending
+tokens, and work done ahead of its round is an Extension record)."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -14,36 +9,14 @@ from runtime.speculation.acceptance import accept_choices
 from runtime.speculation.choose import BatchSampling, draft_choose, target_verify
 from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
+from runtime.worker.slot_state import GREEDY, Extension, SlotBook, SlotState
 
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
-
-
-@dataclass
-class SlotState:
-    committed: int = 0
-    cache_len: int = 0
-    pending: list[int] = field(default_factory=list)
-    sampling: dict = field(default_factory=lambda: dict(GREEDY))
-
-
-@dataclass
-class DraftAhead:
-    """Proposals drafted before their round's command arrived (DraftShard.propose_ahead)."""
-    slots: list[int]
-    tokens: torch.Tensor                # [B, k] on the device
-    probs: torch.Tensor | None          # [B, k, V] q when sampling, else None
-    saved: list[SlotState]              # the slots' states before drafting: the rollback
-
-
-@dataclass
-class TargetAhead:
-    """Target-only decode steps queued before their round's command (decode_ahead)."""
-    slots: list[int]
-    tokens: torch.Tensor                # [B, n] on the device
-    states: list[SlotState]             # the slots' states the tokens follow
+__all__ = ["GREEDY", "SlotState", "ModelShard", "DraftShard", "TargetShard"]
 
 
 class ModelShard:
+    refeeds_last = False     # the draft keeps a token pending (slot_state.SlotBook)
+
     def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int,
                  acceptance: str = "tokens", max_step_len: int = 2, cuda_graphs: bool = True,
                  prefill_graphs: bool | None = None):
@@ -54,25 +27,13 @@ class ModelShard:
         self.acceptance = acceptance
         self.device = device
         self.max_seq_len = max_seq_len
-        self.slots = [SlotState() for _ in range(num_slots)]
+        self.slots = SlotBook(num_slots, max_seq_len, self.refeeds_last)
         # per slot, what an overlapped round carries to the next (runtime.worker.overlap):
         # the draft's next window, the target's held logits; gone with the slot's sequence
         self.carried: dict[int, object] = {}
         model.allocate_cache(num_slots, max_seq_len)
         self.runner = StepRunner(model, device, num_slots, max_step_len, cuda_graphs,
                                  prefill_graphs)
-
-    def _check_slot(self, slot: int) -> SlotState:
-        if not 0 <= slot < len(self.slots):
-            raise ValueError(f"slot {slot} out of range 0..{len(self.slots) - 1}")
-        return self.slots[slot]
-
-    def _save(self, slots: list[int]) -> list[SlotState]:
-        return [replace(self.slots[s], pending=list(self.slots[s].pending)) for s in slots]
-
-    def _restore(self, slots: list[int], saved: list[SlotState]) -> None:
-        for slot, state in zip(slots, saved):
-            self.slots[slot] = state
 
     def forward_rows(self, slots: list[int], rows: list[list[int]], logits: bool = True
                      ) -> torch.Tensor | None:
@@ -88,11 +49,7 @@ class ModelShard:
         (or None when not wanted: StepRunner.prefill)."""
         if n_valid is None:
             n_valid = [ids.shape[1]] * len(slots)
-        starts = [self.slots[s].cache_len for s in slots]
-        for slot, start, n in zip(slots, starts, n_valid):
-            if start + n > self.max_seq_len:
-                raise ValueError(f"slot {slot}: sequence exceeds max_seq_len {self.max_seq_len}")
-            self.slots[slot].cache_len += n
+        starts = self.slots.append(slots, n_valid)
         if not logits:
             return self.runner.prefill(ids, slots, starts, n_valid)
         return self.runner.run(ids, slots, starts, n_valid)
@@ -109,12 +66,10 @@ class ModelShard:
         """Cache every prompt token but the last, which stays pending."""
         params = params or [GREEDY] * len(slots)
         for slot, prompt, sampling in zip(slots, prompts, params):
-            state = self._check_slot(slot)
+            self.slots.start(slot, prompt, sampling)
             self.carried.pop(slot, None)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)
-            state.committed, state.cache_len, state.pending = len(prompt), 0, [prompt[-1]]
-            state.sampling = {key: sampling[key] for key in GREEDY}
         rows = [(s, p[:-1]) for s, p in zip(slots, prompts) if len(p) > 1]
         if rows:
             self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
@@ -128,53 +83,49 @@ class ModelShard:
         pending + rows the cache does not hold stays pending: on the target (whose decode
         steps cached all but the last) that is the last token; on the draft, all of them."""
         for slot, row in zip(slots, rows):
-            state = self.slots[slot]
-            state.committed += len(row)
-            uncached = state.committed - state.cache_len     # >= 1
-            state.pending = (state.pending + row)[-uncached:]
+            self.slots.commit(slot, len(row), len(row), row)
 
     def release(self, slots: list[int]) -> None:
         for slot in slots:
-            self._check_slot(slot)
-            self.slots[slot] = SlotState()
+            self.slots.reset(slot)
             self.carried.pop(slot, None)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)
 
 
 class DraftShard(ModelShard):
-    """Besides proposing on command, the draft can propose the next round ahead of time
-    (`propose_ahead`, right after a commit): the GPU then drafts while the verdict travels to
-    the orchestrator and the next command travels back. A round that matches (same slots,
-    k no larger) takes those proposals; anything else restores the slots' states first
-    (rollback is a length update, stale KV positions are overwritten)."""
+    """Besides proposing on command, the draft works ahead (slot_state.Extension): the next
+    round's proposals right after a commit (`propose_ahead`: the GPU drafts while the verdict
+    travels to the orchestrator and the next command travels back), and with overlap each
+    kept slot's next window, drafted during the verify (`draft_window`). A round that fits
+    (same slots in the same states, k no larger) takes those proposals; others forget them."""
 
-    ahead: DraftAhead | None = None
+    refeeds_last = True
+    ahead: Extension | None = None
 
     @property
-    def windows(self) -> dict:
-        """slot -> its next window (runtime.worker.overlap.DraftWindow)."""
+    def windows(self) -> dict[int, Extension]:
+        """slot -> its next window (one row), drafted while the target verified the last."""
         return self.carried
 
     def propose_ahead(self, slots: list[int], k: int) -> None:
-        saved = self._save(slots)
+        marks = self.slots.mark(slots)
         try:
             tokens, probs = self.propose(slots, k)
         except ValueError:     # a slot's cache is full: this round will not happen
-            self._restore(slots, saved)
             return
-        self.ahead = DraftAhead(slots, tokens, probs, saved)
+        finally:
+            self.slots.rollback(slots, marks)    # the work is the record's; states stay
+        self.ahead = Extension(slots, tokens, probs, marks)
 
     def take_ahead(self, slots: list[int], k: int
                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The proposals made ahead for exactly these slots: their first k, or all of them
-        continued to k; None (after rolling back) for other slots."""
+        continued to k; None for other slots."""
         ahead, self.ahead = self.ahead, None
-        if ahead is None:
+        if not self.slots.fits(ahead, slots):
             return None
-        if ahead.slots != slots:
-            self._restore(ahead.slots, ahead.saved)
-            return None
+        self.slots.take(ahead, k)
         tokens, probs = ahead.tokens, ahead.probs
         if k <= tokens.shape[1]:
             return tokens[:, :k], None if probs is None else probs[:, :k]
@@ -183,7 +134,7 @@ class DraftShard(ModelShard):
                               self.sampling(slots), self.committed_index(slots))
 
     def drop_ahead(self) -> None:
-        self.take_ahead([], 0)
+        self.ahead = None
 
     def propose(self, slots: list[int], k: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -217,21 +168,65 @@ class DraftShard(ModelShard):
 
     def commit(self, slots: list[int], draft_tokens: list[list[int]], accepted: list[int],
                next_tokens: list[int]) -> None:
+        """The verdict of a round that proposed draft_tokens. The cache keeps the accepted
+        drafts among the first k - 1 (the k-th is fed with the next proposal)."""
         k = len(draft_tokens[0])
         for slot, drafts, a, nxt in zip(slots, draft_tokens, accepted, next_tokens):
-            state = self.slots[slot]
-            n = state.committed
-            state.cache_len = n + min(a, k - 1)
-            state.pending = [drafts[k - 1], nxt] if a == k else [nxt]
-            state.committed = n + a + 1
+            self.slots.commit(slot, a + 1, min(a, k - 1), drafts[:a][-1:] + [nxt])
+
+    # --- overlap (runtime.worker.overlap): next windows ----------------------------------
+    def draft_window(self, slots: list[int], tokens: torch.Tensor,
+                     probs: torch.Tensor | None, count: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """While the target verifies tokens [B, k]: decode on as if all are kept, `count`
+        more per slot (tokens [B, count], q or None). None when a slot's cache has no room
+        (the slots then hold this round's proposals only)."""
+        k, marks = tokens.shape[1], self.slots.mark(slots)
+        try:
+            more, more_q = self._continue(slots, list(tokens.unbind(1)),
+                                          [] if probs is None else list(probs.unbind(1)),
+                                          k + count, self.sampling(slots),
+                                          self.committed_index(slots))
+        except ValueError:          # past the cache: this slot is about to finish anyway
+            self.slots.rollback(slots, marks)
+            return None
+        return more[:, k:], None if more_q is None else more_q[:, k:]
+
+    def commit_kept(self, slot: int, added: int, last: int, window: torch.Tensor | None,
+                    window_probs: torch.Tensor | None) -> None:
+        """A slot whose window was kept: `added` proposals committed as drafted, `last` the
+        final one; the proposals drafted past them ([m], q [m, V]) are its next window."""
+        self.slots.commit(slot, added, added, [last])
+        if window is not None:
+            self.windows[slot] = Extension([slot], window[None], None if window_probs is None
+                                           else window_probs[None], self.slots.mark([slot]))
+
+    def has_window(self, slot: int, k: int) -> bool:
+        """Whether the slot's next window holds at least k proposals."""
+        window = self.windows.get(slot)
+        return self.slots.fits(window, [slot]) and window.length >= k
+
+    def take_window(self, slot: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first k proposals of the slot's next window (has_window): tokens [k] and q
+        [k, V] (None when it was drafted greedily)."""
+        window = self.windows.pop(slot)
+        self.slots.take(window, k)
+        return window.tokens[0, :k], None if window.probs is None else window.probs[0, :k]
+
+    def drop_windows(self, slots: list[int] | None = None) -> None:
+        """Forget next windows (all, or these slots'): the slots draft afresh."""
+        for slot in list(self.windows) if slots is None else slots:
+            self.windows.pop(slot, None)
 
 
 class TargetShard(ModelShard):
     """With a vocab-parallel target (`vocab_parallel` set), the model returns this rank's
     vocab slice: greedy batches pick the target's tokens with a distributed argmax (two
-    numbers per position cross the group); sampled batches gather the full distribution."""
+    numbers per position cross the group); sampled batches gather the full distribution.
+    Work ahead: the next target-only round's first decode steps (`decode_ahead`)."""
 
     vocab_parallel = None   # parallel.vocab.VocabParallel, or None when logits are full
+    ahead: Extension | None = None
 
     @property
     def held(self) -> dict:
@@ -242,11 +237,40 @@ class TargetShard(ModelShard):
     def verify(self, slots: list[int], draft_tokens: torch.Tensor,
                draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over pending + k draft tokens; returns (accepted [B], next_token [B])."""
-        pending = to_device([self.slots[s].pending for s in slots], torch.long, self.device)
-        ids = torch.cat([pending, draft_tokens], dim=1)                   # [B, k+1]
-        logits = self._step(slots, ids)                                   # [B, k+1, V(local)]
-        return self._choose(draft_tokens, logits, self.sampling(slots),
-                            self.committed_index(slots), draft_probs)
+        accepted, next_token, _ = self.verify_with_last(slots, draft_tokens, draft_probs)
+        return accepted, next_token
+
+    def verify_with_last(self, slots: list[int], draft_tokens: torch.Tensor,
+                         draft_probs: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """verify, and the logits at each slot's last position [B, V(local)] (held if the
+        slot is kept). Slots that hold the logits of their first draft's position (kept
+        last round) run over the k drafts alone."""
+        held = [s in self.held for s in slots]
+        pending = to_device([self.slots[s].pending or [0] for s in slots], torch.long,
+                            self.device)
+        if not any(held):
+            logits = self._step(slots, torch.cat([pending, draft_tokens], dim=1))  # [B, k+1, V]
+        else:
+            logits = self._step_held(slots, draft_tokens, pending, held)
+        accepted, next_token = self._choose(draft_tokens, logits, self.sampling(slots),
+                                            self.committed_index(slots), draft_probs)
+        return accepted, next_token, logits[:, draft_tokens.shape[1]]
+
+    def _step_held(self, slots: list[int], draft_tokens: torch.Tensor, pending: torch.Tensor,
+                   held: list[bool]) -> torch.Tensor:
+        """The verify forward when some slots hold their first position's logits: those feed
+        their k drafts alone and take the held logits first. Logits [B, k+1, V(local)]."""
+        bsz, k = draft_tokens.shape
+        pad = torch.zeros(bsz, 1, dtype=torch.long, device=self.device)
+        is_held = torch.tensor(held, device=self.device)[:, None]              # [B, 1]
+        ids = torch.where(is_held, torch.cat([draft_tokens, pad], 1),
+                          torch.cat([pending, draft_tokens], 1))               # [B, k+1]
+        new = self._step(slots, ids, [k if h else k + 1 for h in held])        # [B, k+1, V]
+        first = torch.stack([self.held[s] if h else new[i, 0]
+                             for i, (s, h) in enumerate(zip(slots, held))])    # [B, V]
+        shifted = torch.cat([first[:, None], new[:, :k]], dim=1)               # [B, k+1, V]
+        return torch.where(is_held[:, :, None], shifted, new)
 
     def _choose(self, draft_tokens: torch.Tensor, logits: torch.Tensor,
                 sampling: BatchSampling, first_index: torch.Tensor,
@@ -259,6 +283,24 @@ class TargetShard(ModelShard):
         return target_verify(draft_tokens, logits, sampling, first_index, self.acceptance,
                              draft_probs)
 
+    def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:
+        for slot, a, nxt in zip(slots, accepted, next_tokens):
+            self.slots.commit(slot, a + 1, a, [nxt])
+
+    def commit_held(self, slots: list[int], accepted: list[int], next_tokens: list[int],
+                    held: list[bool], last_logits: torch.Tensor) -> None:
+        """An overlapped round's verdict: held slots commit their k drafts and hold the last
+        position's logits [B, V(local)] (no pending token); the others commit as in a plain
+        round (bonus token included)."""
+        for i, slot in enumerate(slots):
+            self.held.pop(slot, None)
+            if held[i]:
+                self.slots.commit(slot, accepted[i], accepted[i], [])
+                self.held[slot] = last_logits[i].clone()   # the step's output is reused
+            else:
+                self.commit([slot], [accepted[i]], [next_tokens[i]])
+
+    # --- target-only rounds ----------------------------------------------------------------
     def decode(self, slots: list[int], steps: int) -> torch.Tensor:
         """`steps` decode steps with no draft: each appends the pending token and picks the
         next one as verify would with every draft rejected (k = 0). Tokens [B, steps] stay
@@ -294,43 +336,29 @@ class TargetShard(ModelShard):
             tokens.append(token)
         return tokens
 
-    # --- decoding ahead: the next target-only round's first steps while control travels -
-    ahead: TargetAhead | None = None
-
     def decode_ahead(self, slots: list[int], steps: int) -> None:
         """Queue `steps` decode steps of a target-only round that has not been asked for
         yet, right after the last one was committed. The slots' states are left as they
         were (only KV positions past their lengths are written): the next target-only
         round for the same slots in the same states takes the tokens (decode); anything
         else drops them."""
-        self.ahead = None
-        saved = self._save(slots)
+        self.ahead, marks = None, self.slots.mark(slots)
         try:
             tokens = self.decode(slots, steps)
         except (ValueError, RuntimeError):  # a full cache, no single pending token: not now
             return
         finally:
-            self._restore(slots, saved)
-        self.ahead = TargetAhead(slots, tokens, self._save(slots))
+            self.slots.rollback(slots, marks)    # the work is the record's; states stay
+        self.ahead = Extension(slots, tokens, None, marks)
 
     def _take_ahead(self, slots: list[int], steps: int) -> torch.Tensor | None:
         """The first min(steps, n) tokens decoded ahead, with the slots' cache lengths
         advanced over them, if they were decoded for exactly these slots in these states."""
         ahead, self.ahead = self.ahead, None
-        if ahead is None or ahead.slots != slots or self._save(slots) != ahead.states:
+        if not self.slots.fits(ahead, slots):
             return None
-        taken = min(steps, ahead.tokens.shape[1])
-        for slot in slots:
-            self.slots[slot].cache_len += taken
-        return ahead.tokens[:, :taken]
+        self.slots.take(ahead, steps)
+        return ahead.tokens[:, :steps]
 
     def drop_ahead(self) -> None:
         self.ahead = None
-
-    def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:
-        for slot, a, nxt in zip(slots, accepted, next_tokens):
-            state = self.slots[slot]
-            n = state.committed
-            state.cache_len = n + a
-            state.pending = [nxt]
-            state.committed = n + a + 1

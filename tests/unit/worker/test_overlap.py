@@ -63,8 +63,8 @@ def run(parts: RoundParts, ks: list[int], join_at: int = 2, params=GREEDY
             slots = [0, 2, 3]
         next_k = ks[r + 1] if r + 1 < len(ks) else 0
         result = speculate_overlapped(parts, slots, k, next_k)
-        kept_log.append(result["overlapped"])
-        for slot, tokens in zip(slots, result["tokens"]):
+        kept_log.append(result.overlapped)
+        for slot, tokens in zip(slots, result.tokens):
             out.setdefault(slot, []).extend(tokens)
     return out, kept_log
 
@@ -109,7 +109,7 @@ def test_windows_survive_a_prefill_and_go_with_a_release(pair, params):
     held = {0, 2} if params is SAMPLED else set()
     for shard in (parts.draft, parts.target):
         shard.prefill([0, 2], PROMPTS[:2], [params, params])
-    tokens = speculate_overlapped(parts, [0, 2], 3, 3)["tokens"]
+    tokens = speculate_overlapped(parts, [0, 2], 3, 3).tokens
     assert set(parts.draft.windows) == {0, 2} and set(parts.target.held) == held
     assert [len(t) for t in tokens] == [3 if held else 4] * 2
     for shard in (parts.draft, parts.target):
@@ -118,7 +118,7 @@ def test_windows_survive_a_prefill_and_go_with_a_release(pair, params):
     for shard in (parts.draft, parts.target):
         shard.release([2])
     assert set(parts.draft.windows) == {0} and set(parts.target.held) == held - {2}
-    overlap.drop_windows(parts.draft)       # a target-only round: back to a pending token
+    parts.draft.drop_windows()              # a target-only round: back to a pending token
     state = parts.draft.slots[0]
     assert not parts.draft.windows and state.cache_len + len(state.pending) == \
         state.committed
@@ -131,7 +131,7 @@ def test_profiled_round_reports_cpu_time_beside_wall_time(pair):
     parts.profile = True
     for s in (parts.draft, parts.target):
         s.prefill([0], [PROMPTS[0]], [GREEDY])
-    timing = speculate_overlapped(parts, [0], 3, 3)["timing"]
+    timing = speculate_overlapped(parts, [0], 3, 3).timing
     for phase in ("draft_s", "verify_or_next_window_s", "verdict_transfer_s"):
         cpu = timing[phase.removesuffix("_s") + "_cpu_s"]
         assert 0 <= cpu <= timing[phase] + 0.01
