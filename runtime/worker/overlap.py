@@ -25,6 +25,10 @@ Every committed token is still the target's choice (greedy), or passes the modif
 rule with the draft's q (sampled, `logits`), or equals the target's own sample (`tokens`).
 Exactness never depends on timing: a window is a proposal like any other, and a draft that
 lost one (a cache full, a batch that changed) drafts afresh from the same committed tokens.
+
+This module decides which rows keep what; the shards change their states (DraftShard:
+draft_window, take_window, commit_kept; TargetShard: verify_with_last, commit_held), and a
+next window is a slot_state.Extension like any work done ahead.
 """
 from __future__ import annotations
 
