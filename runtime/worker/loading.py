@@ -67,9 +67,8 @@ def _shard(config: TandemConfig, cls, key: str, model, step_lens: list[int],
            device: torch.device, rank: int, progress: ProgressReporter | None = None):
     """A shard with its KV cache preallocated within the model's memory budget; steps of
     these lengths run as CUDA graphs, all captured now, and so do the prompts' chunks
-    (runtime.models.runners.prefill_runner; TANDEM_PREFILL_GRAPHS=0: eager prefill). A
-    tensor-parallel shard's graphs hold its NCCL all-reduces; every rank of the group
-    captures the same shapes in the same order."""
+    (runtime.models.runners.prefill_runner). A tensor-parallel shard's graphs hold its NCCL
+    all-reduces; every rank of the group captures the same shapes in the same order."""
     from runtime.models.runners.kv_budget import check_kv_budget
 
     rt, model_cfg = config.runtime, getattr(config, key)

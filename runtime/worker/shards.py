@@ -22,7 +22,7 @@ class ModelShard:
                  prefill_graphs: bool | None = None):
         """max_step_len: the most tokens a decode/verify step appends per slot (draft_len + 1
         for the target); such steps run at static shapes (CUDA graphs on CUDA). Prompts run
-        in static chunks too unless prefill_graphs is False (None: TANDEM_PREFILL_GRAPHS)."""
+        in static chunks too unless prefill_graphs is False."""
         self.model = model
         self.acceptance = acceptance
         self.device = device

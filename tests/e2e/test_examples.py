@@ -1,6 +1,7 @@
 """examples/quickstart.py runs as the README says, on the built-in demo model."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,15 @@ def test_overlap_bench_runs(tmp_path):
     assert float(on.split("overlapped ")[1]) > 0 and off.endswith("overlapped 0.0")
     assert "alpha 1.000" in on and "per call (same prompt) median" in ratio
     assert ratio.startswith("on / off: ")
+
+
+def test_bench_scripts_name_scripts_that_exist():
+    """examples/h200_bench.sh runs what examples/ holds (the lab's experiments are in
+    lab/h200_lab.sh), and every script either names is there; both parse."""
+    for script in ("examples/h200_bench.sh", "lab/h200_lab.sh"):
+        text = (ROOT / script).read_text()
+        for path in re.findall(r"\b(?:examples|lab)/[\w/]+\.(?:py|sh)", text):
+            assert (ROOT / path).is_file(), f"{script} names {path}"
+        assert subprocess.run(["bash", "-n", script], cwd=ROOT).returncode == 0
+    bench = (ROOT / "examples" / "h200_bench.sh").read_text()
+    assert not re.findall(r"python lab/", bench)

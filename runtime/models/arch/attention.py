@@ -44,10 +44,6 @@ class Attention(nn.Module):
         """One GEMM for q, k and v (float or FP8); their weights become views of it."""
         self.qkv = stack_rows(self.q_proj, self.k_proj, self.v_proj)
 
-    def qkv_weight(self) -> torch.Tensor:
-        """The weight of the first GEMM (q/k/v fused, else q_proj)."""
-        return self.qkv.weight if self.qkv is not None else self.q_proj.weight
-
     def allocate_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None,
                        device: torch.device | None = None) -> None:
         """K and V in `dtype` on `device`: the model's activation dtype (default: that of
@@ -76,7 +72,6 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
-        kernels.ahead(self.o_proj.weight, "o")        # read in while RoPE and attention run
         cache = self.kv_cache
         q, k, v = q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d), v.view(bsz, seq, h_kv, d)
         if self._folds_rope(seq) and rope_kernel().fits(q, k, v, cos, sin):
@@ -91,7 +86,6 @@ class Attention(nn.Module):
                      batch: ExtendBatch) -> FP8Out | torch.Tensor:
         cache = self.kv_cache
         qkv = self.qkv.forward_fp8(x)                                      # raw [M, (H+2Hkv)D]
-        kernels.ahead(self.o_proj.weight, "o")
         args = (*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin)
         if (self._folds_rope(cos.shape[1])
                 and rope_kernel().fits_fp8(*qkv, self.head_dim, cos, sin)):
@@ -104,14 +98,13 @@ class Attention(nn.Module):
 
     def _folds_rope(self, seq: int) -> bool:
         """Whether the Triton attention kernel attends this step and also rotates its q/k
-        and writes its new k/v (kernels.attention.FOLD_ROPE, for steps of FOLD_ROPE_MIN_SEQ
-        tokens or more, a head_dim it takes): then the separate RoPE kernel is not launched."""
+        and writes its new k/v (for steps of kernels.attention.FOLD_ROPE_MIN_SEQ tokens or
+        more, a head_dim it takes): then the separate RoPE kernel is not launched."""
         if not (kernels.enabled() and self._slot_kernel(seq)):
             return False
         from runtime.models.arch.kernels import attention as kernel
 
-        return (kernel.FOLD_ROPE and seq >= kernel.FOLD_ROPE_MIN_SEQ
-                and kernel.fits_head_dim(self.head_dim))
+        return seq >= kernel.FOLD_ROPE_MIN_SEQ and kernel.fits_head_dim(self.head_dim)
 
     def _slot_kernel(self, seq: int) -> bool:
         """Whether _attend uses the Triton kernel for a step of seq tokens a row."""

@@ -214,14 +214,14 @@ def _check_compiler(device: torch.device) -> None:
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether the compiled pieces launch with programmatic dependent launch (PDL) on
-    `device`: a CUDA device of compute capability 9.0 or later, unless TANDEM_PDL=0.
+    `device`: a CUDA device of compute capability 9.0 or later.
 
     With PDL a kernel is launched while the one before it still runs and waits on the device
     (griddepcontrol.wait) for its results: launch and ramp-up overlap the previous kernel's
     tail (inductor's `triton.enable_pdl` writes the waits). Measured on an H200 with
-    examples/gpu/step_ab.py: 8b steps 0.3-0.9% faster, logits the same bit for bit
+    lab/gpu/step_ab.py: 8b steps 0.3-0.9% faster, logits the same bit for bit
     (docs/benchmarks.md)."""
-    if os.environ.get("TANDEM_PDL", "1") == "0" or device.type != "cuda":
+    if device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

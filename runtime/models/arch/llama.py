@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.arch import fused, kernels
+from runtime.models.arch import fused
 from runtime.models.arch.attention import Attention
 from runtime.models.arch.base import check_extend_args
 from runtime.models.arch.cache import ExtendBatch
@@ -38,10 +38,6 @@ class MLP(nn.Module):
         """One [2I, hidden] GEMM for gate and up (float or FP8); their weights become views."""
         self.gate_up = stack_rows(self.gate_proj, self.up_proj)
 
-    def gate_up_weight(self) -> torch.Tensor:
-        """The weight of the MLP's first GEMM (gate/up fused, else gate_proj)."""
-        return self.gate_up.weight if self.gate_up is not None else self.gate_proj.weight
-
     def fp8_fused(self, x: torch.Tensor) -> bool:
         """Whether forward takes an FP8Act (quant.fuses_fp8): gate_up and down_proj FP8 GEMMs."""
         return fuses_fp8(x, self.gate_up, self.down_proj)
@@ -51,13 +47,11 @@ class MLP(nn.Module):
         # of [M, hidden] -> down_proj's FP8Out [M, hidden] (or rescaled [M, hidden] under TP)
         if isinstance(x, FP8Act):
             gate_up = self.gate_up.forward_fp8(x)                          # raw [M, 2I]
-            kernels.ahead(self.down_proj.weight, "down")  # read in while SiLU·up runs
             a8, a_scale = fused.silu_mul_fp8(*gate_up, x.dtype)            # [M, I], [M, 1]
             return self.down_proj.forward_fp8(FP8Act(a8, a_scale, x.dtype))
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up(x)                                          # [B, T, 2I]
-        kernels.ahead(self.down_proj.weight, "down")
         return self.down_proj(fused.silu_mul(gate_up.flatten(0, 1)).view(*x.shape[:2], -1))
 
 
@@ -82,7 +76,6 @@ class DecoderLayer(nn.Module):
         attn_fp8, mlp_fp8 = self.self_attn.fp8_fused(x), self.mlp.fp8_fused(x)
         x, h = add_then_norm(x, delta, self.input_layernorm, attn_fp8)
         attn = self.self_attn(h, cos, sin, batch)
-        kernels.ahead(self.mlp.gate_up_weight(), "gate_up")   # while the norm runs
         x, h = add_then_norm(x, attn, self.post_attention_layernorm, mlp_fp8)
         return x, self.mlp(h)
 
@@ -134,10 +127,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ExtendBatch) -> torch.Tensor:
         x, delta = self.embed_tokens(input_ids), None                      # [B, T, hidden]
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             x, delta = layer(x, delta, cos, sin, batch)
-            if i + 1 < len(self.layers):      # read in while the next input norm runs
-                kernels.ahead(self.layers[i + 1].self_attn.qkv_weight(), "qkv")
         return add_then_norm(x, delta, self.norm)[1]
 
 
@@ -199,13 +190,10 @@ class LlamaForCausalLM(nn.Module):
         input_ids.shape and kv_len, so a CUDA graph can capture it (runtime.models.runners.step_runner)."""
         batch = ExtendBatch.build(slots, start_pos, n_valid, input_ids.shape[1], kv_len,
                                   self.max_seq_len, contiguous)
-        kernels.begin_step(input_ids.shape[1])
         input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
         cos, sin = self.rotary_emb(batch.positions, self.model.norm.weight.dtype)  # [B, T, D]
         hidden = self.model(input_ids, cos, sin, batch)                    # [B, T, hidden]
-        logits = self.lm_head(hidden)                                      # [B, T, V]
-        kernels.join(logits.device)           # the L2 prefetches' stream (kernels.ahead)
-        return logits
+        return self.lm_head(hidden)                                        # [B, T, V]
 
     @torch.no_grad()
     def forward_extend(self, input_ids: torch.Tensor, slots: torch.Tensor,

@@ -35,7 +35,6 @@ into its FP8 class before loading; `stack_rows` fuses q/k/v and gate/up into one
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -50,8 +49,9 @@ FP8_MAX = float(torch.finfo(FP8).max)     # 448
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_GEMM = True   # False: the weight-only path everywhere (examples/gpu/fp8_check.py compares)
 GEMM_ALIGN = 16   # torch._scaled_mm needs K and N to be multiples of 16
-# False (TANDEM_FP8_FUSE=0): the FP8 GEMM path with its own quantize / rescale kernels (A/B runs)
-FUSE_FP8 = os.environ.get("TANDEM_FP8_FUSE", "1") != "0"
+# False: the FP8 GEMM path with its own quantize / rescale kernels (the reference tests and
+# examples/gpu/fp8_check.py compare the fused path with)
+FUSE_FP8 = True
 # tests: the FP8 GEMM path on any device and dtype, _scaled_mm (CUDA-only) emulated in float32
 EMULATE_FP8_GEMM = False
 

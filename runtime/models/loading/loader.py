@@ -155,7 +155,7 @@ def no_gemm_workspace(device: torch.device) -> None:
     read at the process's first GEMM, so before any forward is early enough). Without a
     workspace the libraries pick no split-K algorithm for the decode GEMMs, so the separate
     reduction kernels after them go (bf16 8b: 2 a layer, FP8: 1, FP8 70b: 2) and the GEMMs
-    run as fast: measured on an H200 (examples/gpu/step_ab.py, docs/benchmarks.md) 8b bf16
+    run as fast: measured on an H200 (lab/gpu/step_ab.py, docs/benchmarks.md) 8b bf16
     steps 0.8-1.6% faster, FP8 1.9-2.2%, FP8 70b 1.5-1.8%."""
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")

@@ -25,8 +25,6 @@ runner's memory pool, so they cost about one chunk's activations, not one per gr
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from runtime.models.arch import attention, kernels
@@ -36,14 +34,6 @@ from runtime.models.runners.hostcopy import copy_into
 CHUNK_BUCKETS = (16, 32, 64, 128, 256)   # tokens per row of a prefill chunk
 MAX_TOKENS = 512           # batch bucket x chunk bucket of one prefill graph, at most
 MAX_STARTUP_GRAPHS = 64    # prefill graphs captured at startup at most; more on first use
-
-
-def prefill_graphs_on(flag: bool | None) -> bool:
-    """The constructor's choice, else TANDEM_PREFILL_GRAPHS (default on; 0: the eager
-    prefill at its own shape, for A/B runs)."""
-    if flag is not None:
-        return flag
-    return os.environ.get("TANDEM_PREFILL_GRAPHS", "1") != "0"
 
 
 def heads_per_kv_head(model) -> int | None:

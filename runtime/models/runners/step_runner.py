@@ -15,7 +15,7 @@ bucket, step length) serves every KV length.
 
 Longer calls (prompts) go to runtime.models.runners.prefill_runner.PrefillRunner: bucketed chunks at
 static shapes, CUDA graphs of their own captured with these (same memory pool), unless
-prefill graphs are off (`prefill_graphs=False`, TANDEM_PREFILL_GRAPHS=0): then they, like
+prefill graphs are off (`prefill_graphs=False`): then they, like
 every call of a model without `forward_static`, run eagerly at their own shape.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from runtime.models.runners.hostcopy import copy_into, to_device
 from runtime.models.arch import fused, kernels
 from runtime.models.runners.graphs import batch_buckets, kv_bucket, kv_buckets, record_graph
-from runtime.models.runners.prefill_runner import PrefillRunner, prefill_graphs_on
+from runtime.models.runners.prefill_runner import PrefillRunner
 
 MAX_STARTUP_GRAPHS = 512  # captured at startup at most; further shapes on first use
 
@@ -36,7 +36,7 @@ class StepRunner:
     def __init__(self, model, device: torch.device, max_batch: int, max_step_len: int,
                  cuda_graphs: bool = True, prefill_graphs: bool | None = None):
         """prefill_graphs: calls longer than max_step_len in static chunks (PrefillRunner;
-        None: TANDEM_PREFILL_GRAPHS decides, default on), else eagerly at their shape."""
+        True or None, the default), else (False) eagerly at their shape."""
         self.model, self.device = model, device
         self.max_batch, self.max_step_len = max_batch, max_step_len
         self.static = hasattr(model, "forward_static")
@@ -55,7 +55,7 @@ class StepRunner:
         # one memory pool shared by all graphs, the prefill graphs' included
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.chunked = PrefillRunner(model, device, self.buckets, self.capture, self.pool) \
-            if self.static and prefill_graphs_on(prefill_graphs) else None
+            if self.static and prefill_graphs is not False else None
 
     @torch.no_grad()
     def capture_all(self, step_lens: list[int], limit: int = MAX_STARTUP_GRAPHS,

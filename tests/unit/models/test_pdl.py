@@ -1,6 +1,6 @@
 """Programmatic dependent launch of the compiled pieces (runtime.models.arch.fused.pdl_supported):
 when it is on, and that compile_kernels' switch respects inductor's own variable. (PDL itself
-needs a Hopper GPU: examples/gpu/step_ab.py measures it and checks the logits bit for bit.)"""
+needs a Hopper GPU: lab/gpu/step_ab.py measures it and checks the logits bit for bit.)"""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +16,6 @@ CUDA = torch.device("cuda", 0)
 def capability(monkeypatch):
     value = {"cc": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: value["cc"])
-    monkeypatch.delenv("TANDEM_PDL", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
     saved = getattr(inductor_config.triton, "enable_pdl", None)
     yield value
@@ -24,16 +23,13 @@ def capability(monkeypatch):
         inductor_config.triton.enable_pdl = saved
 
 
-def test_by_device_capability_and_switch(capability, monkeypatch):
+def test_by_device_capability(capability):
     assert fused.pdl_supported(CUDA)                 # Hopper
     capability["cc"] = (10, 0)
     assert fused.pdl_supported(CUDA)                 # Blackwell
     capability["cc"] = (8, 9)                        # Ada: no griddepcontrol
     assert not fused.pdl_supported(CUDA)
     assert not fused.pdl_supported(torch.device("cpu"))
-    capability["cc"] = (9, 0)
-    monkeypatch.setenv("TANDEM_PDL", "0")
-    assert not fused.pdl_supported(CUDA)
 
 
 def test_inductor_switch_follows_unless_its_variable_is_set(capability, monkeypatch):

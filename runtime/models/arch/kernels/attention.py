@@ -23,7 +23,6 @@ slot_attention for how exact).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -37,20 +36,18 @@ from runtime.models.arch.kernels.rope import NewTokens, new_rows, write_new_kv
 # idle, so they get short chunks: more programs, a shorter serial loop in each (measured on an
 # H200, 8b decode at batch 1: 10.8 us a call with 64-position chunks, 13.5 with 256); many rows
 # fill the GPU anyway and spend less on the combine with long chunks (batch 16, 5 tokens:
-# 31 us with 256, 51 with 64). TANDEM_ATTN_CHUNK fixes one length for A/B runs
-# (examples/gpu/kernel_bench.py --chunks).
-CHUNK = int(os.environ.get("TANDEM_ATTN_CHUNK", "0"))   # 0: by the number of programs
+# 31 us with 256, 51 with 64). CHUNK fixes one length (tests, lab/gpu/kernel_bench.py --chunks).
+CHUNK = 0              # 0: by the number of programs
 CHUNK_LONG, CHUNK_SHORT = 256, 64
 FEW_PROGRAMS = 64      # rows x KV heads at most for CHUNK_SHORT
 BLOCK_N = 32           # KV positions per inner step
 MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
 # RoPE and the new tokens' KV write inside the partial kernel (slot_attention of NewTokens)
 # instead of the separate rope kernel, for steps of at least FOLD_ROPE_MIN_SEQ tokens a row:
-# measured on an H200 (examples/h200_bench.sh fold-ab, 8b, GPU time a step), a 5-token
+# measured on an H200 (lab/h200_lab.sh fold-ab, 8b, GPU time a step), a 5-token
 # verify step runs 1.009-1.019x faster folded (bf16 / FP8, batch 1 / 16), a 1-token decode
 # step 0.990-0.999x (probably: every chunk's program rotates the queries before its first
-# KV load), so decode keeps the separate kernel. TANDEM_FOLD_ROPE=0 never folds (A/B runs).
-FOLD_ROPE = os.environ.get("TANDEM_FOLD_ROPE", "1") != "0"
+# KV load), so decode keeps the separate kernel.
 FOLD_ROPE_MIN_SEQ = 2
 FP8_MAX = tl.constexpr(fused.FP8_MAX)   # the largest e4m3 value
 _ROUND = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -358,7 +355,7 @@ def _combine_fp8(parts: tuple[torch.Tensor, ...], pos: torch.Tensor, ok: torch.T
     """_combine_fp8_kernel over grid (B, T) -> ([B*T, H*D] e4m3, [B*T, 1] float32).
 
     One program reads all of a token's live partials (H x chunks x D floats), so few tokens
-    over long rows leave the combine on a few multiprocessors. examples/gpu/kernel_bench.py
+    over long rows leave the combine on a few multiprocessors. lab/gpu/kernel_bench.py
     on an H200, 8b (H 32), quantize=True against the plain call plus the compiled
     fp8_quantize_heads: batch 1 at 256 positions 11.3 us against 12.3, at 1024 13.3 against
     12.6, at 4096 25.1 against 15.3; batch 16 x 5 tokens at 256 18.9 against 28.1, at 4096

@@ -12,8 +12,8 @@ the e4m3 values where the two FP8 paths differ. The cache holds 4096 + 16 positi
 chunks past a row's length are dead (no program work, no partial traffic), so short rows pay
 for their length, not for the cache's.
 
-    python examples/gpu/kernel_bench.py --out kernels.json
-    python examples/gpu/kernel_bench.py --chunks 256,128,64   # the kernel's KV chunk length
+    python lab/gpu/kernel_bench.py --out kernels.json
+    python lab/gpu/kernel_bench.py --chunks 256,128,64   # the kernel's KV chunk length
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The experimental small-M linear (examples/gpu/gemv_kernel.py; the runtime does not use it,
+"""The experimental small-M linear (lab/gpu/gemv_kernel.py; the runtime does not use it,
 docs/benchmarks.md says why) against its eager references under the Triton interpreter on the
 CPU: float and e4m3 weights, bias, the folded SiLU(gate) * up, ragged shapes, both the
 CUDA-core (<= 4 rows) and tensor-core paths and the split-K reduction."""
@@ -14,7 +14,7 @@ CASES = r'''
 import torch
 import torch.nn.functional as F
 from runtime.models.arch import fused, quant
-from examples.gpu.gemv_kernel import gemv
+from lab.gpu.gemv_kernel import gemv
 
 torch.manual_seed(0)
 

@@ -13,7 +13,7 @@ runtime/models/arch/quant.py and the float linears):
 Each figure is microseconds per call replayed from a CUDA graph; GB/s counts the weight bytes
 against the measured copy bandwidth. The swapped products are checked against the plain ones.
 
-    python examples/gpu/gemm_layout_bench.py --out gemm_layout.json
+    python lab/gpu/gemm_layout_bench.py --out gemm_layout.json
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from examples.gpu.gemv_bench import layer_shapes  # noqa: E402
+from lab.gpu.gemv_bench import layer_shapes  # noqa: E402
 from runtime.bench.metrics import copy_bandwidth  # noqa: E402
 from runtime.models.arch import fused, quant  # noqa: E402
 

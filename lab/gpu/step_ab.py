@@ -2,7 +2,7 @@
 verify steps replayed from their CUDA graphs (the workers' path, runtime/models/runners/step_runner.py),
 GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes taking turns:
 
-    none         no programmatic dependent launch (what TANDEM_PDL=0 gives), cuBLAS
+    none         no programmatic dependent launch, cuBLAS
     pdl          inductor's enable_pdl (the default on Hopper), cuBLAS: what the workers run
     lt           pdl, and torch's cuBLASLt backend for bf16/fp16 GEMMs
                  (torch.backends.cuda.preferred_blas_library("cublaslt"))
@@ -10,16 +10,9 @@ GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes 
                  (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction =
                  (False, False))
     nofold       pdl, with RoPE and the KV write in their own kernel, not folded into the
-                 attention kernel (what TANDEM_FOLD_ROPE=0 gives)
+                 attention kernel
     foldall      pdl, RoPE folded into the attention kernel in every step, decode included
                  (kernels.attention.FOLD_ROPE_MIN_SEQ = 1)
-    l2           pdl, each GEMM's weights read into L2 ahead of it on a side stream
-                 (TANDEM_L2_PREFETCH=1, runtime/models/arch/kernels/prefetch.py's CAPS_MB)
-    l2-attn      l2 for o_proj only (read in while RoPE and attention run)
-    l2-all       l2 with every cap at the L2's three quarters
-    l2-wide      l2 with 4x the programs a prefetch (PROGRAMS 128)
-    l2-o12       l2-attn reading at most 12 MB of o_proj's weights
-    l2-o-wide    l2-attn with 128 programs a prefetch; l2-o-narrow with 8
     cdt          pdl, the pieces compiled with inductor's coordinate_descent_tuning (each
                  kernel's block sizes and warps tuned by timing it at compile time)
     cdt-all      cdt, trying every direction of the search (coordinate_descent_check_all_
@@ -31,8 +24,8 @@ faster), and the kernels a step launches (torch profiler over a few replays). Ea
 logits are compared with the first mode's first run: PDL changes when a kernel starts, not
 what it computes (0.0 expected); another GEMM algorithm may add in another order.
 
-    python examples/gpu/step_ab.py --shape 8b --quantization fp8 --rounds 3 --out pdl.json
-    python examples/gpu/step_ab.py --shape 8b --modes pdl lt lt-nosplitk --batch 16
+    python lab/gpu/step_ab.py --shape 8b --quantization fp8 --rounds 3 --out pdl.json
+    python lab/gpu/step_ab.py --shape 8b --modes pdl lt lt-nosplitk --batch 16
 """
 from __future__ import annotations
 
@@ -49,28 +42,20 @@ import torch._inductor.config as inductor_config
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models import load_model  # noqa: E402
-from runtime.models.arch import fused, kernels  # noqa: E402
-from runtime.models.arch.kernels import attention as attention_kernel, prefetch  # noqa: E402
+from runtime.models.arch import fused  # noqa: E402
+from runtime.models.arch.kernels import attention as attention_kernel  # noqa: E402
 from runtime.models.runners.step_runner import StepRunner  # noqa: E402
 from runtime.models.loading.synthetic import build_pair  # noqa: E402
 
 # mode: (PDL, torch's BLAS backend for bf16/fp16 GEMMs, split-K allowed in them, RoPE folded
-# into the attention kernel from this many tokens a row on: 0 never, L2 prefetch: None off,
-# else (CAPS_MB, PROGRAMS))
+# into the attention kernel from this many tokens a row on: 0 never)
 FOLD = attention_kernel.FOLD_ROPE_MIN_SEQ
-CAPS = {"qkv": 24.0, "o": 24.0, "gate_up": 12.0, "down": 16.0}   # the first setting tried
-ALL = {kind: 1e6 for kind in CAPS}
-L2 = {"l2": (CAPS, prefetch.PROGRAMS), "l2-attn": ({**dict.fromkeys(CAPS, 0.0), "o": 1e6},
-      prefetch.PROGRAMS), "l2-all": (ALL, prefetch.PROGRAMS), "l2-wide": (CAPS, 128),
-      "l2-o12": ({**dict.fromkeys(CAPS, 0.0), "o": 12.0}, prefetch.PROGRAMS),
-      "l2-o-wide": ({**dict.fromkeys(CAPS, 0.0), "o": 1e6}, 128),
-      "l2-o-narrow": ({**dict.fromkeys(CAPS, 0.0), "o": 1e6}, 8)}
-MODES = {"none": (False, "cublas", True, FOLD, None), "pdl": (True, "cublas", True, FOLD, None),
-         "lt": (True, "cublaslt", True, FOLD, None),
-         "lt-nosplitk": (True, "cublaslt", False, FOLD, None),
-         "nofold": (True, "cublas", True, 0, None), "foldall": (True, "cublas", True, 1, None),
-         **{name: (True, "cublas", True, FOLD, l2) for name, l2 in L2.items()},
-         "cdt": (True, "cublas", True, FOLD, None), "cdt-all": (True, "cublas", True, FOLD, None)}
+NEVER = 1 << 30
+MODES = {"none": (False, "cublas", True, FOLD), "pdl": (True, "cublas", True, FOLD),
+         "lt": (True, "cublaslt", True, FOLD), "lt-nosplitk": (True, "cublaslt", False, FOLD),
+         "nofold": (True, "cublas", True, 0), "foldall": (True, "cublas", True, 1),
+         "cdt": (True, "cublas", True, FOLD), "cdt-all": (True, "cublas", True, FOLD)}
+PDL_SUPPORTED = fused.pdl_supported   # the runtime's rule; mode `none` overrides it
 # inductor settings of a mode (torch._inductor.config), applied before the pieces compile
 INDUCTOR = {"cdt": {"coordinate_descent_tuning": True},
             "cdt-all": {"coordinate_descent_tuning": True,
@@ -88,15 +73,10 @@ _compiled: list = [None]   # the (PDL, inductor settings) the pieces were last c
 def set_mode(name: str, device: torch.device) -> None:
     """Apply `name`'s settings; recompile the pieces when PDL or the inductor settings
     (compile-time switches) change."""
-    pdl, library, splitk, fold, l2 = MODES[name]
-    os.environ["TANDEM_PDL"] = "1" if pdl else "0"
-    attention_kernel.FOLD_ROPE = fold > 0           # read when the graphs are captured
-    attention_kernel.FOLD_ROPE_MIN_SEQ = fold or FOLD
-    kernels.L2_PREFETCH = l2 is not None
-    if l2 is not None:
-        prefetch.CAPS_MB.update(l2[0])
-        prefetch.PROGRAMS = l2[1]
-        prefetch._sinks.clear()                     # sized by PROGRAMS
+    pdl, library, splitk, fold = MODES[name]
+    # compile_kernels sets inductor's PDL switch by fused.pdl_supported
+    fused.pdl_supported = PDL_SUPPORTED if pdl else (lambda device: False)
+    attention_kernel.FOLD_ROPE_MIN_SEQ = fold or NEVER   # read when the graphs are captured
     for attr in REDUCTIONS:      # torch's defaults, or no split-K (needs full precision)
         setattr(torch.backends.cuda.matmul, attr, True if splitk else (False, False))
     torch.backends.cuda.preferred_blas_library(library)

@@ -1,4 +1,4 @@
-"""Microbenchmark of the experimental small-M linear kernel (examples/gpu/gemv_kernel.py)
+"""Microbenchmark of the experimental small-M linear kernel (lab/gpu/gemv_kernel.py)
 against the library GEMMs the runtime uses, on one decoder layer's shapes of the synthetic
 models:
 
@@ -12,7 +12,7 @@ Each call is replayed from a CUDA graph of 20 calls (kernel_bench.graphed_us). G
 weight bytes (+ scales) read, against the measured copy bandwidth. Also checks each kernel's
 output against a float32 reference (relative error).
 
-    python examples/gpu/gemv_bench.py --out gemv.json
+    python lab/gpu/gemv_bench.py --out gemv.json
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from examples.gpu.kernel_bench import graphed_us  # noqa: E402
+from lab.gpu.kernel_bench import graphed_us  # noqa: E402
 from runtime.bench.metrics import copy_bandwidth  # noqa: E402
 from runtime.models.arch import fused, quant  # noqa: E402
-from examples.gpu.gemv_kernel import gemv  # noqa: E402
+from lab.gpu.gemv_kernel import gemv  # noqa: E402
 from runtime.models.loading.synthetic import SHAPES  # noqa: E402
 
 

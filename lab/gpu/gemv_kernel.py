@@ -1,4 +1,4 @@
-"""An experiment, kept with its benchmark (examples/gpu/gemv_bench.py): a Triton small-M
+"""An experiment, kept with its benchmark (lab/gpu/gemv_bench.py): a Triton small-M
 linear, y = f(x) @ (W * s)^T + b, for decode and verify, bf16 or e4m3 weights.
 
 Measured on an H200 (docs/benchmarks.md, the evening of 2026-12-01: "Tried and measured"), it loses

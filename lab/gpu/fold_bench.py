@@ -5,12 +5,12 @@ keys and values in its partial kernel (one launch fewer). bf16 activations, or t
 path's raw float32 qkv output with its scales (--fp8); the 8b shape (32 query heads, 8 KV
 heads, head_dim 128) over a cache of 4096 + 16 positions.
 
-Each call is replayed from a CUDA graph of calls (examples/gpu/kernel_bench.graphed_us), so
+Each call is replayed from a CUDA graph of calls (lab/gpu/kernel_bench.graphed_us), so
 launch gaps are not counted; the two forms' outputs and caches are compared bit for bit.
 The engine folds from kernels.attention.FOLD_ROPE_MIN_SEQ tokens a row on; this shows the
 kernels' side of that choice per step length.
 
-    python examples/gpu/fold_bench.py --out fold.json
+    python lab/gpu/fold_bench.py --out fold.json
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from examples.gpu.kernel_bench import graphed_us  # noqa: E402
+from lab.gpu.kernel_bench import graphed_us  # noqa: E402
 from runtime.models.arch.cache import ExtendBatch, KVCache  # noqa: E402
 from runtime.models.arch.kernels import rope  # noqa: E402
 from runtime.models.arch.kernels.attention import slot_attention  # noqa: E402

@@ -1,4 +1,4 @@
-"""examples/gpu/fold_bench.py's comparison on the CPU under the Triton interpreter: the RoPE
+"""lab/gpu/fold_bench.py's comparison on the CPU under the Triton interpreter: the RoPE
 kernel then slot_attention against slot_attention of the step's NewTokens, 8b heads over a
 short cache, bf16 and the FP8 path's raw output; its `equal` must hold (the GPU run reports
 the same check with its timings)."""
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(300)
 
 CASES = r'''
 import torch
-from examples.gpu.fold_bench import case
+from lab.gpu.fold_bench import case
 
 torch.manual_seed(0)
 for fp8 in (False, True):

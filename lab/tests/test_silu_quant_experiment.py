@@ -1,4 +1,4 @@
-"""The experimental one-launch SiLU·up + per-token e4m3 quantize (examples/gpu/
+"""The experimental one-launch SiLU·up + per-token e4m3 quantize (lab/gpu/
 silu_quant_kernel.py; the runtime does not use it) against runtime.models.arch.fused.silu_mul_fp8
 under the Triton interpreter on the CPU: ragged rows (a program past the row's end), bias,
 float32 activations (and bf16, loosely: the interpreter truncates bf16), and calls reusing the
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 CASES = r'''
 import torch
 from runtime.models.arch import fused
-from examples.gpu.silu_quant_kernel import SiluQuant
+from lab.gpu.silu_quant_kernel import SiluQuant
 
 torch.manual_seed(0)
 # float32 activations: the eager sequence's values (up to the last bit of exp); bf16: the

@@ -6,7 +6,7 @@ difference of the fast-accumulation product from the exact one. Measured 2026-12
 H200: no option is faster by more than 3% at M = 1 or 5, the decode and verify shapes
 (runtime/models/arch/quant.py keeps the exact accumulation and its float32 output).
 
-    python examples/gpu/scaled_mm_options.py
+    python lab/gpu/scaled_mm_options.py
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from examples.gpu.gemv_bench import layer_shapes  # noqa: E402
-from examples.gpu.kernel_bench import graphed_us  # noqa: E402
+from lab.gpu.gemv_bench import layer_shapes  # noqa: E402
+from lab.gpu.kernel_bench import graphed_us  # noqa: E402
 from runtime.models.loading.synthetic import SHAPES  # noqa: E402
 
 

@@ -12,7 +12,7 @@ into the token's scale (amax / 448) and quantizes the whole scratch row. No prog
 another, so the kernel is correct in any order of the programs (the Triton interpreter runs
 them one after the other) and inside CUDA graphs (the counters end at 0).
 
-    python examples/gpu/silu_quant_kernel.py            # µs against the compiled pieces
+    python lab/gpu/silu_quant_kernel.py            # µs against the compiled pieces
 
 Measured on an H200 (2026-12-03, docs/benchmarks.md): slower than the compiled pieces at
 every shape (8b, one token: 7.3 µs at best against 4.4; the last program's serial pass over
@@ -110,7 +110,7 @@ VARIANTS = [(1024, 1024, 4), (1024, 4096, 8), (2048, 4096, 8), (512, 4096, 8),
 
 
 def main() -> None:
-    from examples.gpu.kernel_bench import graphed_us
+    from lab.gpu.kernel_bench import graphed_us
     from runtime.models.arch import fused
 
     device, dtype = torch.device("cuda"), torch.bfloat16
