@@ -114,3 +114,18 @@ def test_one_round_reads_in_one_module():
     assert {"speculate", "decode_target_only"} <= functions
     worker = (ROOT / "runtime" / "worker" / "process.py").read_text()
     assert "bridge_broadcast" not in worker and ".verify(" not in worker
+
+
+def test_few_environment_variables_each_documented():
+    """The lab stays out of the product: at most 10 TANDEM_* names in runtime/, launcher/
+    and parallel/ (a performance setting is a default or a config key), each in
+    docs/configuration.md's reference."""
+    import re
+
+    names = set()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            names |= set(re.findall(r"TANDEM_[A-Z0-9_]+", path.read_text()))
+    assert len(names) <= 10, sorted(names)
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    assert not [n for n in names if f"`{n}`" not in docs], sorted(names)
