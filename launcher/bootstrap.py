@@ -77,13 +77,24 @@ def _child_command(rank_arg: list[str], world_size: int, init_method: str,
             "--startup-timeout", str(config.runtime.startup_timeout_s)]
 
 
-def _spawn_workers(topology: Topology, init_method: str, config: TandemConfig
-                   ) -> list[subprocess.Popen]:
-    procs = []
-    for rank in topology.worker_ranks:
-        cmd = _child_command(["--rank", str(rank)], topology.world_size, init_method, config)
-        procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=_child_env()))
-    return procs
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _spawn_workers(topology: Topology, init_method: str, config: TandemConfig,
+                   procs: list[subprocess.Popen]) -> None:
+    """Start a worker process per worker rank, each appended to `procs` at once. SIGINT and
+    SIGTERM are held meanwhile: Popen's fork hooks (logging's among them) would swallow the
+    KeyboardInterrupt of a Ctrl-C that came during a fork, with a traceback. A held signal
+    comes once all are started, and the caller's cleanup kills them."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        for rank in topology.worker_ranks:
+            cmd = _child_command(["--rank", str(rank)], topology.world_size, init_method,
+                                 config)
+            procs.append(subprocess.Popen(cmd, preexec_fn=lambda: _die_with_parent(held),
+                                          env=_child_env()))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _child_env() -> dict:
@@ -93,7 +104,8 @@ def _child_env() -> dict:
     return env
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+def _die_with_parent(mask) -> None:  # pragma: no cover - runs in the child before exec
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # the worker gets SIGINT, SIGTERM again
     try:
         import ctypes
 
@@ -205,16 +217,16 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
         if env.method == "mpi" and init_method.startswith("tcp://127.0.0.1:"):
             listener = _listen_loopback(int(init_method.rsplit(":", 1)[1]))
     procs: list[subprocess.Popen] = []
-    if env.method == "spawn":
-        procs = _spawn_workers(topology, init_method, config)
-    elif env.method == "mpi-spawn":
-        _mpi_spawn_workers(topology, init_method, config)
-    elif env.method not in ("torchrun", "mpi"):
-        raise LaunchError(f"rank 0 cannot start under launch method {env.method!r}")
-    liveness = _procs_liveness(procs, topology) if procs else None
     context = zmq.Context()
     rt = config.runtime
     try:
+        if env.method == "spawn":
+            _spawn_workers(topology, init_method, config, procs)
+        elif env.method == "mpi-spawn":
+            _mpi_spawn_workers(topology, init_method, config)
+        elif env.method not in ("torchrun", "mpi"):
+            raise LaunchError(f"rank 0 cannot start under launch method {env.method!r}")
+        liveness = _procs_liveness(procs, topology) if procs else None
         store = _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s,
                                      liveness, listener)
         # no key file: a random key for this launch, so that no other local process can

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
-from launcher.output import flag_message
+from launcher.output import LastWords, flag_message, json_error
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:
         # Ctrl-C before our own handlers were in place (imports, config checks): one line
-        # from rank 0, none from a worker (rank 0 speaks for it)
+        # from rank 0, none from a worker (rank 0 speaks for it); `run --json` still prints
+        # its object (an error), which a second Ctrl-C does not cut short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if argv[:1] == ["run"] and "--json" in argv and not LastWords.wrote_any:
+            json_error(lambda: "interrupted by SIGINT while starting").write()
         if argv[:1] != ["worker"]:
             print("tandem: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

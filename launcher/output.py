@@ -7,8 +7,10 @@ never interleave. Interrupted, whatever was generated is printed, and nothing el
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+from typing import Callable
 
 DEMO_NOTE = """\
 tandem: demo: SmolLM2-135M-Instruct on the CPU is both draft and target, so every draft
@@ -16,6 +18,57 @@ tandem: demo: SmolLM2-135M-Instruct on the CPU is both draft and target, so ever
   it shows the mechanism, and that the output is exactly the target's. A shallow draft cut
   from SmolLM2's own layers agrees with it on only 3-20% of tokens, which would be slower.
   For speed-ups see `tandem bench --synthetic tiny`; for your own models, `tandem run CONFIG`."""
+
+
+class LastWords:
+    """Text for stdout that must come out once and whole, even when a second signal ends the
+    process at once (launcher.session._Interrupt): `write()` writes it (built by `make` when
+    written); `exit_now(code)`, from that signal's handler, writes it unless it is out and
+    ends the process, or, when the handler interrupted `write()` itself (it runs in the main
+    thread, between two of its steps), lets that write finish and end the process then."""
+
+    wrote_any = False   # class-wide: has this process written its last words (main's check)
+
+    def __init__(self, make: Callable[[], str]):
+        self.make = make
+        self.state: str | None = None         # None -> "writing" -> "written"
+        self.exit_code: int | None = None     # set by exit_now during write()
+
+    def write(self) -> None:
+        if self.state is not None:
+            return
+        data = self.make().encode()
+        sys.stdout.flush()
+        self.state = "writing"
+        LastWords.wrote_any = True
+        try:
+            _write_all(sys.stdout.fileno(), data)
+        finally:
+            self.state = "written"
+        if self.exit_code is not None:
+            os._exit(self.exit_code)
+
+    def exit_now(self, code: int) -> None:
+        """End the process with `code` once the text is out (returns only into a write())."""
+        if self.state == "writing":
+            self.exit_code = code
+            return
+        self.write()
+        os._exit(code)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:      # stdout closed (a reader gone): nobody to tell
+        pass
+
+
+def json_error(message: Callable[[], str]) -> LastWords:
+    """--json's output when there is nothing to report (interrupted before the prompts were
+    read): one object, {"error": message()}."""
+    return LastWords(lambda: json.dumps({"error": message()}) + "\n")
 
 
 class RunOutput:
@@ -26,6 +79,9 @@ class RunOutput:
         self.as_json = as_json
         self.stream = stream and not as_json
         self.profile = profile                # the orchestrator's per-phase timings
+        # --json: one object per prompt, finish_reason "cancelled" where unfinished, written
+        # once whichever way the run ends (finished, interrupted, a second signal)
+        self.json = LastWords(self._json_text) if as_json else None
         self.held = [""] * len(seqs)          # text generated and not printed yet
         self.done = [False] * len(seqs)       # retired (its stats are final)
         self.next = 0                         # the first prompt not printed in full
@@ -43,20 +99,16 @@ class RunOutput:
 
     def finish(self) -> None:
         """Every prompt is done: print what is left."""
-        if self.as_json:
-            for seq in self.seqs:
-                print(json.dumps(self._output(seq)), flush=True)
+        if self.json is not None:
+            self.json.write()
         else:
             self._print_ready(everything=True)
 
     def interrupted(self) -> int:
         """Stopped early: print what each prompt generated (no stats lines; --json: the
         objects, finish_reason "cancelled" where unfinished); returns the tokens generated."""
-        if self.as_json:
-            for seq in self.seqs:
-                out = self._output(seq)
-                out["finish_reason"] = out["finish_reason"] or "cancelled"
-                print(json.dumps(out), flush=True)
+        if self.json is not None:
+            self.json.write()
         else:
             for i in range(self.next, len(self.seqs)):
                 self._write(i)
@@ -89,6 +141,14 @@ class RunOutput:
         sys.stdout.write("\n")
         sys.stdout.flush()
         self.line_open = False
+
+    def _json_text(self) -> str:
+        lines = []
+        for seq in self.seqs:
+            out = self._output(seq)
+            out["finish_reason"] = out["finish_reason"] or "cancelled"
+            lines.append(json.dumps(out) + "\n")
+        return "".join(lines)
 
     def _output(self, seq) -> dict:
         out = seq.output()

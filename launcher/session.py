@@ -11,7 +11,7 @@ import time
 
 from launcher.bootstrap import StartupUsageError, start_cluster
 from launcher.discovery import LaunchEnv
-from launcher.output import RunOutput, flag_message, print_demo_header
+from launcher.output import LastWords, RunOutput, flag_message, json_error, print_demo_header
 from runtime.api.engine import OWNER_FD_ENV
 from runtime.control.auth import load_key
 from runtime.config import TandemConfig
@@ -47,11 +47,14 @@ class _Interrupt:
     KeyboardInterrupt: startup's waits end and its cleanup kills the workers. While
     generating it is only noted (`signum`): the loop stops after the current step, prints
     what was generated and shuts down in order, with no traceback from any rank. A second
-    signal ends this process at once (its spawned workers die with it: PR_SET_PDEATHSIG)."""
+    signal ends this process at once (its spawned workers die with it: PR_SET_PDEATHSIG),
+    after `last_words` (--json's output: `timeout -s INT` signals twice, and a script still
+    gets its JSON)."""
 
     def __init__(self):
         self.signum: int | None = None
         self.deferred = False
+        self.last_words: LastWords | None = None
         self._previous: dict = {}
 
     def __enter__(self) -> "_Interrupt":
@@ -66,6 +69,9 @@ class _Interrupt:
     def _on_signal(self, signum, _frame) -> None:
         if self.signum is not None:
             os.write(2, b"tandem: interrupted again; exiting now\n")
+            if self.last_words is not None:
+                self.last_words.exit_now(128 + signum)   # returns only into its own write
+                return
             os._exit(128 + signum)
         self.signum = signum
         if not self.deferred:
@@ -76,9 +82,11 @@ class _Interrupt:
         """The shell's exit code for death by this signal: 130 for SIGINT, 143 for SIGTERM."""
         return 128 + (self.signum or signal.SIGINT)
 
+    def describe(self, what: str) -> str:
+        return f"interrupted by {signal.Signals(self.signum or signal.SIGINT).name} {what}"
+
     def report(self, what: str) -> int:
-        name = signal.Signals(self.signum or signal.SIGINT).name
-        print(f"tandem: interrupted by {name} {what}", file=sys.stderr, flush=True)
+        print(f"tandem: {self.describe(what)}", file=sys.stderr, flush=True)
         return self.code
 
 
@@ -88,22 +96,29 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool,
     error), or 128 + the signal that interrupted it (130 for Ctrl-C)."""
     with _Interrupt() as interrupt:
         started = None
+        if as_json:   # until the prompts are read, interrupted means an error object
+            interrupt.last_words = json_error(lambda: interrupt.describe("while starting"))
         try:
             prepared = _prepare(config, request)
             if isinstance(prepared, int):
                 return prepared
             orch, seqs = prepared
+            out = RunOutput(seqs, as_json, stream)
+            if as_json:   # from now on, one object per prompt with what it generated
+                interrupt.last_words = out.json
             started = _start(config, env, quiet, orch)
             interrupt.deferred = True
         except KeyboardInterrupt:
             if isinstance(started, tuple):
                 started[1].shutdown()
+            if interrupt.last_words is not None:
+                interrupt.last_words.write()
             return interrupt.report("while starting")
         if isinstance(started, int):
             return started
         orch, cluster = started
         try:
-            return _generate(orch, cluster, seqs, request, as_json, stream, interrupt)
+            return _generate(orch, cluster, seqs, out, request, interrupt)
         finally:
             cluster.shutdown()
 
@@ -123,12 +138,12 @@ def _prepare(config: TandemConfig, request: dict):
         return EXIT_USAGE
 
 
-def _generate(orch, cluster, seqs, request: dict, as_json: bool, stream: bool,
+def _generate(orch, cluster, seqs, out: RunOutput, request: dict,
               interrupt: _Interrupt) -> int:
     orch.attach(cluster.pool)
+    out.profile = orch.profile
     if request.get("demo"):
         print_demo_header(request["prompts"])
-    out = RunOutput(seqs, as_json, stream, orch.profile)
     now = time.perf_counter()
     for seq in seqs:   # made before the workers started: their clock starts now
         seq.t_start = now

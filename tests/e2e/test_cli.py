@@ -3,6 +3,8 @@ the built-in demo prints real text."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +103,62 @@ def test_wrong_world_size_names_expected(form, ranks, tiny, tmp_path):
     res = launch.run(form, ranks, ["run", cfg, "--prompt-ids", "1,2"], timeout=120)
     assert res.returncode != 0
     assert "expected W=3" in res.stderr
+
+
+def _wait_for(proc, when: str, timeout_s: float = 120) -> None:
+    """Until `proc` (a `tandem run`) is starting its workers ("starting": a child runs) or
+    generating ("generating": its stderr said ready)."""
+    from tests.processes import descendants
+
+    deadline = time.monotonic() + timeout_s
+    if when == "starting":
+        while not descendants(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, "no worker started"
+            time.sleep(0.02)
+        return
+    for line in proc.stderr:
+        if line.startswith("tandem: ready: "):
+            time.sleep(0.5)    # a few rounds in
+            return
+    raise AssertionError(f"tandem run ended before it was ready: {proc.wait()}")
+
+
+@pytest.mark.parametrize("when, gap_s", [("starting", 0.0), ("starting", 0.3),
+                                          ("generating", 0.0)])
+def test_json_survives_a_second_sigint(tiny, tmp_path, when, gap_s):
+    """`timeout -s INT` signals the process and then its group: tandem run --json still
+    prints its one object per prompt (what was generated, finish_reason cancelled) and
+    exits at once, with every worker gone."""
+    model = checkpoints.build_checkpoint(tmp_path / "no-eos", "llama", seed=0,
+                                         eos_token_id=None)   # generates all 500 tokens
+    config = dict(base(model), runtime={"max_seq_len": 512})
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", write(tmp_path, config),
+                             "--prompt-ids", "1,2,3", "--max-new-tokens", "500", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=launch.clean_env())
+    try:
+        _wait_for(proc, when)
+        os.kill(proc.pid, signal.SIGINT)      # as timeout does: the process, then its group
+        time.sleep(gap_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        seconds = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    launch.assert_group_gone(proc.pid)
+    # 130; or killed by the SIGINT itself when it came as the process was ending anyway
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
+    assert seconds < 20, f"took {seconds:.1f} s to exit"
+    assert out.count("\n") == 1, (out, err)
+    obj = json.loads(out)
+    assert set(obj) >= {"text", "token_ids", "finish_reason", "stats"}, obj
+    assert obj["finish_reason"] == "cancelled" and len(obj["token_ids"]) < 500, obj
+    if when == "starting":
+        assert obj["token_ids"] == [], obj
+    assert "Traceback" not in err, err
 
 
 # the default demo as a user runs it: tests/e2e/test_demo_cache.py
