@@ -232,20 +232,8 @@ class Scheduler:
 
 def _verdict(results: dict[int, dict]) -> protocol.RoundReply:
     """The target leader's reply among a round's replies (one per worker rank)."""
-    replies = [_round_reply(r) for r in results.values()]
+    replies = [protocol.RoundReply.from_map(r) for r in results.values()]
     leaders = [r for r in replies if r.reports]
     if len(leaders) != 1:
         raise protocol.ProtocolError(f"a round got {len(leaders)} target leader replies")
     return leaders[0]
-
-
-def _round_reply(result: dict) -> protocol.RoundReply:
-    """A worker's typed round reply. A map without "kind" is the untyped form that
-    the stand-in pool of tests/unit/speculation/test_adaptive.py still answers with
-    (tokens, accepted, worker_s): read as a target leader's reply until it sends
-    RoundReply maps."""
-    if isinstance(result, dict) and "kind" not in result and "tokens" in result:
-        result = protocol.RoundReply(protocol.TARGET_LEADER, result.get("worker_s", 0.0),
-                                     tokens=result["tokens"],
-                                     accepted=result["accepted"]).to_map()
-    return protocol.RoundReply.from_map(result)

@@ -152,6 +152,8 @@ class RecordingPool:
         self.commands, self.accept, self.rng = [], accept, random.Random(1)
 
     def command(self, msg: dict, timeout_s: float) -> dict:
+        from runtime.control import protocol
+
         self.commands.append(msg)
         if msg["type"] != "round":
             return {0: {}}
@@ -162,7 +164,8 @@ class RecordingPool:
                 a += 1
             accepted.append(a)
             tokens.append([7] * (msg.get("steps", 1) if msg["k"] == 0 else a + 1))
-        return {0: {"tokens": tokens, "accepted": accepted, "worker_s": 0.0}}
+        reply = protocol.RoundReply(protocol.TARGET_LEADER, 0.0, tokens=tokens, accepted=accepted)
+        return {0: reply.to_map()}
 
 
 def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
