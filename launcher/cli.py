@@ -288,7 +288,7 @@ def _check_request(config, args, id_lists: list[list[int]] | None) -> None:
         return
     from runtime.models.loading.checkpoint import inspect_checkpoint
     from runtime.params import check_prompt_ids
-    from runtime.serving.orchestrator import check_fits
+    from runtime.params import check_fits
 
     vocab_size = inspect_checkpoint(config.target.model).vocab_size
     for i, ids in enumerate(id_lists):

@@ -31,7 +31,7 @@ from runtime.api.client_io import (IO_JOIN_S, WORKER_DEATH_GRACE_S, ClientIO, _c
 from runtime.api.outputs import GenerationOutput, StreamDelta
 from runtime.control import auth
 from runtime.errors import EngineClosedError, EngineDeadError
-from runtime.params import SamplingParams, check_prompt_ids
+from runtime.params import SamplingParams, check_fits, check_prompt_ids
 
 __all__ = ["Client", "CONNECT_TIMEOUT_S", "IO_JOIN_S", "WORKER_DEATH_GRACE_S"]
 
@@ -183,13 +183,10 @@ class Client(ClientIO):
         else:
             lists, single = _id_lists(prompt_token_ids)
             info = self._info or self.info()
-            for row in lists:
+            for index, row in enumerate(lists):
                 check_prompt_ids(row, info["vocab_size"])
-                if len(row) + params["max_new_tokens"] > info["max_seq_len"]:
-                    raise ValueError(
-                        f"max_new_tokens: prompt ({len(row)} tokens) + max_new_tokens "
-                        f"({params['max_new_tokens']}) exceeds max_seq_len "
-                        f"({info['max_seq_len']})")
+                check_fits(len(row), params["max_new_tokens"], info["max_seq_len"],
+                           "prompt_token_ids", index if len(lists) > 1 else None)
             msg["prompt_ids"] = lists
         return msg, single
 

@@ -13,30 +13,13 @@ import threading
 
 from runtime.config import TandemConfig
 from runtime.models.loading.checkpoint import inspect_checkpoint
-from runtime.params import SamplingParams, check_prompt_ids
+from runtime.params import SamplingParams, check_fits, check_prompt_ids
 from runtime.control.pool import WorkerPool
 from runtime.serving.scheduler import Event, Scheduler, Sequence
 from runtime.serving.textstream import TextStream
 from runtime.serving.tokenizer import load_tokenizer
 
 log = logging.getLogger("tandem.orchestrator")
-
-
-def check_fits(prompt_len: int, max_new_tokens: int, max_seq_len: int, name: str,
-               index: int | None = None) -> None:
-    """A ValueError unless a prompt of `prompt_len` tokens and `max_new_tokens` fit in
-    runtime.max_seq_len: naming `name` (the prompt) when the prompt alone leaves no room for a
-    new token, else max_new_tokens. `index`: which prompt of several (from 0; said from 1)."""
-    which = "the prompt" if index is None else f"prompt {index + 1}"
-    if prompt_len >= max_seq_len:
-        raise ValueError(f"{name}: {which} is {prompt_len} tokens, too long for "
-                         f"runtime.max_seq_len ({max_seq_len}), which must hold the prompt "
-                         f"and at least one new token; shorten it or raise "
-                         f"runtime.max_seq_len")
-    if prompt_len + max_new_tokens > max_seq_len:
-        raise ValueError(f"max_new_tokens: {which} ({prompt_len} tokens) + max_new_tokens "
-                         f"({max_new_tokens}) exceeds runtime.max_seq_len ({max_seq_len}); "
-                         f"at most {max_seq_len - prompt_len} new tokens fit")
 
 
 class Orchestrator:

@@ -111,3 +111,23 @@ def test_a_server_heard_once_gets_the_silence_limit(tmp_path):
         assert time.monotonic() - start > CONNECT_TIMEOUT_S + 1.5
         with pytest.raises(EngineDeadError, match="silent for"):   # and it stays dead
             client.info()
+
+
+@pytest.mark.parametrize("ids, max_new, pattern", [
+    ([[1] * 64], 1, r"^prompt_token_ids: the prompt is 64 tokens, too long for "
+                    r"runtime\.max_seq_len \(64\)"),
+    ([[1] * 4, [1] * 70], 1, r"^prompt_token_ids: prompt 2 is 70 tokens"),
+    ([[1] * 60], 8, r"^max_new_tokens: the prompt \(60 tokens\) \+ max_new_tokens \(8\) "
+                    r"exceeds runtime\.max_seq_len \(64\); at most 4 new tokens fit"),
+])
+def test_prompt_ids_that_cannot_fit_are_refused_before_sending(tmp_path, ids, max_new, pattern):
+    """The client checks token-id prompts against the server's runtime.max_seq_len with the
+    orchestrator's own check (params.check_fits): the same message, nothing sent."""
+    server = ping_server(f"ipc://{tmp_path}/server.sock")
+    try:
+        with Client(server.address) as client:
+            with pytest.raises(ValueError, match=pattern):
+                client.generate(prompt_token_ids=ids if len(ids) > 1 else ids[0],
+                                max_new_tokens=max_new)
+    finally:
+        server.close()

@@ -334,10 +334,10 @@ def test_bad_argument_gets_value_failure_naming_it(server, params, name):
     ({"prompt_ids": [[]]}, "prompt_token_ids"),
     ({"prompt_ids": [1, 2, 3]}, "prompt_token_ids"),
     ({"prompt_ids": []}, "prompt"),
-    ({"prompt_ids": [[1] * (MAX_SEQ_LEN + 1)]}, "max_new_tokens"),
+    ({"prompt_ids": [[1] * (MAX_SEQ_LEN + 1)]}, "runtime.max_seq_len"),
     ({"prompt_ids": DROP, "prompts": [""]}, "prompt"),
     ({"prompt_ids": DROP, "prompts": [7]}, "prompt"),
-    ({"prompt_ids": DROP, "prompts": ["x" * 100_000]}, "max_new_tokens"),   # too long
+    ({"prompt_ids": DROP, "prompts": ["x" * 100_000]}, "runtime.max_seq_len"),   # too long
     ({"prompts": ["hello"]}, "exactly one"),                                # both given
 ])
 def test_bad_prompt_gets_value_failure(server, fields, name):
