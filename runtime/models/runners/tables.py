@@ -29,16 +29,20 @@ class StaticTable:
         self.blocks_per_seq, self.device = model.blocks_per_seq, device
         self.buffer = torch.full((max_batch, model.blocks_per_seq), model.num_blocks,
                                  dtype=torch.int32, device=device)
-        self._last: torch.Tensor | None = None
+        self._last: torch.Tensor | tuple | None = None   # what the buffer holds
 
     def load(self, rows) -> None:
-        """Copy the rows' tables into the buffer's first rows. A device tensor passed again
-        (the same object: tables are values, never changed in place) is not copied again."""
-        if rows is self._last:
+        """Copy the rows' tables into the buffer's first rows. What the buffer already holds
+        is not copied again: a device tensor passed again (the same object: tables are
+        values, never changed in place), or the same slot list."""
+        key = rows if isinstance(rows, torch.Tensor) else tuple(rows)
+        if key is self._last or (isinstance(key, tuple) and isinstance(self._last, tuple)
+                                 and key == self._last):
             return
         table = device_table(rows, self.blocks_per_seq, self.device)
         self.buffer[: table.shape[0]].copy_(table, non_blocking=True)
-        self._last = rows if isinstance(rows, torch.Tensor) and rows is table else None
+        slots = isinstance(key, tuple) and (not key or isinstance(key[0], int))
+        self._last = key if slots or key is table else None
 
     def rows(self, bsz: int) -> torch.Tensor:
         """The buffer's first bsz rows (a view)."""
