@@ -109,6 +109,7 @@ class ExtendBatch:
         """block_table [B, M] int32; start_pos, n_valid [B]; scratch: the pool's scratch
         block (KVCache.scratch). No host sync: a padding token's block is looked up at a
         clamped index and replaced by the scratch block."""
+        block_table = block_table.contiguous()      # the kernels step rows by stride(0)
         offsets = torch.arange(seq_len, device=start_pos.device)           # [T]
         positions = start_pos[:, None] + offsets[None, :]                  # [B, T]
         valid = offsets[None, :] < n_valid[:, None]                        # [B, T]
