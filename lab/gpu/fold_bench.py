@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from lab.gpu.kernel_bench import graphed_us  # noqa: E402
-from runtime.models.arch.cache import ExtendBatch, KVCache  # noqa: E402
+from runtime.models.arch.cache import ExtendBatch, KVCache, blocks_for  # noqa: E402
 from runtime.models.arch.kernels import rope  # noqa: E402
 from runtime.models.arch.kernels.attention import slot_attention  # noqa: E402
 
@@ -35,15 +35,16 @@ def case(batch: int, seq: int, kv_len: int, fp8: bool, device: torch.device = No
     """Times both forms (timer(fn) -> µs; graphed_us on CUDA) for rows of kv_len positions
     whose last seq are the step's tokens, and compares them bit for bit."""
     dev, dtype = device or torch.device("cuda"), torch.bfloat16
-    caches = [KVCache(batch, cache_len, N_KV, DIM, dtype, dev) for _ in range(2)]
+    per_row = blocks_for(cache_len, 16)                # blocks of runtime.kv_block_size's 16
+    caches = [KVCache(batch * per_row, 16, N_KV, DIM, dtype, dev) for _ in range(2)]
     caches[0].k_cache.normal_()
     caches[0].v_cache.normal_()
     caches[1].k_cache.copy_(caches[0].k_cache)
     caches[1].v_cache.copy_(caches[0].v_cache)
     start = torch.full((batch,), kv_len - seq, device=dev)
-    slots = torch.arange(batch, device=dev)
+    slots = torch.arange(batch * per_row, device=dev, dtype=torch.int32).view(batch, per_row)
     rows = ExtendBatch.build(slots, start, torch.full((batch,), seq, device=dev), seq, kv_len,
-                             cache_len, contiguous=True)
+                             16, caches[0].scratch)
     pos, ok = rows.int32_rows()
     angle = torch.rand(batch, seq, DIM, device=dev) * 6
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
@@ -62,7 +63,7 @@ def case(batch: int, seq: int, kv_len: int, fp8: bool, device: torch.device = No
 
     def separate():
         c = caches[0]
-        writes = (c.k_cache, c.v_cache, rows.write_slots, rows.write_pos)
+        writes = (c.k_cache, c.v_cache, rows.write_blocks, rows.write_offsets)
         q = (rope.rotary_write_fp8(*args, *writes) if fp8
              else rope.rotary_write(*args, cos, sin, *writes))
         return slot_attention(q, c.k_cache, c.v_cache, slots, pos, ok, seq, quantize=fp8)

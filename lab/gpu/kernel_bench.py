@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.bench.metrics import copy_bandwidth  # noqa: E402
 from runtime.models.arch.attention import grouped_attention  # noqa: E402
-from runtime.models.arch.cache import ExtendBatch, KVCache  # noqa: E402
+from runtime.models.arch.cache import ExtendBatch, KVCache, blocks_for  # noqa: E402
 from runtime.models.arch import fused  # noqa: E402
 from runtime.models.arch.fused import fp8_quantize_rows, stack_heads  # noqa: E402
 from runtime.models.arch.kernels import attention as kernel_module  # noqa: E402
@@ -35,6 +35,7 @@ from runtime.models.arch.kernels.attention import slot_attention  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "70b-tp1": (64, 8, 128), "1b": (32, 8, 64)}  # H, Hkv, D
 REPEAT = 20
+BLOCK_SIZE = 16   # runtime.kv_block_size's default
 
 
 def graphed_us(fn) -> float:
@@ -62,14 +63,16 @@ def graphed_us(fn) -> float:
 
 def setup(shape: str, batch: int, seq: int, kv_len: int, dtype: torch.dtype, cache_len: int
           ) -> tuple:
-    """A random cache and the step's tensors: (cache, q [B, Hkv, r*T, D], slots, start,
-    n_valid, positions, valid), rows of kv_len positions whose last seq are the new tokens."""
+    """A random block pool and the step's tensors: (cache, q [B, Hkv, r*T, D], block tables
+    [B, M] (each row's blocks in order), start, n_valid, positions, valid), rows of kv_len
+    positions whose last seq are the new tokens."""
     n_heads, n_kv, dim = SHAPES[shape]
     dev = torch.device("cuda")
-    cache = KVCache(max(batch, 1), cache_len, n_kv, dim, dtype, dev)
+    per_row = blocks_for(cache_len, BLOCK_SIZE)
+    cache = KVCache(max(batch, 1) * per_row, BLOCK_SIZE, n_kv, dim, dtype, dev)
     cache.k_cache.normal_()
     cache.v_cache.normal_()
-    slots = torch.arange(batch, device=dev)
+    slots = torch.arange(batch * per_row, device=dev, dtype=torch.int32).view(batch, per_row)
     start = torch.full((batch,), kv_len - seq, device=dev)
     n_valid = torch.full((batch,), seq, device=dev)
     q = stack_heads(torch.randn(batch, seq, n_heads, dim, device=dev, dtype=dtype), n_kv)
@@ -89,7 +92,7 @@ def case(shape: str, batch: int, seq: int, kv_len: int, dtype: torch.dtype, cach
 
     def eager():
         batch_ = ExtendBatch.build(slots, start, n_valid, seq, min(bucket, cache_len),
-                                   cache_len, contiguous=True)
+                                   BLOCK_SIZE, cache.scratch)
         k_all, v_all = cache.read(batch_)
         return grouped_attention(q, k_all, v_all, batch_.mask(), seq)
 

@@ -201,17 +201,19 @@ def _size(nbytes: float) -> str:
 
 def kv_cache_bytes(cfg: TandemConfig, model: ModelConfig, info) -> int | None:
     """At least the bytes of one model's KV cache on each of its devices: K and V of every
-    layer, max_batch_size slots of max_seq_len positions (the worker adds room for one or
-    two draft windows: runtime.worker.loading), in the activation dtype. None when the
+    layer, max_batch_size rows of max_seq_len positions in blocks of kv_block_size, and the
+    scratch block (the worker adds room for one or two draft windows:
+    runtime.worker.loading), in the activation dtype. None when the
     shape is unknown or the model runs on the transformers fallback (its own cache)."""
-    from runtime.models.arch.cache import KVCache
+    from runtime.models.arch.cache import KVCache, blocks_for
     from runtime.models.arch.model_args import SUPPORTED_MODEL_TYPES
 
     if info.model_type not in SUPPORTED_MODEL_TYPES or not info.head_dim:
         return None
     kv_heads = max(1, info.num_key_value_heads // model.tp_size)   # a TP shard's heads
-    shape = KVCache.shape(cfg.runtime.max_batch_size, cfg.runtime.max_seq_len, kv_heads,
-                          info.head_dim)
+    rt = cfg.runtime
+    blocks = rt.max_batch_size * blocks_for(rt.max_seq_len, rt.kv_block_size)
+    shape = KVCache.shape(blocks, rt.kv_block_size, kv_heads, info.head_dim)
     element = 4 if model.dtype == "float32" else 2
     return 2 * info.num_hidden_layers * math.prod(shape) * element
 

@@ -194,6 +194,7 @@ class RuntimeConfig(_Checked):
     SECTION: ClassVar[str] = "runtime"
     max_batch_size: int = _checked(8, _int_at_least(1))
     max_seq_len: int = _checked(4096, _int_at_least(2))
+    kv_block_size: int = _checked(16, _int_at_least(1))   # tokens per KV block (paged cache)
     startup_timeout_s: float = _checked(300.0, _positive_float)
     step_timeout_s: float = _checked(120.0, _positive_float)
     heartbeat_s: float = _checked(1.0, _positive_float)

@@ -76,9 +76,10 @@ def _shard(config: TandemConfig, cls, key: str, model, step_lens: list[int],
     # during verification: overlap) and the pending tokens
     windows = 2 if config.overlapped else 1
     cache_len = rt.max_seq_len + windows * config.speculation.max_draft_len + 2
-    check_kv_budget(key, model, rt.max_batch_size, cache_len, model_cfg.kv_cache_memory, device)
+    check_kv_budget(key, model, rt.max_batch_size, cache_len, model_cfg.kv_cache_memory, device,
+                    rt.kv_block_size)
     shard = cls(model, device, rt.max_batch_size, cache_len, config.speculation.acceptance,
-                max(step_lens), rt.cuda_graphs)
+                max(step_lens), rt.cuda_graphs, block_size=rt.kv_block_size)
     start = time.perf_counter()
     count = shard.runner.capture_all(step_lens, progress=_callback(progress, "graphs"))
     if count:

@@ -9,6 +9,7 @@ from runtime.speculation.acceptance import accept_choices
 from runtime.speculation.choose import BatchSampling, draft_choose, target_verify
 from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
+from runtime.worker.block_tables import FixedBlockTables
 from runtime.worker.slot_state import GREEDY, Extension, SlotBook, SlotState
 
 __all__ = ["GREEDY", "SlotState", "ModelShard", "DraftShard", "TargetShard"]
@@ -19,10 +20,12 @@ class ModelShard:
 
     def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int,
                  acceptance: str = "tokens", max_step_len: int = 2, cuda_graphs: bool = True,
-                 prefill_graphs: bool | None = None):
+                 prefill_graphs: bool | None = None, block_size: int = 16):
         """max_step_len: the most tokens a decode/verify step appends per slot (draft_len + 1
         for the target); such steps run at static shapes (CUDA graphs on CUDA). Prompts run
-        in static chunks too unless prefill_graphs is False."""
+        in static chunks too unless prefill_graphs is False. block_size: positions per KV
+        block (runtime.kv_block_size); the model reads and writes through block tables
+        (block_tables.FixedBlockTables: a fixed table per slot)."""
         self.model = model
         self.acceptance = acceptance
         self.device = device
@@ -31,7 +34,12 @@ class ModelShard:
         # per slot, what an overlapped round carries to the next (runtime.worker.overlap):
         # the draft's next window, the target's held logits; gone with the slot's sequence
         self.carried: dict[int, object] = {}
-        model.allocate_cache(num_slots, max_seq_len)
+        self.tables: FixedBlockTables | None = None   # None: a model with its own cache
+        if hasattr(model, "forward_static"):
+            model.allocate_cache(num_slots, max_seq_len, block_size)
+            self.tables = FixedBlockTables(num_slots, model.blocks_per_seq, device)
+        else:
+            model.allocate_cache(num_slots, max_seq_len)
         self.runner = StepRunner(model, device, num_slots, max_step_len, cuda_graphs,
                                  prefill_graphs)
 
@@ -50,9 +58,10 @@ class ModelShard:
         if n_valid is None:
             n_valid = [ids.shape[1]] * len(slots)
         starts = self.slots.append(slots, n_valid)
+        rows = slots if self.tables is None else self.tables.rows(slots)
         if not logits:
-            return self.runner.prefill(ids, slots, starts, n_valid)
-        return self.runner.run(ids, slots, starts, n_valid)
+            return self.runner.prefill(ids, rows, starts, n_valid)
+        return self.runner.run(ids, rows, starts, n_valid)
 
     def sampling(self, slots: list[int]) -> BatchSampling:
         return BatchSampling.of([self.slots[s].sampling for s in slots], self.device)

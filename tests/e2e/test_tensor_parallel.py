@@ -351,11 +351,11 @@ def test_kv_heads_split_and_replicated(tp2, tp3):
 
 
 def test_kv_cache_sized_per_rank(tp2, tp3):
-    # [num_slots * max_seq_len + 1, local KV heads, head_dim]
+    # [3 slots x 2 blocks of 16 positions + the scratch block, local KV heads, 16, head_dim]
     for res in tp2:
-        assert res["llama_v97"]["cache_shape"] == [3, 1, 32 + 1, 16]
+        assert res["llama_v97"]["cache_shape"] == [3 * 2 + 1, 1, 16, 16]
     for res in tp3:
-        assert res["qwen2_tied"]["cache_shape"] == [3, 1, 32 + 1, 16]
+        assert res["qwen2_tied"]["cache_shape"] == [3 * 2 + 1, 1, 16, 16]
 
 
 def test_uneven_mlp_split_and_tied_embeddings(tp3):

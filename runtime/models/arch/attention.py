@@ -1,4 +1,4 @@
-"""Grouped-query self-attention over the slot KV cache.
+"""Grouped-query self-attention over the paged KV cache (runtime.models.arch.cache).
 
 Shapes are local: `n_heads`, `n_kv_heads` and `head_dim` are plain attributes read at every
 call, so tensor parallelism can shard q/k/v/o_proj from outside and divide the head counts.
@@ -44,12 +44,13 @@ class Attention(nn.Module):
         """One GEMM for q, k and v (float or FP8); their weights become views of it."""
         self.qkv = stack_rows(self.q_proj, self.k_proj, self.v_proj)
 
-    def allocate_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None,
+    def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                        device: torch.device | None = None) -> None:
-        """K and V in `dtype` on `device`: the model's activation dtype (default: that of
-        q_proj's weight, which an FP8 model does not have, so LlamaForCausalLM passes it)."""
+        """A pool of num_blocks blocks of block_size positions (+ the scratch block), K and V
+        in `dtype` on `device`: the model's activation dtype (default: that of q_proj's
+        weight, which an FP8 model does not have, so LlamaForCausalLM passes it)."""
         ref = self.q_proj.weight  # device of the (possibly sharded) weights
-        self.kv_cache = KVCache(num_slots, max_seq_len, self.n_kv_heads, self.head_dim,
+        self.kv_cache = KVCache(num_blocks, block_size, self.n_kv_heads, self.head_dim,
                                 dtype=dtype or ref.dtype, device=device or ref.device)
 
     def fp8_fused(self, x: torch.Tensor) -> bool:
@@ -78,7 +79,7 @@ class Attention(nn.Module):
             q = rope_kernel().new_tokens(q, k, v, cos, sin)    # rotated in attention's kernel
         else:
             q = rotary_write(q, k, v, cos, sin, cache.k_cache, cache.v_cache,
-                             batch.write_slots, batch.write_pos)         # [B, Hkv, r*T, D]
+                             batch.write_blocks, batch.write_offsets)    # [B, Hkv, r*T, D]
         out = self._attend(q, batch, seq)                                  # [B, T, H, D]
         return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
 
@@ -91,8 +92,8 @@ class Attention(nn.Module):
                 and rope_kernel().fits_fp8(*qkv, self.head_dim, cos, sin)):
             q = rope_kernel().new_tokens_fp8(*args)         # rescaled and rotated in attention
         else:
-            q = rotary_write_fp8(*args, cache.k_cache, cache.v_cache, batch.write_slots,
-                                 batch.write_pos)                          # [B, Hkv, r*T, D]
+            q = rotary_write_fp8(*args, cache.k_cache, cache.v_cache, batch.write_blocks,
+                                 batch.write_offsets)                      # [B, Hkv, r*T, D]
         out8, out_scale = self._attend(q, batch, cos.shape[1], quantize=True)  # [M, H*D], [M, 1]
         return self.o_proj.forward_fp8(FP8Act(out8, out_scale, x.dtype))  # [M, hidden]
 
@@ -122,14 +123,14 @@ class Attention(nn.Module):
         if kernels.enabled() and self._slot_kernel(seq):
             from runtime.models.arch.kernels.attention import fp8_combine_pays
 
-            in_combine = quantize and fp8_combine_pays(q, cache.k_cache, seq)
-            out = slot_attention(q, cache.k_cache, cache.v_cache, batch.slots,
+            in_combine = quantize and fp8_combine_pays(q, batch.capacity, seq)
+            out = slot_attention(q, cache.k_cache, cache.v_cache, batch.block_table,
                                  *batch.int32_rows(), seq, self.sliding_window,
                                  quantize=in_combine)
             if in_combine:
                 return out
         else:
-            k_all, v_all = cache.read(batch)                               # [B, Hkv, L, D]
+            k_all, v_all = cache.read(batch)                   # gathered [B, Hkv, L, D]
             out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
         return fused.fp8_quantize_heads(out) if quantize else out
 

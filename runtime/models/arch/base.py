@@ -12,13 +12,16 @@ class CausalLM(Protocol):
 
     def allocate_cache(self, num_slots: int, max_seq_len: int) -> None: ...
 
-    def forward_extend(self, input_ids: torch.Tensor, slots: torch.Tensor,
+    def forward_extend(self, input_ids: torch.Tensor, rows: torch.Tensor,
                        start_pos: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] right-padded, slots/start_pos/n_valid [B] -> logits [B, T, V].
+        """input_ids [B, T] right-padded, start_pos/n_valid [B] -> logits [B, T, V]. rows:
+        the rows' block tables [B, M] (paged models: LlamaForCausalLM; slots [B] stand for
+        their fixed tables, cache.slot_block_table), or slots [B] (the transformers
+        fallback, which keeps a cache per slot).
 
-        Slot slots[b]'s cache at positions >= start_pos[b] is discarded, then the tokens
+        Row b's cache at positions >= start_pos[b] is discarded, then the tokens
         input_ids[b, :n_valid[b]] are written at start_pos[b] ...; the query at position p
-        attends to positions [0, p] of its slot. Rows t >= n_valid[b] are undefined."""
+        attends to positions [0, p] of its row. Rows t >= n_valid[b] are undefined."""
         ...
 
     def free_slot(self, slot: int) -> None: ...
@@ -28,24 +31,27 @@ def check_extend_args(input_ids: torch.Tensor, slots: torch.Tensor, start_pos: t
                       n_valid: torch.Tensor, num_slots: int | None,
                       max_seq_len: int | None) -> int:
     """Validate forward_extend arguments with one host sync; return max(start_pos + n_valid).
+    `slots` [B] in 0..num_slots-1, or block tables [B, M] in 0..num_slots-1 (num_slots then
+    counts blocks); max_seq_len: the most positions a row may hold.
 
-    Distinctness of `slots` is the caller's contract and is not checked."""
+    Distinctness of `slots` (of blocks across rows) is the caller's contract: not checked."""
     if num_slots is None or max_seq_len is None:
         raise RuntimeError("allocate_cache() must be called before forward_extend()")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     bsz, seq = input_ids.shape
     for name, t in (("slots", slots), ("start_pos", start_pos), ("n_valid", n_valid)):
-        if tuple(t.shape) != (bsz,):
+        if tuple(t.shape[:1 if t is slots else None]) != (bsz,):
             raise ValueError(f"{name} must have shape [{bsz}], got {tuple(t.shape)}")
     if bsz == 0:
         raise ValueError("empty batch")
     end = start_pos + n_valid
     kv_len, min_start, min_n, max_n, min_slot, max_slot = torch.stack(
-        [end.max(), start_pos.min(), n_valid.min(), n_valid.max(), slots.min(), slots.max()]
-    ).tolist()
+        [end.max(), start_pos.min(), n_valid.min(), n_valid.max(), slots.min().long(),
+         slots.max().long()]).tolist()
     if min_slot < 0 or max_slot >= num_slots:
-        raise ValueError(f"slot out of range 0..{num_slots - 1}: {slots.tolist()}")
+        what = "block" if slots.dim() == 2 else "slot"
+        raise ValueError(f"{what} out of range 0..{num_slots - 1}: {slots.tolist()}")
     if min_start < 0:
         raise ValueError(f"negative start_pos: {start_pos.tolist()}")
     if min_n < 0 or max_n > seq:

@@ -1,78 +1,130 @@
-"""Slot-based KV cache and the per-call batch layout shared by all layers.
+"""Paged KV cache (a block pool per layer) and the per-call batch layout shared by all layers.
 
-Each attention layer owns one KVCache. A slot is one sequence; the caller keeps its length.
-Rollback needs no work here: positions >= start_pos of a slot are simply overwritten by the
-next forward_extend before any query can attend to them.
+Each attention layer owns one KVCache: a pool of fixed-size blocks of `block_size` positions.
+A row of a call addresses the pool through its block table [max_blocks_per_seq] int32: its
+position p lives in block table[p // block_size] at offset p % block_size. The caller keeps
+the rows' lengths and builds their tables (runtime.worker: today a fixed table per slot,
+`slot_block_table`; the rank-0 block manager replaces it). Rollback needs no work here:
+positions >= start_pos of a row are simply overwritten by the next forward_extend before
+any query can attend to them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
 
 
-class KVCache(nn.Module):
-    """Keys and values of one layer for `num_slots` sequences of up to `max_seq_len` tokens.
+def blocks_for(positions: int, block_size: int) -> int:
+    """Blocks that hold `positions` positions: ceil(positions / block_size)."""
+    return -(-positions // block_size)
 
-    Storage is [num_slots, n_kv_heads, max_seq_len + 1, head_dim]: one slot's heads are
-    contiguous runs of positions, so a batch of slots 0..B-1 reads its keys as a plain view
-    (no gather) that matmul takes as one strided batch. Position max_seq_len of every slot is
-    scratch space that absorbs the padding tokens of a ragged batch, so writing needs no host
-    sync and never touches valid data.
+
+def slot_block_table(slots: Sequence[int], blocks_per_seq: int) -> list[list[int]]:
+    """The fixed block tables of slots [B] -> [B][blocks_per_seq]: slot s owns blocks
+    s * M .. s * M + M - 1 (M = blocks_per_seq), the same capacity as a slot cache had.
+    The one place this mapping lives until rank 0 allocates blocks (issue 35)."""
+    return [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)) for s in slots]
+
+
+def as_block_table(rows, blocks_per_seq: int, device: torch.device) -> torch.Tensor:
+    """rows: block tables [B, M] (a tensor or lists), or slots [B] (a tensor or ints: their
+    fixed tables, slot_block_table) -> an int32 [B, M] tensor on `device`."""
+    if not isinstance(rows, torch.Tensor):
+        rows = list(rows)
+        if rows and isinstance(rows[0], int):
+            rows = slot_block_table(rows, blocks_per_seq)
+        rows = torch.tensor(rows, dtype=torch.int32)
+    elif rows.dim() == 1:
+        rows = torch.tensor(slot_block_table(rows.tolist(), blocks_per_seq), dtype=torch.int32)
+    return rows.to(device=device, dtype=torch.int32)
+
+
+class KVCache(nn.Module):
+    """Keys and values of one layer: a pool of `num_blocks` blocks of `block_size` positions.
+
+    Storage is [num_blocks + 1, n_kv_heads, block_size, head_dim]: a block's heads are
+    contiguous runs of positions (the Triton kernels read BLOCK_N positions of one head as
+    whole rows). Block num_blocks (`scratch`) absorbs the padding tokens of a ragged batch,
+    so writing needs no host sync and never touches valid data.
     """
 
-    def __init__(self, num_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
+    def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str | None = None):
         super().__init__()
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        shape = self.shape(num_slots, max_seq_len, n_kv_heads, head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = self.shape(num_blocks, block_size, n_kv_heads, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
                              persistent=False)
 
+    @property
+    def scratch(self) -> int:
+        """The block padding tokens write to."""
+        return self.num_blocks
+
     @staticmethod
-    def shape(num_slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int
+    def shape(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int
               ) -> tuple[int, int, int, int]:
-        """Shape of k_cache and of v_cache (a scratch position per slot included)."""
-        return (num_slots, n_kv_heads, max_seq_len + 1, head_dim)
+        """Shape of k_cache and of v_cache (the scratch block included)."""
+        return (num_blocks + 1, n_kv_heads, block_size, head_dim)
 
     def read(self, batch: "ExtendBatch") -> tuple[torch.Tensor, torch.Tensor]:
-        """This batch's keys and values [B, Hkv, L, D], L = kv_len: views for slots 0..B-1,
-        else gathers. (Writing is fused with RoPE: runtime.models.arch.fused.rotary_write.)"""
-        if batch.contiguous:
-            rows = batch.slots.shape[0]
-            return (self.k_cache[:rows, :, : batch.kv_len],
-                    self.v_cache[:rows, :, : batch.kv_len])
-        return (self.k_cache[batch.slots, :, : batch.kv_len],
-                self.v_cache[batch.slots, :, : batch.kv_len])
+        """This batch's keys and values [B, Hkv, L, D], L = kv_len: each row's first
+        ceil(L / block_size) blocks gathered in table order (a copy). (Writing is fused with
+        RoPE: runtime.models.arch.fused.rotary_write.)"""
+        n = blocks_for(batch.kv_len, self.block_size)
+        table = batch.block_table[:, :n].long()                             # [B, n]
+        return tuple(_rows_of(cache, table, batch.kv_len)
+                     for cache in (self.k_cache, self.v_cache))
+
+
+def _rows_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [N+1, H, BS, D] gathered by table [B, n] -> [B, H, length, D]."""
+    bsz, n = table.shape
+    _, heads, block, dim = cache.shape
+    blocks = cache[table]                                                   # [B, n, H, BS, D]
+    rows = blocks.permute(0, 2, 1, 3, 4).reshape(bsz, heads, n * block, dim)
+    return rows[:, :, :length]
 
 
 @dataclass
 class ExtendBatch:
     """Layout of one forward_extend call, computed once and shared by every layer."""
-    slots: torch.Tensor        # [B] cache slot of each row
+    block_table: torch.Tensor  # [B, M] int32 block of each row's logical block
     positions: torch.Tensor    # [B, T] absolute position of each token
     valid: torch.Tensor        # [B, T] bool, t < n_valid[b]
-    write_slots: torch.Tensor  # [B*T] cache slot of each token
-    write_pos: torch.Tensor    # [B*T] cache position of each token (scratch for padding)
-    kv_len: int                # attend over cache positions [0, kv_len)
-    contiguous: bool = False   # slots == 0..B-1: read the cache without a gather
+    write_blocks: torch.Tensor  # [B*T] block of each token (the scratch block for padding)
+    write_offsets: torch.Tensor  # [B*T] offset of each token in its block
+    kv_len: int                # attend over positions [0, kv_len)
+    block_size: int
     _derived: dict = field(default_factory=dict, repr=False)   # masks, int32 rows: built once
 
     @classmethod
-    def build(cls, slots: torch.Tensor, start_pos: torch.Tensor, n_valid: torch.Tensor,
-              seq_len: int, kv_len: int, max_seq_len: int, contiguous: bool = False
-              ) -> "ExtendBatch":
+    def build(cls, block_table: torch.Tensor, start_pos: torch.Tensor, n_valid: torch.Tensor,
+              seq_len: int, kv_len: int, block_size: int, scratch: int) -> "ExtendBatch":
+        """block_table [B, M] int32; start_pos, n_valid [B]; scratch: the pool's scratch
+        block (KVCache.scratch). No host sync: a padding token's block is looked up at a
+        clamped index and replaced by the scratch block."""
+        block_table = block_table.contiguous()      # the kernels step rows by stride(0)
         offsets = torch.arange(seq_len, device=start_pos.device)           # [T]
         positions = start_pos[:, None] + offsets[None, :]                  # [B, T]
         valid = offsets[None, :] < n_valid[:, None]                        # [B, T]
-        write_pos = torch.where(valid, positions, torch.full_like(positions, max_seq_len))
-        write_slots = slots[:, None].expand_as(positions)                  # [B, T]
-        return cls(slots=slots, positions=positions, valid=valid,
-                   write_slots=write_slots.flatten(), write_pos=write_pos.flatten(),
-                   kv_len=kv_len, contiguous=contiguous)
+        logical = (positions // block_size).clamp(max=block_table.shape[1] - 1)
+        blocks = block_table.long().gather(1, logical)                     # [B, T]
+        write_blocks = torch.where(valid, blocks, torch.full_like(blocks, scratch))
+        return cls(block_table=block_table, positions=positions, valid=valid,
+                   write_blocks=write_blocks.flatten(),
+                   write_offsets=(positions % block_size).flatten(),
+                   kv_len=kv_len, block_size=block_size)
+
+    @property
+    def capacity(self) -> int:
+        """Positions a row's table addresses (M * block_size)."""
+        return self.block_table.shape[1] * self.block_size
 
     def int32_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions, valid) as contiguous int32 [B, T]: what the Triton attention kernel

@@ -49,28 +49,28 @@ def stack_heads(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     return q.reshape(bsz, n_kv, n_heads // n_kv * seq, dim)
 
 
-def write_cache(cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+def write_cache(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
                 x: torch.Tensor) -> None:
-    """cache [S, Hkv, L, D][slot, :, pos] = x [B, T, Hkv, D] for every token, in place (see
-    runtime.models.arch.cache.ExtendBatch: padding tokens go to a scratch position). The write
-    indexes the cache tensor itself, not a transposed view of it: through a view, inductor
-    (torch 2.11, CUDA) copied the whole cache out and back in for every write."""
+    """cache [N+1, Hkv, BS, D][block, :, offset] = x [B, T, Hkv, D] for every token, in place
+    (see runtime.models.arch.cache.ExtendBatch: padding tokens go to the scratch block). The
+    write indexes the cache tensor itself, not a transposed view of it: through a view,
+    inductor (torch 2.11, CUDA) copied the whole cache out and back in for every write."""
     heads = torch.arange(cache.shape[1], device=cache.device)                 # [Hkv]
-    cache.index_put_((slots[:, None], heads[None, :], positions[:, None]),
+    cache.index_put_((blocks[:, None], heads[None, :], offsets[:, None]),
                      x.flatten(0, 1).to(cache.dtype))                       # [B*T, Hkv, D]
 
 
 def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                 blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """RoPE (transformers' rotate_half) of q [B, T, H, D] and k [B, T, Hkv, D] with cos, sin
-    [B, T, D]; the rotated k and v [B, T, Hkv, D] are written to the caches at (slots,
-    positions) [B*T], and q is returned with its heads stacked for attention
+    [B, T, D]; the rotated k and v [B, T, Hkv, D] are written to the block pools at (blocks,
+    offsets) [B*T] (ExtendBatch.write_blocks / write_offsets), and q is returned with its heads stacked for attention
     [B, Hkv, r*T, D] (stack_heads). Compiled, the rotations, the layout change and both
     cache writes are a kernel or two (in place: torch.compile keeps the cache mutations)."""
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    write_cache(k_cache, slots, positions, _rotate(k, cos, sin))
-    write_cache(v_cache, slots, positions, v)
+    write_cache(k_cache, blocks, offsets, _rotate(k, cos, sin))
+    write_cache(v_cache, blocks, offsets, v)
     return stack_heads(_rotate(q, cos, sin), k.shape[2])
 
 
@@ -166,7 +166,7 @@ def silu_mul_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor
 def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int, n_kv: int,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+                     v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
                      ) -> torch.Tensor:
     """rotary_write of the raw q/k/v GEMM output [B*T, (H + 2 Hkv) D] float32, rescaled
     (+ bias) and cast to dtype first: the qkv epilogue folded into RoPE and the cache writes.
@@ -175,8 +175,8 @@ def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Te
     qkv = _rescale(raw, x_scale, w_scale, bias, dtype).view(bsz, seq, -1)
     q, k, v = qkv.split([n_heads * dim, n_kv * dim, n_kv * dim], dim=-1)
     return _rotary_write(q.view(bsz, seq, n_heads, dim), k.view(bsz, seq, n_kv, dim),
-                         v.view(bsz, seq, n_kv, dim), cos, sin, k_cache, v_cache, slots,
-                         positions)
+                         v.view(bsz, seq, n_kv, dim), cos, sin, k_cache, v_cache, blocks,
+                         offsets)
 
 
 def fp8_quantize_heads(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ from torch import nn
 from runtime.models.arch import fused
 from runtime.models.arch.attention import Attention
 from runtime.models.arch.base import check_extend_args
-from runtime.models.arch.cache import ExtendBatch
+from runtime.models.arch.cache import ExtendBatch, as_block_table, blocks_for
 from runtime.models.arch.model_args import ModelArgs
 from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 from runtime.models.arch.rope import RotaryEmbedding, compute_inv_freq
@@ -145,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(inv_freq, scaling)
         self.num_slots: int | None = None
         self.max_seq_len: int | None = None
+        self.block_size, self.blocks_per_seq, self.num_blocks = 16, 0, 0   # allocate_cache
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -157,46 +158,62 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
-    def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
-        if num_slots < 1 or max_seq_len < 1:
-            raise ValueError(f"need num_slots >= 1 and max_seq_len >= 1, got "
-                             f"{num_slots}, {max_seq_len}")
+    def allocate_cache(self, num_slots: int, max_seq_len: int, block_size: int = 16) -> None:
+        """Block pools for num_slots rows of max_seq_len positions: num_slots x
+        blocks_per_seq blocks of block_size positions (blocks_per_seq = ceil(max_seq_len /
+        block_size), the width of a block table), the same in every layer."""
+        if num_slots < 1 or max_seq_len < 1 or block_size < 1:
+            raise ValueError(f"need num_slots, max_seq_len, block_size >= 1, got "
+                             f"{num_slots}, {max_seq_len}, {block_size}")
         if self.rope_exact_until is not None and max_seq_len > self.rope_exact_until:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds {self.rope_exact_until}, the "
                              f"length up to which this length-dependent RoPE is supported")
+        self.blocks_per_seq = blocks_for(max_seq_len, block_size)
+        self.num_blocks = num_slots * self.blocks_per_seq
         norm = self.model.norm.weight   # the activation dtype (FP8 weights have another)
         for layer in self.model.layers:
-            layer.self_attn.allocate_cache(num_slots, max_seq_len, norm.dtype, norm.device)
-        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+            layer.self_attn.allocate_cache(self.num_blocks, block_size, norm.dtype, norm.device)
+        self.num_slots, self.max_seq_len, self.block_size = num_slots, max_seq_len, block_size
 
     def free_slot(self, slot: int) -> None:
         """Nothing to do: the caller owns lengths and stale positions are never attended."""
 
-    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, rows, start_pos: torch.Tensor,
                 n_valid: torch.Tensor) -> torch.Tensor:
-        # input_ids [B, T]; slots, start_pos, n_valid [B] -> logits [B, T, V]
-        slots, start_pos, n_valid = (torch.as_tensor(t).to(input_ids.device, torch.long)
-                                     for t in (slots, start_pos, n_valid))
-        kv_len = check_extend_args(input_ids, slots, start_pos, n_valid,
-                                   self.num_slots, self.max_seq_len)
-        return self.forward_static(input_ids, slots, start_pos, n_valid, kv_len)
+        """input_ids [B, T]; rows: block tables [B, M] (or slots [B]: their fixed tables,
+        cache.slot_block_table); start_pos, n_valid [B] -> logits [B, T, V]."""
+        if self.max_seq_len is None:
+            raise RuntimeError("allocate_cache() must be called before forward_extend()")
+        start_pos, n_valid = (torch.as_tensor(t).to(input_ids.device, torch.long)
+                              for t in (start_pos, n_valid))
+        rows = torch.as_tensor(rows).to(input_ids.device)
+        if rows.dim() == 1:   # slots: checked as slots, then their fixed tables
+            kv_len = check_extend_args(input_ids, rows, start_pos, n_valid, self.num_slots,
+                                       self.max_seq_len)
+        else:
+            limit = min(self.max_seq_len, rows.shape[1] * self.block_size)
+            kv_len = check_extend_args(input_ids, rows, start_pos, n_valid, self.num_blocks,
+                                       limit)
+        table = as_block_table(rows, self.blocks_per_seq, input_ids.device)
+        return self.forward_static(input_ids, table, start_pos, n_valid, kv_len)
 
-    def forward_static(self, input_ids: torch.Tensor, slots: torch.Tensor,
-                       start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int,
-                       contiguous: bool = False) -> torch.Tensor:
+    def forward_static(self, input_ids: torch.Tensor, block_table: torch.Tensor,
+                       start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int
+                       ) -> torch.Tensor:
         """forward without checks or host synchronisation: the caller guarantees the
-        arguments are valid and kv_len >= max(start_pos + n_valid); `contiguous` promises
-        slots == 0..B-1 (the cache is then read without a gather). Shapes depend only on
-        input_ids.shape and kv_len, so a CUDA graph can capture it (runtime.models.runners.step_runner)."""
-        batch = ExtendBatch.build(slots, start_pos, n_valid, input_ids.shape[1], kv_len,
-                                  self.max_seq_len, contiguous)
+        arguments are valid (block_table [B, M] int32 with contiguous rows) and
+        kv_len >= max(start_pos + n_valid). Shapes depend only on input_ids.shape,
+        block_table.shape and kv_len, so a CUDA graph can capture it
+        (runtime.models.runners.step_runner) and replay it for any table."""
+        batch = ExtendBatch.build(block_table, start_pos, n_valid, input_ids.shape[1], kv_len,
+                                  self.block_size, self.num_blocks)
         input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
         cos, sin = self.rotary_emb(batch.positions, self.model.norm.weight.dtype)  # [B, T, D]
         hidden = self.model(input_ids, cos, sin, batch)                    # [B, T, hidden]
         return self.lm_head(hidden)                                        # [B, T, V]
 
     @torch.no_grad()
-    def forward_extend(self, input_ids: torch.Tensor, slots: torch.Tensor,
-                       start_pos: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-        """See runtime.models.arch.base.CausalLM.forward_extend."""
-        return self(input_ids, slots, start_pos, n_valid)
+    def forward_extend(self, input_ids: torch.Tensor, rows, start_pos: torch.Tensor,
+                       n_valid: torch.Tensor) -> torch.Tensor:
+        """See runtime.models.arch.base.CausalLM.forward_extend (rows: block tables)."""
+        return self(input_ids, rows, start_pos, n_valid)

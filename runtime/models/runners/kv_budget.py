@@ -1,5 +1,6 @@
-"""The KV cache's memory budget: each model's cache is preallocated once, at startup, for
-max_batch_size slots of max_seq_len (+ draft room) positions, and must fit its budget.
+"""The KV cache's memory budget: each model's block pool is preallocated once, at startup,
+for max_batch_size rows of max_seq_len (+ draft room) positions (rounded up to whole blocks
+of runtime.kv_block_size), and must fit its budget.
 
 Budget: `<model>.kv_cache_memory` (a share of the device's total memory) when set, so that a
 draft and a target sharing a GPU can each be given their part; otherwise what the device has
@@ -15,22 +16,24 @@ import os
 
 import torch
 
-from runtime.models.arch.cache import KVCache
+from runtime.models.arch.cache import KVCache, blocks_for
 
 GIB = 1024 ** 3
 RESERVE = 0.05   # of total device memory, kept free for activations when no budget is set
 
 
-def cache_bytes(model, num_slots: int, cache_len: int) -> int | None:
-    """Bytes of K and V for every layer of this (possibly TP-sharded) model; None when the
-    model allocates its own cache (transformers fallback)."""
+def cache_bytes(model, num_slots: int, cache_len: int, block_size: int = 16) -> int | None:
+    """Bytes of K and V for every layer of this (possibly TP-sharded) model: num_slots x
+    ceil(cache_len / block_size) blocks and the scratch block (LlamaForCausalLM.
+    allocate_cache); None when the model allocates its own cache (transformers fallback)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(layers[0], "self_attn"):
         return None
     total = 0
     for layer in layers:
         attn = layer.self_attn
-        shape = KVCache.shape(num_slots, cache_len, attn.n_kv_heads, attn.head_dim)
+        shape = KVCache.shape(num_slots * blocks_for(cache_len, block_size), block_size,
+                              attn.n_kv_heads, attn.head_dim)
         # K and V, in the activation dtype (the norms'; FP8 weights are 1 byte)
         total += 2 * math.prod(shape) * layer.input_layernorm.weight.element_size()
     return total
@@ -45,9 +48,9 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 
 def check_kv_budget(key: str, model, num_slots: int, cache_len: int,
-                    fraction: float | None, device: torch.device) -> None:
+                    fraction: float | None, device: torch.device, block_size: int = 16) -> None:
     """Raise MemoryError naming `key` when the cache does not fit its budget."""
-    need = cache_bytes(model, num_slots, cache_len)
+    need = cache_bytes(model, num_slots, cache_len, block_size)
     if need is None:
         return
     free, total = device_memory(device)

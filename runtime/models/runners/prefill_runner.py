@@ -30,6 +30,7 @@ import torch
 from runtime.models.arch import attention, kernels
 from runtime.models.runners.graphs import kv_bucket, kv_buckets, record_graph
 from runtime.models.runners.hostcopy import copy_into
+from runtime.models.runners.tables import StaticTable
 
 CHUNK_BUCKETS = (16, 32, 64, 128, 256)   # tokens per row of a prefill chunk
 MAX_TOKENS = 512           # batch bucket x chunk bucket of one prefill graph, at most
@@ -48,8 +49,8 @@ def heads_per_kv_head(model) -> int | None:
 class PrefillRunner:
     """Chunked static-shape forwards of calls longer than a decode step (prompts).
 
-    `run` has StepRunner.run's contract: ids [B, T] on the device, per-row slot, start and
-    valid length on the host -> logits [B, T, V] (valid positions meaningful). With
+    `run` has StepRunner.run's contract: ids [B, T] on the device, the rows' block tables
+    (runner.tables), per-row start and valid length on the host -> logits [B, T, V] (valid positions meaningful). With
     `logits=False` it only writes the KV cache (a shard's prefill needs nothing else)."""
 
     def __init__(self, model, device: torch.device, batch_sizes: list[int], capture: bool,
@@ -62,7 +63,8 @@ class PrefillRunner:
         self.max_tokens = max(max_tokens, max_batch * self.chunks[0])   # rows of `out`
         self.rows_per_token = heads_per_kv_head(model)
         self.ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)  # [B*C]
-        self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
+        self.meta = torch.zeros(2, max_batch, dtype=torch.long, device=device)  # start/n
+        self.table = StaticTable(model, max_batch, device)
         self.out: torch.Tensor | None = None      # [max_tokens, V] logits of the last chunk
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
 
@@ -101,11 +103,12 @@ class PrefillRunner:
 
     # -- running -----------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+    def run(self, ids: torch.Tensor, rows, starts: list[int],
             n_valid: list[int], logits: bool = True) -> torch.Tensor | None:
         """ids [B, T] -> logits [B, T, V] (a view the next call overwrites when one chunk
         did it all), or None with logits=False. B must not exceed the largest batch bucket.
         Every chunk keeps all B rows; a row already done has no valid token in it."""
+        self.table.load(rows)                  # every chunk of the call reads these tables
         bsz, seq = ids.shape
         padded = next(b for b in self.batch_sizes if b >= bsz)
         step = self.chunk_for(padded)
@@ -114,7 +117,7 @@ class PrefillRunner:
         for c0 in range(0, longest, step):
             n = [min(max(v - c0, 0), step) for v in n_valid]               # valid in chunk
             begin = [s + min(c0, v) for s, v in zip(starts, n_valid)]
-            out = self._chunk(ids, c0, padded, slots, begin, n)           # [B, C, V]
+            out = self._chunk(ids, c0, padded, begin, n)                  # [B, C, V]
             if not logits:
                 continue
             if c0 == 0 and step >= longest and seq <= out.shape[1]:   # one chunk did it all
@@ -126,11 +129,11 @@ class PrefillRunner:
             result[:, c0:c0 + width].copy_(out[:, :width])
         return result
 
-    def _chunk(self, ids: torch.Tensor, c0: int, padded: int, slots: list[int],
-               starts: list[int], n_valid: list[int]) -> torch.Tensor:
+    def _chunk(self, ids: torch.Tensor, c0: int, padded: int, starts: list[int],
+               n_valid: list[int]) -> torch.Tensor:
         """The chunk of ids [B, T] from column c0, n_valid tokens per row at `starts` ->
-        logits [B, C, V] (C its bucket), a view of `out`. Padding rows take slot 0 with no
-        valid token: they write only scratch positions."""
+        logits [B, C, V] (C its bucket), a view of `out`. Padding rows have no valid token:
+        they write only the scratch block."""
         bsz, seq = ids.shape
         chunk = next(c for c in self.chunks if c >= max(max(n_valid), 1))
         kv_len = max([s + n for s, n in zip(starts, n_valid) if n] or [1])
@@ -141,7 +144,7 @@ class PrefillRunner:
         pad = [0] * (padded - bsz)
         self.ids[: padded * chunk].view(padded, chunk)[:bsz, :width].copy_(
             ids[:, c0:c0 + width])
-        copy_into(self.meta[:, :padded], [slots + pad, starts + pad, n_valid + pad])
+        copy_into(self.meta[:, :padded], [starts + pad, n_valid + pad])
         if self.capture:
             self.graphs[key].replay()
         else:
@@ -149,9 +152,10 @@ class PrefillRunner:
         return self.out[: padded * chunk].view(padded, chunk, -1)[:bsz]
 
     def _forward(self, bsz: int, chunk: int, kv_len: int) -> None:
-        slots, starts, n_valid = self.meta[:, :bsz]
+        starts, n_valid = self.meta[:, :bsz]
         ids = self.ids[: bsz * chunk].view(bsz, chunk)                     # [b, C]
-        logits = self.model.forward_static(ids, slots, starts, n_valid, kv_len)  # [b, C, V]
+        logits = self.model.forward_static(ids, self.table.rows(bsz), starts, n_valid,
+                                           kv_len)                         # [b, C, V]
         if self.out is None:  # first call is never inside a capture (warm-up comes first)
             self.out = torch.empty(self.max_tokens, logits.shape[-1], dtype=logits.dtype,
                                    device=self.device)
@@ -159,7 +163,7 @@ class PrefillRunner:
 
     def capture_key(self, key: tuple[int, int, int]) -> None:
         """Warm up on a side stream, then record one chunk. Every row is padding while this
-        runs (n_valid 0), so warm-up writes nothing but the cache's scratch positions."""
+        runs (n_valid 0), so warm-up writes nothing but the pool's scratch block."""
         self.meta[:, : key[0]].zero_()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

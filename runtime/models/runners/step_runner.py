@@ -3,8 +3,9 @@
 A step appends at most `max_step_len` tokens per row (the draft's decode steps, the target's
 k + 1 verify positions). The caller knows every length on the host, so a StepRunner never
 reads the device: it pads the batch to a bucket size (padding rows have n_valid 0 and write
-only the KV cache's scratch positions), rounds the attended KV length up to a bucket, copies the
-inputs into static buffers and runs `model.forward_static` on them. On CUDA each
+only the KV pool's scratch block), rounds the attended KV length up to a bucket, copies the
+inputs (ids, starts, lengths and the rows' block tables: runner.tables) into static buffers
+and runs `model.forward_static` on them. On CUDA each
 (batch bucket, step length, KV bucket) is captured once as a CUDA graph on first use and
 replayed from then on: one launch per step instead of one per kernel; the elementwise
 pieces of each layer are torch.compile'd first (runtime/models/arch/fused.py). On CPU the same
@@ -28,6 +29,7 @@ from runtime.models.runners.hostcopy import copy_into, to_device
 from runtime.models.arch import fused, kernels
 from runtime.models.runners.graphs import batch_buckets, kv_bucket, kv_buckets, record_graph
 from runtime.models.runners.prefill_runner import PrefillRunner
+from runtime.models.runners.tables import StaticTable, device_table
 
 MAX_STARTUP_GRAPHS = 512  # captured at startup at most; further shapes on first use
 
@@ -49,9 +51,10 @@ class StepRunner:
             self.kv_static = kernels.enable(device)
         self.buckets = batch_buckets(max_batch)
         self.ids = torch.zeros(max_batch, max_step_len, dtype=torch.long, device=device)
-        self.meta = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # slot/start/n
+        self.meta = torch.zeros(2, max_batch, dtype=torch.long, device=device)  # start/n
+        self.table = StaticTable(model, max_batch, device) if self.static else None
         self.out: torch.Tensor | None = None       # [max_batch, max_step_len, V] logits
-        self.graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         # one memory pool shared by all graphs, the prefill graphs' included
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.chunked = PrefillRunner(model, device, self.buckets, self.capture, self.pool) \
@@ -61,16 +64,15 @@ class StepRunner:
     def capture_all(self, step_lens: list[int], limit: int = MAX_STARTUP_GRAPHS,
                     progress: Callable[[int, int], None] | None = None) -> int:
         """Capture the graphs steps of these lengths can need (each batch bucket and KV
-        bucket, slots 0..B-1 or not), shortest KV first, at most `limit` of them, then the
+        bucket), shortest KV first, at most `limit` of them, then the
         prompt chunks' graphs (PrefillRunner.startup_keys): requests then pay for no capture
         (longer contexts of very long max_seq_len configs capture on first use). Returns
         how many graphs there are. `progress(done, total)` hears of each capture (the first
         also compiles the fused kernels); nothing without CUDA."""
         if not self.capture:
             return 0
-        keys = [(bsz, seq, kv_len, contiguous)
-                for kv_len in self._kv_buckets() for bsz in self.buckets
-                for seq in step_lens for contiguous in (True, False)]
+        keys = [(bsz, seq, kv_len) for kv_len in self._kv_buckets() for bsz in self.buckets
+                for seq in step_lens]
         todo = [(self._capture, key) for key in keys[:limit] if key not in self.graphs]
         chunked = self.chunked if self.chunked is not None and self.chunked.capture else None
         if chunked is not None:   # then the prompts' chunks (PrefillRunner.startup_keys)
@@ -88,14 +90,14 @@ class StepRunner:
         """Graphs captured: decode/verify steps plus prompt chunks."""
         return len(self.graphs) + (len(self.chunked.graphs) if self.chunked else 0)
 
-    def prefill(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+    def prefill(self, ids: torch.Tensor, rows, starts: list[int],
                 n_valid: list[int]) -> None:
         """run() for callers that need only the KV cache written (a shard's prompts): no
         logits are assembled across the chunks."""
         if self._chunks(ids):
-            self.chunked.run(ids, slots, starts, n_valid, logits=False)
+            self.chunked.run(ids, rows, starts, n_valid, logits=False)
         else:
-            self.run(ids, slots, starts, n_valid)
+            self.run(ids, rows, starts, n_valid)
 
     def _chunks(self, ids: torch.Tensor) -> bool:
         """Whether this call goes to the prefill runner: static, longer than a step."""
@@ -103,28 +105,31 @@ class StepRunner:
             ids.shape[0] <= self.max_batch and ids.shape[1] > self.max_step_len
 
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+    def run(self, ids: torch.Tensor, rows, starts: list[int],
             n_valid: list[int]) -> torch.Tensor:
-        """ids [B, T] on the device; per-row slot, start position and valid length on the
-        host -> logits [B, T, V]. Static steps return a view that the next call overwrites."""
+        """ids [B, T] on the device; rows: the rows' block tables [B, M] (an int32 device
+        tensor, or lists; slots [B] stand for their fixed tables: tables.device_table; a
+        model without forward_static gets rows as they are: slots); per-row start position
+        and valid length on the host -> logits [B, T, V]. Static steps return a view that
+        the next call overwrites."""
         if self._chunks(ids):
-            return self.chunked.run(ids, slots, starts, n_valid)
+            return self.chunked.run(ids, rows, starts, n_valid)
         bsz, seq = ids.shape
         kv_len = max(s + n for s, n in zip(starts, n_valid))
         if not self.static or bsz > self.max_batch or seq > self.max_step_len:  # eager
-            meta = [to_device(v, torch.long, self.device) for v in (slots, starts, n_valid)]
+            meta = [to_device(v, torch.long, self.device) for v in (starts, n_valid)]
             if not self.static:
-                return self.model.forward_extend(ids, *meta)
-            return self.model.forward_static(ids, *meta, kv_len)
+                return self.model.forward_extend(ids, rows, *meta)
+            table = device_table(rows, self.model.blocks_per_seq, self.device)
+            return self.model.forward_static(ids, table, *meta, kv_len)
         padded = next(b for b in self.buckets if b >= bsz)
-        contiguous = slots == list(range(bsz))   # then padding rows take the next slots
-        key = (padded, seq, self._kv_bucket(kv_len), contiguous)
+        key = (padded, seq, self._kv_bucket(kv_len))
         if self.capture and key not in self.graphs:
             self._capture(key)
         pad = [0] * (padded - bsz)
-        pad_slots = list(range(bsz, padded)) if contiguous else pad
         self.ids[:bsz, :seq].copy_(ids)
-        copy_into(self.meta[:, :padded], [slots + pad_slots, starts + pad, n_valid + pad])
+        self.table.load(rows)
+        copy_into(self.meta[:, :padded], [starts + pad, n_valid + pad])
         if self.capture:
             self.graphs[key].replay()
         else:
@@ -138,18 +143,17 @@ class StepRunner:
         return self.model.max_seq_len if self.kv_static else \
             kv_bucket(kv_len, self.model.max_seq_len)
 
-    def _forward(self, bsz: int, seq: int, kv_len: int, contiguous: bool) -> None:
-        slots, starts, n_valid = self.meta[:, :bsz]
-        logits = self.model.forward_static(self.ids[:bsz, :seq], slots, starts, n_valid,
-                                           kv_len, contiguous)             # [b, T, V]
+    def _forward(self, bsz: int, seq: int, kv_len: int) -> None:
+        starts, n_valid = self.meta[:, :bsz]
+        logits = self.model.forward_static(self.ids[:bsz, :seq], self.table.rows(bsz),
+                                           starts, n_valid, kv_len)        # [b, T, V]
         if self.out is None:  # first call is never inside a capture (warm-up comes first)
             self.out = torch.empty(self.max_batch, self.max_step_len, logits.shape[-1],
                                    dtype=logits.dtype, device=self.device)
         self.out[:bsz, :seq].copy_(logits)
 
-    def _capture(self, key: tuple[int, int, int, bool]) -> None:
+    def _capture(self, key: tuple[int, int, int]) -> None:
         """Warm up on a side stream, then record one step. Every row is padding while this
-        runs (n_valid 0), so warm-up writes nothing but the cache's scratch positions."""
+        runs (n_valid 0), so warm-up writes nothing but the pool's scratch block."""
         self.meta[:, : key[0]].zero_()
-        self.meta[0, : key[0]] = torch.arange(key[0], device=self.device)  # distinct slots
         self.graphs[key] = record_graph(lambda: self._forward(*key), self.device, self.pool)

@@ -130,14 +130,15 @@ def _with_memory(monkeypatch, free: int, total: int) -> list[int]:
 def test_kv_cache_bytes_from_the_checkpoint(models):
     cfg = _cuda_cfg(models)
     info = inspect_checkpoint(models["long"])
-    # 2 layers x K and V x 8 slots x 2 KV heads x (1024 + 1 scratch) positions x 16 x 4 bytes
-    assert checks.kv_cache_bytes(cfg, cfg.draft, info) == 2 * 2 * 8 * 2 * 1025 * 16 * 4
+    # 2 layers x K and V x (8 rows x 64 blocks + 1 scratch block) x 2 KV heads x 16 positions
+    # a block (runtime.kv_block_size) x head_dim 16 x 4 bytes
+    assert checks.kv_cache_bytes(cfg, cfg.draft, info) == 2 * 2 * 513 * 2 * 16 * 16 * 4
     tp2 = _cuda_cfg(models, target_devices=(1, 2))
-    assert checks.kv_cache_bytes(tp2, tp2.target, info) == 2 * 2 * 8 * 1 * 1025 * 16 * 4
+    assert checks.kv_cache_bytes(tp2, tp2.target, info) == 2 * 2 * 513 * 1 * 16 * 16 * 4
 
 
 def test_kv_caches_that_cannot_fit_the_free_memory(models, monkeypatch):
-    need = 2 * 2 * 8 * 2 * 1025 * 16 * 4          # one model's cache: 4.0 MiB
+    need = 2 * 2 * 513 * 2 * 16 * 16 * 4          # one model's cache: 4.0 MiB
     total = 20 * need                              # the 5% reserve: one cache
     shared = _cuda_cfg(models, draft_devices=(0,), target_devices=(0,))
     asked = _with_memory(monkeypatch, free=int(2.5 * need), total=total)
@@ -156,7 +157,7 @@ def test_kv_caches_that_cannot_fit_the_free_memory(models, monkeypatch):
 
 
 def test_kv_cache_over_its_share(models, monkeypatch):
-    need = 2 * 2 * 8 * 2 * 1025 * 16 * 4
+    need = 2 * 2 * 513 * 2 * 16 * 16 * 4
     cfg = _cuda_cfg(models, kv_cache_memory=0.01)
     _with_memory(monkeypatch, free=need * 1000, total=need * 50)   # 1% of it: half a cache
     with pytest.raises(ConfigError) as info:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 SETUP = r'''
 import torch
 from runtime.models.arch.attention import grouped_attention
-from runtime.models.arch.cache import ExtendBatch, KVCache
+from tests import paged
 from runtime.models.arch import fused
 from runtime.models.arch.fused import stack_heads
 from runtime.models.arch.kernels import attention as kernel, available
@@ -41,13 +41,10 @@ def with_nan_buffers(fn, *args, **kwargs):
 
 
 def setup(starts, n_valid, seq, slots, n_heads, n_kv, dim, cache_len, dtype):
-    """A random cache of 8 slots, the batch over them and its stacked queries."""
-    cache = KVCache(8, cache_len - 1, n_kv, dim, dtype)
-    cache.k_cache.normal_()
-    cache.v_cache.normal_()
-    kv_len = max(s + n for s, n in zip(starts, n_valid))
-    batch = ExtendBatch.build(torch.tensor(slots), torch.tensor(starts), torch.tensor(n_valid),
-                              seq, kv_len, cache_len - 1)
+    """A random pool of 8 rows' blocks (stored shuffled), the batch over rows `slots` and its
+    stacked queries."""
+    cache, tables = paged.shuffled(*paged.pool(8, cache_len, n_kv, dim, dtype))
+    batch = paged.batch(cache, tables[torch.tensor(slots)], starts, n_valid, seq)
     q = stack_heads(torch.randn(len(starts), seq, n_heads, dim).to(dtype), n_kv)
     return cache, batch, q
 '''
@@ -61,7 +58,7 @@ def case(starts, n_valid, seq, slots, window=None, n_heads=8, n_kv=2, dim=16, ca
     k_all, v_all = cache.read(batch)
     want = grouped_attention(q, k_all, v_all, batch.mask(window), seq)     # [B, T, H, D]
     rows = batch.int32_rows()
-    args = (q, cache.k_cache, cache.v_cache, batch.slots, *rows, seq, window)
+    args = (q, cache.k_cache, cache.v_cache, batch.block_table, *rows, seq, window)
     got = with_nan_buffers(kernel.slot_attention, *args)
     ok = batch.valid
     err = (got[ok] - want[ok]).abs().max().item()
@@ -69,7 +66,7 @@ def case(starts, n_valid, seq, slots, window=None, n_heads=8, n_kv=2, dim=16, ca
     assert torch.all(got[~ok] == 0)
     chunk, n_chunks = kernel.chunks(cache_len, len(starts) * n_kv)
     o, m, l = with_nan_buffers(kernel._partials, q, cache.k_cache, cache.v_cache,
-                               batch.slots, *rows, seq, window, chunk, n_chunks)
+                               batch.block_table, *rows, seq, window, chunk, n_chunks)
     assert o.shape[2] == cache_len // chunk
     for b, length in enumerate(torch.where(ok, batch.positions + 1, 0).amax(1).tolist()):
         live = -(-length // chunk)
@@ -95,7 +92,7 @@ def case(starts, n_valid, seq, slots, n_heads, n_kv, dim, dtype, cache_len=512):
     (fp8_quantize_rows of it [B*T, H*D]): equal bit for bit, padding tokens zero with the
     scale of an all-zero row."""
     cache, batch, q = setup(starts, n_valid, seq, slots, n_heads, n_kv, dim, cache_len, dtype)
-    args = (q, cache.k_cache, cache.v_cache, batch.slots, *batch.int32_rows(), seq)
+    args = (q, cache.k_cache, cache.v_cache, batch.block_table, *batch.int32_rows(), seq)
     out = kernel.slot_attention(*args)                                     # [B, T, H, D]
     want_data, want_scale = fused.fp8_quantize_heads(out)
     data, scale = with_nan_buffers(kernel.slot_attention, *args, quantize=True)

@@ -171,7 +171,8 @@ def test_cache_bounds_and_protocol(tmp_path):
         extend(model, 0, 0, [5, 6])
     model.allocate_cache(2, 16)
     cache = model.model.layers[0].self_attn.kv_cache
-    assert cache.k_cache.shape == (2, 2, 16 + 1, 16)
+    # 2 slots x 1 block of 16 positions (runtime.kv_block_size) + the scratch block
+    assert cache.k_cache.shape == (2 + 1, 2, 16, 16)
     extend(model, 1, 10, [5] * 6)                # exactly fills positions 10..15
     with pytest.raises(ValueError, match="max_seq_len"):
         extend(model, 1, 11, [5] * 6)

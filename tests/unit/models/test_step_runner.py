@@ -111,8 +111,8 @@ def test_capture_all_enumerates_shapes_shortest_kv_first(llama_path, monkeypatch
     runner.capture = True
     monkeypatch.setattr(runner, "_capture", lambda key: captured.append(key))
     runner.capture_all([1, 5])
-    assert len(captured) == 3 * 2 * 2 * 2                # batch 1/2/4, T 1/5, KV 256/300, x2
-    assert captured[0] == (1, 1, 256, True) and captured[-1] == (4, 5, CACHE_LEN, False)
+    assert len(captured) == 3 * 2 * 2                    # batch 1/2/4, T 1/5, KV 256/300
+    assert captured[0] == (1, 1, 256) and captured[-1] == (4, 5, CACHE_LEN)
     captured.clear()
     runner.capture_all([1, 5], limit=5)
     assert len(captured) == 5 and all(key[2] == 256 for key in captured)

@@ -2,7 +2,8 @@
 
 The eager reference is runtime.models.arch.fused.rotary_write: rotate q [B, T, H, D] and
 k [B, T, Hkv, D] (transformers' rotate_half: x * cos + rotate_half(x) * sin), write the
-rotated k and v [B, T, Hkv, D] at (slot, position) of each token in the caches [S, Hkv, L, D],
+rotated k and v [B, T, Hkv, D] at (block, offset) of each token in the block pools
+[N+1, Hkv, BS, D] (runtime.models.arch.cache: ExtendBatch.write_blocks / write_offsets),
 and return q with its heads stacked per KV head [B, Hkv, r*T, D] (fused.stack_heads), the
 layout the attention kernel reads. Compiled by torch.compile this is two kernels (the cache
 writes, the query rotation); here it is one: a program per (token, head), q heads first,
@@ -81,12 +82,14 @@ def new_rows(src, col, tok, ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr
 
 @triton.jit
 def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr, v_ptr,
-                 pos_ptr, valid_ptr, kv_base, b, h, T, start, stop, stride_nkt, stride_nkh,
-                 stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kl, KV_COL, V_COL,
-                 BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
-                 RAW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+                 pos_ptr, valid_ptr, table_row, head_base, b, h, T, start, stop, stride_nkt,
+                 stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kb,
+                 stride_kl, KV_COL, V_COL, BLOCK_D: tl.constexpr, D: tl.constexpr,
+                 T_POW2: tl.constexpr, BS: tl.constexpr, RAW: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """KV head h of row b's valid new tokens at positions in [start, stop): k rotated, v as
-    is, stored to the caches at kv_base (the row's slot and head) + position."""
+    is, stored to the block pools through the row's block table (table_row: its first
+    entry): block table_row[pos // BS], offset pos % BS, head_base = the head's offset."""
     ts = tl.arange(0, T_POW2)
     dims = tl.arange(0, BLOCK_D)
     pos = tl.load(pos_ptr + b * T + ts, mask=ts < T, other=-1)
@@ -99,7 +102,9 @@ def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_p
     v = new_rows(nv_ptr + tok[:, None] * stride_nvt + h * stride_nvh, V_COL + h * D, tok, ok,
                  dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, False,
                  D, RAW, HAS_BIAS, ACT)
-    at = kv_base + pos[:, None].to(tl.int64) * stride_kl + dims[None, :]
+    blk = tl.load(table_row + pos // BS, mask=ok, other=0).to(tl.int64)
+    at = (head_base + blk[:, None] * stride_kb + (pos % BS)[:, None].to(tl.int64) * stride_kl
+          + dims[None, :])
     mask = ok[:, None] & (dims[None, :] < D)
     tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=mask)
@@ -107,10 +112,10 @@ def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_p
 
 @triton.jit
 def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                       slots_ptr, pos_ptr, out_ptr, xs_ptr, ws_ptr, b_ptr,
+                       blocks_ptr, offs_ptr, out_ptr, xs_ptr, ws_ptr, b_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_ct, stride_cs, stride_ch, stride_cl,
-                       stride_ob, stride_oh, stride_om, stride_slot, stride_pos, stride_xs,
+                       stride_ob, stride_oh, stride_om, stride_blk, stride_off, stride_xs,
                        T, H, R, KV_COL, V_COL,
                        D: tl.constexpr, HALF: tl.constexpr, RAW: tl.constexpr,
                        HAS_BIAS: tl.constexpr):
@@ -142,9 +147,9 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         tl.store(dst + HALF + dims, rot_hi.to(act))
     else:
         kv = head - H
-        slot = tl.load(slots_ptr + tok * stride_slot).to(tl.int64)
-        pos = tl.load(pos_ptr + tok * stride_pos).to(tl.int64)
-        at = slot * stride_cs + kv * stride_ch + pos * stride_cl
+        blk = tl.load(blocks_ptr + tok * stride_blk).to(tl.int64)
+        off = tl.load(offs_ptr + tok * stride_off).to(tl.int64)
+        at = blk * stride_cs + kv * stride_ch + off * stride_cl
         tl.store(kc_ptr + at + dims, rot_lo.to(kc_ptr.dtype.element_ty))
         tl.store(kc_ptr + at + HALF + dims, rot_hi.to(kc_ptr.dtype.element_ty))
         full = tl.arange(0, D)
@@ -215,20 +220,21 @@ def new_tokens_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tens
 
 def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                 blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """fused.rotary_write in one kernel: q [B, T, H, D], k, v [B, T, Hkv, D] (last axis
-    contiguous), cos, sin [B, T, D]; slots, positions [B*T] -> q rotated, [B, Hkv, r*T, D].
+    contiguous), cos, sin [B, T, D]; blocks, offsets [B*T] (where each token's k and v go in
+    the pools) -> q rotated, [B, Hkv, r*T, D].
     D must be a power of two (else the caller keeps fused.rotary_write: `fits`)."""
     if not fits(q, k, v, cos, sin):
         raise ValueError(f"rotary_write kernel: head_dim {q.shape[-1]} and last-axis strides "
                          f"must fit (q {tuple(q.shape)}, k {tuple(k.shape)})")
-    return _launch(new_tokens(q, k, v, cos, sin), k_cache, v_cache, slots, positions)
+    return _launch(new_tokens(q, k, v, cos, sin), k_cache, v_cache, blocks, offsets)
 
 
 def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int, n_kv: int,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+                     v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
                      ) -> torch.Tensor:
     """fused.rotary_write_fp8 in one kernel: the raw qkv GEMM output [B*T, (H + 2 Hkv) D]
     float32 with its token scales x_scale [B*T, 1], channel scales w_scale [(H + 2 Hkv) D]
@@ -238,19 +244,19 @@ def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Te
         raise ValueError(f"rotary_write_fp8 kernel: head_dim {cos.shape[-1]} and the raw "
                          f"output {tuple(raw.shape)} / scales must fit")
     new = new_tokens_fp8(raw, x_scale, w_scale, bias, dtype, n_heads, n_kv, cos, sin)
-    return _launch(new, k_cache, v_cache, slots, positions)
+    return _launch(new, k_cache, v_cache, blocks, offsets)
 
 
-def _launch(new: NewTokens, k_cache, v_cache, slots, positions) -> torch.Tensor:
+def _launch(new: NewTokens, k_cache, v_cache, blocks, offsets) -> torch.Tensor:
     tokens, n_heads, dim = new.q.shape
     n_kv, seq = new.k.shape[1], new.seq
     out = torch.empty(tokens // seq, n_kv, n_heads // n_kv * seq, dim, dtype=new.dtype,
                       device=new.q.device)
     (q, k, v, cos, sin, x_scale, w_scale, bias), strides = new.pointers(), new.strides()
     _rope_write_kernel[(tokens, n_heads + n_kv)](
-        q, k, v, cos, sin, k_cache, v_cache, slots, positions, out, x_scale, w_scale, bias,
+        q, k, v, cos, sin, k_cache, v_cache, blocks, offsets, out, x_scale, w_scale, bias,
         *strides[:7], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), slots.stride(0), positions.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), blocks.stride(0), offsets.stride(0),
         strides[7], seq, n_heads, *new.columns(),
         D=dim, HALF=dim // 2, RAW=new.raw, HAS_BIAS=new.has_bias)
     return out
