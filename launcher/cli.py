@@ -276,7 +276,7 @@ def _check_request(config, args, id_lists: list[list[int]] | None) -> None:
     """What the orchestrator would refuse once everything has started, refused now, on every
     rank: text (--prompt, --stop) without a tokenizer; token ids outside the vocabulary or too
     long. (Text too long: rank 0 tokenises before any worker starts, launcher.session.)"""
-    from runtime.serving.tokenizer import TOKENIZER_FILES, has_tokenizer_files
+    from runtime.models.loading.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 
     path = config.tokenizer_path
     needs = "--prompt" if id_lists is None else "--stop" if args.stop else None

@@ -50,7 +50,7 @@ def check_cuda(cfg: TandemConfig) -> None:
 
 def check_files(cfg: TandemConfig) -> None:
     from runtime.models.loading.checkpoint import inspect_checkpoint
-    from runtime.serving.tokenizer import check_tokenizer_path
+    from runtime.models.loading.tokenizer import check_tokenizer_path
 
     for name, model in model_lists(cfg):
         if not os.path.exists(model.model):

@@ -17,7 +17,7 @@ from runtime.params import SamplingParams, check_fits, check_prompt_ids
 from runtime.control.pool import WorkerPool
 from runtime.serving.scheduler import Event, Scheduler, Sequence
 from runtime.serving.textstream import TextStream
-from runtime.serving.tokenizer import load_tokenizer
+from runtime.models.loading.tokenizer import load_tokenizer
 
 log = logging.getLogger("tandem.orchestrator")
 

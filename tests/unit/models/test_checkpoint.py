@@ -1,4 +1,4 @@
-"""runtime.models.loading.checkpoint (metadata only) and runtime.serving.tokenizer."""
+"""runtime.models.loading.checkpoint (metadata only) and runtime.models.loading.tokenizer."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from runtime.models.loading.checkpoint import CheckpointInfo, inspect_checkpoint
-from runtime.serving.tokenizer import load_tokenizer
+from runtime.models.loading.tokenizer import load_tokenizer
 from tests.checkpoints import build_checkpoint, smollm2_gguf
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,7 +135,7 @@ def test_bad_tokenizer_path_fails_before_transformers_loads(tmp_path):
     code = f"""
 import sys
 from pathlib import Path
-from runtime.serving.tokenizer import load_tokenizer
+from runtime.models.loading.tokenizer import load_tokenizer
 cases = [({str(tmp_path / "nope")!r}, False, FileNotFoundError, "does not exist"),
          ({str(tmp_path / "vocab.txt")!r}, False, ValueError, "not a .gguf file"),
          ({str(tmp_path / "empty")!r}, True, FileNotFoundError, "no tokenizer files")]

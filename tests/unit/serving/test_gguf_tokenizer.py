@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.models.loading import disk_cache, gguf_cache
-from runtime.serving.tokenizer import load_tokenizer
+from runtime.models.loading.tokenizer import load_tokenizer
 from tests.checkpoints import smollm2_gguf, smollm2_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
