@@ -23,7 +23,7 @@ def start(monkeypatch, cache) -> tuple[str, float]:
     assert len(res.stdout.strip()) > 10
     assert "tokens/s" in res.stderr
     assert "both draft and target" in res.stderr and "acceptance 1.00" in res.stderr
-    assert "tandem bench --synthetic tiny" in res.stderr
+    assert "tandem bench\n  --synthetic 8b --device cuda:0" in res.stderr
     assert "prompt: What is speculative decoding?" in res.stderr
     assert "WARNING" not in res.stderr
     ready = re.search(r"tandem: ready: 1 worker in ([0-9.]+) s", res.stderr)
