@@ -105,7 +105,11 @@ def _child_env() -> dict:
 
 
 def _die_with_parent(mask) -> None:  # pragma: no cover - runs in the child before exec
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # the worker gets SIGINT, SIGTERM again
+    # a Ctrl-C to the process group is rank 0's to act on: the worker ignores SIGINT until it
+    # installs its own handlers (worker.process), so one that lands while its interpreter
+    # starts (importing site) cannot crash it with a traceback; rank 0 then ends it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # the worker gets SIGTERM again
     try:
         import ctypes
 
