@@ -246,7 +246,7 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
         _pgroups().end_startup_world()   # the workers build their groups among themselves
         pool.handshake(config.to_dict(), rt.startup_timeout_s)
         try:
-            pool.wait_for("ready", rt.startup_timeout_s, watch=display.observe)
+            pool.await_ready(rt.startup_timeout_s, watch=display.observe)
         except EngineDeadError:
             usage = pool.usage_error()
             if usage is None:

@@ -170,8 +170,8 @@ def check_kv_memory(cfg: TandemConfig) -> None:
     from runtime.models.runners.kv_budget import RESERVE   # imports torch: only with CUDA devices
 
     rt = cfg.runtime
-    sizes = f"{rt.max_batch_size} slots (runtime.max_batch_size) x {rt.max_seq_len} " \
-            f"positions (runtime.max_seq_len)"
+    sizes = f"{rt.kv_cache_tokens} tokens (runtime.kv_cache_tokens)" if rt.kv_cache_tokens \
+        else f"one request of {rt.max_seq_len} positions (runtime.max_seq_len)"
     for device, needs in sorted(per_device.items(), key=lambda item: item[0].index):
         memory = _nvml_memory(device.index)
         if memory is None:
@@ -182,7 +182,7 @@ def check_kv_memory(cfg: TandemConfig) -> None:
                 raise ConfigError(f"{name}.kv_cache_memory", f"the {name} KV cache needs at "
                                   f"least {_size(need)} for {sizes}, but {fraction} of "
                                   f"{device}'s {_size(total)} is {_size(fraction * total)}; "
-                                  f"lower runtime.max_batch_size or runtime.max_seq_len, or "
+                                  f"lower runtime.kv_cache_tokens or runtime.max_seq_len, or "
                                   f"raise {name}.kv_cache_memory")
         shared = [(name, need) for name, need, fraction in needs if fraction is None]
         budget = free - RESERVE * total
@@ -191,7 +191,7 @@ def check_kv_memory(cfg: TandemConfig) -> None:
             raise ConfigError("runtime.max_seq_len", f"the KV caches on {device} need at "
                               f"least {what} for {sizes}, but {device} has {_size(free)} "
                               f"free, {_size(max(budget, 0))} after a {RESERVE:.0%} reserve, "
-                              f"before any weights; lower runtime.max_batch_size or "
+                              f"before any weights; lower runtime.kv_cache_tokens or "
                               f"runtime.max_seq_len")
 
 
@@ -200,11 +200,12 @@ def _size(nbytes: float) -> str:
 
 
 def kv_cache_bytes(cfg: TandemConfig, model: ModelConfig, info) -> int | None:
-    """At least the bytes of one model's KV cache on each of its devices: K and V of every
-    layer, max_batch_size rows of max_seq_len positions in blocks of kv_block_size, and the
-    scratch block (the worker adds room for one or two draft windows:
-    runtime.worker.loading), in the activation dtype. None when the
-    shape is unknown or the model runs on the transformers fallback (its own cache)."""
+    """At least the bytes of one model's KV pool on each of its devices: K and V of every
+    layer for runtime.kv_cache_tokens, else one request of max_seq_len (with room for its
+    draft windows: TandemConfig.kv_seq_len), in blocks of kv_block_size, and the scratch
+    block; in the activation dtype, or 1 byte and a float32 scale per head and position
+    (kv_cache_dtype fp8). None when the shape is unknown or the model runs on the
+    transformers fallback (its own cache)."""
     from runtime.models.arch.cache import KVCache, blocks_for
     from runtime.models.arch.model_args import SUPPORTED_MODEL_TYPES
 
@@ -212,10 +213,12 @@ def kv_cache_bytes(cfg: TandemConfig, model: ModelConfig, info) -> int | None:
         return None
     kv_heads = max(1, info.num_key_value_heads // model.tp_size)   # a TP shard's heads
     rt = cfg.runtime
-    blocks = rt.max_batch_size * blocks_for(rt.max_seq_len, rt.kv_block_size)
+    blocks = blocks_for(rt.kv_cache_tokens or cfg.kv_seq_len, rt.kv_block_size)
     shape = KVCache.shape(blocks, rt.kv_block_size, kv_heads, info.head_dim)
     element = 4 if model.dtype == "float32" else 2
-    return 2 * info.num_hidden_layers * math.prod(shape) * element
+    if rt.kv_cache_dtype == "fp8":
+        element = 1 + 4 / info.head_dim   # e4m3, and a float32 scale per head_dim values
+    return int(2 * info.num_hidden_layers * math.prod(shape) * element)
 
 
 def _nvml_memory(index: int) -> tuple[int, int] | None:

@@ -62,6 +62,12 @@ def _int_at_least(low: int) -> Callable[[Any, str], int]:
     return check
 
 
+def _optional_int_at_least(low: int) -> Callable[[Any, str], int | None]:
+    def check(value: Any, key: str) -> int | None:
+        return None if value is None else _int_at_least(low)(value, key)
+    return check
+
+
 def _positive_float(value: Any, key: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ConfigError(key, f"must be a number > 0 (seconds), got {_describe(value)}")
@@ -195,6 +201,9 @@ class RuntimeConfig(_Checked):
     max_batch_size: int = _checked(8, _int_at_least(1))
     max_seq_len: int = _checked(4096, _int_at_least(2))
     kv_block_size: int = _checked(16, _int_at_least(1))   # tokens per KV block (paged cache)
+    kv_cache_tokens: int | None = _checked(None, _optional_int_at_least(1))  # the pool's size
+    kv_cache_dtype: str = _checked("auto", _choice("auto", "fp8"))   # fp8: e4m3 with scales
+    prefix_caching: bool = _checked(True, _bool)   # reuse the KV blocks of prefixes seen before
     startup_timeout_s: float = _checked(300.0, _positive_float)
     step_timeout_s: float = _checked(120.0, _positive_float)
     heartbeat_s: float = _checked(1.0, _positive_float)
@@ -225,6 +234,7 @@ class TandemConfig:
             raise ConfigError("speculation.overlap", f"true needs disjoint device lists, but "
                               f"draft and target share {', '.join(shared)}; use auto or "
                               f"false, or give the draft its own devices")
+        self.check_kv_pool()
 
     @property
     def overlapped(self) -> bool:
@@ -236,6 +246,28 @@ class TandemConfig:
     def topology(self) -> Topology:
         """Who is who: one worker rank per distinct device (parallel.topology)."""
         return build_topology(self.draft.devices, self.target.devices)
+
+    @property
+    def kv_seq_len(self) -> int:
+        """Positions one request's block table addresses: max_seq_len, and room past it for
+        one window of drafts (two when the next is drafted during verification: overlap)
+        and the pending tokens. A KV pool must hold at least this much."""
+        windows = 2 if self.overlapped else 1
+        return self.runtime.max_seq_len + windows * self.speculation.max_draft_len + 2
+
+    def check_kv_pool(self) -> None:
+        """runtime.kv_cache_tokens, when set, holds one request of max_seq_len."""
+        rt = self.runtime
+        if rt.kv_cache_tokens is None:
+            return
+        need = -(-self.kv_seq_len // rt.kv_block_size) * rt.kv_block_size
+        if rt.kv_cache_tokens < need:
+            raise ConfigError("runtime.kv_cache_tokens",
+                              f"{rt.kv_cache_tokens} tokens cannot hold one request of "
+                              f"runtime.max_seq_len {rt.max_seq_len}: it needs {need} (whole "
+                              f"blocks of runtime.kv_block_size {rt.kv_block_size}, with room "
+                              f"for draft windows); raise runtime.kv_cache_tokens or lower "
+                              f"runtime.max_seq_len")
 
     @property
     def tokenizer_path(self) -> str:

@@ -73,6 +73,8 @@ class WorkerPool:
         self.step = 0
         self.dead: str | None = None
         self.processes: dict[int, tuple[str, int]] = {}   # rank -> (host, pid), from hello
+        self.kv_blocks = 0               # the KV pool's blocks, from ready (await_ready)
+        self.shares_blocks = False       # every model reads through block tables
         self.failures: dict[int, str] = {}                # rank -> the error it reported
         self.usage_failures: set[int] = set()             # ... of kind "usage" (the config's)
         self._failed_at: float | None = None
@@ -316,6 +318,14 @@ class WorkerPool:
             self._watch.add(rank, host, pid)
         self.send_all({"type": "init", "config": config, "heartbeat": self.beacon.address,
                        "pulse": self.pulse_address})
+
+    def await_ready(self, timeout_s: float, watch: Callable[[dict | None], None] | None = None
+                    ) -> None:
+        """Every worker's ready, with the KV pool they agreed on (the same number of blocks
+        on every rank: runtime.worker.loading) and whether all their models share blocks."""
+        readies = self.wait_for("ready", timeout_s, watch=watch).values()
+        self.kv_blocks = min(m.get("kv_blocks", 0) for m in readies)
+        self.shares_blocks = all(m.get("shares_blocks", False) for m in readies)
 
     def command(self, msg: dict, timeout_s: float) -> dict[int, dict]:
         """Run one step on every worker; returns rank -> result map."""

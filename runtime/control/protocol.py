@@ -34,7 +34,9 @@ OPT_FLOAT = (int, float, type(None))
 SCHEMAS: dict[str, dict[str, Any]] = {
     # worker -> orchestrator
     "hello": {"rank": INT, "pid": INT, "host": STR},
-    "ready": {"rank": INT},
+    # kv_blocks: the KV pool's blocks (the same on every rank); shares_blocks: whether every
+    # model of the rank reads through block tables (prefix caching needs that)
+    "ready": {"rank": INT, "kv_blocks": INT, "shares_blocks": BOOL},
     # while starting: phase "weights" (tensors) or "graphs" (CUDA graphs), summed over the
     # rank's models; a few a second at most (runtime.control.progress)
     "progress": {"rank": INT, "phase": STR, "done": INT, "total": INT},
@@ -48,11 +50,16 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # orchestrator -> worker
     # heartbeat: the Beacon's address (beats to listen to); pulse: where to send heartbeats
     "init": {"config": MAP, "heartbeat": STR, "pulse": STR},
-    "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST},
+    # cached: per slot, the leading positions its table's blocks hold already (prefix hits);
+    # tables: per slot, its KV blocks (runtime.serving.block_manager)
+    "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST, "cached": LIST,
+                "tables": LIST},
     # steps: k = 0 only; next_k: the next round's k, worked on ahead (runtime.worker.process)
     # (runtime.control.protocol.RoundCommand sends every field; steps defaults to 1, next_k
     # to k)
-    "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT},
+    # tables: per slot, the blocks its table grows by before the round
+    "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT,
+              "tables": LIST},
     "release": {"step": INT, "slots": LIST},
     "shutdown": {},
     # client -> server
@@ -72,8 +79,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 OPTIONAL: dict[str, set[str]] = {
     "heartbeat": {"next_s"},
+    "ready": {"kv_blocks", "shares_blocks"},
+    "prefill": {"cached", "tables"},
     "generate": {"prompts", "prompt_ids", "chat", "messages"},
-    "round": {"steps", "next_k"},
+    "round": {"steps", "next_k", "tables"},
     "error": {"kind"},
 }
 
@@ -208,13 +217,21 @@ def check_sampling(params) -> dict:
     return out
 
 
-def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict]]:
-    """(prompts, sampling params) of a prefill message, one of each per slot."""
+def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict], list[int],
+                                      list[list[int]]]:
+    """(prompts, sampling params, cached positions, block tables) of a prefill message,
+    one of each per slot (no tables: an empty list; no cached positions: zeros)."""
     prompts = [int_list(p, "prefill.prompts") for p in msg["prompts"]]
     params = [check_sampling(p) for p in msg["params"]]
-    if not len(prompts) == len(params) == len(msg["slots"]):
-        raise ProtocolError("prefill: slots, prompts, params differ in length")
-    return prompts, params
+    cached = int_list(msg.get("cached", [0] * len(prompts)), "prefill.cached")
+    tables = [int_list(t, "prefill.tables") for t in msg.get("tables", [])]
+    if not len(prompts) == len(params) == len(msg["slots"]) == len(cached):
+        raise ProtocolError("prefill: slots, prompts, params, cached differ in length")
+    if tables and len(tables) != len(prompts):
+        raise ProtocolError("prefill: slots and tables differ in length")
+    if any(not 0 <= c < len(p) for c, p in zip(cached, prompts)):
+        raise ProtocolError("prefill.cached: each must be in 0..len(prompt) - 1")
+    return prompts, params, cached, tables
 
 
 # --- step commands and their replies, as typed records ------------------------------------
@@ -224,8 +241,9 @@ TARGET_LEADER = "target_leader"     # reports the round's verdict
 WORKER = "worker"                   # any other rank: its time only
 REPLIES: dict[str, dict[str, Any]] = {
     "ack": {},                      # a prefill or release done
+    # cached: per slot, the positions every shard of the rank caches committed KV for
     "round": {"role": STR, "worker_s": FLOAT, "timing": MAP, "tokens": LIST, "accepted": LIST,
-              "overlapped": LIST},
+              "overlapped": LIST, "cached": LIST},
 }
 
 
@@ -246,35 +264,48 @@ class RoundCommand:
     k: int
     next_k: int
     steps: int = 1
+    tables: list[list[int]] = field(default_factory=list)   # per slot: blocks to append
 
     def to_msg(self) -> dict:
         return {"type": self.TYPE, "slots": list(self.slots), "k": self.k,
-                "steps": self.steps, "next_k": self.next_k}
+                "steps": self.steps, "next_k": self.next_k,
+                "tables": [list(t) for t in self.tables]}
 
     @classmethod
     def from_msg(cls, msg: dict) -> RoundCommand:
         msg = _command(msg, cls.TYPE)
-        return cls(int_list(msg["slots"], "round.slots"), msg["k"],
-                   msg.get("next_k", msg["k"]), msg.get("steps", 1))
+        slots = int_list(msg["slots"], "round.slots")
+        tables = [int_list(t, "round.tables") for t in msg.get("tables", [])]
+        if tables and len(tables) != len(slots):
+            raise ProtocolError("round: slots and tables differ in length")
+        return cls(slots, msg["k"], msg.get("next_k", msg["k"]), msg.get("steps", 1), tables)
 
 
 @dataclass(frozen=True)
 class PrefillCommand:
-    """orchestrator -> every worker: start these slots' sequences (prompt, sampling)."""
+    """orchestrator -> every worker: start these slots' sequences (tokens so far, sampling),
+    their first `cached` positions already in the blocks of their `tables` (prefix hits)."""
     TYPE: ClassVar[str] = "prefill"
     slots: list[int]
     prompts: list[list[int]]
     params: list[dict]
+    cached: list[int] = field(default_factory=list)         # default: none cached
+    tables: list[list[int]] = field(default_factory=list)   # default: none sent
+
+    def __post_init__(self):
+        if not self.cached:
+            object.__setattr__(self, "cached", [0] * len(self.slots))
 
     def to_msg(self) -> dict:
         return {"type": self.TYPE, "slots": list(self.slots), "prompts": list(self.prompts),
-                "params": list(self.params)}
+                "params": list(self.params), "cached": list(self.cached),
+                "tables": [list(t) for t in self.tables]}
 
     @classmethod
     def from_msg(cls, msg: dict) -> PrefillCommand:
         msg = _command(msg, cls.TYPE)
-        prompts, params = check_prefill(msg)
-        return cls(int_list(msg["slots"], "prefill.slots"), prompts, params)
+        prompts, params, cached, tables = check_prefill(msg)
+        return cls(int_list(msg["slots"], "prefill.slots"), prompts, params, cached, tables)
 
 
 @dataclass(frozen=True)
@@ -335,6 +366,7 @@ class RoundReply:
     tokens: list[list[int]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     overlapped: list[bool] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)   # per slot (every rank reports it)
 
     @property
     def reports(self) -> bool:
@@ -343,7 +375,8 @@ class RoundReply:
     def to_map(self) -> dict:
         return {"kind": self.KIND, "role": self.role, "worker_s": float(self.worker_s),
                 "timing": dict(self.timing), "tokens": [list(t) for t in self.tokens],
-                "accepted": list(self.accepted), "overlapped": list(self.overlapped)}
+                "accepted": list(self.accepted), "overlapped": list(self.overlapped),
+                "cached": list(self.cached)}
 
     @classmethod
     def from_map(cls, result: Any) -> RoundReply:
@@ -362,5 +395,6 @@ class RoundReply:
             raise ProtocolError("round reply: tokens, accepted, overlapped differ in length")
         if m["role"] == WORKER and tokens:
             raise ProtocolError("round reply: only the target leader reports tokens")
+        cached = int_list(m["cached"], "round reply.cached")
         return cls(m["role"], float(m["worker_s"]), dict(m["timing"]), tokens, accepted,
-                   list(overlapped))
+                   list(overlapped), cached)

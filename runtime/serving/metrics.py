@@ -26,6 +26,9 @@ class ServingMetrics:
     betweens: int = 0
     prefill_time: float = 0.0
     prefills: int = 0
+    prefix_queries: int = 0      # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0         # ... found there
+    preemptions: int = 0
     timing: dict[str, list] = field(default_factory=dict)  # "rank<r>.<phase>" -> [s, rounds]
     started: float = field(default_factory=time.monotonic)
     _last_round_end: float | None = None   # None: the next round follows no round directly
@@ -87,6 +90,16 @@ class ServingMetrics:
         """A sequence's later tokens: `tokens` of them, `seconds` after its previous ones."""
         self.prometheus.inter_token(seconds, tokens)
 
+    def preempted(self) -> None:
+        self.preemptions += 1
+        self.prometheus.preemptions.inc()
+
+    def prefix_lookup(self, queried: int, hit: int) -> None:
+        """A request admitted: `queried` prompt tokens looked up, `hit` of them cached."""
+        self.prefix_queries += queried
+        self.prefix_hits += hit
+        self.prometheus.prefix_lookup(queried, hit)
+
     def finished(self, reason: str, seconds: float | None) -> None:
         """A sequence ended (`seconds` after it arrived; None: cancelled while queued)."""
         self.prometheus.request_finished(reason, seconds)
@@ -113,11 +126,15 @@ class ServingMetrics:
         and target-only rounds have different phases; empty unless profiling)."""
         return {k: seconds / rounds for k, (seconds, rounds) in sorted(self.timing.items())}
 
-    def snapshot(self, running: int, queued: int) -> dict:
+    def snapshot(self, running: int, queued: int, kv_blocks_total: int = 0,
+                 kv_blocks_used: int = 0) -> dict:
         """The server's stats reply."""
         elapsed = time.monotonic() - self.started
         proposed = self.draft_tokens_proposed
-        return {"running": running, "queued": queued,
+        return {"running": running, "queued": queued, "kv_blocks_total": kv_blocks_total,
+                "kv_blocks_used": kv_blocks_used,
+                "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries
+                if self.prefix_queries else 0.0, "num_preemptions": self.preemptions,
                 "tokens_generated": self.tokens_generated, "rounds": self.rounds,
                 "acceptance_rate": self.draft_tokens_accepted / proposed if proposed else 0.0,
                 "tokens_per_s": self.tokens_generated / elapsed if elapsed > 0 else 0.0,

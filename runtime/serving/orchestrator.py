@@ -15,6 +15,7 @@ from runtime.config import TandemConfig
 from runtime.models.loading.checkpoint import inspect_checkpoint
 from runtime.params import SamplingParams, check_fits, check_prompt_ids
 from runtime.control.pool import WorkerPool
+from runtime.serving.block_manager import BlockManager
 from runtime.serving.scheduler import Event, Scheduler, Sequence
 from runtime.serving.textstream import TextStream
 from runtime.models.loading.tokenizer import load_tokenizer
@@ -58,15 +59,22 @@ class Orchestrator:
         """Start scheduling on the workers behind `pool`."""
         self._loaded()
         self._pool = pool
-        self._scheduler = Scheduler(pool, self.config.runtime.max_batch_size,
+        rt = self.config.runtime
+        prefix_caching = rt.prefix_caching and pool.shares_blocks
+        if rt.prefix_caching and not pool.shares_blocks:
+            log.warning("prefix caching off: a model runs through transformers with its own "
+                     "KV cache (runtime.prefix_caching needs the paged cache of both)")
+        blocks = BlockManager(pool.kv_blocks, rt.kv_block_size, prefix_caching)
+        self._scheduler = Scheduler(pool, rt.max_batch_size,
                                    self.config.speculation.fixed_draft_len,
-                                   self.eos_token_ids,
-                                   self.config.runtime.step_timeout_s,
+                                   self.eos_token_ids, rt.step_timeout_s,
                                    overlap=self.config.overlapped,
-                                   acceptance=self.config.speculation.acceptance)
+                                   acceptance=self.config.speculation.acceptance,
+                                   blocks=blocks, table_len=self.config.kv_seq_len)
         scheduler = self._scheduler
         scheduler.metrics.watch(lambda: len(scheduler.running), lambda: len(scheduler.queue),
                                 scheduler.draft_len)
+        scheduler.metrics.prometheus.watch_blocks(lambda: blocks.used / blocks.num_blocks)
         return self
 
     def info(self) -> dict:
@@ -163,8 +171,9 @@ class Orchestrator:
         return self._pool.idle(timeout_ms, wake)
 
     def stats(self) -> dict:
-        return self._scheduler.metrics.snapshot(len(self._scheduler.running),
-                                               len(self._scheduler.queue))
+        scheduler = self._scheduler
+        return scheduler.metrics.snapshot(len(scheduler.running), len(scheduler.queue),
+                                          scheduler.blocks.num_blocks, scheduler.blocks.used)
 
     def profile(self) -> dict:
         """Mean seconds of each worker phase per round (empty unless TANDEM_PROFILE=1)."""

@@ -68,6 +68,7 @@ class PrometheusMetrics:
                                "after a prefill or idling) to its last result.",
                                buckets=ROUND_BUCKETS, registry=reg)
         self._spec_metrics(reg, p)
+        self._kv_metrics(reg, p)
         for reason in FINISH_REASONS:   # present at 0 from the start, as vLLM does
             self.finished.labels(finished_reason=reason)
 
@@ -88,7 +89,27 @@ class PrometheusMetrics:
         self.draft_len = Gauge(f"{p}spec_decode_draft_len",
                                "k of the latest round (0: target-only).", registry=reg)
 
+    def _kv_metrics(self, reg: CollectorRegistry, p: str) -> None:
+        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV-cache usage: the share of the "
+                              "pool's blocks held by running requests (1 = all).",
+                              registry=reg)
+        self.prefix_queries = Counter(f"{p}prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache.", registry=reg)
+        self.prefix_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens found in the "
+                                   "prefix cache (not prefilled).", registry=reg)
+        self.preemptions = Counter(f"{p}num_preemptions", "Requests preempted for KV blocks "
+                                   "(readmitted later, their streams going on).",
+                                   registry=reg)
+
     # --- what happened (called through ServingMetrics) ------------------------------------
+    def watch_blocks(self, usage: Callable[[], float]) -> None:
+        """The KV gauge reads the block books when scraped."""
+        self.kv_usage.set_function(usage)
+
+    def prefix_lookup(self, queried: int, hit: int) -> None:
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
+
     def watch_load(self, running: Callable[[], int], queued: Callable[[], int],
                    max_draft_len: int) -> None:
         """The gauges read the scheduler's state when scraped (any thread: a length read),

@@ -1,85 +1,46 @@
-"""The orchestrator's scheduler: admits requests into KV slots, runs speculation rounds on
-the workers, appends accepted tokens, checks stop conditions and retires finished requests
-(in-flight batching: requests join and leave between rounds)."""
+"""The orchestrator's scheduler: admits requests while their KV blocks are free, runs
+speculation rounds on the workers, appends accepted tokens, checks stop conditions and retires
+finished requests (in-flight batching: requests join and leave between rounds).
+
+KV blocks (runtime.serving.block_manager): a request is admitted when a row (one of
+max_batch_size) and the blocks of its tokens past its cached prefix are free; before each
+round every running request holds the blocks its round may write (`lookahead` positions past
+its committed tokens); when they cannot all grow, the newest is preempted (its blocks freed,
+its committed blocks left in the prefix index) and readmitted later with its tokens so far:
+its stream goes on where it stopped. Tables travel with the commands that change them.
+"""
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from runtime.speculation.adaptive import TARGET_ONLY_STEPS, DraftLenController, takes_bonus
 from runtime.config.schema import MAX_AUTO_DRAFT_LEN
-from runtime.params import SamplingParams
 from runtime.control import protocol
 from runtime.control.pool import WorkerPool
+from runtime.serving.block_manager import BlockManager
 from runtime.serving.metrics import ServingMetrics
-from runtime.serving.textstream import TextStream
+from runtime.serving.sequence import Event, Sequence
+
+__all__ = ["Event", "Scheduler", "Sequence", "round_lookahead"]
 
 
-@dataclass
-class Sequence:
-    request_id: str
-    index: int                       # position in the request's list of prompts
-    prompt_ids: list[int]
-    params: SamplingParams
-    stream: TextStream
-    slot: int | None = None
-    generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    rounds: int = 0
-    target_only_rounds: int = 0      # rounds without a draft (draft_len auto, k = 0)
-    overlapped_rounds: int = 0       # rounds whose window was drafted during the last verify
-    proposed: int = 0                # draft tokens proposed
-    accepted: int = 0                # draft tokens accepted
-    tested: int = 0                  # draft tokens tested (every token up to the first reject)
-    emitted_per_round: list[int] = field(default_factory=list)
-    t_start: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None     # when the first generated token was committed
-    t_last: float | None = None      # when generated tokens were last committed
-    t_end: float | None = None
-    cancelled: bool = False
-    seed: int = 0                    # the request's seed, or one drawn for it
-    accepted_at: list[int] = field(default_factory=list)  # rounds that kept draft token i+1
-
-    def worker_params(self) -> dict:
-        p = self.params
-        return {"temperature": float(p.temperature), "top_k": int(p.top_k or 0),
-                "top_p": float(p.top_p), "seed": self.seed}
-
-    def stats(self) -> dict:
-        elapsed = (self.t_end or time.perf_counter()) - self.t_start
-        rounds = max(self.rounds, 1)
-        return {
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "mean_accepted_tokens": sum(self.emitted_per_round) / rounds if self.rounds else 0.0,
-            "rounds": self.rounds,
-            "target_only_rounds": self.target_only_rounds,
-            "overlapped_rounds": self.overlapped_rounds,
-            "tokens_per_s": len(self.generated) / elapsed if elapsed > 0 else 0.0,
-            "accepted_per_position": list(self.accepted_at),
-            "tested_draft_tokens": self.tested,
-            "prompt_tokens": len(self.prompt_ids),
-            "time_to_first_token_s": None if self.t_first is None else
-            self.t_first - self.t_start,
-        }
-
-    def output(self) -> dict:
-        return {"index": self.index, "text": self.stream.text, "token_ids": self.generated,
-                "finish_reason": self.finish_reason, "stats": self.stats()}
-
-
-@dataclass
-class Event:
-    kind: str          # "delta" | "final"
-    seq: Sequence
-    token_ids: list[int]
-    text: str
+def round_lookahead(max_draft_len: int, overlap: bool) -> int:
+    """Positions past its committed tokens that one round of a request may write, with the
+    work done ahead for the next: a verify (k + 1), the next round's proposals or window
+    (k + 1 more, twice with overlap), or a target-only round and its step ahead."""
+    windows = 3 if overlap else 2
+    return max(windows * (max_draft_len + 1), TARGET_ONLY_STEPS + 1) + 2
 
 
 class Scheduler:
     def __init__(self, pool: WorkerPool, num_slots: int, draft_len: int | None,
                  eos_token_ids: tuple[int, ...], step_timeout_s: float,
-                 overlap: bool = False, acceptance: str = "tokens"):
+                 overlap: bool = False, acceptance: str = "tokens",
+                 blocks: BlockManager | None = None, table_len: int | None = None):
+        """num_slots: requests running at once (runtime.max_batch_size); blocks: the KV
+        pool's books (default: room for num_slots requests of table_len positions, no
+        prefix caching); table_len: the most positions one request's table addresses."""
         self.pool = pool
         self.draft_len = MAX_AUTO_DRAFT_LEN if draft_len is None else draft_len  # max k
         self.controller = DraftLenController(draft_len, MAX_AUTO_DRAFT_LEN, overlap)
@@ -87,12 +48,19 @@ class Scheduler:
         self.acceptance = acceptance
         self.eos = set(eos_token_ids)
         self.step_timeout_s = step_timeout_s
+        self.lookahead = round_lookahead(self.draft_len, overlap)
+        self.table_len = table_len or 1 << 20
+        if blocks is None:
+            per_request = -(-min(self.table_len, 4096) // 16)
+            blocks = BlockManager(num_slots * per_request, 16, prefix_caching=False)
+        self.blocks = blocks
         self.free_slots = list(range(num_slots))
         self.queue: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.metrics = ServingMetrics()
         self.next_k: int | None = None      # the next round's k, sent ahead with this one
         self.next_slots: list[int] = []     # ... for these slots
+        self._admissions = 0
 
     @property
     def has_work(self) -> bool:
@@ -113,6 +81,7 @@ class Scheduler:
     def step(self) -> list[Event]:
         """Admit what fits, run one speculation round, return what it produced."""
         events = self._retire_cancelled()
+        self._make_room()
         self._admit()
         if not self.running:
             self.metrics.idle()
@@ -123,7 +92,7 @@ class Scheduler:
         if k == 0:   # target-only: several decode steps on one command, none past a limit
             steps = min(TARGET_ONLY_STEPS, *(self.running[s].params.max_new_tokens -
                                              len(self.running[s].generated) for s in slots))
-        command = protocol.RoundCommand(slots, k, next_k, steps)
+        command = protocol.RoundCommand(slots, k, next_k, steps, self._grow(slots))
         start = self.metrics.round_begins()
         results = self.pool.command(command.to_msg(), self.step_timeout_s)
         cost = self.metrics.round_ends(start, results, k)
@@ -131,11 +100,13 @@ class Scheduler:
         finished = []
         self.controller.observe(k, verdict.accepted, cost, steps)
         overlapped = verdict.overlapped or [False] * len(slots)
-        for slot, tokens, accepted, kept in zip(slots, verdict.tokens, verdict.accepted,
-                                                overlapped):
+        cached = _cached(results, len(slots))
+        for slot, tokens, accepted, kept, held in zip(slots, verdict.tokens, verdict.accepted,
+                                                      overlapped, cached):
             seq = self.running[slot]
             seq.overlapped_rounds += kept
             events.append(self._append(seq, tokens, accepted, k, kept))
+            self.blocks.register(seq.table, seq.tokens, held)
             if seq.finish_reason is not None:
                 finished.append(seq)
         events.extend(self._retire(finished))
@@ -157,20 +128,76 @@ class Scheduler:
         return k, self.next_k
 
     def _admit(self) -> None:
-        admitted = []
+        """Admit queued requests in order while a row and their blocks are free (past the
+        blocks the running requests grow into this round)."""
+        admitted, growth = [], self._growth()
         while self.queue and self.free_slots:
-            seq = self.queue.popleft()
+            seq = self.queue[0]
+            tokens = seq.tokens
+            matched = self.blocks.match(tokens[:-1])   # the last token is fed, not cached
+            positions = self._reach(len(tokens))
+            if self.blocks.cost(matched, positions) + growth > self.blocks.available:
+                break
+            self.queue.popleft()
+            seq.table = self.blocks.start(matched, positions)
+            if not seq.preemptions:   # a readmission's prefix is its own, not a prompt's
+                seq.cached_prompt_tokens = len(matched) * self.blocks.block_size
+                if self.blocks.prefix_caching:
+                    self.metrics.prefix_lookup(len(tokens), seq.cached_prompt_tokens)
             seq.slot = self.free_slots.pop(0)
+            self._admissions += 1
+            seq.admitted = self._admissions
             self.running[seq.slot] = seq
             admitted.append(seq)
         if admitted:
             start = time.perf_counter()
-            command = protocol.PrefillCommand([s.slot for s in admitted],
-                                              [s.prompt_ids for s in admitted],
-                                              [s.worker_params() for s in admitted])
+            command = protocol.PrefillCommand(
+                [s.slot for s in admitted], [s.tokens for s in admitted],
+                [s.worker_params() for s in admitted],
+                [len(s.table.keys) * self.blocks.block_size for s in admitted],
+                [list(s.table.blocks) for s in admitted])
             self.pool.command(command.to_msg(), self.step_timeout_s)
+            for seq in admitted:   # every rank now caches all its tokens but the last
+                self.blocks.register(seq.table, seq.tokens, len(seq.tokens) - 1)
             self.metrics.prefill_done(time.perf_counter() - start,
-                                      sum(len(s.prompt_ids) for s in admitted))
+                                      sum(len(s.tokens) - len(s.table.keys) *
+                                          self.blocks.block_size for s in admitted))
+
+    def _reach(self, committed: int) -> int:
+        """Positions a request of `committed` tokens must address for its next round."""
+        return min(committed + self.lookahead, self.table_len)
+
+    def _make_room(self) -> None:
+        """Preempt the newest running requests until every other one can grow for its next
+        round."""
+        while self.running and self._growth() > self.blocks.available:
+            self._preempt(max(self.running.values(), key=lambda s: s.admitted))
+
+    def _growth(self) -> int:
+        """Blocks the running requests take when they grow for their next round."""
+        return sum(max(0, self.blocks.blocks_for(self._reach(len(s.tokens))) -
+                       len(s.table.blocks)) for s in self.running.values())
+
+    def _grow(self, slots: list[int]) -> list[list[int]]:
+        """Each slot's new blocks for this round (_make_room left enough)."""
+        return [self.blocks.grow(self.running[s].table, self._reach(len(self.running[s].tokens)))
+                for s in slots]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running request's row and blocks; it waits first in line to be readmitted
+        with its tokens so far (most of them a prefix hit)."""
+        self.pool.command(protocol.ReleaseCommand([seq.slot]).to_msg(), self.step_timeout_s)
+        self._free(seq)
+        seq.preemptions += 1
+        self.metrics.preempted()
+        self.queue.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        del self.running[seq.slot]
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+        self.blocks.free(seq.table)
+        seq.slot = None
 
     def _append(self, seq: Sequence, tokens: list[int], accepted: int, k: int,
                 overlapped: bool = False) -> Event:
@@ -221,13 +248,21 @@ class Scheduler:
         self.pool.command(protocol.ReleaseCommand(slots).to_msg(), self.step_timeout_s)
         events = []
         for seq in seqs:
-            del self.running[seq.slot]
-            self.free_slots.append(seq.slot)
+            self._free(seq)
             seq.t_end = time.perf_counter()
             self.metrics.finished(seq.finish_reason, seq.t_end - seq.t_start)
             events.append(Event("final", seq, [], ""))
-        self.free_slots.sort()
         return events
+
+
+def _cached(results: dict[int, dict], batch: int) -> list[int]:
+    """Per slot of a round, the positions every rank holds the KV of committed tokens for
+    (the least any rank reports)."""
+    replies = [protocol.RoundReply.from_map(r) for r in results.values()]
+    reports = [r.cached for r in replies if r.cached]
+    if not reports:
+        return [0] * batch
+    return [min(column) for column in zip(*reports)]
 
 
 def _verdict(results: dict[int, dict]) -> protocol.RoundReply:

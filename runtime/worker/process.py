@@ -5,6 +5,7 @@ accept verdict) move between the groups over torch.distributed on the worker's d
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -158,8 +159,9 @@ class Worker:
             torch.set_num_threads(_bind_cpu_block(self.topology.workers.index(self.spec),
                                                   len(self.topology.workers)))
         try:
-            draft, target = load_shards(self.config, self.spec, self.groups, self.device,
-                                        self.rank, ProgressReporter(self.send, self.rank))
+            draft, target, kv_blocks = load_shards(self.config, self.spec, self.groups,
+                                                   self.device, self.rank,
+                                                   ProgressReporter(self.send, self.rank))
         except MemoryError as exc:
             # a KV cache over its budget (runtime.models.runners.kv_budget): the config's problem,
             # which rank 0 names in one line (exit 2); a crash's traceback would say nothing
@@ -176,7 +178,9 @@ class Worker:
                                 self.rank, self.device, self.config.speculation.acceptance,
                                 profile=os.environ.get("TANDEM_PROFILE") == "1",
                                 overlap=self.config.overlapped)
-        self.send({"type": "ready", "rank": self.rank})
+        self.send({"type": "ready", "rank": self.rank, "kv_blocks": kv_blocks,
+                   "shares_blocks": all(s.tables is not None for s in (draft, target)
+                                        if s is not None)})
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:
@@ -235,13 +239,15 @@ class Worker:
         shards = [s for s in (self.parts.draft, self.parts.target) if s is not None]
         if isinstance(cmd, protocol.PrefillCommand):
             for shard in shards:
-                shard.prefill(cmd.slots, cmd.prompts, cmd.params)
+                shard.prefill(cmd.slots, cmd.prompts, cmd.params, cmd.cached, cmd.tables)
             return protocol.StepAck()
         if isinstance(cmd, protocol.ReleaseCommand):
             for shard in shards:
                 shard.release(cmd.slots)
             return protocol.StepAck()
         self._check_round(cmd)
+        for shard in shards:
+            shard.grow(cmd.slots, cmd.tables)
         if cmd.k == 0:
             result = decode_target_only(self.parts, cmd.slots, cmd.steps)
         elif self.parts.overlap:
@@ -250,7 +256,8 @@ class Worker:
             result = speculate(self.parts, cmd.slots, cmd.k)
         if self.config.runtime.draft_ahead:   # started by work_ahead once result is sent
             self.next_work = NextWork(cmd.slots, cmd.next_k)
-        return result
+        cached = [min(column) for column in zip(*(s.cached(cmd.slots) for s in shards))]
+        return dataclasses.replace(result, cached=cached)
 
     def _check_round(self, cmd: protocol.RoundCommand) -> None:
         """Every number of a round command in its range."""

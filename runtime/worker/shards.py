@@ -9,7 +9,7 @@ from runtime.speculation.acceptance import accept_choices
 from runtime.speculation.choose import BatchSampling, draft_choose, target_verify
 from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
-from runtime.worker.block_tables import FixedBlockTables
+from runtime.worker.block_tables import SlotTables
 from runtime.worker.slot_state import GREEDY, Extension, SlotBook, SlotState
 
 __all__ = ["GREEDY", "SlotState", "ModelShard", "DraftShard", "TargetShard"]
@@ -20,12 +20,14 @@ class ModelShard:
 
     def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int,
                  acceptance: str = "tokens", max_step_len: int = 2, cuda_graphs: bool = True,
-                 prefill_graphs: bool | None = None, block_size: int = 16):
+                 prefill_graphs: bool | None = None, block_size: int = 16,
+                 num_blocks: int | None = None, kv_dtype: str = "auto"):
         """max_step_len: the most tokens a decode/verify step appends per slot (draft_len + 1
         for the target); such steps run at static shapes (CUDA graphs on CUDA). Prompts run
         in static chunks too unless prefill_graphs is False. block_size: positions per KV
-        block (runtime.kv_block_size); the model reads and writes through block tables
-        (block_tables.FixedBlockTables: a fixed table per slot)."""
+        block (runtime.kv_block_size); num_blocks: the pool's blocks (default: every slot's
+        fixed table); kv_dtype: runtime.kv_cache_dtype. The model reads and writes through
+        the block tables rank 0 sends (block_tables.SlotTables)."""
         self.model = model
         self.acceptance = acceptance
         self.device = device
@@ -34,10 +36,11 @@ class ModelShard:
         # per slot, what an overlapped round carries to the next (runtime.worker.overlap):
         # the draft's next window, the target's held logits; gone with the slot's sequence
         self.carried: dict[int, object] = {}
-        self.tables: FixedBlockTables | None = None   # None: a model with its own cache
+        self.tables: SlotTables | None = None   # None: a model with its own cache
         if hasattr(model, "forward_static"):
-            model.allocate_cache(num_slots, max_seq_len, block_size)
-            self.tables = FixedBlockTables(num_slots, model.blocks_per_seq, device)
+            model.allocate_cache(num_slots, max_seq_len, block_size, num_blocks, kv_dtype)
+            self.tables = SlotTables(num_slots, model.blocks_per_seq, model.num_blocks,
+                                     block_size, device)
         else:
             model.allocate_cache(num_slots, max_seq_len)
         self.runner = StepRunner(model, device, num_slots, max_step_len, cuda_graphs,
@@ -57,7 +60,8 @@ class ModelShard:
         (or None when not wanted: StepRunner.prefill)."""
         if n_valid is None:
             n_valid = [ids.shape[1]] * len(slots)
-        starts = self.slots.append(slots, n_valid)
+        starts = self.slots.append(slots, n_valid,
+                                   None if self.tables is None else self.tables.capacity)
         rows = slots if self.tables is None else self.tables.rows(slots)
         if not logits:
             return self.runner.prefill(ids, rows, starts, n_valid)
@@ -71,15 +75,23 @@ class ModelShard:
         return to_device([self.slots[s].committed for s in slots], torch.long, self.device)
 
     def prefill(self, slots: list[int], prompts: list[list[int]],
-                params: list[dict] | None = None) -> None:
-        """Cache every prompt token but the last, which stays pending."""
+                params: list[dict] | None = None, cached: list[int] | None = None,
+                tables: list[list[int]] | None = None) -> None:
+        """Cache every prompt token but the last, which stays pending. cached: per slot,
+        the leading positions its table's blocks hold already (prefix hits: not fed
+        again); tables: the slots' block tables (default: as they are)."""
         params = params or [GREEDY] * len(slots)
-        for slot, prompt, sampling in zip(slots, prompts, params):
-            self.slots.start(slot, prompt, sampling)
+        cached = cached or [0] * len(slots)
+        if tables and self.tables is not None:
+            self.tables.set(slots, tables)
+        elif any(cached):
+            raise ValueError("cached positions need block tables (prefix caching)")
+        for slot, prompt, sampling, done in zip(slots, prompts, params, cached):
+            self.slots.start(slot, prompt, sampling, done)
             self.carried.pop(slot, None)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)
-        rows = [(s, p[:-1]) for s, p in zip(slots, prompts) if len(p) > 1]
+        rows = [(s, p[c:-1]) for s, p, c in zip(slots, prompts, cached) if len(p) - c > 1]
         if rows:
             self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
 
@@ -94,7 +106,18 @@ class ModelShard:
         for slot, row in zip(slots, rows):
             self.slots.commit(slot, len(row), len(row), row)
 
+    def grow(self, slots: list[int], tables: list[list[int]]) -> None:
+        """Blocks appended to these slots' tables (a round command's)."""
+        if tables and self.tables is not None:
+            self.tables.extend(slots, tables)
+
+    def cached(self, slots: list[int]) -> list[int]:
+        """Per slot, the positions whose KV holds committed tokens."""
+        return [self.slots[s].cache_len for s in slots]
+
     def release(self, slots: list[int]) -> None:
+        if self.tables is not None:
+            self.tables.reset(slots)
         for slot in slots:
             self.slots.reset(slot)
             self.carried.pop(slot, None)

@@ -83,11 +83,15 @@ class SlotBook:
         return self.states[slot]
 
     # --- a sequence's life ---------------------------------------------------------------
-    def start(self, slot: int, prompt: list[int], sampling: dict) -> None:
-        """A new sequence: its prompt committed, the last token pending; every other prompt
-        token is cached by the prefill that follows (append)."""
+    def start(self, slot: int, prompt: list[int], sampling: dict, cached: int = 0) -> None:
+        """A new sequence: its prompt committed, the last token pending; its first `cached`
+        positions are in the cache already (a prefix hit), every other prompt token is
+        cached by the prefill that follows (append)."""
         self.check(slot)
-        self.states[slot] = SlotState(len(prompt), 0, [prompt[-1]],
+        if not 0 <= cached < len(prompt):
+            raise ValueError(f"slot {slot}: {cached} cached positions of a {len(prompt)}-token "
+                             f"prompt")
+        self.states[slot] = SlotState(len(prompt), cached, [prompt[-1]],
                                       {key: sampling[key] for key in GREEDY})
 
     def reset(self, slot: int) -> None:
@@ -95,12 +99,16 @@ class SlotBook:
         self.states[slot] = SlotState()
 
     # --- the cache grows, the round commits ------------------------------------------------
-    def append(self, slots: list[int], counts: list[int]) -> list[int]:
-        """Positions for `counts` tokens fed to each slot's cache: their start positions."""
+    def append(self, slots: list[int], counts: list[int], capacity=None) -> list[int]:
+        """Positions for `counts` tokens fed to each slot's cache: their start positions.
+        capacity(slot): the positions its KV blocks address (None: max_seq_len only)."""
         starts = [self.states[s].cache_len for s in slots]
         for slot, start, n in zip(slots, starts, counts):
             if start + n > self.max_seq_len:
                 raise ValueError(f"slot {slot}: sequence exceeds max_seq_len {self.max_seq_len}")
+            if capacity is not None and start + n > capacity(slot):
+                raise ValueError(f"slot {slot}: positions {start}..{start + n - 1} lie past "
+                                 f"its KV blocks ({capacity(slot)} positions)")
         for slot, n in zip(slots, counts):
             self.states[slot].cache_len += n
         return starts

@@ -158,10 +158,13 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
-    def allocate_cache(self, num_slots: int, max_seq_len: int, block_size: int = 16) -> None:
-        """Block pools for num_slots rows of max_seq_len positions: num_slots x
-        blocks_per_seq blocks of block_size positions (blocks_per_seq = ceil(max_seq_len /
-        block_size), the width of a block table), the same in every layer."""
+    def allocate_cache(self, num_slots: int, max_seq_len: int, block_size: int = 16,
+                       num_blocks: int | None = None, kv_dtype: str = "auto") -> None:
+        """Block pools of `num_blocks` blocks of block_size positions, the same in every
+        layer; a block table is blocks_per_seq = ceil(max_seq_len / block_size) wide.
+        num_blocks defaults to num_slots x blocks_per_seq (every slot's fixed table,
+        cache.slot_block_table, fits). kv_dtype: "auto" (the activation dtype) or "fp8"
+        (e4m3 with scales, runtime.kv_cache_dtype)."""
         if num_slots < 1 or max_seq_len < 1 or block_size < 1:
             raise ValueError(f"need num_slots, max_seq_len, block_size >= 1, got "
                              f"{num_slots}, {max_seq_len}, {block_size}")
@@ -169,10 +172,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"max_seq_len {max_seq_len} exceeds {self.rope_exact_until}, the "
                              f"length up to which this length-dependent RoPE is supported")
         self.blocks_per_seq = blocks_for(max_seq_len, block_size)
-        self.num_blocks = num_slots * self.blocks_per_seq
+        self.num_blocks = num_slots * self.blocks_per_seq if num_blocks is None else num_blocks
+        if self.num_blocks < 1:
+            raise ValueError(f"need num_blocks >= 1, got {self.num_blocks}")
         norm = self.model.norm.weight   # the activation dtype (FP8 weights have another)
         for layer in self.model.layers:
-            layer.self_attn.allocate_cache(self.num_blocks, block_size, norm.dtype, norm.device)
+            layer.self_attn.allocate_cache(self.num_blocks, block_size, norm.dtype, norm.device,
+                                           kv_dtype=kv_dtype)
         self.num_slots, self.max_seq_len, self.block_size = num_slots, max_seq_len, block_size
 
     def free_slot(self, slot: int) -> None:

@@ -2,6 +2,8 @@
 models' context, and the KV caches against a CUDA device's memory (each names its key)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 
@@ -130,35 +132,50 @@ def _with_memory(monkeypatch, free: int, total: int) -> list[int]:
 def test_kv_cache_bytes_from_the_checkpoint(models):
     cfg = _cuda_cfg(models)
     info = inspect_checkpoint(models["long"])
-    # 2 layers x K and V x (8 rows x 64 blocks + 1 scratch block) x 2 KV heads x 16 positions
-    # a block (runtime.kv_block_size) x head_dim 16 x 4 bytes
-    assert checks.kv_cache_bytes(cfg, cfg.draft, info) == 2 * 2 * 513 * 2 * 16 * 16 * 4
+    # at least one request: 2 layers x K and V x (the blocks of max_seq_len 1024 and draft
+    # room + 1 scratch block) x 2 KV heads x 16 positions a block (runtime.kv_block_size) x
+    # head_dim 16 x 4 bytes
+    blocks = -(-cfg.kv_seq_len // 16) + 1
+    assert cfg.kv_seq_len > 1024 and blocks == 66
+    assert checks.kv_cache_bytes(cfg, cfg.draft, info) == 2 * 2 * blocks * 2 * 16 * 16 * 4
     tp2 = _cuda_cfg(models, target_devices=(1, 2))
-    assert checks.kv_cache_bytes(tp2, tp2.target, info) == 2 * 2 * 513 * 1 * 16 * 16 * 4
+    assert checks.kv_cache_bytes(tp2, tp2.target, info) == 2 * 2 * blocks * 1 * 16 * 16 * 4
+    pool = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime,
+                                                                kv_cache_tokens=16 * 1000))
+    assert checks.kv_cache_bytes(pool, pool.draft, info) == 2 * 2 * 1001 * 2 * 16 * 16 * 4
+    fp8 = dataclasses.replace(pool, runtime=dataclasses.replace(pool.runtime,
+                                                                kv_cache_dtype="fp8"))
+    assert checks.kv_cache_bytes(fp8, fp8.draft, info) == 2 * 2 * 1001 * 2 * 16 * (16 + 4)
 
 
 def test_kv_caches_that_cannot_fit_the_free_memory(models, monkeypatch):
-    need = 2 * 2 * 513 * 2 * 16 * 16 * 4          # one model's cache: 4.0 MiB
+    need = 2 * 2 * 1001 * 2 * 16 * 16 * 4         # one model's pool of 16,000 tokens
     total = 20 * need                              # the 5% reserve: one cache
-    shared = _cuda_cfg(models, draft_devices=(0,), target_devices=(0,))
+    shared = _pool(_cuda_cfg(models, draft_devices=(0,), target_devices=(0,)))
     asked = _with_memory(monkeypatch, free=int(2.5 * need), total=total)
     # both caches on cuda:0 need 2 x need, but free less the reserve is 1.5 x need
     with pytest.raises(ConfigError) as info:
         checks.check_kv_memory(shared)
     message = str(info.value)
     assert info.value.key == "runtime.max_seq_len" and "cuda:0" in message, message
-    assert "draft 4.0 MiB + target 4.0 MiB" in message and "8 slots" in message, message
+    assert "draft 7.8 MiB + target 7.8 MiB" in message, message
+    assert "16000 tokens (runtime.kv_cache_tokens)" in message, message
     assert asked == [0]
-    apart = _cuda_cfg(models)                      # one cache per device: each fits
+    apart = _pool(_cuda_cfg(models))               # one pool per device: each fits
     assert _with_memory(monkeypatch, free=int(2.5 * need), total=total) == []
     checks.check_kv_memory(apart)
     _with_memory(monkeypatch, free=int(3.5 * need), total=total)
     checks.check_kv_memory(shared)                 # room for both
 
 
+def _pool(cfg, tokens: int = 16_000):
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime,
+                                                                kv_cache_tokens=tokens))
+
+
 def test_kv_cache_over_its_share(models, monkeypatch):
-    need = 2 * 2 * 513 * 2 * 16 * 16 * 4
-    cfg = _cuda_cfg(models, kv_cache_memory=0.01)
+    need = 2 * 2 * 1001 * 2 * 16 * 16 * 4
+    cfg = _pool(_cuda_cfg(models, kv_cache_memory=0.01))
     _with_memory(monkeypatch, free=need * 1000, total=need * 50)   # 1% of it: half a cache
     with pytest.raises(ConfigError) as info:
         checks.check_kv_memory(cfg)

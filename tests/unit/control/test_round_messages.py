@@ -21,7 +21,9 @@ def wire(msg: dict, key: bytes | None = None) -> dict:
 @pytest.mark.parametrize("cmd", [
     RoundCommand([0, 2], 4, 3),
     RoundCommand([1], 0, 0, steps=8),
+    RoundCommand([1, 4], 2, 2, tables=[[], [7, 9]]),
     PrefillCommand([0, 3], [[1, 2, 3], [4]], [PARAMS, PARAMS]),
+    PrefillCommand([0, 3], [[1, 2, 3], [4]], [PARAMS, PARAMS], [2, 0], [[5], [6, 8]]),
     ReleaseCommand([2, 5]),
 ])
 def test_commands_round_trip(cmd):
@@ -31,7 +33,7 @@ def test_commands_round_trip(cmd):
 
 def test_round_command_sends_every_field_and_reads_the_short_form():
     assert RoundCommand([0], 4, 2).to_msg() == {"type": "round", "slots": [0], "k": 4,
-                                                 "steps": 1, "next_k": 2}
+                                                 "steps": 1, "next_k": 2, "tables": []}
     short = wire({"type": "round", "step": 1, "slots": [0], "k": 4})
     assert RoundCommand.from_msg(short) == RoundCommand([0], 4, next_k=4, steps=1)
 
@@ -46,6 +48,12 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
      "differ in length"),
     ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[1.0]], "params": [PARAMS]},
      "prefill.prompts"),
+    ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[1, 2]], "params": [PARAMS],
+      "cached": [2]}, "prefill.cached"),
+    ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[1]], "params": [PARAMS],
+      "tables": [[1], [2]]}, "tables differ in length"),
+    ({"type": "round", "step": 1, "slots": [0], "k": 4, "tables": [[1], []]},
+     "tables differ in length"),
     ({"type": "shutdown"}, "not a step command"),
     ({"type": "hello", "rank": 1, "pid": 2, "host": "h"}, "not a step command"),
 ])
@@ -59,7 +67,8 @@ def test_a_command_of_another_kind_is_refused():
         RoundCommand.from_msg(dict(ReleaseCommand([0]).to_msg(), step=1))
 
 
-LEADER = RoundReply(TARGET_LEADER, 0.25, {"draft_s": 0.1}, [[3, 4], [9]], [1, 0], [True, False])
+LEADER = RoundReply(TARGET_LEADER, 0.25, {"draft_s": 0.1}, [[3, 4], [9]], [1, 0], [True, False],
+                    [32, 17])
 
 
 @pytest.mark.parametrize("reply", [LEADER, RoundReply(WORKER, 0.5),
@@ -73,7 +82,7 @@ def test_round_replies_round_trip_in_a_done_message(reply):
 def test_replies_carry_every_field_and_a_kind():
     assert RoundReply(WORKER, 0.5).to_map() == {
         "kind": "round", "role": "worker", "worker_s": 0.5, "timing": {}, "tokens": [],
-        "accepted": [], "overlapped": []}
+        "accepted": [], "overlapped": [], "cached": []}
     assert StepAck.from_map(wire({"type": "done", "rank": 1, "step": 1,
                                   "result": StepAck().to_map()})["result"]) == StepAck()
 

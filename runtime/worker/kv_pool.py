@@ -1,0 +1,81 @@
+"""How many KV blocks the pool holds: one number for every rank of the launch, since one
+block table (rank 0's) addresses the draft's pool and the target's alike.
+
+Each worker works out what it can hold, then all agree on the least (an all-reduce over the
+bridge group, which spans every worker):
+
+- `runtime.kv_cache_tokens` set: that many tokens (whole blocks), if they fit the budget;
+- else per model: its `kv_cache_memory` share of the device's total memory, or (models without
+  one) what the device has free after the weights, less a reserve for activations and CUDA
+  graphs (runtime.models.runners.kv_budget.RESERVE), shared by the models of the rank; on a
+  CPU worker at most max_batch_size requests of max_seq_len (memory there is everybody's).
+
+A pool that cannot hold one request of max_seq_len (TandemConfig.kv_seq_len) is the config's
+problem: a MemoryError naming the keys, which rank 0 reports as a usage error.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from runtime.config import TandemConfig
+from runtime.models.arch.cache import blocks_for
+from runtime.models.runners.kv_budget import GIB, RESERVE, block_bytes, device_memory
+
+
+def pool_blocks(config: TandemConfig, models: dict[str, object], device: torch.device,
+                bridge: dist.ProcessGroup | None) -> int:
+    """The pool's blocks on every rank. models: key ("draft"/"target") -> this rank's
+    model of it. Collective over `bridge` (every worker calls it)."""
+    rt = config.runtime
+    per_request = blocks_for(config.kv_seq_len, rt.kv_block_size)
+    local, why = local_blocks(config, models, device, per_request)
+    agreed = local
+    if bridge is not None:
+        count = torch.tensor([local], dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN, group=bridge)
+        agreed = int(count.item())
+    if agreed < per_request:
+        if local >= per_request:
+            why = f"another worker's KV budget holds {agreed} blocks"
+        raise MemoryError(f"{why}, fewer than the {per_request} blocks of "
+                          f"{rt.kv_block_size} tokens one request of runtime.max_seq_len "
+                          f"{rt.max_seq_len} needs: raise runtime.kv_cache_tokens or the models' "
+                          f"kv_cache_memory, or lower runtime.max_seq_len")
+    return agreed
+
+
+def local_blocks(config: TandemConfig, models: dict[str, object], device: torch.device,
+                 per_request: int) -> tuple[int, str]:
+    """(blocks this worker can hold, what limits them: for the error message)."""
+    rt = config.runtime
+    costs = {key: block_bytes(model, rt.kv_block_size, rt.kv_cache_dtype)
+             for key, model in models.items()}
+    costs = {key: cost for key, cost in costs.items() if cost is not None}
+    if not costs:   # transformers fallback models keep a cache per slot
+        return rt.max_batch_size * per_request, "the transformers fallback's slots"
+    free, total = device_memory(device)
+    budget = free - RESERVE * total
+    limits = []
+    for key, cost in costs.items():
+        share = getattr(config, key).kv_cache_memory
+        if share is not None:
+            limits.append((int(share * total // cost), f"{key}.kv_cache_memory {share} of "
+                                                       f"{total / GIB:.1f} GiB"))
+            budget -= share * total
+    shared = [cost for key, cost in costs.items() if getattr(config, key).kv_cache_memory is None]
+    if shared:
+        limits.append((max(0, int(budget // sum(shared))),
+                       f"the {max(budget, 0) / GIB:.2f} GiB free on {device} after the "
+                       f"weights and a {RESERVE:.0%} reserve"))
+    if rt.kv_cache_tokens is not None:
+        want = blocks_for(rt.kv_cache_tokens, rt.kv_block_size)
+        fits = min(limit for limit, _ in limits)
+        if want > fits:
+            return fits, f"runtime.kv_cache_tokens {rt.kv_cache_tokens} does not fit: " \
+                         f"{min(limits)[1]} holds {fits * rt.kv_block_size} tokens"
+        return want, f"runtime.kv_cache_tokens {rt.kv_cache_tokens}"
+    if device.type == "cpu":
+        limits.append((rt.max_batch_size * per_request, "runtime.max_batch_size requests"))
+    blocks, why = min(limits)
+    return blocks, f"{why} holds {blocks} blocks"
