@@ -10,6 +10,8 @@ so a scrape agrees exactly with `usage` and `stats`:
   spec_decode_num_draft_tokens_total = sum over rounds of each sequence's k
   spec_decode_num_accepted_tokens_per_pos_total{position=i}
                                      = sum of stats["accepted_per_position"][i]
+  prefix_cache_hits_total            = sum of stats["cached_prompt_tokens"]
+  num_preemptions_total              = sum of stats["preemptions"]
 """
 from __future__ import annotations
 
@@ -41,15 +43,16 @@ class PrometheusMetrics:
     def __init__(self):
         self.registry = CollectorRegistry(auto_describe=True)
         reg, p = self.registry, PREFIX
-        self.running = Gauge(f"{p}num_requests_running", "Requests in KV slots, decoding.",
+        self.running = Gauge(f"{p}num_requests_running", "Requests running (at most runtime.max_batch_size).",
                              registry=reg)
-        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot.",
+        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a row or KV blocks.",
                              registry=reg)
         self.finished = Counter(f"{p}request_success", "Requests finished, by finish reason "
                                 "(stop: EOS or a stop string; length: max_new_tokens; "
                                 "cancelled: the client cancelled or went away).",
                                 ["finished_reason"], registry=reg)
-        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens prefilled.",
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens admitted (cached "
+                                     "ones included).",
                                      registry=reg)
         self.generation_tokens = Counter(f"{p}generation_tokens",
                                          "Tokens generated (returned to clients).",

@@ -159,9 +159,9 @@ class Scheduler:
             self.pool.command(command.to_msg(), self.step_timeout_s)
             for seq in admitted:   # every rank now caches all its tokens but the last
                 self.blocks.register(seq.table, seq.tokens, len(seq.tokens) - 1)
-            self.metrics.prefill_done(time.perf_counter() - start,
-                                      sum(len(s.tokens) - len(s.table.keys) *
-                                          self.blocks.block_size for s in admitted))
+            self.metrics.prefill_done(time.perf_counter() - start,   # prompts, once each
+                                      sum(len(s.prompt_ids) for s in admitted
+                                          if not s.preemptions))
 
     def _reach(self, committed: int) -> int:
         """Positions a request of `committed` tokens must address for its next round."""
