@@ -6,13 +6,18 @@
 #   bash examples/h200_bench.sh OUTDIR profile spec-profile    # where the time goes
 #   bash examples/h200_bench.sh OUTDIR fp8-check profile-fp8 profile-fp8-70b
 #       (FP8 exactness and step times; the FP8 8b and 70b steps' kernels)
+#   bash examples/h200_bench.sh OUTDIR kv-ttft kv-serve64 kv-serve256 kv-70b kv-fp8
+#       (the paged KV cache in serving, examples/gpu/serving_kv.py: TTFT with a cached
+#       2,000-token prefix; 64 x 128 and 256 x 2,000-token requests at once; 70b FP8;
+#       kv_cache_dtype auto vs fp8 at 8k context)
 #   bash examples/h200_bench.sh OUTDIR cpu-overlap
 #       (overlap on / off on two of the host's CPU cores: examples/cpu/overlap_figures.sh)
 # The experiments behind the defaults (kernel microbenchmarks, in-process A/B of step
 # settings) are in lab/h200_lab.sh.
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
 # EXTRA="--no-cuda-graphs" (say) is added to every bench command; each figure is the median
-# of REPEATS timed runs (default 3) after one warm-up run.
+# of REPEATS timed runs (default 3) after one warm-up run. The bench phases run with prefix
+# caching off (tandem bench's default), as commits before the paged KV cache did.
 set -u
 OUT=${1:?usage: h200_bench.sh OUTDIR PHASE...}; shift
 mkdir -p "$OUT"
@@ -25,6 +30,13 @@ bench() {   # bench PHASE ARGS...: a synthetic pair (8b unless --synthetic follo
     python -m launcher bench --synthetic 8b --device cuda:0 --dtype bfloat16 \
         --prompt-len 128 --new-tokens 256 --synthetic-dir "$SYN" --out "$OUT/$phase.json" \
         --repeats "${REPEATS:-3}" ${EXTRA:-} "$@" > "$OUT/$phase.log" 2>&1
+    echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
+}
+serving() {   # serving PHASE ARGS...: examples/gpu/serving_kv.py, 8b bf16 unless ARGS say
+    local phase=$1; shift
+    local start=$SECONDS
+    python examples/gpu/serving_kv.py --device cuda:0 --synthetic-dir "$SYN" \
+        --out "$OUT/$phase.json" "$@" > "$OUT/$phase.log" 2>&1
     echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
 }
 for phase in "$@"; do
@@ -65,6 +77,15 @@ for phase in "$@"; do
                           --draft-len 4 --modes spec ;;   # phases: spec_server_stats.profile
         k[0-9]*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len "${phase#k}" \
                      --modes spec ;;
+        kv-ttft) serving kv-ttft ttft --prompt-len 2000 --suffix-len 50 --runs 5 ;;
+        kv-serve64) serving kv-serve64 serve --concurrency 64 --prompt-len 128 \
+                        --new-tokens 256 ;;
+        kv-serve256) serving kv-serve256 serve --concurrency 256 --prompt-len 2000 \
+                         --new-tokens 256 --max-seq-len 32768 ;;
+        kv-70b) serving kv-70b serve --synthetic 70b --quantization fp8 --eps 0.01 \
+                    --concurrency 64 --prompt-len 2000 --new-tokens 256 --max-seq-len 32768 ;;
+        kv-fp8) serving kv-fp8 kvdtype --kv-dtypes auto,fp8 --concurrency 8 --prompt-len 8000 \
+                    --new-tokens 128 ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac

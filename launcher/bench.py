@@ -53,8 +53,38 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="run hf-compiled on CPU too (slow to compile; skipped otherwise)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run tandem's decode/verify steps eagerly (runtime.cuda_graphs false)")
+    _add_kv_arguments(p)
     p.add_argument("--out", default=None, help="write the JSON report here (default: none)")
     return p
+
+
+def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    """The paged KV cache's settings of the spec modes' Engine (runtime section)."""
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="keep runtime.prefix_caching on (default: off here, though on in "
+                        "the Engine's own default: the warm-up and repeated calls run the "
+                        "same prompts, so every call after the first would skip its prefill, "
+                        "and the figures would not compare with runs of older commits)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=None,
+                   help="runtime.max_seq_len (default: prompt + new tokens + room for a "
+                        "draft window, or the config's if larger)")
+    p.add_argument("--kv-cache-tokens", type=_positive_int, default=None,
+                   help="runtime.kv_cache_tokens, the KV pool's size in tokens (default: the "
+                        "config's, else what fits in GPU memory after the weights; on CPU "
+                        "max batch size x max_seq_len)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None,
+                   help="runtime.kv_cache_dtype: auto (the activation dtype) or fp8 "
+                        "(default: the config's, or auto)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -104,7 +134,9 @@ def main(args) -> int:
         quantization=args.quantization, seed=args.seed,
         warmup=args.warmup, repeats=args.repeats, synthetic_dir=args.synthetic_dir,
         compile_on_cpu=args.compile_on_cpu, cuda_graphs=args.cuda_graphs,
-        target_tp=args.target_tp)
+        target_tp=args.target_tp, prefix_caching=args.prefix_caching,
+        max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_dtype=args.kv_cache_dtype)
     _quiet_libraries()
     try:
         settings.check()

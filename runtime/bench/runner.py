@@ -4,184 +4,30 @@ Order: the in-process phase (the `target` mode, the copy bandwidth, the step cos
 then `spec` and `spec-sequential` (overlap on and off: both Engines up at once, one for all
 batch sizes each, their timed calls taking turns), then the transformers modes; each phase
 frees its models before the next loads. Every mode gets `warmup` untimed calls of the same
-shape before `repeats` timed ones (the median is kept).
+shape before `repeats` timed ones (the median is kept). settings.py resolves the settings
+into the pair and the Engine config (prefix caching off unless asked for: it says why).
 """
 from __future__ import annotations
 
-import logging
-import os
 import shutil
 import sys
-import tempfile
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
 from runtime.bench import metrics
 from runtime.bench.modes import (MODES, HFAssisted, HFGenerate, Outcome, Skipped, TandemSpec,
                                  free_memory, timed_side_by_side, worker_backends)
+from runtime.bench.settings import (BenchSettings, Setup, _engine_device,  # noqa: F401
+                                    _kmax, _torch_device, resolve)
 from runtime.bench.tp_target import TargetJob, measure, run_tensor_parallel
 from runtime.bench.report import hardware, now, row, versions
 
-log = logging.getLogger("tandem.bench")
 C_SOURCE = ("in-process: median time of one draft decode step (1 token per row) / one target "
             "verify step (k+1 tokens per row), both through the workers' StepRunner (CUDA "
             "graphs unless --no-cuda-graphs) on their configured devices (on CPU with the "
             "threads each engine worker gets), at cache position prompt_len + new_tokens / 2")
-try:
-    from runtime.config.schema import MAX_AUTO_DRAFT_LEN
-except ImportError:   # pragma: no cover - older config without draft_len: auto
-    MAX_AUTO_DRAFT_LEN = 8
-
-
-@dataclass
-class BenchSettings:
-    config: str | None = None
-    synthetic: str | None = "tiny"
-    draft_layers: int = 2
-    eps: float = 0.02
-    device: str | None = None          # synthetic only; default cuda:0 if available, else cpu
-    batch_sizes: list[int] = field(default_factory=lambda: [1])
-    prompt_len: int = 128
-    new_tokens: int = 256
-    draft_len: int | str | None = None   # None: the config's, or 4 for --synthetic
-    modes: list[str] = field(default_factory=lambda: list(MODES))
-    dtype: str | None = None           # None: the config's, or bfloat16 on CUDA / float32 on CPU
-    quantization: str | None = None    # fp8: draft and target (tandem modes); None: the config's
-    seed: int = 0
-    warmup: int = 1
-    repeats: int = 1
-    synthetic_dir: str | None = None   # keep (and reuse) the synthetic pair here
-    target_tp: int = 1                 # synthetic only: target on this many devices from
-                                       # --device on, the draft on the first of them
-    compile_on_cpu: bool = False
-    cuda_graphs: bool = True           # tandem's decode/verify steps as CUDA graphs (on CUDA)
-
-    def check(self) -> None:
-        if (self.config is None) == (self.synthetic is None):
-            raise ValueError("give a CONFIG or --synthetic SHAPE, not both")
-        bad = [m for m in self.modes if m not in MODES]
-        if bad or not self.modes:
-            raise ValueError(f"--modes: unknown {bad}; choose from {','.join(MODES)}")
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError("--batch-sizes: need integers >= 1")
-        if self.prompt_len < 1 or self.new_tokens < 1:
-            raise ValueError("--prompt-len and --new-tokens must be >= 1")
-        if self.draft_len is not None and self.draft_len != "auto" and \
-                (not isinstance(self.draft_len, int) or self.draft_len < 1):
-            raise ValueError("--draft-len: an integer >= 1 or 'auto'")
-        if self.warmup < 0 or self.repeats < 1:
-            raise ValueError("--warmup must be >= 0 and --repeats >= 1")
-        if self.config is not None and (self.device is not None or self.target_tp != 1):
-            raise ValueError("--device and --target-tp apply to --synthetic; a CONFIG names "
-                             "its devices")
-        if self.target_tp < 1:
-            raise ValueError("--target-tp must be >= 1")
-
-
-@dataclass
-class Setup:
-    """What the modes run on, resolved from a config or a synthetic shape."""
-    draft: str
-    target: str
-    draft_device: torch.device
-    target_devices: list[torch.device]
-    draft_dtype: torch.dtype
-    target_dtype: torch.dtype
-    engine_config: dict
-    draft_len: int | str
-    cleanup: str | None = None
-    draft_quantization: str | None = None     # tandem's modes only; transformers stays float
-    target_quantization: str | None = None
-
-    @property
-    def target_device(self) -> torch.device:
-        return self.target_devices[0]
-
-    @property
-    def target_tp(self) -> int:
-        return len(self.target_devices)
-
-
-def _torch_device(name: str) -> torch.device:
-    dev = torch.device(name)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", 0)
-    return dev
-
-
-def _engine_device(dev: torch.device):
-    return dev.index if dev.type == "cuda" else f"cpu:{dev.index or 0}"
-
-
-def _kmax(draft_len) -> int:
-    return MAX_AUTO_DRAFT_LEN if draft_len == "auto" else int(draft_len)
-
-
-def resolve(s: BenchSettings) -> Setup:
-    need = s.prompt_len + s.new_tokens
-    runtime = {"max_batch_size": max(s.batch_sizes), "cuda_graphs": s.cuda_graphs}
-    if s.config is not None:
-        from runtime.config import load_config
-
-        cfg = load_config(s.config)
-        d = cfg.to_dict()
-        if s.dtype:
-            d["draft"]["dtype"] = d["target"]["dtype"] = s.dtype
-        if s.quantization:
-            d["draft"]["quantization"] = d["target"]["quantization"] = s.quantization
-        k = s.draft_len if s.draft_len is not None else cfg.speculation.draft_len
-        d["speculation"]["draft_len"] = k
-        d["runtime"]["max_batch_size"] = max(d["runtime"]["max_batch_size"],
-                                             runtime["max_batch_size"])
-        d["runtime"]["max_seq_len"] = max(d["runtime"]["max_seq_len"], need + _kmax(k) + 8)
-        d["runtime"]["cuda_graphs"] = s.cuda_graphs
-        return Setup(cfg.draft.model, cfg.target.model, cfg.draft.devices[0].torch_device,
-                     [dev.torch_device for dev in cfg.target.devices],
-                     getattr(torch, d["draft"]["dtype"]), getattr(torch, d["target"]["dtype"]),
-                     d, k, draft_quantization=d["draft"].get("quantization"),
-                     target_quantization=d["target"].get("quantization"))
-    from runtime.models.loading.synthetic import build_pair
-
-    device = _torch_device(s.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-    dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
-    k = s.draft_len if s.draft_len is not None else 4
-    # transformers needs weight files; tandem alone draws the weights where it loads them
-    materialize = any(m.startswith("hf") for m in s.modes)
-    cleanup = None
-    if s.synthetic_dir:
-        root = f"{s.synthetic_dir}/{s.synthetic}-k{s.draft_layers}-eps{s.eps:g}-" \
-               f"{dtype_name}-seed{s.seed}-{device.type}{'' if materialize else '-recipe'}"
-    else:
-        root = cleanup = tempfile.mkdtemp(prefix="tandem-bench-")
-    if os.path.isfile(f"{root}/done"):
-        draft, target = f"{root}/draft", f"{root}/target"
-        log.warning("reusing the synthetic pair in %s", root)
-    else:
-        print(f"bench: building the synthetic {s.synthetic} pair in {root}", file=sys.stderr,
-              flush=True)
-        try:
-            # the random numbers are drawn on the GPU when there is one (much faster)
-            draft, target = build_pair(root, s.synthetic, s.draft_layers, s.eps, s.seed, dtype,
-                                       gen_device=device, materialize=materialize)
-        except BaseException:
-            shutil.rmtree(cleanup or root, ignore_errors=True)
-            raise
-        open(f"{root}/done", "w").close()
-    targets = [device] + [torch.device(device.type, (device.index or 0) + i)
-                          for i in range(1, s.target_tp)]
-    quant = {"quantization": s.quantization} if s.quantization else {}
-    config = {"draft": {"model": draft, "devices": [_engine_device(device)],
-                        "dtype": dtype_name, **quant},
-              "target": {"model": target, "devices": [_engine_device(d) for d in targets],
-                         "dtype": dtype_name, **quant},
-              "speculation": {"draft_len": k, "acceptance": "tokens"},
-              "runtime": {**runtime, "max_seq_len": need + _kmax(k) + 8,
-                          "startup_timeout_s": 3600}}
-    return Setup(draft, target, device, targets, dtype, dtype, config, k, cleanup,
-                 s.quantization, s.quantization)
 
 
 def make_prompts(target: str, s: BenchSettings) -> list[list[int]]:

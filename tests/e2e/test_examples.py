@@ -1,6 +1,8 @@
-"""examples/quickstart.py runs as the README says, on the built-in demo model."""
+"""examples/quickstart.py runs as the README says, on the built-in demo model; CPU smoke runs
+of examples/cpu/overlap_bench.py and examples/gpu/serving_kv.py."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -52,3 +54,26 @@ def test_bench_scripts_name_scripts_that_exist():
         assert subprocess.run(["bash", "-n", script], cwd=ROOT).returncode == 0
     bench = (ROOT / "examples" / "h200_bench.sh").read_text()
     assert not re.findall(r"python lab/", bench)
+
+
+@pytest.mark.timeout(300)
+def test_serving_kv_runs(tmp_path):
+    """examples/gpu/serving_kv.py on the tiny pair on CPU: the cached prompt finds its
+    prefix (32 tokens, two whole blocks), a fresh one nothing; the concurrent call generates
+    every token without preemptions; the table has a row per measurement."""
+    out = tmp_path / "kv.json"
+    res = subprocess.run([sys.executable, "examples/gpu/serving_kv.py", "ttft", "serve",
+                          "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "32",
+                          "--suffix-len", "8", "--runs", "1", "--concurrency", "2",
+                          "--new-tokens", "4", "--out", str(out)],
+                         cwd=ROOT, text=True, capture_output=True, timeout=280)
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    ttft, serve = results["ttft"], results["serve-2-32"]
+    assert ttft["cached_prompt_tokens"] == [32] == [ttft["expected_cached_tokens"]]
+    assert ttft["uncached_prompt_tokens"] == [0] and ttft["ttft_cached_median_s"] > 0
+    assert serve["generated_tokens"] == 8 and serve["num_preemptions"] == 0
+    assert serve["kv_blocks_total"] > 0 and serve["tokens_per_s"] > 0
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| ttft cached", "| ttft uncached",
+                                                     "| serve-2-32"]

@@ -1,0 +1,92 @@
+"""`tandem bench`'s KV cache flags reach the spec modes' Engine config (runtime section)
+and the report's settings: prefix caching off unless --prefix-caching, --max-seq-len,
+--kv-cache-tokens, --kv-cache-dtype; no model is loaded (a synthetic recipe pair is a
+config and a recipe file)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher import bench as cli
+from runtime.bench.settings import BenchSettings, resolve
+from runtime.config import load_config
+from tests import launch
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
+
+
+def _synthetic(tmp_path, **values) -> BenchSettings:
+    return BenchSettings(synthetic="tiny", device="cpu", modes=["spec"], prompt_len=8,
+                         new_tokens=8, synthetic_dir=str(tmp_path), **values)
+
+
+def test_flags_default_to_prefix_caching_off():
+    args = _parse("--synthetic", "tiny")
+    assert args.prefix_caching is False
+    assert (args.max_seq_len, args.kv_cache_tokens, args.kv_cache_dtype) == (None,) * 3
+    args = _parse("--prefix-caching", "--max-seq-len", "512", "--kv-cache-tokens", "4096",
+                  "--kv-cache-dtype", "fp8")
+    assert (args.prefix_caching, args.max_seq_len, args.kv_cache_tokens,
+            args.kv_cache_dtype) == (True, 512, 4096, "fp8")
+    for bad in (["--kv-cache-dtype", "int8"], ["--max-seq-len", "0"]):
+        with pytest.raises(SystemExit):
+            _parse(*bad)
+
+
+def test_synthetic_defaults(tmp_path):
+    rt = resolve(_synthetic(tmp_path)).engine_config["runtime"]
+    assert rt["prefix_caching"] is False
+    assert rt["max_seq_len"] == 8 + 8 + 4 + 8
+    assert "kv_cache_tokens" not in rt and "kv_cache_dtype" not in rt
+
+
+def test_synthetic_kv_settings_reach_a_valid_engine_config(tmp_path):
+    st = resolve(_synthetic(tmp_path, prefix_caching=True, max_seq_len=512,
+                            kv_cache_tokens=2048, kv_cache_dtype="fp8"))
+    rt = st.engine_config["runtime"]
+    assert (rt["prefix_caching"], rt["max_seq_len"], rt["kv_cache_tokens"],
+            rt["kv_cache_dtype"]) == (True, 512, 2048, "fp8")
+    cfg = load_config(st.engine_config, check_devices=False).runtime
+    assert (cfg.prefix_caching, cfg.max_seq_len, cfg.kv_cache_tokens,
+            cfg.kv_cache_dtype) == (True, 512, 2048, "fp8")
+
+
+def test_max_seq_len_beyond_the_synthetic_context(tmp_path):
+    """A synthetic pair's context (8192) is raised to --max-seq-len, in a pair of its own."""
+    st = resolve(_synthetic(tmp_path, max_seq_len=32768))
+    assert st.engine_config["runtime"]["max_seq_len"] == 32768
+    assert st.target.endswith("-ctx32768/target")
+    for path in (st.draft, st.target):
+        config = json.loads((Path(path) / "config.json").read_text())
+        assert config["max_position_embeddings"] == 32768
+    assert load_config(st.engine_config, check_devices=False).runtime.max_seq_len == 32768
+    assert not resolve(_synthetic(tmp_path)).target.endswith("-ctx32768/target")
+
+
+def test_config_run(tmp_path):
+    from runtime.models.loading.synthetic import build_pair
+
+    draft, target = build_pair(tmp_path, "tiny", 2, materialize=False)
+    path = launch.write_config(tmp_path / "c.yaml", draft, target, max_seq_len=1024,
+                               kv_cache_dtype="fp8")
+    rt = resolve(BenchSettings(config=path, synthetic=None, prompt_len=8,
+                               new_tokens=8)).engine_config["runtime"]
+    assert (rt["prefix_caching"], rt["max_seq_len"], rt["kv_cache_dtype"]) == \
+        (False, 1024, "fp8")
+    rt = resolve(BenchSettings(config=path, synthetic=None, prompt_len=8, new_tokens=8,
+                               prefix_caching=True, max_seq_len=64, kv_cache_tokens=512,
+                               kv_cache_dtype="auto")).engine_config["runtime"]
+    assert (rt["prefix_caching"], rt["max_seq_len"], rt["kv_cache_tokens"],
+            rt["kv_cache_dtype"]) == (True, 64, 512, "auto")
+
+
+def test_check_rejects_a_max_seq_len_too_short():
+    with pytest.raises(ValueError, match="--max-seq-len 10"):
+        BenchSettings(prompt_len=8, new_tokens=8, max_seq_len=10).check()
