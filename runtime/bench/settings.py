@@ -146,6 +146,14 @@ def kv_runtime(s: BenchSettings) -> dict:
     return keys
 
 
+def _pool_tokens(s: BenchSettings, draft_len, max_seq_len: int) -> int:
+    """A synthetic run's KV pool unless --kv-cache-tokens says: every row of the largest
+    batch at max_seq_len with room for two draft windows (what older commits reserved), not
+    the Engine's default of all free memory, which the bench's in-process modes need too."""
+    per_request = max_seq_len + 2 * _kmax(draft_len) + 2
+    return max(s.batch_sizes) * (-(-per_request // 16) * 16 + 16)
+
+
 def resolve(s: BenchSettings) -> Setup:
     """The pair, devices, dtypes and Engine config that the settings name."""
     return _resolve_config(s) if s.config is not None else _resolve_synthetic(s)
@@ -194,6 +202,7 @@ def _resolve_synthetic(s: BenchSettings) -> Setup:
               "speculation": {"draft_len": k, "acceptance": "tokens"},
               "runtime": {"max_batch_size": max(s.batch_sizes), "cuda_graphs": s.cuda_graphs,
                           "max_seq_len": max_seq_len, "startup_timeout_s": 3600,
+                          "kv_cache_tokens": _pool_tokens(s, k, max_seq_len),
                           **kv_runtime(s)}}
     dtype = getattr(torch, dtype_name)
     return Setup(draft, target, device, targets, dtype, dtype, config, k, cleanup,

@@ -44,7 +44,11 @@ def test_synthetic_defaults(tmp_path):
     rt = resolve(_synthetic(tmp_path)).engine_config["runtime"]
     assert rt["prefix_caching"] is False
     assert rt["max_seq_len"] == 8 + 8 + 4 + 8
-    assert "kv_cache_tokens" not in rt and "kv_cache_dtype" not in rt
+    assert "kv_cache_dtype" not in rt
+    # the pool: every row of the largest batch at max_seq_len with two draft windows' room
+    # (whole blocks), not all free memory; the engine's config accepts it
+    assert rt["kv_cache_tokens"] >= rt["max_batch_size"] * (28 + 2 * 4 + 2)
+    load_config(resolve(_synthetic(tmp_path)).engine_config, check_devices=False)
 
 
 def test_synthetic_kv_settings_reach_a_valid_engine_config(tmp_path):
