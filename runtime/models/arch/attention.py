@@ -45,13 +45,15 @@ class Attention(nn.Module):
         self.qkv = stack_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                       device: torch.device | None = None) -> None:
+                       device: torch.device | None = None, kv_dtype: str = "auto") -> None:
         """A pool of num_blocks blocks of block_size positions (+ the scratch block), K and V
         in `dtype` on `device`: the model's activation dtype (default: that of q_proj's
-        weight, which an FP8 model does not have, so LlamaForCausalLM passes it)."""
+        weight, which an FP8 model does not have, so LlamaForCausalLM passes it); with
+        kv_dtype "fp8" in e4m3 with per-position scales instead (cache.KVCache)."""
         ref = self.q_proj.weight  # device of the (possibly sharded) weights
         self.kv_cache = KVCache(num_blocks, block_size, self.n_kv_heads, self.head_dim,
-                                dtype=dtype or ref.dtype, device=device or ref.device)
+                                dtype=dtype or ref.dtype, device=device or ref.device,
+                                kv_dtype=kv_dtype)
 
     def fp8_fused(self, x: torch.Tensor) -> bool:
         """Whether forward takes an FP8Act (quant.fuses_fp8): FP8 GEMMs for qkv and o_proj."""
@@ -79,7 +81,8 @@ class Attention(nn.Module):
             q = rope_kernel().new_tokens(q, k, v, cos, sin)    # rotated in attention's kernel
         else:
             q = rotary_write(q, k, v, cos, sin, cache.k_cache, cache.v_cache,
-                             batch.write_blocks, batch.write_offsets)    # [B, Hkv, r*T, D]
+                             batch.write_blocks, batch.write_offsets,
+                             scales=cache.scales)                        # [B, Hkv, r*T, D]
         out = self._attend(q, batch, seq)                                  # [B, T, H, D]
         return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
 
@@ -93,7 +96,7 @@ class Attention(nn.Module):
             q = rope_kernel().new_tokens_fp8(*args)         # rescaled and rotated in attention
         else:
             q = rotary_write_fp8(*args, cache.k_cache, cache.v_cache, batch.write_blocks,
-                                 batch.write_offsets)                      # [B, Hkv, r*T, D]
+                                 batch.write_offsets, scales=cache.scales)  # [B, Hkv, r*T, D]
         out8, out_scale = self._attend(q, batch, cos.shape[1], quantize=True)  # [M, H*D], [M, 1]
         return self.o_proj.forward_fp8(FP8Act(out8, out_scale, x.dtype))  # [M, hidden]
 
@@ -126,11 +129,11 @@ class Attention(nn.Module):
             in_combine = quantize and fp8_combine_pays(q, batch.capacity, seq)
             out = slot_attention(q, cache.k_cache, cache.v_cache, batch.block_table,
                                  *batch.int32_rows(), seq, self.sliding_window,
-                                 quantize=in_combine)
+                                 quantize=in_combine, kv_scales=cache.scales)
             if in_combine:
                 return out
         else:
-            k_all, v_all = cache.read(batch)                   # gathered [B, Hkv, L, D]
+            k_all, v_all = cache.read(batch)      # gathered (dequantized) [B, Hkv, L, D]
             out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
         return fused.fp8_quantize_heads(out) if quantize else out
 
@@ -142,21 +145,27 @@ def rope_kernel():
     return rope
 
 
-def rotary_write(*args) -> torch.Tensor:
+def rotary_write(*args, scales: tuple = ()) -> torch.Tensor:
     """runtime.models.arch.kernels.rope.rotary_write (one Triton kernel) when the kernels are on and
-    it takes these tensors, else fused.rotary_write (same arguments)."""
+    it takes these tensors, else fused.rotary_write (same arguments). scales: an FP8 cache's
+    KVCache.scales (the kernel's trailing arguments, or fused.rotary_write_kv8's)."""
     if kernels.enabled() and rope_kernel().fits(*args[:5]):
-        return rope_kernel().rotary_write(*args)
+        return rope_kernel().rotary_write(*args, *scales)
+    if scales:
+        return fused.rotary_write_kv8(*args, *scales)
     return fused.rotary_write(*args)
 
 
-def rotary_write_fp8(*args) -> torch.Tensor:
+def rotary_write_fp8(*args, scales: tuple = ()) -> torch.Tensor:
     """runtime.models.arch.kernels.rope.rotary_write_fp8 (one Triton kernel) when the kernels are
-    on and it takes these tensors, else fused.rotary_write_fp8 (same arguments)."""
+    on and it takes these tensors, else fused.rotary_write_fp8 (same arguments); scales as
+    rotary_write's (fused.rotary_write_fp8_kv8)."""
     if kernels.enabled():
         raw, x_scale, w_scale, bias, cos, sin = *args[:4], *args[7:9]
         if rope_kernel().fits_fp8(raw, x_scale, w_scale, bias, cos.shape[-1], cos, sin):
-            return rope_kernel().rotary_write_fp8(*args)
+            return rope_kernel().rotary_write_fp8(*args, *scales)
+    if scales:
+        return fused.rotary_write_fp8_kv8(*args, *scales)
     return fused.rotary_write_fp8(*args)
 
 

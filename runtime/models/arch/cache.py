@@ -16,6 +16,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+KV_DTYPES = ("auto", "fp8")   # runtime.kv_cache_dtype: the activation dtype, or e4m3 + scales
+
 
 def blocks_for(positions: int, block_size: int) -> int:
     """Blocks that hold `positions` positions: ceil(positions / block_size)."""
@@ -49,17 +51,52 @@ class KVCache(nn.Module):
     contiguous runs of positions (the Triton kernels read BLOCK_N positions of one head as
     whole rows). Block num_blocks (`scratch`) absorbs the padding tokens of a ragged batch,
     so writing needs no host sync and never touches valid data.
+
+    kv_dtype "auto": K and V in `dtype` (the activation dtype). "fp8": K and V in e4m3 and
+    a float32 scale per position and KV head, k_scale / v_scale [num_blocks + 1, n_kv_heads,
+    block_size]: amax(|x|) / 448 over head_dim (fused.fp8_quantize_kv); a value is
+    e4m3.float() * scale. Half the bytes of bf16 K/V plus 8 bytes a position and KV head.
     """
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | None = None):
+                 dtype: torch.dtype, device: torch.device | str | None = None,
+                 kv_dtype: str = "auto"):
         super().__init__()
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype, self.kv_dtype = dtype, kv_dtype
         shape = self.shape(num_blocks, block_size, n_kv_heads, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
-                             persistent=False)
+        store = torch.float8_e4m3fn if self.fp8 else dtype
+        for name in ("k_cache", "v_cache"):
+            self.register_buffer(name, torch.zeros(shape, dtype=store, device=device),
+                                 persistent=False)
+        for name in ("k_scale", "v_scale"):   # None unless fp8
+            scale = torch.zeros(shape[:3], dtype=torch.float32, device=device) if self.fp8 \
+                else None
+            self.register_buffer(name, scale, persistent=False)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether K and V are stored in e4m3 with per-position scales (kv_dtype "fp8")."""
+        return self.kv_dtype == "fp8"
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, ...]:
+        """(k_scale, v_scale) [N+1, Hkv, BS] float32 of an FP8 cache; () otherwise: the
+        trailing arguments of the write and attention calls."""
+        return (self.k_scale, self.v_scale) if self.fp8 else ()
+
+    @staticmethod
+    def position_bytes(n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       kv_dtype: str = "auto") -> int:
+        """Bytes one position costs in one layer: K and V of every KV head, in `dtype`
+        ("auto") or e4m3 plus their two float32 scales ("fp8")."""
+        if kv_dtype == "fp8":
+            return 2 * n_kv_heads * (head_dim + 4)
+        if kv_dtype != "auto":
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        return 2 * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def scratch(self) -> int:
@@ -73,17 +110,24 @@ class KVCache(nn.Module):
         return (num_blocks + 1, n_kv_heads, block_size, head_dim)
 
     def read(self, batch: "ExtendBatch") -> tuple[torch.Tensor, torch.Tensor]:
-        """This batch's keys and values [B, Hkv, L, D], L = kv_len: each row's first
-        ceil(L / block_size) blocks gathered in table order (a copy). (Writing is fused with
-        RoPE: runtime.models.arch.fused.rotary_write.)"""
+        """This batch's keys and values [B, Hkv, L, D] in `dtype`, L = kv_len: each row's
+        first ceil(L / block_size) blocks gathered in table order (a copy; an FP8 cache's
+        dequantized in float32: e4m3 * scale). (Writing is fused with RoPE:
+        runtime.models.arch.fused.rotary_write, rotary_write_kv8.)"""
         n = blocks_for(batch.kv_len, self.block_size)
         table = batch.block_table[:, :n].long()                             # [B, n]
-        return tuple(_rows_of(cache, table, batch.kv_len)
-                     for cache in (self.k_cache, self.v_cache))
+        if not self.fp8:
+            return tuple(_rows_of(cache, table, batch.kv_len)
+                         for cache in (self.k_cache, self.v_cache))
+        return tuple((_rows_of(cache, table, batch.kv_len).float()
+                      * _rows_of(scale[..., None], table, batch.kv_len)).to(self.dtype)
+                     for cache, scale in ((self.k_cache, self.k_scale),
+                                          (self.v_cache, self.v_scale)))
 
 
 def _rows_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """cache [N+1, H, BS, D] gathered by table [B, n] -> [B, H, length, D]."""
+    """cache [N+1, H, BS, D] gathered by table [B, n] -> [B, H, length, D] (D = 1: scales
+    [N+1, H, BS, 1])."""
     bsz, n = table.shape
     _, heads, block, dim = cache.shape
     blocks = cache[table]                                                   # [B, n, H, BS, D]

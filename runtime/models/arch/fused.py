@@ -185,18 +185,79 @@ def fp8_quantize_heads(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize(out.reshape(out.shape[0] * out.shape[1], -1))
 
 
+# ---- FP8 KV cache (runtime.models.arch.cache.KVCache, kv_dtype "fp8"): K and V stored as
+# e4m3 with a float32 scale per position and KV head. The writes below are rotary_write and
+# rotary_write_fp8 with each head's row quantized on its way into the pools.
+
+KV_AMAX_FLOOR = 1e-12   # the smallest amax a KV scale is taken of: an all-zero row stores 0s
+
+
+def fp8_quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> ([..., D] e4m3, [...] float32): per-row (one position of one KV head)
+    quantization, scale = max(amax(|x|), KV_AMAX_FLOOR) / 448; x ~ e4m3.float() * scale."""
+    h = x.float()
+    scale = h.abs().amax(-1).clamp(min=KV_AMAX_FLOOR) / FP8_MAX
+    return (h / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def write_cache_kv8(cache: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor,
+                    offsets: torch.Tensor, x: torch.Tensor) -> None:
+    """write_cache into an FP8 pool: x [B, T, Hkv, D] quantized per (token, head)
+    (fp8_quantize_kv), e4m3 into cache [N+1, Hkv, BS, D] and the scales into scales
+    [N+1, Hkv, BS] at (blocks, offsets) [B*T]."""
+    heads = torch.arange(cache.shape[1], device=cache.device)                 # [Hkv]
+    data, scale = fp8_quantize_kv(x.flatten(0, 1))                  # [B*T, Hkv, D], [B*T, Hkv]
+    at = (blocks[:, None], heads[None, :], offsets[:, None])
+    cache.index_put_(at, data)
+    scales.index_put_(at, scale)
+
+
+def rotary_write_kv8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     blocks: torch.Tensor, offsets: torch.Tensor, k_scale: torch.Tensor,
+                     v_scale: torch.Tensor) -> torch.Tensor:
+    """rotary_write into FP8 pools: k rotated (rounded to q's dtype) and v quantized per
+    (token, head) into k_cache / v_cache [N+1, Hkv, BS, D] e4m3 and k_scale / v_scale
+    [N+1, Hkv, BS] float32 -> q [B, Hkv, r*T, D] like rotary_write."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    write_cache_kv8(k_cache, k_scale, blocks, offsets, _rotate(k, cos, sin))
+    write_cache_kv8(v_cache, v_scale, blocks, offsets, v)
+    return stack_heads(_rotate(q, cos, sin), k.shape[2])
+
+
+_rotary_write_kv8 = rotary_write_kv8   # the eager one (compile_kernels swaps the public name)
+
+
+def rotary_write_fp8_kv8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int,
+                         n_kv: int, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                         offsets: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor
+                         ) -> torch.Tensor:
+    """rotary_write_fp8 (the raw qkv GEMM output [B*T, (H + 2 Hkv) D] float32, rescaled and
+    cast to dtype) into FP8 pools, as rotary_write_kv8 -> q [B, Hkv, r*T, D]."""
+    bsz, seq, dim = cos.shape
+    qkv = _rescale(raw, x_scale, w_scale, bias, dtype).view(bsz, seq, -1)
+    q, k, v = qkv.split([n_heads * dim, n_kv * dim, n_kv * dim], dim=-1)
+    return _rotary_write_kv8(q.view(bsz, seq, n_heads, dim), k.view(bsz, seq, n_kv, dim),
+                             v.view(bsz, seq, n_kv, dim), cos, sin, k_cache, v_cache, blocks,
+                             offsets, k_scale, v_scale)
+
+
 _EAGER = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, rotary_write, silu_mul,
                                       masked_softmax, fp8_dequantize, fp8_quantize_rows,
                                       fp8_rescale, rms_norm_fp8, add_rms_norm_fp8,
                                       rescale_add_rms_norm, silu_mul_fp8, rotary_write_fp8,
-                                      fp8_quantize_heads)}
+                                      fp8_quantize_heads, rotary_write_kv8,
+                                      rotary_write_fp8_kv8)}
 # inductor options per function: the FP8 neighbours keep eager's bf16/fp16 roundings (by
 # default inductor elides a downcast-upcast pair between two fused ops, and contracts
 # multiply-adds), so fused and unfused sequences round at the same points
 _PRECISE = {"emulate_precision_casts": True}
 _OPTIONS = {name: _PRECISE for name in ("rms_norm_fp8", "add_rms_norm_fp8",
                                         "rescale_add_rms_norm", "silu_mul_fp8",
-                                        "rotary_write_fp8", "fp8_quantize_heads")}
+                                        "rotary_write_fp8", "fp8_quantize_heads",
+                                        "rotary_write_fp8_kv8")}
 _compiled = False
 
 

@@ -11,7 +11,6 @@ out-of-memory in the middle of a request.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -22,21 +21,38 @@ GIB = 1024 ** 3
 RESERVE = 0.05   # of total device memory, kept free for activations when no budget is set
 
 
-def cache_bytes(model, num_slots: int, cache_len: int, block_size: int = 16) -> int | None:
-    """Bytes of K and V for every layer of this (possibly TP-sharded) model: num_slots x
-    ceil(cache_len / block_size) blocks and the scratch block (LlamaForCausalLM.
-    allocate_cache); None when the model allocates its own cache (transformers fallback)."""
+def _attention_layers(model) -> list | None:
+    """The model's decoder layers (they have self_attn and input_layernorm), or None for a
+    model that allocates its own cache (transformers fallback)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(layers[0], "self_attn"):
         return None
-    total = 0
-    for layer in layers:
-        attn = layer.self_attn
-        shape = KVCache.shape(num_slots * blocks_for(cache_len, block_size), block_size,
-                              attn.n_kv_heads, attn.head_dim)
-        # K and V, in the activation dtype (the norms'; FP8 weights are 1 byte)
-        total += 2 * math.prod(shape) * layer.input_layernorm.weight.element_size()
-    return total
+    return list(layers)
+
+
+def block_bytes(model, block_size: int, kv_dtype: str = "auto") -> int | None:
+    """Bytes ONE block of block_size positions costs across every layer of this (possibly
+    TP-sharded: local heads) model: K and V in the activation dtype (the norms'; FP8
+    weights are 1 byte), or with kv_dtype "fp8" e4m3 plus a float32 scale per position and
+    KV head for each (KVCache.position_bytes); None for a model without our layers."""
+    layers = _attention_layers(model)
+    if layers is None:
+        return None
+    return sum(block_size * KVCache.position_bytes(
+        layer.self_attn.n_kv_heads, layer.self_attn.head_dim,
+        layer.input_layernorm.weight.dtype, kv_dtype) for layer in layers)
+
+
+def cache_bytes(model, num_slots: int, cache_len: int, block_size: int = 16,
+                kv_dtype: str = "auto") -> int | None:
+    """Bytes of K and V (and an FP8 cache's scales) for every layer of this (possibly
+    TP-sharded) model: num_slots x ceil(cache_len / block_size) blocks and the scratch
+    block (LlamaForCausalLM.allocate_cache); None when the model allocates its own cache
+    (transformers fallback)."""
+    per_block = block_bytes(model, block_size, kv_dtype)
+    if per_block is None:
+        return None
+    return (num_slots * blocks_for(cache_len, block_size) + 1) * per_block
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
@@ -48,9 +64,10 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 
 def check_kv_budget(key: str, model, num_slots: int, cache_len: int,
-                    fraction: float | None, device: torch.device, block_size: int = 16) -> None:
+                    fraction: float | None, device: torch.device, block_size: int = 16,
+                    kv_dtype: str = "auto") -> None:
     """Raise MemoryError naming `key` when the cache does not fit its budget."""
-    need = cache_bytes(model, num_slots, cache_len, block_size)
+    need = cache_bytes(model, num_slots, cache_len, block_size, kv_dtype)
     if need is None:
         return
     free, total = device_memory(device)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from runtime.models.arch import fused
 from runtime.models.arch.kernels.e4m3 import e4m3_rne
+from runtime.models.arch.kernels.fp8_kv import check_pools, scale_args
 from runtime.models.arch.kernels.rope import NewTokens, new_rows, write_new_kv
 
 # KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
@@ -83,11 +84,14 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
                     nq_ptr, nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr,
                     stride_nqt, stride_nqh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                     stride_ct, stride_xs, R, KV_COL, V_COL,
+                    ks_ptr, vs_ptr, stride_sb, stride_sh, stride_sl,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     D: tl.constexpr, T_POW2: tl.constexpr, BS: tl.constexpr,
                     IEEE: tl.constexpr, ROPE: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ACT: tl.constexpr):
-    """ROPE: q_ptr is unused; the program rotates its queries itself from the step's q
+                    ACT: tl.constexpr, KV8: tl.constexpr):
+    """KV8: e4m3 pools with per-position scales (ks_ptr, vs_ptr: kernels.fp8_kv), cast to
+    ACT and scaled in float32: K's scales multiply the scores, V's the probabilities.
+    ROPE: q_ptr is unused; the program rotates its queries itself from the step's q
     (nq_ptr: rope.NewTokens, raw FP8 output with RAW) and first writes the rotated keys and
     the values of the row's new tokens whose positions fall in its chunk (nk_ptr, nv_ptr) to
     the caches, which it then reads like any other position (after a barrier: the program's
@@ -128,8 +132,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
         write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr,
                      v_ptr, pos_ptr, valid_ptr, table_row, head_base, b, h, T, start, stop,
                      stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs,
-                     stride_kb, stride_kl, KV_COL, V_COL, BLOCK_D, D, T_POW2, BS, RAW,
-                     HAS_BIAS, ACT)
+                     stride_kb, stride_kl, KV_COL, V_COL, ks_ptr, vs_ptr, h * stride_sh,
+                     stride_sb, stride_sl, BLOCK_D, D, T_POW2, BS, RAW, HAS_BIAS, ACT, KV8)
         tl.debug_barrier()             # this program's cache stores before its loads
     else:
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm
@@ -145,10 +149,17 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
         ld_mask = kv_ok[:, None] & (dims[None, :] < D)
         k = tl.load(k_ptr + offs, mask=ld_mask, other=0.0)                 # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + offs, mask=ld_mask, other=0.0)
+        if KV8:                        # exact casts; the scales [BLOCK_N] applied below
+            s_offs = h * stride_sh + blk * stride_sb + (kv % BS).to(tl.int64) * stride_sl
+            k_sc = tl.load(ks_ptr + s_offs, mask=kv_ok, other=0.0)
+            v_sc = tl.load(vs_ptr + s_offs, mask=kv_ok, other=0.0)
+            k, v = k.to(ACT), v.to(ACT)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if KV8:
+            s = s * k_sc[None, :]
         s = s * scale                                                        # [BLOCK_M, BLOCK_N]
         allowed = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         allowed = allowed & ((window <= 0) | (kv[None, :] > q_pos[:, None] - window))
@@ -158,6 +169,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV8:
+            p = p * v_sc[None, :]      # (P * v_scale) @ e4m3(V): P @ dequantized V
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -265,10 +278,12 @@ def chunks(cache_len: int, programs: int) -> tuple[int, int]:
 
 def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
               table: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor, seq: int,
-              window: int | None, chunk: int, n_chunks: int) -> tuple[torch.Tensor, ...]:
+              window: int | None, chunk: int, n_chunks: int, kv_scales: tuple = ()
+              ) -> tuple[torch.Tensor, ...]:
     """_partial_kernel over grid (B, Hkv, chunks of the cache) -> (o [B, Hkv, C, BLOCK_M, D],
     m and l [B, Hkv, C, BLOCK_M]) float32, written for the live chunks only. q: the stacked
-    queries, or the step's NewTokens (the kernel rotates them and writes the new KV)."""
+    queries, or the step's NewTokens (the kernel rotates them and writes the new KV);
+    kv_scales: an FP8 cache's (k_scale, v_scale) [N+1, Hkv, BS], or ()."""
     bsz, n_kv, rows, dim = _query_shape(q)
     block_m = max(16, triton.next_power_of_2(rows))
     device = k_cache.device
@@ -288,11 +303,11 @@ def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         seq, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
-        *new.pointers(), *new.strides(), *new.columns(),
+        *new.pointers(), *new.strides(), *new.columns(), *scale_args(kv_scales, k_cache),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
         T_POW2=max(2, triton.next_power_of_2(seq)), BS=k_cache.shape[2],
         IEEE=dtype == torch.float32,
-        ROPE=rope, RAW=new.raw, HAS_BIAS=new.has_bias, ACT=_ROUND[dtype])
+        ROPE=rope, RAW=new.raw, HAS_BIAS=new.has_bias, ACT=_ROUND[dtype], KV8=bool(kv_scales))
     return o_part, m_part, l_part
 
 
@@ -318,7 +333,8 @@ def fits_head_dim(dim: int) -> bool:
 
 def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                   seq: int, window: int | None = None, *, quantize: bool = False
+                   seq: int, window: int | None = None, *, quantize: bool = False,
+                   kv_scales: tuple[torch.Tensor, ...] = ()
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of the new tokens over the paged KV cache, their own keys included.
 
@@ -331,7 +347,9 @@ def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: 
     pools); block_table [B, M] int32 (contiguous rows: position p of row b at block
     block_table[b, p // BS], offset p % BS); positions [B, T] absolute position of each query;
     valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window:
-    sliding window (keys in (pos - window, pos]) or None.
+    sliding window (keys in (pos - window, pos]) or None; kv_scales: KVCache.scales, an FP8
+    cache's (k_scale, v_scale) [N+1, Hkv, BS] float32 with e4m3 pools (read and written
+    quantized: kernels.fp8_kv), () for pools in the activation dtype.
     Returns [B, T, H, D] like grouped_attention; padding queries give zeros.
     quantize=True: o_proj's FP8 input instead, fused.fp8_quantize_heads of that output:
     ([B*T, H*D] e4m3, [B*T, 1] float32 scales), padding tokens zeros with scale 1e-12 / 448.
@@ -346,12 +364,14 @@ def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: 
     elif not fits_head_dim(dim):
         raise ValueError(f"slot_attention: head_dim {dim} must be a power of two >= 16 for "
                          "the step's q/k/v before RoPE")
+    check_pools(k_cache, kv_scales)
     dtype = q.dtype
     pos, ok = (t if t.dtype == torch.int32 and t.is_contiguous()
                else t.to(torch.int32).contiguous() for t in (positions, valid))
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     chunk, n_chunks = chunks(capacity(table, k_cache), bsz * n_kv)
-    parts = _partials(q, k_cache, v_cache, table, pos, ok, seq, window, chunk, n_chunks)
+    parts = _partials(q, k_cache, v_cache, table, pos, ok, seq, window, chunk, n_chunks,
+                      kv_scales)
     o_part = parts[0]
     block_m = o_part.shape[3]
     meta = dict(BLOCK_M=block_m, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.models.arch.kernels.fp8_kv import check_pools, kv_quantize, kv_scale, scale_args
+
 
 @triton.jit
 def _load_masked(src, col, mask, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -84,12 +86,15 @@ def new_rows(src, col, tok, ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr
 def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr, v_ptr,
                  pos_ptr, valid_ptr, table_row, head_base, b, h, T, start, stop, stride_nkt,
                  stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kb,
-                 stride_kl, KV_COL, V_COL, BLOCK_D: tl.constexpr, D: tl.constexpr,
-                 T_POW2: tl.constexpr, BS: tl.constexpr, RAW: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+                 stride_kl, KV_COL, V_COL, ks_ptr, vs_ptr, s_head, stride_sb, stride_sl,
+                 BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
+                 BS: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACT: tl.constexpr, KV8: tl.constexpr):
     """KV head h of row b's valid new tokens at positions in [start, stop): k rotated, v as
     is, stored to the block pools through the row's block table (table_row: its first
-    entry): block table_row[pos // BS], offset pos % BS, head_base = the head's offset."""
+    entry): block table_row[pos // BS], offset pos % BS, head_base = the head's offset.
+    KV8: e4m3 pools, each row (rounded to ACT) quantized (fp8_kv), its scale stored at
+    s_head (the head's offset in the scales) + block * stride_sb + offset * stride_sl."""
     ts = tl.arange(0, T_POW2)
     dims = tl.arange(0, BLOCK_D)
     pos = tl.load(pos_ptr + b * T + ts, mask=ts < T, other=-1)
@@ -106,8 +111,18 @@ def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_p
     at = (head_base + blk[:, None] * stride_kb + (pos % BS)[:, None].to(tl.int64) * stride_kl
           + dims[None, :])
     mask = ok[:, None] & (dims[None, :] < D)
-    tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=mask)
+    if KV8:
+        s_at = s_head + blk * stride_sb + (pos % BS).to(tl.int64) * stride_sl       # [T_POW2]
+        k = k.to(ACT).to(tl.float32)                   # v: ACT values already
+        k_sc = kv_scale(tl.max(tl.abs(k), axis=1))
+        v_sc = kv_scale(tl.max(tl.abs(v), axis=1))
+        tl.store(k_ptr + at, kv_quantize(k, k_sc[:, None]), mask=mask)
+        tl.store(v_ptr + at, kv_quantize(v, v_sc[:, None]), mask=mask)
+        tl.store(ks_ptr + s_at, k_sc, mask=ok)
+        tl.store(vs_ptr + s_at, v_sc, mask=ok)
+    else:
+        tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -116,9 +131,9 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_ct, stride_cs, stride_ch, stride_cl,
                        stride_ob, stride_oh, stride_om, stride_blk, stride_off, stride_xs,
-                       T, H, R, KV_COL, V_COL,
+                       T, H, R, KV_COL, V_COL, ks_ptr, vs_ptr, stride_sb, stride_sh, stride_sl,
                        D: tl.constexpr, HALF: tl.constexpr, RAW: tl.constexpr,
-                       HAS_BIAS: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, KV8: tl.constexpr):
     tok, head = tl.program_id(0), tl.program_id(1)      # tok = b * T + t; head < H: a q head
     act = out_ptr.dtype.element_ty
     dims = tl.arange(0, HALF)
@@ -150,12 +165,39 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         blk = tl.load(blocks_ptr + tok * stride_blk).to(tl.int64)
         off = tl.load(offs_ptr + tok * stride_off).to(tl.int64)
         at = blk * stride_cs + kv * stride_ch + off * stride_cl
-        tl.store(kc_ptr + at + dims, rot_lo.to(kc_ptr.dtype.element_ty))
-        tl.store(kc_ptr + at + HALF + dims, rot_hi.to(kc_ptr.dtype.element_ty))
         full = tl.arange(0, D)
-        v = _load_masked(v_ptr + tok * stride_vt + kv * stride_vh + full, V_COL + kv * D + full,
-                         full < D, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, act)
-        tl.store(vc_ptr + at + full, v.to(vc_ptr.dtype.element_ty))
+        if KV8:
+            _write_kv8(rot_lo.to(act).to(tl.float32), rot_hi.to(act).to(tl.float32),
+                       v_ptr + tok * stride_vt + kv * stride_vh, V_COL + kv * D, xs, ws_ptr,
+                       b_ptr, kc_ptr + at, vc_ptr + at,
+                       blk * stride_sb + kv * stride_sh + off * stride_sl, ks_ptr, vs_ptr,
+                       D, HALF, RAW, HAS_BIAS, act)
+        else:
+            tl.store(kc_ptr + at + dims, rot_lo.to(kc_ptr.dtype.element_ty))
+            tl.store(kc_ptr + at + HALF + dims, rot_hi.to(kc_ptr.dtype.element_ty))
+            v = _load_masked(v_ptr + tok * stride_vt + kv * stride_vh + full,
+                             V_COL + kv * D + full, full < D, xs, ws_ptr, b_ptr, RAW, HAS_BIAS,
+                             act)
+            tl.store(vc_ptr + at + full, v.to(vc_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _write_kv8(k_lo, k_hi, v_src, v_col, xs, ws_ptr, b_ptr, kc, vc, s_at, ks_ptr, vs_ptr,
+               D: tl.constexpr, HALF: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ACT: tl.constexpr):
+    """One token's KV head into e4m3 pools: the rotated key's halves k_lo, k_hi [HALF]
+    (ACT values, float32) and its value (v_src / v_col: element 0's pointer / raw column),
+    each quantized with one scale (fp8_kv) at kc / vc, the scales at s_at of ks / vs."""
+    dims, full = tl.arange(0, HALF), tl.arange(0, D)
+    k_sc = kv_scale(tl.maximum(tl.max(tl.abs(k_lo), axis=0), tl.max(tl.abs(k_hi), axis=0)))
+    tl.store(kc + dims, kv_quantize(k_lo, k_sc))
+    tl.store(kc + HALF + dims, kv_quantize(k_hi, k_sc))
+    tl.store(ks_ptr + s_at, k_sc)
+    v = _load_masked(v_src + full, v_col + full, full < D, xs, ws_ptr, b_ptr, RAW, HAS_BIAS,
+                     ACT)
+    v_sc = kv_scale(tl.max(tl.abs(v), axis=0))
+    tl.store(vc + full, kv_quantize(v, v_sc))
+    tl.store(vs_ptr + s_at, v_sc)
 
 
 class NewTokens(NamedTuple):
@@ -220,34 +262,38 @@ def new_tokens_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tens
 
 def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+                 blocks: torch.Tensor, offsets: torch.Tensor, *scales: torch.Tensor
+                 ) -> torch.Tensor:
     """fused.rotary_write in one kernel: q [B, T, H, D], k, v [B, T, Hkv, D] (last axis
     contiguous), cos, sin [B, T, D]; blocks, offsets [B*T] (where each token's k and v go in
-    the pools) -> q rotated, [B, Hkv, r*T, D].
+    the pools) -> q rotated, [B, Hkv, r*T, D]. scales: an FP8 cache's k_scale, v_scale
+    [N+1, Hkv, BS] (e4m3 pools: fused.rotary_write_kv8), none for float pools.
     D must be a power of two (else the caller keeps fused.rotary_write: `fits`)."""
     if not fits(q, k, v, cos, sin):
         raise ValueError(f"rotary_write kernel: head_dim {q.shape[-1]} and last-axis strides "
                          f"must fit (q {tuple(q.shape)}, k {tuple(k.shape)})")
-    return _launch(new_tokens(q, k, v, cos, sin), k_cache, v_cache, blocks, offsets)
+    return _launch(new_tokens(q, k, v, cos, sin), k_cache, v_cache, blocks, offsets, scales)
 
 
 def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                      bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int, n_kv: int,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
-                     ) -> torch.Tensor:
+                     v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                     *scales: torch.Tensor) -> torch.Tensor:
     """fused.rotary_write_fp8 in one kernel: the raw qkv GEMM output [B*T, (H + 2 Hkv) D]
     float32 with its token scales x_scale [B*T, 1], channel scales w_scale [(H + 2 Hkv) D]
-    (and bias) -> q [B, Hkv, r*T, D] in dtype, k and v written to the caches. `fits_fp8`
-    says whether it takes these (else the caller keeps fused.rotary_write_fp8)."""
+    (and bias) -> q [B, Hkv, r*T, D] in dtype, k and v written to the caches (scales: as
+    rotary_write; fused.rotary_write_fp8_kv8). `fits_fp8` says whether it takes these (else
+    the caller keeps fused.rotary_write_fp8)."""
     if not fits_fp8(raw, x_scale, w_scale, bias, cos.shape[-1], cos, sin):
         raise ValueError(f"rotary_write_fp8 kernel: head_dim {cos.shape[-1]} and the raw "
                          f"output {tuple(raw.shape)} / scales must fit")
     new = new_tokens_fp8(raw, x_scale, w_scale, bias, dtype, n_heads, n_kv, cos, sin)
-    return _launch(new, k_cache, v_cache, blocks, offsets)
+    return _launch(new, k_cache, v_cache, blocks, offsets, scales)
 
 
-def _launch(new: NewTokens, k_cache, v_cache, blocks, offsets) -> torch.Tensor:
+def _launch(new: NewTokens, k_cache, v_cache, blocks, offsets, scales=()) -> torch.Tensor:
+    check_pools(k_cache, scales)
     tokens, n_heads, dim = new.q.shape
     n_kv, seq = new.k.shape[1], new.seq
     out = torch.empty(tokens // seq, n_kv, n_heads // n_kv * seq, dim, dtype=new.dtype,
@@ -257,8 +303,8 @@ def _launch(new: NewTokens, k_cache, v_cache, blocks, offsets) -> torch.Tensor:
         q, k, v, cos, sin, k_cache, v_cache, blocks, offsets, out, x_scale, w_scale, bias,
         *strides[:7], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), blocks.stride(0), offsets.stride(0),
-        strides[7], seq, n_heads, *new.columns(),
-        D=dim, HALF=dim // 2, RAW=new.raw, HAS_BIAS=new.has_bias)
+        strides[7], seq, n_heads, *new.columns(), *scale_args(scales, k_cache),
+        D=dim, HALF=dim // 2, RAW=new.raw, HAS_BIAS=new.has_bias, KV8=bool(scales))
     return out
 
 
