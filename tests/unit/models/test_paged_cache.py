@@ -14,7 +14,7 @@ from runtime.models import load_model
 from runtime.models.arch.cache import blocks_for, slot_block_table
 from runtime.models.runners.kv_budget import cache_bytes
 from runtime.models.runners.step_runner import StepRunner
-from runtime.worker.block_tables import FixedBlockTables
+from runtime.worker.block_tables import SlotTables
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,7 +117,7 @@ def test_runner_takes_device_tables_as_a_static_input(llama_path):
         got = runner.run(ids, tables, starts, n_valid)
         for b, n in enumerate(n_valid):
             torch.testing.assert_close(got[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
-    books = FixedBlockTables(ROWS, mixed.blocks_per_seq, CPU)
+    books = SlotTables(ROWS, mixed.blocks_per_seq, mixed.num_blocks, mixed.block_size, CPU)
     assert books.rows([2, 0]) is books.rows([2, 0])
     assert books.rows([2, 0]).tolist() == slot_block_table([2, 0], mixed.blocks_per_seq)
 
