@@ -107,6 +107,8 @@ def engine_config(args, prompt_len: int, new_tokens: int, batch: int,
                       kv_cache_tokens=args.kv_cache_tokens, kv_cache_dtype=kv_cache_dtype)
     s.check()
     setup = resolve(s)
+    if args.kv_cache_tokens is None:   # the Engine's own default (what fits), not the bench's
+        setup.engine_config["runtime"].pop("kv_cache_tokens", None)
     return setup.engine_config, setup.cleanup
 
 
