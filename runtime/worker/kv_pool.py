@@ -7,7 +7,8 @@ bridge group, which spans every worker):
 - `runtime.kv_cache_tokens` set: that many tokens (whole blocks), if they fit the budget;
 - else per model: its `kv_cache_memory` share of the device's total memory, or (models without
   one) what the device has free after the weights, less a reserve for activations and CUDA
-  graphs (runtime.models.runners.kv_budget.RESERVE), shared by the models of the rank; on a
+  graphs (runtime.models.runners.kv_budget.RESERVE, and the steps' logits: step_bytes),
+  shared by the models of the rank; on a
   CPU worker at most max_batch_size requests of max_seq_len (memory there is everybody's).
 
 A pool that cannot hold one request of max_seq_len (TandemConfig.kv_seq_len) is the config's
@@ -45,6 +46,16 @@ def pool_blocks(config: TandemConfig, models: dict[str, object], device: torch.d
     return agreed
 
 
+def step_bytes(config: TandemConfig, model) -> int:
+    """Memory a model's steps need beyond the reserve: logits of max_batch_size rows of a
+    verify step (draft window + 1 positions) in float32, four times (the graphs' outputs, the
+    runners' buffers, the sampling and acceptance work on them). 0.2 GiB at batch 8 for a
+    128k vocabulary; at batch 256, 5 GiB: without it a pool sized to the 5% reserve left
+    the CUDA graphs' capture out of memory (measured on an H200)."""
+    rows = config.runtime.max_batch_size * (config.speculation.max_draft_len + 2)
+    return 4 * rows * getattr(model, "vocab_size", 0) * 4
+
+
 def local_blocks(config: TandemConfig, models: dict[str, object], device: torch.device,
                  per_request: int) -> tuple[int, str]:
     """(blocks this worker can hold, what limits them: for the error message)."""
@@ -55,7 +66,7 @@ def local_blocks(config: TandemConfig, models: dict[str, object], device: torch.
     if not costs:   # transformers fallback models keep a cache per slot
         return rt.max_batch_size * per_request, "the transformers fallback's slots"
     free, total = device_memory(device)
-    budget = free - RESERVE * total
+    budget = free - RESERVE * total - sum(step_bytes(config, model) for model in models.values())
     limits = []
     for key, cost in costs.items():
         share = getattr(config, key).kv_cache_memory
