@@ -240,7 +240,7 @@ def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict], list[int],
 TARGET_LEADER = "target_leader"     # reports the round's verdict
 WORKER = "worker"                   # any other rank: its time only
 REPLIES: dict[str, dict[str, Any]] = {
-    "ack": {},                      # a prefill or release done
+    "ack": {},                      # a release done (a prefill replies as a round: first tokens)
     # cached: per slot, the positions every shard of the rank caches committed KV for
     "round": {"role": STR, "worker_s": FLOAT, "timing": MAP, "tokens": LIST, "accepted": LIST,
               "overlapped": LIST, "cached": LIST},

@@ -90,6 +90,11 @@ class ServingMetrics:
         """A sequence's later tokens: `tokens` of them, `seconds` after its previous ones."""
         self.prometheus.inter_token(seconds, tokens)
 
+    def prefill_tokens(self, tokens: int) -> None:
+        """A sequence's first token, which its prefill brought (no round)."""
+        self.tokens_generated += tokens
+        self.prometheus.generation_tokens.inc(tokens)
+
     def preempted(self) -> None:
         self.preemptions += 1
         self.prometheus.preemptions.inc()

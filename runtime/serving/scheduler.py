@@ -82,7 +82,8 @@ class Scheduler:
         """Admit what fits, run one speculation round, return what it produced."""
         events = self._retire_cancelled()
         self._make_room()
-        self._admit()
+        events += self._admit()
+        self._make_room()        # (a no-op: admission left the room for the first round)
         if not self.running:
             self.metrics.idle()
             return events
@@ -127,15 +128,16 @@ class Scheduler:
         self.next_k, self.next_slots = self.controller.choose(batch, bonus), slots
         return k, self.next_k
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Event]:
         """Admit queued requests in order while a row and their blocks are free (past the
-        blocks the running requests grow into this round)."""
+        blocks the running requests grow into this round); their prefill brings each one's
+        first token (the target's, from its prompt's last position)."""
         admitted, growth = [], self._growth()
         while self.queue and self.free_slots:
             seq = self.queue[0]
             tokens = seq.tokens
             matched = self.blocks.match(tokens[:-1])   # the last token is fed, not cached
-            positions = self._reach(len(tokens))
+            positions = self._reach(len(tokens) + 1)   # its prefill brings one token
             if self.blocks.cost(matched, positions) + growth > self.blocks.available:
                 break
             self.queue.popleft()
@@ -149,19 +151,26 @@ class Scheduler:
             seq.admitted = self._admissions
             self.running[seq.slot] = seq
             admitted.append(seq)
-        if admitted:
-            start = time.perf_counter()
-            command = protocol.PrefillCommand(
-                [s.slot for s in admitted], [s.tokens for s in admitted],
-                [s.worker_params() for s in admitted],
-                [len(s.table.keys) * self.blocks.block_size for s in admitted],
-                [list(s.table.blocks) for s in admitted])
-            self.pool.command(command.to_msg(), self.step_timeout_s)
-            for seq in admitted:   # every rank now caches all its tokens but the last
-                self.blocks.register(seq.table, seq.tokens, len(seq.tokens) - 1)
-            self.metrics.prefill_done(time.perf_counter() - start,   # prompts, once each
-                                      sum(len(s.prompt_ids) for s in admitted
-                                          if not s.preemptions))
+        return self._prefill(admitted) if admitted else []
+
+    def _prefill(self, admitted: list[Sequence]) -> list[Event]:
+        start = time.perf_counter()
+        command = protocol.PrefillCommand(
+            [s.slot for s in admitted], [s.tokens for s in admitted],
+            [s.worker_params() for s in admitted],
+            [len(s.table.keys) * self.blocks.block_size for s in admitted],
+            [list(s.table.blocks) for s in admitted])
+        results = self.pool.command(command.to_msg(), self.step_timeout_s)
+        self.metrics.prefill_done(time.perf_counter() - start,   # prompts, once each
+                                  sum(len(s.prompt_ids) for s in admitted if not s.preemptions))
+        events = []
+        verdict = _verdict(results)
+        for seq, tokens, held in zip(admitted, verdict.tokens,
+                                     _cached(results, len(admitted))):
+            events.append(self._deliver(seq, tokens))
+            self.metrics.prefill_tokens(len(events[-1].token_ids))
+            self.blocks.register(seq.table, seq.tokens, held)
+        return events + self._retire([s for s in admitted if s.finish_reason is not None])
 
     def _reach(self, committed: int) -> int:
         """Positions a request of `committed` tokens must address for its next round."""
@@ -211,6 +220,12 @@ class Scheduler:
         for i in range(accepted):
             seq.accepted_at[i] += 1
         seq.emitted_per_round.append(len(tokens))
+        event = self._deliver(seq, tokens)
+        self.metrics.committed(k, accepted, len(event.token_ids), overlapped)
+        return event
+
+    def _deliver(self, seq: Sequence, tokens: list[int]) -> Event:
+        """Committed tokens to the sequence's output, up to its limits and stops."""
         room = seq.params.max_new_tokens - len(seq.generated)
         new = tokens[:room]
         for i, tok in enumerate(new):
@@ -230,7 +245,6 @@ class Scheduler:
                 self.metrics.delivered(now - seq.t_last, len(new))
             seq.t_last = now
         seq.generated.extend(new)
-        self.metrics.committed(k, accepted, len(new), overlapped)
         if seq.finish_reason is None and len(seq.generated) >= seq.params.max_new_tokens:
             seq.finish_reason = "length"
         return Event("delta", seq, new, seq.stream.delta(final=seq.finish_reason is not None))

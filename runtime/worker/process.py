@@ -26,7 +26,7 @@ from runtime.control.progress import ProgressReporter
 from runtime.control.signals import SignalWakeup
 from runtime.worker.loading import load_shards
 from runtime.worker.round import (NextWork, RoundParts, decode_target_only, drop_stale_ahead,
-                                  speculate, speculate_overlapped, work_ahead)
+                                  prefill, speculate, speculate_overlapped, work_ahead)
 
 log = logging.getLogger("tandem.worker")
 
@@ -237,14 +237,14 @@ class Worker:
         cmd = protocol.command(msg)
         drop_stale_ahead(self.parts, cmd.k if isinstance(cmd, protocol.RoundCommand) else None)
         shards = [s for s in (self.parts.draft, self.parts.target) if s is not None]
-        if isinstance(cmd, protocol.PrefillCommand):
-            for shard in shards:
-                shard.prefill(cmd.slots, cmd.prompts, cmd.params, cmd.cached, cmd.tables)
-            return protocol.StepAck()
         if isinstance(cmd, protocol.ReleaseCommand):
             for shard in shards:
                 shard.release(cmd.slots)
             return protocol.StepAck()
+        if isinstance(cmd, protocol.PrefillCommand):
+            result = prefill(self.parts, cmd.slots, cmd.prompts, cmd.params, cmd.cached,
+                             cmd.tables)
+            return self._with_cached(result, cmd.slots, shards)
         self._check_round(cmd)
         for shard in shards:
             shard.grow(cmd.slots, cmd.tables)
@@ -256,7 +256,13 @@ class Worker:
             result = speculate(self.parts, cmd.slots, cmd.k)
         if self.config.runtime.draft_ahead:   # started by work_ahead once result is sent
             self.next_work = NextWork(cmd.slots, cmd.next_k)
-        cached = [min(column) for column in zip(*(s.cached(cmd.slots) for s in shards))]
+        return self._with_cached(result, cmd.slots, shards)
+
+    @staticmethod
+    def _with_cached(result: protocol.RoundReply, slots: list[int], shards: list
+                     ) -> protocol.RoundReply:
+        """The reply with, per slot, the positions every shard of this rank caches."""
+        cached = [min(column) for column in zip(*(s.cached(slots) for s in shards))]
         return dataclasses.replace(result, cached=cached)
 
     def _check_round(self, cmd: protocol.RoundCommand) -> None:

@@ -170,6 +170,28 @@ def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> Round
     return _result(parts, start, clock, rows, [0] * len(slots))
 
 
+def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], params: list[dict],
+            cached: list[int], tables: list[list[int]]) -> RoundReply:
+    """Start these sequences on both models: the draft caches all their tokens but the last,
+    the target all of them and picks each one's first output token (runtime.worker.shards.
+    TargetShard.prefill_first), which moves to the draft; both commit it as a target-only
+    round would. Cached positions (prefix hits) are not fed again."""
+    start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
+    first = torch.zeros(len(slots), 1, dtype=torch.long, device=parts.device)    # [B, 1]
+    if parts.draft is not None:
+        parts.draft.prefill(slots, prompts, params, cached, tables)
+    if parts.target is not None:
+        first = parts.target.prefill_first(slots, prompts, params, cached, tables)
+    clock.lap("prefill_s")
+    bridge_broadcast(first, parts.target_leader, parts.bridge)
+    rows = first.tolist()                                                 # the one sync
+    clock.lap("first_token_transfer_s")
+    for shard in (parts.draft, parts.target):
+        if shard is not None:
+            shard.append_decoded(slots, rows)
+    return _result(parts, start, clock, rows, [0] * len(slots))
+
+
 def _verdict_to_all(parts: RoundParts, draft_tokens: torch.Tensor, verdict: torch.Tensor,
                     clock: StepClock) -> tuple[list[list[int]], list[int], list[int]]:
     """The target leader's verdict [B, 2] (accepted, next token) to every worker, then the

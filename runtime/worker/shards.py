@@ -55,14 +55,17 @@ class ModelShard:
         return self._step(slots, ids, [len(r) for r in rows], logits)
 
     def _step(self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None,
-              logits: bool = True) -> torch.Tensor | None:
+              logits: bool | str = True) -> torch.Tensor | None:
         """ids [B, T] on the device, appended at each slot's cache_len; logits [B, T, V]
-        (or None when not wanted: StepRunner.prefill)."""
+        (None when not wanted: StepRunner.prefill; "last": each row's at its last valid
+        token [B, V], StepRunner.prefill_last)."""
         if n_valid is None:
             n_valid = [ids.shape[1]] * len(slots)
         starts = self.slots.append(slots, n_valid,
                                    None if self.tables is None else self.tables.capacity)
         rows = slots if self.tables is None else self.tables.rows(slots)
+        if logits == "last":
+            return self.runner.prefill_last(ids, rows, starts, n_valid)
         if not logits:
             return self.runner.prefill(ids, rows, starts, n_valid)
         return self.runner.run(ids, rows, starts, n_valid)
@@ -80,6 +83,15 @@ class ModelShard:
         """Cache every prompt token but the last, which stays pending. cached: per slot,
         the leading positions its table's blocks hold already (prefix hits: not fed
         again); tables: the slots' block tables (default: as they are)."""
+        cached = self._start(slots, prompts, params, cached, tables)
+        rows = [(s, p[c:-1]) for s, p, c in zip(slots, prompts, cached) if len(p) - c > 1]
+        if rows:
+            self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
+
+    def _start(self, slots: list[int], prompts: list[list[int]], params: list[dict] | None,
+               cached: list[int] | None, tables: list[list[int]] | None) -> list[int]:
+        """New sequences in these slots (their tables, prompts, sampling); the cached
+        positions per slot."""
         params = params or [GREEDY] * len(slots)
         cached = cached or [0] * len(slots)
         if tables and self.tables is not None:
@@ -91,9 +103,7 @@ class ModelShard:
             self.carried.pop(slot, None)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)
-        rows = [(s, p[c:-1]) for s, p, c in zip(slots, prompts, cached) if len(p) - c > 1]
-        if rows:
-            self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
+        return cached
 
     @property
     def model_free_slot(self):
@@ -332,6 +342,31 @@ class TargetShard(ModelShard):
             else:
                 self.commit([slot], [accepted[i]], [next_tokens[i]])
 
+    def prefill_first(self, slots: list[int], prompts: list[list[int]],
+                      params: list[dict] | None = None, cached: list[int] | None = None,
+                      tables: list[list[int]] | None = None) -> torch.Tensor:
+        """Start these sequences and feed every prompt token past the cached ones, the last
+        too: each one's first output token [B, 1] on the device, the target's choice at
+        index len(prompt) (what a round rejecting every draft takes). Commit it with
+        append_decoded (on the draft too)."""
+        cached = self._start(slots, prompts, params, cached, tables)
+        rows = [p[c:] for p, c in zip(prompts, cached)]
+        width = max(len(r) for r in rows)
+        ids = to_device([r + [0] * (width - len(r)) for r in rows], torch.long, self.device)
+        logits = self._step(slots, ids, [len(r) for r in rows], logits="last")   # [B, V]
+        return self._pick(logits[:, None], self.sampling(slots), self.committed_index(slots))
+
+    def _pick(self, logits: torch.Tensor, sampling: BatchSampling, index: torch.Tensor
+              ) -> torch.Tensor:
+        """The target's token at sequence index `index` [B] from its logits [B, 1, V(local)]
+        with no drafts to test: [B, 1]."""
+        if sampling.greedy:   # what _choose takes with no drafts, in one kernel
+            if self.vocab_parallel is not None:
+                return self.vocab_parallel.argmax(logits)
+            return logits.argmax(dim=-1)
+        no_drafts = torch.zeros(logits.shape[0], 0, dtype=torch.long, device=self.device)
+        return self._choose(no_drafts, logits, sampling, index, None)[1][:, None]
+
     # --- target-only rounds ----------------------------------------------------------------
     def decode(self, slots: list[int], steps: int) -> torch.Tensor:
         """`steps` decode steps with no draft: each appends the pending token and picks the
@@ -352,19 +387,11 @@ class TargetShard(ModelShard):
     def _decode_steps(self, slots: list[int], token: torch.Tensor, done: int, steps: int
                       ) -> list[torch.Tensor]:
         """`steps` more decode steps after `done` of them, feeding token [B, 1] first."""
-        no_drafts = torch.zeros(len(slots), 0, dtype=torch.long, device=self.device)
         sampling, first = self.sampling(slots), self.committed_index(slots) + done
-        argmax = None
-        if sampling.greedy:   # what _choose takes with no drafts, in one kernel
-            argmax = self.vocab_parallel.argmax if self.vocab_parallel is not None else \
-                (lambda logits: logits.argmax(dim=-1))
         tokens = []
         for i in range(steps):
             logits = self._step(slots, token)                             # [B, 1, V(local)]
-            if argmax is not None:
-                token = argmax(logits)                                    # [B, 1]
-            else:
-                token = self._choose(no_drafts, logits, sampling, first + i, None)[1][:, None]
+            token = self._pick(logits, sampling, first + i)               # [B, 1]
             tokens.append(token)
         return tokens
 

@@ -90,13 +90,16 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp).pvalue)
 
 
-def sample_pairs(engine, setting: dict, seed: int) -> tuple[np.ndarray, int]:
-    """Counts of (first, second) generated token, and the rounds overlapped."""
-    outs = engine.generate(prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=2,
+def sample_pairs(engine, setting: dict, seed: int, new_tokens: int = 2
+                 ) -> tuple[np.ndarray, int]:
+    """Counts of (first, second) generated token, and the rounds overlapped. The first token
+    comes with the prefill, the second from a round; a third makes a second round, whose
+    window the draft drafted during the first's verify (overlap)."""
+    outs = engine.generate(prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=new_tokens,
                            seed=seed, **setting)
     counts = np.zeros((VOCAB, VOCAB))
     for out in outs:
-        assert len(out.token_ids) == 2
+        assert len(out.token_ids) == new_tokens
         counts[out.token_ids[0], out.token_ids[1]] += 1
     return counts, sum(out.stats["overlapped_rounds"] for out in outs)
 
@@ -123,7 +126,8 @@ def test_sampled_output_follows_target(acceptance, draft_devices, target_devices
         settings = SETTINGS[1:3] if tp else [SETTINGS[0], SETTINGS[3]]
         settings = settings[:1] if draft_kind == "near" else settings
         for i, setting in enumerate(settings):
-            counts, overlapped = sample_pairs(engine, setting, seed=1000 * i)
+            counts, overlapped = sample_pairs(engine, setting, seed=1000 * i,
+                                              new_tokens=3 if draft_kind == "near" else 2)
             if draft_kind == "near":    # disjoint devices overlap (speculation.overlap auto)
                 assert overlapped > SAMPLES // 4, overlapped
             target_p = exact_joint(target, setting)

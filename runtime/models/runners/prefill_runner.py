@@ -104,10 +104,14 @@ class PrefillRunner:
     # -- running -----------------------------------------------------------------------------
     @torch.no_grad()
     def run(self, ids: torch.Tensor, rows, starts: list[int],
-            n_valid: list[int], logits: bool = True) -> torch.Tensor | None:
+            n_valid: list[int], logits: bool | str = True) -> torch.Tensor | None:
         """ids [B, T] -> logits [B, T, V] (a view the next call overwrites when one chunk
-        did it all), or None with logits=False. B must not exceed the largest batch bucket.
-        Every chunk keeps all B rows; a row already done has no valid token in it."""
+        did it all), or None with logits=False, or with logits="last" each row's logits at
+        its last valid token [B, V] (a prompt's first output token). B must not exceed the
+        largest batch bucket. Every chunk keeps all B rows; a row already done has no valid
+        token in it."""
+        if logits == "last":
+            return self._run_last(ids, rows, starts, n_valid)
         self.table.load(rows)                  # every chunk of the call reads these tables
         bsz, seq = ids.shape
         padded = next(b for b in self.batch_sizes if b >= bsz)
@@ -128,6 +132,26 @@ class PrefillRunner:
             width = min(out.shape[1], seq - c0)
             result[:, c0:c0 + width].copy_(out[:, :width])
         return result
+
+    def _run_last(self, ids: torch.Tensor, rows, starts: list[int],
+                  n_valid: list[int]) -> torch.Tensor:
+        """run(logits="last"): [B, V], row b's logits at token n_valid[b] - 1 (>= 1 each),
+        copied out of the chunk that holds it."""
+        self.table.load(rows)
+        bsz = ids.shape[0]
+        padded = next(b for b in self.batch_sizes if b >= bsz)
+        step = self.chunk_for(padded)
+        last = None
+        for c0 in range(0, max(n_valid), step):
+            n = [min(max(v - c0, 0), step) for v in n_valid]
+            begin = [s + min(c0, v) for s, v in zip(starts, n_valid)]
+            out = self._chunk(ids, c0, padded, begin, n)                  # [B, C, V]
+            if last is None:
+                last = torch.empty(bsz, out.shape[-1], dtype=out.dtype, device=self.device)
+            for b, v in enumerate(n_valid):
+                if c0 < v <= c0 + step:
+                    last[b].copy_(out[b, v - 1 - c0])
+        return last
 
     def _chunk(self, ids: torch.Tensor, c0: int, padded: int, starts: list[int],
                n_valid: list[int]) -> torch.Tensor:

@@ -99,6 +99,16 @@ class StepRunner:
         else:
             self.run(ids, rows, starts, n_valid)
 
+    def prefill_last(self, ids: torch.Tensor, rows, starts: list[int],
+                     n_valid: list[int]) -> torch.Tensor:
+        """run() for a prompt's first output token: each row's logits at its last valid
+        token [B, V] (n_valid >= 1 each), nothing else assembled across the chunks."""
+        if self._chunks(ids):
+            return self.chunked.run(ids, rows, starts, n_valid, logits="last")
+        logits = self.run(ids, rows, starts, n_valid)                       # [B, T, V]
+        last = to_device([n - 1 for n in n_valid], torch.long, self.device)
+        return logits[torch.arange(len(n_valid), device=self.device), last]
+
     def _chunks(self, ids: torch.Tensor) -> bool:
         """Whether this call goes to the prefill runner: static, longer than a step."""
         return self.static and self.chunked is not None and \

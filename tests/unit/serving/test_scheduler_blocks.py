@@ -86,8 +86,7 @@ class FakeWorkers:
         msg = protocol.decode(protocol.encode(dict(msg, step=self.step)))   # through msgpack
         cmd = protocol.command(msg)
         if isinstance(cmd, protocol.PrefillCommand):
-            self._prefill(cmd)
-            return self._acks()
+            return self._prefill(cmd)
         if isinstance(cmd, protocol.ReleaseCommand):
             for slot in cmd.slots:
                 assert slot in self.slots, f"release of slot {slot}, which runs nothing"
@@ -100,7 +99,9 @@ class FakeWorkers:
         return {rank: protocol.StepAck().to_map() for rank in range(len(self.lag))}
 
     # --- prefill --------------------------------------------------------------------------------
-    def _prefill(self, cmd: protocol.PrefillCommand) -> None:
+    def _prefill(self, cmd: protocol.PrefillCommand) -> dict[int, dict]:
+        """The target caches every prompt token and picks the first output token; the draft
+        caches all but the last: every rank reports len(prompt) - 1 positions cached."""
         assert len(cmd.tables) == len(cmd.slots)
         for slot, prompt, cached, table in zip(cmd.slots, cmd.prompts, cmd.cached, cmd.tables):
             assert 0 <= slot < self.num_slots and slot not in self.slots, slot
@@ -125,12 +126,27 @@ class FakeWorkers:
             assert capacity >= min(len(prompt) + self.lookahead, self.table_len), \
                 f"slot {slot}: a table of {capacity} positions for {len(prompt)} tokens"
             self.slots[slot] = Slot(prompt, table, cached)
-            self._write(slot, range(cached, len(prompt) - 1), prompt)
-            self.slots[slot].cache_len = len(prompt) - 1
-            self._confirm(slot, len(prompt) - 1)     # a prefill's ack: all but the last
-            self.max_reported[slot] = len(prompt) - 1
+            self._write(slot, range(cached, len(prompt)), prompt)
+            self.slots[slot].tokens += truth(prompt, 1)
+            self.slots[slot].cache_len = len(prompt)
             self.prefills.append({"prompt": list(prompt), "cached": cached,
                                   "fed": len(prompt) - 1 - cached})
+        report = [len(p) - 1 for p in cmd.prompts]      # the draft's: all but the last
+        replies = {}
+        for rank, lag in enumerate(self.lag):
+            cached = [] if self.silent else [max(0, c - lag) for c in report]
+            if rank == 0:
+                reply = protocol.RoundReply(protocol.TARGET_LEADER, 0.001, cached=cached,
+                                            tokens=[self.slots[s].tokens[-1:] for s in cmd.slots],
+                                            accepted=[0] * len(cmd.slots))
+            else:
+                reply = protocol.RoundReply(protocol.WORKER, 0.001, cached=cached)
+            replies[rank] = reply.to_map()
+        for slot, upto in zip(cmd.slots, report):
+            known = 0 if self.silent else min(max(0, upto - lag) for lag in self.lag)
+            self._confirm(slot, known)
+            self.max_reported[slot] = known
+        return replies
 
     # --- rounds -----------------------------------------------------------------------------
     def _round(self, cmd: protocol.RoundCommand) -> dict[int, dict]:
@@ -493,7 +509,9 @@ def test_lagging_cached_reports_bound_the_index(lag):
     later = [run.add(make_seq(f"r{i}", SYSTEM + user(i), 40)) for i in range(1, 3)]
     run.drain()
     assert_exact(run, [first] + later)
-    assert all(s.cached_prompt_tokens == (len(SYSTEM) // BS) * BS for s in later)
+    # the system prompt's blocks as far as the least report of the first round went
+    reach = (len(SYSTEM + user(0)) + 1 - max(lag)) // BS * BS
+    assert all(s.cached_prompt_tokens == min(reach, len(SYSTEM) // BS * BS) for s in later)
     follow = run.add(make_seq("f", first.tokens, 5))
     run.drain()
     # the first's generated tokens were indexed only as far as the least report went
@@ -505,19 +523,17 @@ def test_lagging_cached_reports_bound_the_index(lag):
     run.check_idle()
 
 
-def test_no_reported_cached_indexes_nothing_past_the_prefill():
-    """Replies that report no cached positions at all (an empty `cached`): only what the
-    prefill cached (all prompt tokens but the last) is indexed; generated tokens never."""
+def test_no_reported_cached_indexes_nothing():
+    """Replies that report no cached positions at all (an empty `cached`, prefills' too):
+    nothing is indexed, so nothing is ever a hit, and every request is still exact."""
 
     run = Run(num_blocks=200, silent=True)
-    # what the rounds wrote stays unconfirmed: only the prefills confirm positions
     seq = run.add(make_seq("r0", SYSTEM + user(0), 30))
     run.drain()
-    prompt_len = len(SYSTEM + user(0))
-    assert len(run.blocks.index) == (prompt_len - 1) // BS
+    assert not run.blocks.index
     follow = run.add(make_seq("f", SYSTEM + user(0) + seq.generated, 4))
     run.drain()
-    assert follow.cached_prompt_tokens == ((prompt_len - 1) // BS) * BS
+    assert follow.cached_prompt_tokens == 0
     assert_exact(run, [seq, follow])
     run.check_idle()
 

@@ -155,6 +155,10 @@ class RecordingPool:
         from runtime.control import protocol
 
         self.commands.append(msg)
+        if msg["type"] == "prefill":   # each sequence's first token
+            n = len(msg["slots"])
+            return {0: protocol.RoundReply(protocol.TARGET_LEADER, 0.0, tokens=[[7]] * n,
+                                           accepted=[0] * n).to_map()}
         if msg["type"] != "round":
             return {0: {}}
         accepted, tokens = [], []
