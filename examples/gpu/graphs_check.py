@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models import load_model  # noqa: E402
 from runtime.models.runners.step_runner import StepRunner  # noqa: E402
-from runtime.worker.shards import DraftShard, TargetShard  # noqa: E402
+from runtime.worker.shards import DraftShard
+from runtime.worker.target_shard import TargetShard  # noqa: E402
 from runtime.models.loading.synthetic import build_pair  # noqa: E402
 
 SLOTS, CACHE_LEN, K = 4, 640, 4

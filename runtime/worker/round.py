@@ -24,7 +24,8 @@ from runtime.control.protocol import TARGET_LEADER, WORKER, RoundReply
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.adaptive import takes_bonus
 from runtime.worker import overlap
-from runtime.worker.shards import DraftShard, TargetShard
+from runtime.worker.shards import DraftShard
+from runtime.worker.target_shard import TargetShard
 from runtime.worker.stepclock import StepClock
 
 DECODE_AHEAD_STEPS = 1  # target-only steps queued ahead: one outlasts a control round trip

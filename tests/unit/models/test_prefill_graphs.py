@@ -206,3 +206,21 @@ def test_chunks_through_the_triton_kernel_equal_eager(llama_path):
     """Under TRITON_INTERPRET=1 the chunks attend through the Triton kernel (causal within
     the chunk, over the KV earlier chunks wrote, ragged rows): the eager logits."""
     run_interpreted(KERNEL_CASE, llama_path)
+
+
+@pytest.mark.parametrize("lengths", [[260, 33, 1], [5], [300, 299]])
+def test_prefill_last_gives_each_rows_last_logits(llama_path, lengths):
+    """StepRunner.prefill_last: each row's logits at its last valid token, whichever chunk
+    holds it (rows ending in different chunks, a 1-token row), equal to the eager forward's;
+    the cache as prefill writes it."""
+    eager, static = fresh(llama_path), fresh(llama_path)
+    runner = StepRunner(static, CPU, max_batch=4, max_step_len=2)
+    rows = prompts_of(lengths, 8)
+    slots = [3, 1, 0][:len(rows)]
+    got = runner.prefill_last(padded(rows), slots, [0] * len(rows), lengths)       # [B, V]
+    want = eager.forward_extend(padded(rows), torch.tensor(slots),
+                                torch.tensor([0] * len(rows)), torch.tensor(lengths))
+    assert got.shape == (len(rows), want.shape[-1])
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(got[b], want[b, n - 1], rtol=1e-4, atol=1e-4)
+    assert_same_kv(eager, static, slots, lengths)

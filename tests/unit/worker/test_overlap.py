@@ -11,7 +11,8 @@ import torch
 from runtime.models import load_model
 from runtime.worker import overlap
 from runtime.worker.round import RoundParts, speculate_overlapped
-from runtime.worker.shards import DraftShard, TargetShard
+from runtime.worker.shards import DraftShard
+from runtime.worker.target_shard import TargetShard
 from tests.checkpoints import build_checkpoint, build_near_draft
 
 pytestmark = pytest.mark.timeout(180)

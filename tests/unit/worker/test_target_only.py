@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from runtime.models import load_model
-from runtime.worker.shards import DraftShard, TargetShard
+from runtime.worker.shards import DraftShard
+from runtime.worker.target_shard import TargetShard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,3 +126,23 @@ def test_decode_ahead_past_the_cache_does_nothing(llama_path):
     before = states(shard)
     shard.decode_ahead(SLOTS, 100)     # beyond the 64-position cache: not now
     assert shard.ahead is None and states(shard) == before
+
+
+def test_the_first_token_comes_with_the_prefill(llama_path):
+    """TargetShard.prefill_first feeds the whole prompt and picks the token a target-only
+    step would (greedy: the argmax at the last prompt token; sampled: the same draw as a
+    decode step at that index); committed like a target-only round, the slot stands where a
+    prefill and one decode step leave it."""
+    for params in (GREEDY, {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "seed": 5}):
+        first_way, decode_way = (TargetShard(load_model(llama_path, torch.float32, CPU), CPU,
+                                             num_slots=4, max_seq_len=64) for _ in range(2))
+        first = first_way.prefill_first(SLOTS, PROMPTS, [params, params])          # [B, 1]
+        decode_way.prefill(SLOTS, PROMPTS, [params, params])
+        assert first.tolist() == decode_way.decode(SLOTS, 1).tolist()
+        rows = first.tolist()
+        first_way.append_decoded(SLOTS, rows)
+        decode_way.append_decoded(SLOTS, rows)
+        for slot in SLOTS:
+            a, b = first_way.slots[slot], decode_way.slots[slot]
+            assert (a.committed, a.cache_len, a.pending) == (b.committed, b.cache_len, b.pending)
+        assert first_way.decode(SLOTS, 3).tolist() == decode_way.decode(SLOTS, 3).tolist()
