@@ -235,3 +235,19 @@ def test_prefix_hits_do_not_change_sampled_tokens(engine, pair, greedy, tmp_path
     assert all(o.stats["cached_prompt_tokens"] == 0 for o in off)
     assert stats["prefix_cache_hit_rate"] == 0 and stats["kv_blocks_used"] == 0
     assert [o.token_ids for o in off] == [o.token_ids for o in on]
+
+
+# --- TP on both sides: every rank of a group reports what it caches --------------------------
+def test_prefix_hits_with_tensor_parallel_on_both_sides(pair, greedy, tmp_path):
+    """Draft at TP 2 and target at TP 2 (four worker ranks, each with its heads' share of the
+    pool): prefix hits stay greedy-exact and no block leaks."""
+    cfg = write(tmp_path, pair, devices=(("cpu:0", "cpu:1"), ("cpu:2", "cpu:3")))
+    with Engine.launch(cfg) as eng:
+        first = eng.generate(prompt_token_ids=COMMON + TAILS[0], max_new_tokens=NEW)
+        rest = eng.generate(prompt_token_ids=[COMMON + t for t in TAILS[1:3]],
+                            max_new_tokens=NEW)
+        assert first.token_ids == greedy(COMMON + TAILS[0], NEW)
+        for out, tail in zip(rest, TAILS[1:3]):
+            assert out.token_ids == greedy(COMMON + tail, NEW)
+            assert out.stats["cached_prompt_tokens"] == len(COMMON) // BLOCK * BLOCK
+        assert wait_idle(eng)["kv_blocks_used"] == 0
