@@ -24,26 +24,32 @@ from runtime.models.arch.cache import blocks_for
 from runtime.models.runners.kv_budget import GIB, RESERVE, block_bytes, device_memory
 
 
+class PoolTooSmallElsewhere(Exception):
+    """Another worker's budget makes the pool too small: that worker names the cause to
+    rank 0; this one only waits to be shut down (runtime.worker.process)."""
+
+
 def pool_blocks(config: TandemConfig, models: dict[str, object], device: torch.device,
                 bridge: dist.ProcessGroup | None) -> int:
     """The pool's blocks on every rank. models: key ("draft"/"target") -> this rank's
-    model of it. Collective over `bridge` (every worker calls it)."""
+    model of it. Collective over `bridge` (every worker calls it). A pool too small for one
+    request: MemoryError on the workers whose budget made it so (naming the key), and
+    PoolTooSmallElsewhere on the others."""
     rt = config.runtime
     per_request = blocks_for(config.kv_seq_len, rt.kv_block_size)
-    local, why = local_blocks(config, models, device, per_request)
+    local, owner, why = local_blocks(config, models, device, per_request)
     agreed = local
     if bridge is not None:
         count = torch.tensor([local], dtype=torch.int64, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN, group=bridge)
         agreed = int(count.item())
-    if agreed < per_request:
-        if local >= per_request:
-            why = f"another worker's KV budget holds {agreed} blocks"
-        raise MemoryError(f"{why}, fewer than the {per_request} blocks of "
-                          f"{rt.kv_block_size} tokens one request of runtime.max_seq_len "
-                          f"{rt.max_seq_len} needs: raise runtime.kv_cache_tokens or the models' "
-                          f"kv_cache_memory, or lower runtime.max_seq_len")
-    return agreed
+    if agreed >= per_request:
+        return agreed
+    if local >= per_request:
+        raise PoolTooSmallElsewhere(f"another worker's KV budget holds {agreed} blocks")
+    raise MemoryError(f"{owner} KV cache needs {per_request} blocks of {rt.kv_block_size} "
+                      f"tokens for one request of runtime.max_seq_len {rt.max_seq_len}, but "
+                      f"{why} holds {local}: raise it, or lower runtime.max_seq_len")
 
 
 def step_bytes(config: TandemConfig, model) -> int:
@@ -57,36 +63,39 @@ def step_bytes(config: TandemConfig, model) -> int:
 
 
 def local_blocks(config: TandemConfig, models: dict[str, object], device: torch.device,
-                 per_request: int) -> tuple[int, str]:
-    """(blocks this worker can hold, what limits them: for the error message)."""
+                 per_request: int) -> tuple[int, str, str]:
+    """(blocks this worker can hold, the model whose budget limits them, what limits them:
+    for the error message)."""
     rt = config.runtime
     costs = {key: block_bytes(model, rt.kv_block_size, rt.kv_cache_dtype)
              for key, model in models.items()}
     costs = {key: cost for key, cost in costs.items() if cost is not None}
+    first = next(iter(models), "target")
     if not costs:   # transformers fallback models keep a cache per slot
-        return rt.max_batch_size * per_request, "the transformers fallback's slots"
+        return rt.max_batch_size * per_request, first, "the transformers fallback's slots"
     free, total = device_memory(device)
     budget = free - RESERVE * total - sum(step_bytes(config, model) for model in models.values())
     limits = []
     for key, cost in costs.items():
         share = getattr(config, key).kv_cache_memory
         if share is not None:
-            limits.append((int(share * total // cost), f"{key}.kv_cache_memory {share} of "
-                                                       f"{total / GIB:.1f} GiB"))
+            limits.append((int(share * total // cost), key,
+                           f"{key}.kv_cache_memory {share} of {total / GIB:.1f} GiB"))
             budget -= share * total
-    shared = [cost for key, cost in costs.items() if getattr(config, key).kv_cache_memory is None]
+    shared = [key for key in costs if getattr(config, key).kv_cache_memory is None]
     if shared:
-        limits.append((max(0, int(budget // sum(shared))),
+        limits.append((max(0, int(budget // sum(costs[key] for key in shared))), shared[0],
                        f"the {max(budget, 0) / GIB:.2f} GiB free on {device} after the "
-                       f"weights and a {RESERVE:.0%} reserve"))
+                       f"weights and a {RESERVE:.0%} reserve (set {shared[0]}.kv_cache_memory "
+                       f"to choose)"))
+    fits, owner, why = min(limits)
     if rt.kv_cache_tokens is not None:
         want = blocks_for(rt.kv_cache_tokens, rt.kv_block_size)
-        fits = min(limit for limit, _ in limits)
         if want > fits:
-            return fits, f"runtime.kv_cache_tokens {rt.kv_cache_tokens} does not fit: " \
-                         f"{min(limits)[1]} holds {fits * rt.kv_block_size} tokens"
-        return want, f"runtime.kv_cache_tokens {rt.kv_cache_tokens}"
+            return fits, owner, f"runtime.kv_cache_tokens {rt.kv_cache_tokens} does not " \
+                                f"fit: {why}"
+        return want, owner, f"runtime.kv_cache_tokens {rt.kv_cache_tokens}"
     if device.type == "cpu":
-        limits.append((rt.max_batch_size * per_request, "runtime.max_batch_size requests"))
-    blocks, why = min(limits)
-    return blocks, f"{why} holds {blocks} blocks"
+        limits.append((rt.max_batch_size * per_request, first,
+                       "runtime.max_batch_size requests"))
+    return min(limits)

@@ -24,6 +24,7 @@ from runtime.config import TandemConfig, load_config
 from runtime.control.heartbeat import Pulse
 from runtime.control.progress import ProgressReporter
 from runtime.control.signals import SignalWakeup
+from runtime.worker.kv_pool import PoolTooSmallElsewhere
 from runtime.worker.loading import load_shards
 from runtime.worker.round import (NextWork, RoundParts, decode_target_only, drop_stale_ahead,
                                   prefill, speculate, speculate_overlapped, work_ahead)
@@ -162,6 +163,9 @@ class Worker:
             draft, target, kv_blocks = load_shards(self.config, self.spec, self.groups,
                                                    self.device, self.rank,
                                                    ProgressReporter(self.send, self.rank))
+        except PoolTooSmallElsewhere as exc:   # the worker whose budget it is says why
+            self.await_shutdown(ERROR_GRACE_S)
+            raise WorkerExit(f"rank {self.rank}: {exc}", EXIT_USAGE, reported=True) from None
         except MemoryError as exc:
             # a KV cache over its budget (runtime.models.runners.kv_budget): the config's problem,
             # which rank 0 names in one line (exit 2); a crash's traceback would say nothing
