@@ -6,8 +6,7 @@ that fails raises `ProtocolError`, which callers log and drop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
 
@@ -50,12 +49,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # orchestrator -> worker
     # heartbeat: the Beacon's address (beats to listen to); pulse: where to send heartbeats
     "init": {"config": MAP, "heartbeat": STR, "pulse": STR},
-    # cached: per slot, the leading positions its table's blocks hold already (prefix hits);
-    # tables: per slot, its KV blocks (runtime.serving.block_manager)
+    # prompts: per slot, its tokens from position cached[i] on (the positions before are in
+    # its table's blocks already: prefix hits, earlier chunks); tables: per slot, its KV
+    # blocks (runtime.serving.block_manager); final: per slot, whether these tokens end its
+    # prompt (the target then picks its first token) or a chunk of it (the last stays pending)
     "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST, "cached": LIST,
-                "tables": LIST},
+                "tables": LIST, "final": LIST},
     # steps: k = 0 only; next_k: the next round's k, worked on ahead (runtime.worker.process)
-    # (runtime.control.protocol.RoundCommand sends every field; steps defaults to 1, next_k
+    # (runtime.control.commands.RoundCommand sends every field; steps defaults to 1, next_k
     # to k)
     # tables: per slot, the blocks its table grows by before the round
     "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT,
@@ -80,7 +81,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 OPTIONAL: dict[str, set[str]] = {
     "heartbeat": {"next_s"},
     "ready": {"kv_blocks", "shares_blocks"},
-    "prefill": {"cached", "tables"},
+    "prefill": {"cached", "tables", "final"},
     "generate": {"prompts", "prompt_ids", "chat", "messages"},
     "round": {"steps", "next_k", "tables"},
     "error": {"kind"},
@@ -200,201 +201,3 @@ def int_list(value: Any, name: str) -> list[int]:
             isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ProtocolError(f"{name}: expected a list of integers")
     return value
-
-
-def check_sampling(params) -> dict:
-    """Per-request sampling settings from a prefill message (the orchestrator validated
-    the request; this guards the worker against a malformed message)."""
-    if not isinstance(params, dict):
-        raise ProtocolError("prefill.params: expected maps")
-    try:
-        out = {"temperature": float(params["temperature"]), "top_k": int(params["top_k"] or 0),
-               "top_p": float(params["top_p"]), "seed": int(params["seed"])}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolError(f"prefill.params: {exc}") from None
-    if out["temperature"] < 0 or out["top_k"] < 0 or not 0 < out["top_p"] <= 1:
-        raise ProtocolError(f"prefill.params out of range: {out}")
-    return out
-
-
-def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict], list[int],
-                                      list[list[int]]]:
-    """(prompts, sampling params, cached positions, block tables) of a prefill message,
-    one of each per slot (no tables: an empty list; no cached positions: zeros)."""
-    prompts = [int_list(p, "prefill.prompts") for p in msg["prompts"]]
-    params = [check_sampling(p) for p in msg["params"]]
-    cached = int_list(msg.get("cached", [0] * len(prompts)), "prefill.cached")
-    tables = [int_list(t, "prefill.tables") for t in msg.get("tables", [])]
-    if not len(prompts) == len(params) == len(msg["slots"]) == len(cached):
-        raise ProtocolError("prefill: slots, prompts, params, cached differ in length")
-    if tables and len(tables) != len(prompts):
-        raise ProtocolError("prefill: slots and tables differ in length")
-    if any(not 0 <= c < len(p) for c, p in zip(cached, prompts)):
-        raise ProtocolError("prefill.cached: each must be in 0..len(prompt) - 1")
-    return prompts, params, cached, tables
-
-
-# --- step commands and their replies, as typed records ------------------------------------
-# A command is a message above (to_msg / from_msg); a reply is the `result` map of a "done"
-# message, tagged "kind" with its schema here (to_map / from_map). Every field is always sent.
-TARGET_LEADER = "target_leader"     # reports the round's verdict
-WORKER = "worker"                   # any other rank: its time only
-REPLIES: dict[str, dict[str, Any]] = {
-    "ack": {},                      # a release done (a prefill replies as a round: first tokens)
-    # cached: per slot, the positions every shard of the rank caches committed KV for
-    "round": {"role": STR, "worker_s": FLOAT, "timing": MAP, "tokens": LIST, "accepted": LIST,
-              "overlapped": LIST, "cached": LIST},
-}
-
-
-def _command(msg: dict, kind: str) -> dict:
-    check(msg)
-    if msg["type"] != kind:
-        raise ProtocolError(f"expected a {kind} command, got {msg['type']!r}")
-    return msg
-
-
-@dataclass(frozen=True)
-class RoundCommand:
-    """orchestrator -> every worker: one round of `slots`. k drafts per slot (0: a
-    target-only round of `steps` decode steps); next_k: the next round's k, announced so
-    that the workers start on it ahead (runtime.worker.round.work_ahead)."""
-    TYPE: ClassVar[str] = "round"
-    slots: list[int]
-    k: int
-    next_k: int
-    steps: int = 1
-    tables: list[list[int]] = field(default_factory=list)   # per slot: blocks to append
-
-    def to_msg(self) -> dict:
-        return {"type": self.TYPE, "slots": list(self.slots), "k": self.k,
-                "steps": self.steps, "next_k": self.next_k,
-                "tables": [list(t) for t in self.tables]}
-
-    @classmethod
-    def from_msg(cls, msg: dict) -> RoundCommand:
-        msg = _command(msg, cls.TYPE)
-        slots = int_list(msg["slots"], "round.slots")
-        tables = [int_list(t, "round.tables") for t in msg.get("tables", [])]
-        if tables and len(tables) != len(slots):
-            raise ProtocolError("round: slots and tables differ in length")
-        return cls(slots, msg["k"], msg.get("next_k", msg["k"]), msg.get("steps", 1), tables)
-
-
-@dataclass(frozen=True)
-class PrefillCommand:
-    """orchestrator -> every worker: start these slots' sequences (tokens so far, sampling),
-    their first `cached` positions already in the blocks of their `tables` (prefix hits)."""
-    TYPE: ClassVar[str] = "prefill"
-    slots: list[int]
-    prompts: list[list[int]]
-    params: list[dict]
-    cached: list[int] = field(default_factory=list)         # default: none cached
-    tables: list[list[int]] = field(default_factory=list)   # default: none sent
-
-    def __post_init__(self):
-        if not self.cached:
-            object.__setattr__(self, "cached", [0] * len(self.slots))
-
-    def to_msg(self) -> dict:
-        return {"type": self.TYPE, "slots": list(self.slots), "prompts": list(self.prompts),
-                "params": list(self.params), "cached": list(self.cached),
-                "tables": [list(t) for t in self.tables]}
-
-    @classmethod
-    def from_msg(cls, msg: dict) -> PrefillCommand:
-        msg = _command(msg, cls.TYPE)
-        prompts, params, cached, tables = check_prefill(msg)
-        return cls(int_list(msg["slots"], "prefill.slots"), prompts, params, cached, tables)
-
-
-@dataclass(frozen=True)
-class ReleaseCommand:
-    """orchestrator -> every worker: these slots' sequences are over."""
-    TYPE: ClassVar[str] = "release"
-    slots: list[int]
-
-    def to_msg(self) -> dict:
-        return {"type": self.TYPE, "slots": list(self.slots)}
-
-    @classmethod
-    def from_msg(cls, msg: dict) -> ReleaseCommand:
-        return cls(int_list(_command(msg, cls.TYPE)["slots"], "release.slots"))
-
-
-def command(msg: dict) -> RoundCommand | PrefillCommand | ReleaseCommand:
-    """The typed step command in a message (ProtocolError for any other)."""
-    kinds = {c.TYPE: c for c in (RoundCommand, PrefillCommand, ReleaseCommand)}
-    kind = msg.get("type") if isinstance(msg, dict) else None
-    if kind not in kinds:
-        raise ProtocolError(f"not a step command: {kind!r}")
-    return kinds[kind].from_msg(msg)
-
-
-def _reply(result: Any, kind: str) -> dict:
-    if not isinstance(result, dict) or result.get("kind") != kind:
-        got = result.get("kind") if isinstance(result, dict) else type(result).__name__
-        raise ProtocolError(f"expected a {kind} reply, got {got!r}")
-    check_fields(f"{kind} reply", result, REPLIES[kind], tag="kind")
-    return result
-
-
-@dataclass(frozen=True)
-class StepAck:
-    """A worker's reply to a prefill or a release."""
-    KIND: ClassVar[str] = "ack"
-
-    def to_map(self) -> dict:
-        return {"kind": self.KIND}
-
-    @classmethod
-    def from_map(cls, result: Any) -> StepAck:
-        _reply(result, cls.KIND)
-        return cls()
-
-
-@dataclass(frozen=True)
-class RoundReply:
-    """A worker's reply to a round: its own time (and phases when profiling); from the
-    target leader (role TARGET_LEADER) also the verdict per slot: the committed tokens, the
-    drafts accepted, and (overlapped rounds) whether its window was drafted during the last
-    verify. Other workers (role WORKER) send empty lists."""
-    KIND: ClassVar[str] = "round"
-    role: str
-    worker_s: float
-    timing: dict[str, float] = field(default_factory=dict)
-    tokens: list[list[int]] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    overlapped: list[bool] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)   # per slot (every rank reports it)
-
-    @property
-    def reports(self) -> bool:
-        return self.role == TARGET_LEADER
-
-    def to_map(self) -> dict:
-        return {"kind": self.KIND, "role": self.role, "worker_s": float(self.worker_s),
-                "timing": dict(self.timing), "tokens": [list(t) for t in self.tokens],
-                "accepted": list(self.accepted), "overlapped": list(self.overlapped),
-                "cached": list(self.cached)}
-
-    @classmethod
-    def from_map(cls, result: Any) -> RoundReply:
-        m = _reply(result, cls.KIND)
-        if m["role"] not in (TARGET_LEADER, WORKER):
-            raise ProtocolError(f"round reply: unknown role {m['role']!r}")
-        tokens = [int_list(t, "round reply.tokens") for t in m["tokens"]]
-        accepted = int_list(m["accepted"], "round reply.accepted")
-        overlapped = m["overlapped"]
-        if not all(isinstance(v, bool) for v in overlapped):
-            raise ProtocolError("round reply.overlapped: expected a list of booleans")
-        if not all(isinstance(k, str) and isinstance(v, FLOAT) and not isinstance(v, bool)
-                   for k, v in m["timing"].items()):
-            raise ProtocolError("round reply.timing: expected phase -> seconds")
-        if len(tokens) != len(accepted) or overlapped and len(overlapped) != len(tokens):
-            raise ProtocolError("round reply: tokens, accepted, overlapped differ in length")
-        if m["role"] == WORKER and tokens:
-            raise ProtocolError("round reply: only the target leader reports tokens")
-        cached = int_list(m["cached"], "round reply.cached")
-        return cls(m["role"], float(m["worker_s"]), dict(m["timing"]), tokens, accepted,
-                   list(overlapped), cached)

@@ -70,7 +70,9 @@ class Orchestrator:
                                    self.eos_token_ids, rt.step_timeout_s,
                                    overlap=self.config.overlapped,
                                    acceptance=self.config.speculation.acceptance,
-                                   blocks=blocks, table_len=self.config.kv_seq_len)
+                                   blocks=blocks, table_len=self.config.kv_seq_len,
+                                   max_prefill_tokens=rt.max_prefill_tokens
+                                   if pool.shares_blocks else None)
         scheduler = self._scheduler
         scheduler.metrics.watch(lambda: len(scheduler.running), lambda: len(scheduler.queue),
                                 scheduler.draft_len)

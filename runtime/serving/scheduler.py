@@ -16,7 +16,7 @@ from collections import deque
 
 from runtime.speculation.adaptive import TARGET_ONLY_STEPS, DraftLenController, takes_bonus
 from runtime.config.schema import MAX_AUTO_DRAFT_LEN
-from runtime.control import protocol
+from runtime.control import commands, protocol
 from runtime.control.pool import WorkerPool
 from runtime.serving.block_manager import BlockManager
 from runtime.serving.metrics import ServingMetrics
@@ -37,10 +37,15 @@ class Scheduler:
     def __init__(self, pool: WorkerPool, num_slots: int, draft_len: int | None,
                  eos_token_ids: tuple[int, ...], step_timeout_s: float,
                  overlap: bool = False, acceptance: str = "tokens",
-                 blocks: BlockManager | None = None, table_len: int | None = None):
+                 blocks: BlockManager | None = None, table_len: int | None = None,
+                 max_prefill_tokens: int | None = None):
         """num_slots: requests running at once (runtime.max_batch_size); blocks: the KV
         pool's books (default: room for num_slots requests of table_len positions, no
-        prefix caching); table_len: the most positions one request's table addresses."""
+        prefix caching); table_len: the most positions one request's table addresses;
+        max_prefill_tokens: prompt tokens one step may prefill (None: whole prompts)."""
+        if max_prefill_tokens is not None and max_prefill_tokens < 2:
+            raise ValueError(f"max_prefill_tokens must be >= 2, got {max_prefill_tokens}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.pool = pool
         self.draft_len = MAX_AUTO_DRAFT_LEN if draft_len is None else draft_len  # max k
         self.controller = DraftLenController(draft_len, MAX_AUTO_DRAFT_LEN, overlap)
@@ -82,18 +87,19 @@ class Scheduler:
         """Admit what fits, run one speculation round, return what it produced."""
         events = self._retire_cancelled()
         self._make_room()
-        events += self._admit()
+        self._admit()
+        events += self._prefill_step()
         self._make_room()        # (a no-op: admission left the room for the first round)
-        if not self.running:
+        slots = sorted(slot for slot, seq in self.running.items() if seq.ready)
+        if not slots:
             self.metrics.idle()
             return events
-        slots = sorted(self.running)
         k, next_k = self._draft_lens(slots)
         steps = 1
         if k == 0:   # target-only: several decode steps on one command, none past a limit
             steps = min(TARGET_ONLY_STEPS, *(self.running[s].params.max_new_tokens -
                                              len(self.running[s].generated) for s in slots))
-        command = protocol.RoundCommand(slots, k, next_k, steps, self._grow(slots))
+        command = commands.RoundCommand(slots, k, next_k, steps, self._grow(slots))
         start = self.metrics.round_begins()
         results = self.pool.command(command.to_msg(), self.step_timeout_s)
         cost = self.metrics.round_ends(start, results, k)
@@ -128,11 +134,10 @@ class Scheduler:
         self.next_k, self.next_slots = self.controller.choose(batch, bonus), slots
         return k, self.next_k
 
-    def _admit(self) -> list[Event]:
+    def _admit(self) -> None:
         """Admit queued requests in order while a row and their blocks are free (past the
-        blocks the running requests grow into this round); their prefill brings each one's
-        first token (the target's, from its prompt's last position)."""
-        admitted, growth = [], self._growth()
+        blocks the running requests grow into this round); _prefill_step prefills them."""
+        growth = self._growth()
         while self.queue and self.free_slots:
             seq = self.queue[0]
             tokens = seq.tokens
@@ -142,35 +147,61 @@ class Scheduler:
                 break
             self.queue.popleft()
             seq.table = self.blocks.start(matched, positions)
+            seq.prefill_at, seq.ready = len(matched) * self.blocks.block_size, False
             if not seq.preemptions:   # a readmission's prefix is its own, not a prompt's
-                seq.cached_prompt_tokens = len(matched) * self.blocks.block_size
+                seq.cached_prompt_tokens = seq.prefill_at
                 if self.blocks.prefix_caching:
                     self.metrics.prefix_lookup(len(tokens), seq.cached_prompt_tokens)
             seq.slot = self.free_slots.pop(0)
             self._admissions += 1
             seq.admitted = self._admissions
             self.running[seq.slot] = seq
-            admitted.append(seq)
-        return self._prefill(admitted) if admitted else []
 
-    def _prefill(self, admitted: list[Sequence]) -> list[Event]:
+    def _chunks(self) -> list[tuple[Sequence, list[int], bool]]:
+        """This step's prefill work, in admission order: (sequence, its tokens from
+        prefill_at on, whether they end its prompt), at most max_prefill_tokens tokens in
+        all; a prompt cut short keeps its chunk's last token pending for the next."""
+        budget = self.max_prefill_tokens
+        chunks = []
+        for seq in sorted((s for s in self.running.values() if not s.ready),
+                          key=lambda s: s.admitted):
+            tokens = seq.tokens[seq.prefill_at:]
+            if budget is not None and len(tokens) > budget:
+                if budget >= 2:     # a chunk feeds at least one token and keeps one pending
+                    chunks.append((seq, tokens[:budget], False))
+                break
+            chunks.append((seq, tokens, True))
+            if budget is not None:
+                budget -= len(tokens)
+        return chunks
+
+    def _prefill_step(self) -> list[Event]:
+        """One prefill command for this step's chunks (_chunks); a prompt's last chunk
+        brings its first token (the target's, from the prompt's last position)."""
+        chunks = self._chunks()
+        if not chunks:
+            return []
         start = time.perf_counter()
-        command = protocol.PrefillCommand(
-            [s.slot for s in admitted], [s.tokens for s in admitted],
-            [s.worker_params() for s in admitted],
-            [len(s.table.keys) * self.blocks.block_size for s in admitted],
-            [list(s.table.blocks) for s in admitted])
+        command = commands.PrefillCommand(
+            [seq.slot for seq, _, _ in chunks], [tokens for _, tokens, _ in chunks],
+            [seq.worker_params() for seq, _, _ in chunks],
+            [seq.prefill_at for seq, _, _ in chunks],
+            [list(seq.table.blocks) for seq, _, _ in chunks], [f for _, _, f in chunks])
         results = self.pool.command(command.to_msg(), self.step_timeout_s)
         self.metrics.prefill_done(time.perf_counter() - start,   # prompts, once each
-                                  sum(len(s.prompt_ids) for s in admitted if not s.preemptions))
-        events = []
-        verdict = _verdict(results)
-        for seq, tokens, held in zip(admitted, verdict.tokens,
-                                     _cached(results, len(admitted))):
-            events.append(self._deliver(seq, tokens))
-            self.metrics.prefill_tokens(len(events[-1].token_ids))
+                                  sum(len(seq.prompt_ids) for seq, _, final in chunks
+                                      if final and not seq.preemptions))
+        events, verdict = [], _verdict(results)
+        for (seq, tokens, final), first, held in zip(chunks, verdict.tokens,
+                                                     _cached(results, len(chunks))):
+            seq.prefill_at += len(tokens) - 1
+            if final:
+                seq.ready = True
+                events.append(self._deliver(seq, first))
+                self.metrics.prefill_tokens(len(events[-1].token_ids))
             self.blocks.register(seq.table, seq.tokens, held)
-        return events + self._retire([s for s in admitted if s.finish_reason is not None])
+        return events + self._retire([seq for seq, _, _ in chunks
+                                      if seq.finish_reason is not None])
 
     def _reach(self, committed: int) -> int:
         """Positions a request of `committed` tokens must address for its next round."""
@@ -195,7 +226,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running request's row and blocks; it waits first in line to be readmitted
         with its tokens so far (most of them a prefix hit)."""
-        self.pool.command(protocol.ReleaseCommand([seq.slot]).to_msg(), self.step_timeout_s)
+        self.pool.command(commands.ReleaseCommand([seq.slot]).to_msg(), self.step_timeout_s)
         self._free(seq)
         seq.preemptions += 1
         self.metrics.preempted()
@@ -259,7 +290,7 @@ class Scheduler:
         if not seqs:
             return []
         slots = [s.slot for s in seqs]
-        self.pool.command(protocol.ReleaseCommand(slots).to_msg(), self.step_timeout_s)
+        self.pool.command(commands.ReleaseCommand(slots).to_msg(), self.step_timeout_s)
         events = []
         for seq in seqs:
             self._free(seq)
@@ -272,16 +303,16 @@ class Scheduler:
 def _cached(results: dict[int, dict], batch: int) -> list[int]:
     """Per slot of a round, the positions every rank holds the KV of committed tokens for
     (the least any rank reports)."""
-    replies = [protocol.RoundReply.from_map(r) for r in results.values()]
+    replies = [commands.RoundReply.from_map(r) for r in results.values()]
     reports = [r.cached for r in replies if r.cached]
     if not reports:
         return [0] * batch
     return [min(column) for column in zip(*reports)]
 
 
-def _verdict(results: dict[int, dict]) -> protocol.RoundReply:
+def _verdict(results: dict[int, dict]) -> commands.RoundReply:
     """The target leader's reply among a round's replies (one per worker rank)."""
-    replies = [protocol.RoundReply.from_map(r) for r in results.values()]
+    replies = [commands.RoundReply.from_map(r) for r in results.values()]
     leaders = [r for r in replies if r.reports]
     if len(leaders) != 1:
         raise protocol.ProtocolError(f"a round got {len(leaders)} target leader replies")

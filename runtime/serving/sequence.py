@@ -37,6 +37,8 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)  # its KV blocks while it runs
     cached_prompt_tokens: int = 0    # prompt tokens its first admission found in the cache
     admitted: int = 0                # admission order (the newest is preempted first)
+    prefill_at: int = 0              # positions cached: where its prompt's next chunk starts
+    ready: bool = False              # its prefill is done (its first token came): it runs
     preemptions: int = 0
 
     @property

@@ -19,7 +19,7 @@ import zmq
 
 from parallel import groups as pgroups
 from parallel.topology import Topology, WorkerSpec
-from runtime.control import auth, protocol
+from runtime.control import auth, commands, protocol
 from runtime.config import TandemConfig, load_config
 from runtime.control.heartbeat import Pulse
 from runtime.control.progress import ProgressReporter
@@ -236,18 +236,18 @@ class Worker:
                 except protocol.ProtocolError:
                     pass
 
-    def handle(self, msg: dict) -> protocol.RoundReply | protocol.StepAck:
+    def handle(self, msg: dict) -> commands.RoundReply | commands.StepAck:
         """Dispatch one command: prefill, release, or a round (runtime.worker.round)."""
-        cmd = protocol.command(msg)
-        drop_stale_ahead(self.parts, cmd.k if isinstance(cmd, protocol.RoundCommand) else None)
+        cmd = commands.command(msg)
+        drop_stale_ahead(self.parts, cmd.k if isinstance(cmd, commands.RoundCommand) else None)
         shards = [s for s in (self.parts.draft, self.parts.target) if s is not None]
-        if isinstance(cmd, protocol.ReleaseCommand):
+        if isinstance(cmd, commands.ReleaseCommand):
             for shard in shards:
                 shard.release(cmd.slots)
-            return protocol.StepAck()
-        if isinstance(cmd, protocol.PrefillCommand):
+            return commands.StepAck()
+        if isinstance(cmd, commands.PrefillCommand):
             result = prefill(self.parts, cmd.slots, cmd.prompts, cmd.params, cmd.cached,
-                             cmd.tables)
+                             cmd.tables, cmd.final)
             return self._with_cached(result, cmd.slots, shards)
         self._check_round(cmd)
         for shard in shards:
@@ -263,13 +263,13 @@ class Worker:
         return self._with_cached(result, cmd.slots, shards)
 
     @staticmethod
-    def _with_cached(result: protocol.RoundReply, slots: list[int], shards: list
-                     ) -> protocol.RoundReply:
+    def _with_cached(result: commands.RoundReply, slots: list[int], shards: list
+                     ) -> commands.RoundReply:
         """The reply with, per slot, the positions every shard of this rank caches."""
         cached = [min(column) for column in zip(*(s.cached(slots) for s in shards))]
         return dataclasses.replace(result, cached=cached)
 
-    def _check_round(self, cmd: protocol.RoundCommand) -> None:
+    def _check_round(self, cmd: commands.RoundCommand) -> None:
         """Every number of a round command in its range."""
         max_k, max_len = self.config.speculation.max_draft_len, self.config.runtime.max_seq_len
         if not 0 <= cmd.k <= max_k:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.transfer import bridge_broadcast
-from runtime.control.protocol import TARGET_LEADER, WORKER, RoundReply
+from runtime.control.commands import TARGET_LEADER, WORKER, RoundReply
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.adaptive import takes_bonus
 from runtime.worker import overlap
@@ -172,25 +172,43 @@ def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> Round
 
 
 def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], params: list[dict],
-            cached: list[int], tables: list[list[int]]) -> RoundReply:
-    """Start these sequences on both models: the draft caches all their tokens but the last,
-    the target all of them and picks each one's first output token (runtime.worker.shards.
-    TargetShard.prefill_first), which moves to the draft; both commit it as a target-only
-    round would. Cached positions (prefix hits) are not fed again."""
+            cached: list[int], tables: list[list[int]], final: list[bool]) -> RoundReply:
+    """Start or go on with these sequences' prompts (each slot's tokens from position
+    cached[i] on) on both models: the draft caches all the tokens but the last; the target
+    too where they are a chunk of the prompt (not `final`), and where they end it all of them,
+    picking the first output token (TargetShard.prefill_first), which moves to the draft;
+    both commit it as a target-only round would. The reply's tokens: [first] per final slot,
+    [] per chunk."""
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
-    first = torch.zeros(len(slots), 1, dtype=torch.long, device=parts.device)    # [B, 1]
+    ends = [i for i, f in enumerate(final) if f]
+    chunks = [i for i, f in enumerate(final) if not f]
+    first = torch.zeros(len(ends), 1, dtype=torch.long, device=parts.device)     # [F, 1]
     if parts.draft is not None:
         parts.draft.prefill(slots, prompts, params, cached, tables)
     if parts.target is not None:
-        first = parts.target.prefill_first(slots, prompts, params, cached, tables)
+        if chunks:
+            parts.target.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
+        if ends:
+            first = parts.target.prefill_first(*_rows(ends, slots, prompts, params, cached,
+                                                       tables))
     clock.lap("prefill_s")
-    bridge_broadcast(first, parts.target_leader, parts.bridge)
-    rows = first.tolist()                                                 # the one sync
+    rows: list[list[int]] = []
+    if ends:
+        bridge_broadcast(first, parts.target_leader, parts.bridge)
+        rows = first.tolist()                                             # the one sync
+        for shard in (parts.draft, parts.target):
+            if shard is not None:
+                shard.append_decoded([slots[i] for i in ends], rows)
     clock.lap("first_token_transfer_s")
-    for shard in (parts.draft, parts.target):
-        if shard is not None:
-            shard.append_decoded(slots, rows)
-    return _result(parts, start, clock, rows, [0] * len(slots))
+    tokens = [[] for _ in slots]
+    for i, row in zip(ends, rows):
+        tokens[i] = row
+    return _result(parts, start, clock, tokens, [0] * len(slots))
+
+
+def _rows(index: list[int], *columns: list | None) -> list[list | None]:
+    """Those rows of each column (None or an empty column stays None: nothing sent)."""
+    return [[column[i] for i in index] if column else None for column in columns]
 
 
 def _verdict_to_all(parts: RoundParts, draft_tokens: torch.Tensor, verdict: torch.Tensor,

@@ -79,11 +79,12 @@ class ModelShard:
     def prefill(self, slots: list[int], prompts: list[list[int]],
                 params: list[dict] | None = None, cached: list[int] | None = None,
                 tables: list[list[int]] | None = None) -> None:
-        """Cache every prompt token but the last, which stays pending. cached: per slot,
-        the leading positions its table's blocks hold already (prefix hits: not fed
-        again); tables: the slots' block tables (default: as they are)."""
-        cached = self._start(slots, prompts, params, cached, tables)
-        rows = [(s, p[c:-1]) for s, p, c in zip(slots, prompts, cached) if len(p) - c > 1]
+        """Cache every token but the last, which stays pending. prompts: per slot, its
+        tokens from position cached[i] on (default 0: whole prompts; the positions before
+        are in its table's blocks already: prefix hits, earlier chunks); tables: the slots'
+        block tables (default: as they are)."""
+        self._start(slots, prompts, params, cached, tables)
+        rows = [(s, p[:-1]) for s, p in zip(slots, prompts) if len(p) > 1]
         if rows:
             self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
 

@@ -83,15 +83,14 @@ class SlotBook:
         return self.states[slot]
 
     # --- a sequence's life ---------------------------------------------------------------
-    def start(self, slot: int, prompt: list[int], sampling: dict, cached: int = 0) -> None:
-        """A new sequence: its prompt committed, the last token pending; its first `cached`
-        positions are in the cache already (a prefix hit), every other prompt token is
-        cached by the prefill that follows (append)."""
+    def start(self, slot: int, tokens: list[int], sampling: dict, cached: int = 0) -> None:
+        """A sequence (re)starts: its first `cached` positions are in the cache already (a
+        prefix hit, earlier chunks of its prompt), `tokens` follow them; all committed, the
+        last pending. The prefill that follows caches the others (append)."""
         self.check(slot)
-        if not 0 <= cached < len(prompt):
-            raise ValueError(f"slot {slot}: {cached} cached positions of a {len(prompt)}-token "
-                             f"prompt")
-        self.states[slot] = SlotState(len(prompt), cached, [prompt[-1]],
+        if cached < 0 or not tokens:
+            raise ValueError(f"slot {slot}: {cached} cached positions and {len(tokens)} tokens")
+        self.states[slot] = SlotState(cached + len(tokens), cached, [tokens[-1]],
                                       {key: sampling[key] for key in GREEDY})
 
     def reset(self, slot: int) -> None:

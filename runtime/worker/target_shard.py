@@ -96,12 +96,13 @@ class TargetShard(ModelShard):
     def prefill_first(self, slots: list[int], prompts: list[list[int]],
                       params: list[dict] | None = None, cached: list[int] | None = None,
                       tables: list[list[int]] | None = None) -> torch.Tensor:
-        """Start these sequences and feed every prompt token past the cached ones, the last
-        too: each one's first output token [B, 1] on the device, the target's choice at
-        index len(prompt) (what a round rejecting every draft takes). Commit it with
-        append_decoded (on the draft too)."""
-        cached = self._start(slots, prompts, params, cached, tables)
-        rows = [p[c:] for p, c in zip(prompts, cached)]
+        """Start these sequences and feed all their tokens (prompts: from position
+        cached[i] on, as ModelShard.prefill), the last too: each one's first output token
+        [B, 1] on the device, the target's choice at the index after the prompt (what a
+        round rejecting every draft takes). Commit it with append_decoded (on the draft
+        too)."""
+        self._start(slots, prompts, params, cached, tables)
+        rows = prompts
         width = max(len(r) for r in rows)
         ids = to_device([r + [0] * (width - len(r)) for r in rows], torch.long, self.device)
         logits = self._step(slots, ids, [len(r) for r in rows], logits="last")   # [B, V]

@@ -251,3 +251,20 @@ def test_prefix_hits_with_tensor_parallel_on_both_sides(pair, greedy, tmp_path):
             assert out.token_ids == greedy(COMMON + tail, NEW)
             assert out.stats["cached_prompt_tokens"] == len(COMMON) // BLOCK * BLOCK
         assert wait_idle(eng)["kv_blocks_used"] == 0
+
+
+# --- chunked prefill: prompts over several steps, beside running streams ----------------------
+def test_chunked_prefill_stays_greedy_exact(pair, greedy, tmp_path):
+    """runtime.max_prefill_tokens 8: every prompt is prefilled 8 tokens a step, past its
+    prefix hit, while the others decode; all greedy-exact, nothing leaked."""
+    cfg = write(tmp_path, pair, max_prefill_tokens=8)
+    with Engine.launch(cfg) as eng:
+        prompts = [COMMON + t for t in TAILS]
+        outs = eng.generate(prompt_token_ids=prompts, max_new_tokens=NEW)
+        for out, prompt in zip(outs, prompts):
+            assert out.token_ids == greedy(prompt, NEW)
+        again = eng.generate(prompt_token_ids=COMMON + TAILS[1] + [5, 6, 7],
+                             max_new_tokens=NEW)
+        assert again.token_ids == greedy(COMMON + TAILS[1] + [5, 6, 7], NEW)
+        assert again.stats["cached_prompt_tokens"] >= len(COMMON) // BLOCK * BLOCK
+        assert wait_idle(eng)["kv_blocks_used"] == 0

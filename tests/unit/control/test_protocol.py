@@ -1,7 +1,7 @@
 import msgpack
 import pytest
 
-from runtime.control import protocol
+from runtime.control import commands, protocol
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,10 +53,10 @@ def test_int_list():
 
 def test_check_sampling_guards_prefill_params():
     ok = {"temperature": 0.7, "top_k": None, "top_p": 0.9, "seed": 3}
-    assert protocol.check_sampling(ok) == {"temperature": 0.7, "top_k": 0, "top_p": 0.9,
+    assert commands.check_sampling(ok) == {"temperature": 0.7, "top_k": 0, "top_p": 0.9,
                                            "seed": 3}
     for bad, match in (([1], "expected maps"), ({"temperature": 1.0}, "prefill.params"),
                        (dict(ok, top_p=0.0), "out of range"),
                        (dict(ok, temperature=-1), "out of range")):
         with pytest.raises(protocol.ProtocolError, match=match):
-            protocol.check_sampling(bad)
+            commands.check_sampling(bad)

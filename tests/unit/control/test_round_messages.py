@@ -1,12 +1,13 @@
-"""Step commands and their replies as typed records (runtime.control.protocol): every field
+"""Step commands and their replies as typed records (runtime.control.commands): every field
 sent, round trips through msgpack, malformed ones refused with ProtocolError."""
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from runtime.control import protocol
-from runtime.control.protocol import (TARGET_LEADER, WORKER, PrefillCommand, ProtocolError,
+from runtime.control import commands, protocol
+from runtime.control.protocol import ProtocolError
+from runtime.control.commands import (TARGET_LEADER, WORKER, PrefillCommand,
                                       ReleaseCommand, RoundCommand, RoundReply, StepAck)
 
 pytestmark = pytest.mark.timeout(30)
@@ -24,11 +25,13 @@ def wire(msg: dict, key: bytes | None = None) -> dict:
     RoundCommand([1, 4], 2, 2, tables=[[], [7, 9]]),
     PrefillCommand([0, 3], [[1, 2, 3], [4]], [PARAMS, PARAMS]),
     PrefillCommand([0, 3], [[1, 2, 3], [4]], [PARAMS, PARAMS], [2, 0], [[5], [6, 8]]),
+    PrefillCommand([0, 3], [[1, 2, 3], [4]], [PARAMS, PARAMS], [32, 0], [[5], [6]],
+                   [False, True]),
     ReleaseCommand([2, 5]),
 ])
 def test_commands_round_trip(cmd):
     msg = wire(dict(cmd.to_msg(), step=7), b"k" * 32)
-    assert protocol.command(msg) == cmd and type(cmd).from_msg(msg) == cmd
+    assert commands.command(msg) == cmd and type(cmd).from_msg(msg) == cmd
 
 
 def test_round_command_sends_every_field_and_reads_the_short_form():
@@ -49,7 +52,13 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
     ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[1.0]], "params": [PARAMS]},
      "prefill.prompts"),
     ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[1, 2]], "params": [PARAMS],
-      "cached": [2]}, "prefill.cached"),
+      "cached": [-1]}, "prefill.cached"),
+    ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[]], "params": [PARAMS]},
+     "non-empty"),
+    ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[1]], "params": [PARAMS],
+      "final": [False]}, "a chunk: at least 2"),
+    ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[1]], "params": [PARAMS],
+      "final": [1]}, "prefill.final"),
     ({"type": "prefill", "step": 1, "slots": [0], "prompts": [[1]], "params": [PARAMS],
       "tables": [[1], [2]]}, "tables differ in length"),
     ({"type": "round", "step": 1, "slots": [0], "k": 4, "tables": [[1], []]},
@@ -59,7 +68,7 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
 ])
 def test_malformed_commands_are_refused(msg, match):
     with pytest.raises(ProtocolError, match=match):
-        protocol.command(msg)
+        commands.command(msg)
 
 
 def test_a_command_of_another_kind_is_refused():

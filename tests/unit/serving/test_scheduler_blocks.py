@@ -3,7 +3,7 @@ fake workers that simulate what real ones do with the blocks.
 
 FakeWorkers keeps, from the prefill/round/release commands alone, each slot's committed tokens,
 its cache length and its block table, and what every block's KV holds (one token per position,
-as the model's K/V would). It checks every command with protocol.command, that no slot writes
+as the model's K/V would). It checks every command with commands.command, that no slot writes
 outside its table or into a block another slot holds or the prefix index serves, that a round's
 tables address what the round may write, and that a prefill's `cached` positions are exactly
 blocks whose contents are the new prompt's tokens (so a prefix hit is correct). The target is
@@ -19,7 +19,7 @@ from array import array
 
 import pytest
 
-from runtime.control import protocol
+from runtime.control import commands, protocol
 from runtime.params import SamplingParams
 from runtime.serving.block_manager import ROOT, BlockManager, chain_key
 from runtime.serving.scheduler import Scheduler, Sequence, round_lookahead
@@ -84,72 +84,93 @@ class FakeWorkers:
     def command(self, msg: dict, timeout_s: float) -> dict[int, dict]:
         self.step += 1                            # as WorkerPool.command stamps it
         msg = protocol.decode(protocol.encode(dict(msg, step=self.step)))   # through msgpack
-        cmd = protocol.command(msg)
-        if isinstance(cmd, protocol.PrefillCommand):
+        cmd = commands.command(msg)
+        if isinstance(cmd, commands.PrefillCommand):
             return self._prefill(cmd)
-        if isinstance(cmd, protocol.ReleaseCommand):
+        if isinstance(cmd, commands.ReleaseCommand):
             for slot in cmd.slots:
-                assert slot in self.slots, f"release of slot {slot}, which runs nothing"
+                if slot not in self.slots:      # admitted, ended before its first chunk
+                    assert slot in self.sched.running, f"release of slot {slot}, never run"
+                    continue
                 self.released.append((self.slots.pop(slot).tokens,
                                       self.max_reported.pop(slot)))
             return self._acks()
         return self._round(cmd)
 
     def _acks(self) -> dict[int, dict]:
-        return {rank: protocol.StepAck().to_map() for rank in range(len(self.lag))}
+        return {rank: commands.StepAck().to_map() for rank in range(len(self.lag))}
 
     # --- prefill --------------------------------------------------------------------------------
-    def _prefill(self, cmd: protocol.PrefillCommand) -> dict[int, dict]:
-        """The target caches every prompt token and picks the first output token; the draft
-        caches all but the last: every rank reports len(prompt) - 1 positions cached."""
+    def _prefill(self, cmd: commands.PrefillCommand) -> dict[int, dict]:
+        """Each slot's tokens from `cached` on (checked against the scheduler's sequence):
+        a chunk caches all but its last token; a prompt's end is cached whole by the target,
+        which picks the first output token, and all but its last by the draft: every rank
+        reports the positions before the last token sent as cached."""
         assert len(cmd.tables) == len(cmd.slots)
-        for slot, prompt, cached, table in zip(cmd.slots, cmd.prompts, cmd.cached, cmd.tables):
-            assert 0 <= slot < self.num_slots and slot not in self.slots, slot
-            assert len(set(table)) == len(table), f"slot {slot}: a block twice in {table}"
-            assert all(0 <= b < self.num_blocks for b in table)
-            assert cached % BS == 0 and 0 <= cached < len(prompt)
-            # the prefix hit: every cached position is known on every rank to hold the
-            # prompt's token there
-            for p in range(cached):
-                block, off = table[p // BS], p % BS
-                assert self.confirmed.get(block, [False] * BS)[off], \
-                    f"slot {slot}: position {p} (block {block}) sent as cached, never cached"
-                assert self.kv[block][off] == prompt[p], \
-                    f"slot {slot}: a prefix hit on block {block} holding other tokens"
-            # blocks past the hit are this slot's alone; shared ones are whole cached blocks
-            holders = self._holders()
-            for i, block in enumerate(table):
-                if i >= cached // BS:
-                    assert block not in holders, \
-                        f"slot {slot}: block {block} is slot {holders.get(block)}'s too"
-            capacity = len(table) * BS
-            assert capacity >= min(len(prompt) + self.lookahead, self.table_len), \
-                f"slot {slot}: a table of {capacity} positions for {len(prompt)} tokens"
-            self.slots[slot] = Slot(prompt, table, cached)
-            self._write(slot, range(cached, len(prompt)), prompt)
-            self.slots[slot].tokens += truth(prompt, 1)
-            self.slots[slot].cache_len = len(prompt)
+        report = []
+        for slot, part, cached, table, final in zip(cmd.slots, cmd.prompts, cmd.cached,
+                                                    cmd.tables, cmd.final):
+            tokens = self.sched.running[slot].tokens
+            assert part == tokens[cached:cached + len(part)] and len(part) >= 1
+            assert final == (cached + len(part) == len(tokens)) and (final or len(part) >= 2)
+            prompt = tokens[:cached + len(part)]
+            self._start(slot, prompt, cached, table)
+            self._write(slot, range(cached, len(prompt) - (0 if final else 1)), prompt)
+            if final:
+                self.slots[slot].tokens += truth(prompt, 1)
+            self.slots[slot].cache_len = len(prompt) - (0 if final else 1)
             self.prefills.append({"prompt": list(prompt), "cached": cached,
-                                  "fed": len(prompt) - 1 - cached})
-        report = [len(p) - 1 for p in cmd.prompts]      # the draft's: all but the last
+                                  "fed": len(prompt) - 1 - cached, "final": final})
+            report.append(len(prompt) - 1)                # the draft's: all but the last
         replies = {}
         for rank, lag in enumerate(self.lag):
             cached = [] if self.silent else [max(0, c - lag) for c in report]
             if rank == 0:
-                reply = protocol.RoundReply(protocol.TARGET_LEADER, 0.001, cached=cached,
-                                            tokens=[self.slots[s].tokens[-1:] for s in cmd.slots],
-                                            accepted=[0] * len(cmd.slots))
+                firsts = [self.slots[s].tokens[-1:] if f else [] for s, f in
+                          zip(cmd.slots, cmd.final)]
+                reply = commands.RoundReply(commands.TARGET_LEADER, 0.001, cached=cached,
+                                            tokens=firsts, accepted=[0] * len(cmd.slots))
             else:
-                reply = protocol.RoundReply(protocol.WORKER, 0.001, cached=cached)
+                reply = commands.RoundReply(commands.WORKER, 0.001, cached=cached)
             replies[rank] = reply.to_map()
         for slot, upto in zip(cmd.slots, report):
             known = 0 if self.silent else min(max(0, upto - lag) for lag in self.lag)
             self._confirm(slot, known)
-            self.max_reported[slot] = known
+            self.max_reported[slot] = max(self.max_reported.get(slot, 0), known)
         return replies
 
+    def _start(self, slot: int, prompt: list[int], cached: int, table: list[int]) -> None:
+        """A prefill's checks of the slot's table and cached positions; a new sequence's
+        Slot (a later chunk's is the same, its table grown)."""
+        assert 0 <= slot < self.num_slots, slot
+        assert len(set(table)) == len(table), f"slot {slot}: a block twice in {table}"
+        assert all(0 <= b < self.num_blocks for b in table)
+        if slot in self.slots:        # a later chunk: where the last one stopped
+            assert self.slots[slot].cache_len == cached and self.slots[slot].table == table
+            self.slots[slot].tokens = list(prompt)
+            return
+        assert cached % BS == 0 and 0 <= cached < len(prompt)
+        # the prefix hit: every cached position is known on every rank to hold the prompt's
+        # token there
+        for p in range(cached):
+            block, off = table[p // BS], p % BS
+            assert self.confirmed.get(block, [False] * BS)[off], \
+                f"slot {slot}: position {p} (block {block}) sent as cached, never cached"
+            assert self.kv[block][off] == prompt[p], \
+                f"slot {slot}: a prefix hit on block {block} holding other tokens"
+        # blocks past the hit are this slot's alone; shared ones are whole cached blocks
+        holders = self._holders()
+        for i, block in enumerate(table):
+            if i >= cached // BS:
+                assert block not in holders, \
+                    f"slot {slot}: block {block} is slot {holders.get(block)}'s too"
+        full = len(self.sched.running[slot].tokens)
+        assert len(table) * BS >= min(full + 1 + self.lookahead, self.table_len), \
+            f"slot {slot}: a table of {len(table) * BS} positions for {full} tokens"
+        self.slots[slot] = Slot(prompt, table, cached)
+
     # --- rounds -----------------------------------------------------------------------------
-    def _round(self, cmd: protocol.RoundCommand) -> dict[int, dict]:
+    def _round(self, cmd: commands.RoundCommand) -> dict[int, dict]:
         self.rounds += 1
         assert cmd.slots == sorted(set(cmd.slots)) and set(cmd.slots) <= set(self.slots)
         assert len(cmd.tables) == len(cmd.slots)
@@ -195,10 +216,10 @@ class FakeWorkers:
         for rank, lag in enumerate(self.lag):
             report = [] if self.silent else [max(0, c - lag) for c in cached]
             if rank == 0:
-                reply = protocol.RoundReply(protocol.TARGET_LEADER, 0.001 * (cmd.k + 1),
+                reply = commands.RoundReply(commands.TARGET_LEADER, 0.001 * (cmd.k + 1),
                                             tokens=tokens, accepted=accepted, cached=report)
             else:
-                reply = protocol.RoundReply(protocol.WORKER, 0.001, cached=report)
+                reply = commands.RoundReply(commands.WORKER, 0.001, cached=report)
             replies[rank] = reply.to_map()
         known = [0 if self.silent else min(max(0, c - lag) for lag in self.lag)
                  for c in cached]
@@ -243,11 +264,16 @@ class FakeWorkers:
     def check_books(self) -> None:
         sched = self.sched
         blocks = sched.blocks
-        assert set(self.slots) == set(sched.running)
+        assert set(self.slots) <= set(sched.running)
         held = set()
         for slot, seq in sched.running.items():
+            if slot not in self.slots:     # admitted, its first chunk not sent yet
+                assert not seq.ready
+                held.update(seq.table.blocks)
+                continue
             assert seq.table.blocks == self.slots[slot].table
-            assert self.slots[slot].tokens[:len(seq.tokens)] == seq.tokens
+            mine = self.slots[slot].tokens          # a prompt in chunks: its part so far
+            assert mine[:len(seq.tokens)] == seq.tokens[:len(mine)]
             held.update(seq.table.blocks)
             # a table's indexed leading blocks: never past what every rank reported cached
             reported = self.max_reported[slot]
@@ -271,14 +297,16 @@ def make_seq(rid: str, prompt: list[int], max_new: int, index: int = 0) -> Seque
 class Run:
     def __init__(self, num_blocks: int, num_slots: int = 4, draft_len: int | None = DRAFT_LEN,
                  prefix_caching: bool = True, seed: int = 0, lag: tuple[int, ...] = (0,),
-                 accept: float = 0.6, silent: bool = False):
+                 accept: float = 0.6, silent: bool = False,
+                 max_prefill_tokens: int | None = None):
         table_len = MAX_SEQ_LEN + (draft_len or 8) + 2          # TandemConfig.kv_seq_len
         self.blocks = BlockManager(num_blocks, BS, prefix_caching)
         self.workers = FakeWorkers(num_blocks, num_slots, table_len,
                                    draft_len if draft_len is not None else 8, seed, lag, accept,
                                    silent)
         self.sched = Scheduler(self.workers, num_slots, draft_len, eos_token_ids=(),
-                               step_timeout_s=5.0, blocks=self.blocks, table_len=table_len)
+                               step_timeout_s=5.0, blocks=self.blocks, table_len=table_len,
+                               max_prefill_tokens=max_prefill_tokens)
         self.workers.sched = self.sched
         self.finals: list[Sequence] = []
         self.deltas: dict[str, list[int]] = {}
@@ -545,7 +573,8 @@ def test_random_arrivals_cancels_and_small_pool(seed):
     running or preempted); every one not cancelled ends exact, nothing leaks."""
     rng = random.Random(seed)
     run = Run(num_blocks=pool_for_one() + rng.randrange(0, 30), num_slots=rng.choice([2, 4]),
-              draft_len=rng.choice([1, 3, None]), seed=seed, lag=rng.choice([(0,), (0, 2)]))
+              draft_len=rng.choice([1, 3, None]), seed=seed, lag=rng.choice([(0,), (0, 2)]),
+              max_prefill_tokens=[None, 2, 7, 16][seed])
     prefixes = [SYSTEM[:n] for n in (0, 9, 22)]
     pending = []
     for i in range(14):
@@ -565,4 +594,42 @@ def test_random_arrivals_cancels_and_small_pool(seed):
                 cancelled.add(victim.request_id)
         run.step()
     assert_exact(run, [s for s in seqs if s.request_id not in cancelled])
+    run.check_idle()
+
+
+# --- chunked prefill (runtime.max_prefill_tokens) ------------------------------------------------
+@pytest.mark.parametrize("budget", [2, 8, 33])
+def test_a_long_prompt_is_prefilled_in_chunks_while_another_stream_decodes(budget):
+    """A long prompt arriving while a stream decodes is prefilled `budget` tokens a step; the
+    stream gets tokens in every step meanwhile; both end exact, with no block left."""
+    run = Run(num_blocks=400, max_prefill_tokens=budget)
+    steady = run.add(make_seq("steady", user(0), 100))
+    while not steady.ready:                # its own prompt comes in chunks too
+        run.step()
+    long = run.add(make_seq("long", [9000 + i for i in range(120)], 12))
+    sizes, gaps = [], 0
+    while not long.ready or long.slot is None:
+        before = len(steady.generated)
+        prefills = len(run.workers.prefills)
+        run.step()
+        sizes += [len(p["prompt"]) - p["cached"] for p in run.workers.prefills[prefills:]]
+        gaps += len(steady.generated) == before and steady.finish_reason is None
+    run.drain()
+    assert_exact(run, [steady, long])
+    assert len(sizes) >= 120 // budget and max(sizes) <= budget    # chunks within the budget
+    assert gaps == 0                                   # the stream never waited a whole step
+    run.check_idle()
+
+
+def test_chunks_resume_after_a_prefix_hit_and_preemption():
+    """Chunks start past a prefix hit; a prompt preempted halfway is prefilled again from
+    its cached blocks; everything exact, nothing leaked."""
+    run = Run(num_blocks=pool_for_one() + 12, max_prefill_tokens=6)
+    first = run.add(make_seq("a", SYSTEM + user(0), 40))
+    run.drain()
+    later = [run.add(make_seq(f"b{i}", SYSTEM + user(i), 60)) for i in range(1, 4)]
+    run.drain()
+    assert_exact(run, [first] + later)
+    assert all(s.cached_prompt_tokens == len(SYSTEM) // BS * BS for s in later)
+    assert any(p["cached"] > 0 and not p["final"] for p in run.workers.prefills)
     run.check_idle()

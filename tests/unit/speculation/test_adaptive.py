@@ -152,12 +152,12 @@ class RecordingPool:
         self.commands, self.accept, self.rng = [], accept, random.Random(1)
 
     def command(self, msg: dict, timeout_s: float) -> dict:
-        from runtime.control import protocol
+        from runtime.control import commands
 
         self.commands.append(msg)
         if msg["type"] == "prefill":   # each sequence's first token
             n = len(msg["slots"])
-            return {0: protocol.RoundReply(protocol.TARGET_LEADER, 0.0, tokens=[[7]] * n,
+            return {0: commands.RoundReply(commands.TARGET_LEADER, 0.0, tokens=[[7]] * n,
                                            accepted=[0] * n).to_map()}
         if msg["type"] != "round":
             return {0: {}}
@@ -168,7 +168,7 @@ class RecordingPool:
                 a += 1
             accepted.append(a)
             tokens.append([7] * (msg.get("steps", 1) if msg["k"] == 0 else a + 1))
-        reply = protocol.RoundReply(protocol.TARGET_LEADER, 0.0, tokens=tokens, accepted=accepted)
+        reply = commands.RoundReply(commands.TARGET_LEADER, 0.0, tokens=tokens, accepted=accepted)
         return {0: reply.to_map()}
 
 
