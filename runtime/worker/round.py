@@ -174,17 +174,21 @@ def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> Round
 def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], params: list[dict],
             cached: list[int], tables: list[list[int]], final: list[bool]) -> RoundReply:
     """Start or go on with these sequences' prompts (each slot's tokens from position
-    cached[i] on) on both models: the draft caches all the tokens but the last; the target
-    too where they are a chunk of the prompt (not `final`), and where they end it all of them,
+    cached[i] on) on both models: where they are a chunk of the prompt (not `final`) both
+    cache all the tokens but the last; where they end it both cache all of them, the target
     picking the first output token (TargetShard.prefill_first), which moves to the draft;
-    both commit it as a target-only round would. The reply's tokens: [first] per final slot,
-    [] per chunk."""
+    both commit it as a target-only round would (it alone pending). The reply's tokens:
+    [first] per final slot, [] per chunk."""
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     ends = [i for i, f in enumerate(final) if f]
     chunks = [i for i, f in enumerate(final) if not f]
     first = torch.zeros(len(ends), 1, dtype=torch.long, device=parts.device)     # [F, 1]
     if parts.draft is not None:
-        parts.draft.prefill(slots, prompts, params, cached, tables)
+        if chunks:
+            parts.draft.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
+        if ends:
+            parts.draft.prefill(*_rows(ends, slots, prompts, params, cached, tables),
+                                through=True)
     if parts.target is not None:
         if chunks:
             parts.target.prefill(*_rows(chunks, slots, prompts, params, cached, tables))

@@ -78,13 +78,16 @@ class ModelShard:
 
     def prefill(self, slots: list[int], prompts: list[list[int]],
                 params: list[dict] | None = None, cached: list[int] | None = None,
-                tables: list[list[int]] | None = None) -> None:
+                tables: list[list[int]] | None = None, through: bool = False) -> None:
         """Cache every token but the last, which stays pending. prompts: per slot, its
         tokens from position cached[i] on (default 0: whole prompts; the positions before
         are in its table's blocks already: prefix hits, earlier chunks); tables: the slots'
-        block tables (default: as they are)."""
+        block tables (default: as they are). through: the last too (a prompt's end, whose
+        first output token the target picks: the draft's cache then holds the whole prompt,
+        and that token alone is pending once committed)."""
         self._start(slots, prompts, params, cached, tables)
-        rows = [(s, p[:-1]) for s, p in zip(slots, prompts) if len(p) > 1]
+        rows = [(s, p if through else p[:-1]) for s, p in zip(slots, prompts)
+                if len(p) > (0 if through else 1)]
         if rows:
             self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
 
@@ -96,8 +99,9 @@ class ModelShard:
         cached = cached or [0] * len(slots)
         if tables and self.tables is not None:
             self.tables.set(slots, tables)
-        elif any(cached):
-            raise ValueError("cached positions need block tables (prefix caching)")
+        elif any(cached) and self.tables is None:
+            raise ValueError("cached positions need the paged KV cache (a model with its own "
+                             "cache prefills whole prompts)")
         for slot, prompt, sampling, done in zip(slots, prompts, params, cached):
             self.slots.start(slot, prompt, sampling, done)
             self.carried.pop(slot, None)

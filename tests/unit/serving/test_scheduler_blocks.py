@@ -103,9 +103,8 @@ class FakeWorkers:
     # --- prefill --------------------------------------------------------------------------------
     def _prefill(self, cmd: commands.PrefillCommand) -> dict[int, dict]:
         """Each slot's tokens from `cached` on (checked against the scheduler's sequence):
-        a chunk caches all but its last token; a prompt's end is cached whole by the target,
-        which picks the first output token, and all but its last by the draft: every rank
-        reports the positions before the last token sent as cached."""
+        a chunk caches all but its last token; a prompt's end is cached whole by both models
+        (the target picks the first output token): every rank reports that."""
         assert len(cmd.tables) == len(cmd.slots)
         report = []
         for slot, part, cached, table, final in zip(cmd.slots, cmd.prompts, cmd.cached,
@@ -121,7 +120,7 @@ class FakeWorkers:
             self.slots[slot].cache_len = len(prompt) - (0 if final else 1)
             self.prefills.append({"prompt": list(prompt), "cached": cached,
                                   "fed": len(prompt) - 1 - cached, "final": final})
-            report.append(len(prompt) - 1)                # the draft's: all but the last
+            report.append(len(prompt) - (0 if final else 1))   # a prompt's end: all of it
         replies = {}
         for rank, lag in enumerate(self.lag):
             cached = [] if self.silent else [max(0, c - lag) for c in report]

@@ -146,3 +146,28 @@ def test_the_first_token_comes_with_the_prefill(llama_path):
             a, b = first_way.slots[slot], decode_way.slots[slot]
             assert (a.committed, a.cache_len, a.pending) == (b.committed, b.cache_len, b.pending)
         assert first_way.decode(SLOTS, 3).tolist() == decode_way.decode(SLOTS, 3).tolist()
+
+
+def test_a_prefill_leaves_both_models_with_the_whole_prompt_and_the_first_token_pending(
+        llama_path):
+    """runtime.worker.round.prefill on one worker hosting both models: a prompt's end is
+    cached whole by the draft too (every rank reports the whole prompt cached, so its last
+    block can be indexed even when the request ends at its first token); a chunk keeps its
+    last token pending on both."""
+    from runtime.worker.round import RoundParts, prefill
+
+    draft = DraftShard(load_model(llama_path, torch.float32, CPU), CPU, 4, 64)
+    target = TargetShard(load_model(llama_path, torch.float32, CPU), CPU, 4, 64)
+    parts = RoundParts(draft, target, None, 0, 0, 0, CPU, "tokens")
+    long = [3, 4, 5, 6, 7, 8, 9]
+    reply = prefill(parts, SLOTS, [PROMPTS[0], long[:4]], [GREEDY, GREEDY], [0, 0], [],
+                    [True, False])
+    first = reply.tokens[0]
+    assert len(first) == 1 and reply.tokens[1] == []
+    for shard in (draft, target):
+        assert (shard.slots[0].cache_len, shard.slots[0].pending) == (3, first)
+        assert (shard.slots[2].cache_len, shard.slots[2].pending) == (3, [6])
+    reply = prefill(parts, [2], [long[3:]], [GREEDY], [3], [], [True])
+    for shard in (draft, target):
+        assert (shard.slots[2].cache_len, shard.slots[2].pending) == (7, reply.tokens[0])
+        assert shard.slots[2].committed == 8
