@@ -103,17 +103,18 @@ class Scheduler:
         start = self.metrics.round_begins()
         results = self.pool.command(command.to_msg(), self.step_timeout_s)
         cost = self.metrics.round_ends(start, results, k)
-        verdict = _verdict(results)
+        replies = _replies(results)
+        verdict = _verdict(replies)
         finished = []
         self.controller.observe(k, verdict.accepted, cost, steps)
         overlapped = verdict.overlapped or [False] * len(slots)
-        cached = _cached(results, len(slots))
+        cached = _cached(replies, len(slots))
         for slot, tokens, accepted, kept, held in zip(slots, verdict.tokens, verdict.accepted,
                                                       overlapped, cached):
             seq = self.running[slot]
             seq.overlapped_rounds += kept
             events.append(self._append(seq, tokens, accepted, k, kept))
-            self.blocks.register(seq.table, seq.tokens, held)
+            self._index(seq, held)
             if seq.finish_reason is not None:
                 finished.append(seq)
         events.extend(self._retire(finished))
@@ -142,7 +143,7 @@ class Scheduler:
             seq = self.queue[0]
             tokens = seq.tokens
             matched = self.blocks.match(tokens[:-1])   # the last token is fed, not cached
-            positions = self._reach(len(tokens) + 1)   # its prefill brings one token
+            positions = self._reach(seq.length + 1)    # its prefill brings one token
             if self.blocks.cost(matched, positions) + growth > self.blocks.available:
                 break
             self.queue.popleft()
@@ -191,15 +192,16 @@ class Scheduler:
         self.metrics.prefill_done(time.perf_counter() - start,   # prompts, once each
                                   sum(len(seq.prompt_ids) for seq, _, final in chunks
                                       if final and not seq.preemptions))
-        events, verdict = [], _verdict(results)
+        replies = _replies(results)
+        events, verdict = [], _verdict(replies)
         for (seq, tokens, final), first, held in zip(chunks, verdict.tokens,
-                                                     _cached(results, len(chunks))):
+                                                     _cached(replies, len(chunks))):
             seq.prefill_at += len(tokens) - 1
             if final:
                 seq.ready = True
                 events.append(self._deliver(seq, first))
                 self.metrics.prefill_tokens(len(events[-1].token_ids))
-            self.blocks.register(seq.table, seq.tokens, held)
+            self._index(seq, held)
         return events + self._retire([seq for seq, _, _ in chunks
                                       if seq.finish_reason is not None])
 
@@ -215,13 +217,19 @@ class Scheduler:
 
     def _growth(self) -> int:
         """Blocks the running requests take when they grow for their next round."""
-        return sum(max(0, self.blocks.blocks_for(self._reach(len(s.tokens))) -
+        return sum(max(0, self.blocks.blocks_for(self._reach(s.length)) -
                        len(s.table.blocks)) for s in self.running.values())
 
     def _grow(self, slots: list[int]) -> list[list[int]]:
         """Each slot's new blocks for this round (_make_room left enough)."""
-        return [self.blocks.grow(self.running[s].table, self._reach(len(self.running[s].tokens)))
+        return [self.blocks.grow(self.running[s].table, self._reach(self.running[s].length))
                 for s in slots]
+
+    def _index(self, seq: Sequence, cached: int) -> None:
+        """Index the sequence's full blocks below `cached` (every rank holds their KV); its
+        token list is built only when a new block is full (most rounds complete none)."""
+        if cached // self.blocks.block_size > len(seq.table.keys):
+            self.blocks.register(seq.table, seq.tokens, cached)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running request's row and blocks; it waits first in line to be readmitted
@@ -300,19 +308,22 @@ class Scheduler:
         return events
 
 
-def _cached(results: dict[int, dict], batch: int) -> list[int]:
+def _replies(results: dict[int, dict]) -> list[commands.RoundReply]:
+    """A round's or a prefill's replies (one per worker rank), checked."""
+    return [commands.RoundReply.from_map(r) for r in results.values()]
+
+
+def _cached(replies: list[commands.RoundReply], batch: int) -> list[int]:
     """Per slot of a round, the positions every rank holds the KV of committed tokens for
     (the least any rank reports)."""
-    replies = [commands.RoundReply.from_map(r) for r in results.values()]
     reports = [r.cached for r in replies if r.cached]
     if not reports:
         return [0] * batch
     return [min(column) for column in zip(*reports)]
 
 
-def _verdict(results: dict[int, dict]) -> commands.RoundReply:
+def _verdict(replies: list[commands.RoundReply]) -> commands.RoundReply:
     """The target leader's reply among a round's replies (one per worker rank)."""
-    replies = [commands.RoundReply.from_map(r) for r in results.values()]
     leaders = [r for r in replies if r.reports]
     if len(leaders) != 1:
         raise protocol.ProtocolError(f"a round got {len(leaders)} target leader replies")

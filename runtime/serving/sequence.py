@@ -43,8 +43,13 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
-        """Prompt and generated tokens: what a (re)admission prefills."""
+        """Prompt and generated tokens: what a (re)admission prefills (a new list)."""
         return self.prompt_ids + self.generated
+
+    @property
+    def length(self) -> int:
+        """len(tokens), without building them."""
+        return len(self.prompt_ids) + len(self.generated)
 
     def worker_params(self) -> dict:
         p = self.params
