@@ -77,13 +77,13 @@ def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the config's, or auto)")
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, what: str = "an integer >= 1") -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
 
 
@@ -98,15 +98,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _draft_len(text: str):
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}")
-    return value
+    return text if text == "auto" else _positive_int(text, "an integer >= 1 or auto")
 
 
 def _modes(text: str) -> list[str]:

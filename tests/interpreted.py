@@ -12,6 +12,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def count_calls(module, names: tuple[str, ...]) -> list:
+    """Wrap these functions of `module` so that each call appends to the returned list (a
+    script's check of which kernels ran)."""
+    calls: list = []
+    for name in names:
+        def counted(*args, _fn=getattr(module, name)):
+            calls.append(1)
+            return _fn(*args)
+        setattr(module, name, counted)
+    return calls
+
+
 def run_interpreted(code: str, *args: str, timeout: float = 280) -> None:
     """`python -c code args...` from the repository root with TRITON_INTERPRET=1; asserts it
     exits 0 having printed exactly "ok" (its stderr's tail otherwise)."""

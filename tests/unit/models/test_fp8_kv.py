@@ -219,6 +219,7 @@ from runtime.models.arch import fused, kernels, quant
 from runtime.models.arch.kernels import attention as attention_kernel, rope
 from tests.unit.models.test_fp8_kv import (KERNEL_STEPS, assert_fp8_close_to_auto, build,
                                            check_corruption, max_err, padding_writes, run_steps)
+from tests.interpreted import count_calls
 
 path, fold = sys.argv[1], sys.argv[2] == "fold"   # RoPE and the KV write in attention, or apart
 torch.manual_seed(0)
@@ -240,12 +241,7 @@ kernels.disable()
 quant.EMULATE_FP8_GEMM = True          # the fused FP8 GEMM path (qkv epilogue in RoPE), emulated
 eager = {w: run_steps(build(path, "fp8", quantization=w), KERNEL_STEPS) for w in (None, "fp8")}
 auto = run_steps(build(path, "auto"), KERNEL_STEPS)
-calls = []                             # the separate RoPE kernel's launches
-for name in ("rotary_write", "rotary_write_fp8"):
-    def counted(*args, _fn=getattr(rope, name)):
-        calls.append(1)
-        return _fn(*args)
-    setattr(rope, name, counted)
+calls = count_calls(rope, ("rotary_write", "rotary_write_fp8"))   # the RoPE kernel's launches
 assert kernels.enable(torch.device("cpu"))
 attention_kernel.FOLD_ROPE_MIN_SEQ = 2 if fold else 1 << 30
 for weights in (None, "fp8"):

@@ -200,6 +200,7 @@ import torch
 from runtime.models import load_model
 from runtime.models.arch import kernels, quant
 from runtime.models.arch.kernels import attention as attention_kernel, rope
+from tests.interpreted import count_calls
 
 path, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
 # fixed prompts: with FP8 weights an activation that the two paths' float32 roundings put on
@@ -223,12 +224,7 @@ mixed_tables = mixed_tables.view(3, 8).to(torch.int32)
 steps = [(prompts, zeros, torch.tensor([12, 7, 10])),          # prefill, ragged
          (torch.randint(0, 96, (3, 5)), torch.tensor([12, 7, 10]), torch.tensor([5, 3, 1])),
          (torch.randint(0, 96, (3, 1)), torch.tensor([17, 10, 11]), torch.tensor([1, 1, 1]))]
-calls = []                              # the separate RoPE kernel's launches
-for name in ("rotary_write", "rotary_write_fp8"):
-    def counted(*args, _fn=getattr(rope, name)):
-        calls.append(1)
-        return _fn(*args)
-    setattr(rope, name, counted)
+calls = count_calls(rope, ("rotary_write", "rotary_write_fp8"))   # the RoPE kernel's launches
 for ids, start, n in steps:
     kernels.disable()
     want = eager.forward_static(ids, tables, start, n, kv_len=64)
