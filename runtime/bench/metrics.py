@@ -7,6 +7,8 @@
   tokens they tested, so its alpha is kept / tested exactly).
 - copy_bandwidth: bytes moved (read + written) per second by a large on-device copy.
 - weight_bytes_per_step: the target's weight bytes one decode step reads.
+- kv_bytes_per_position: the KV bytes one position holds over all the layers (a decode step
+  at context L reads L of them a row): with the weights, the byte limit of long contexts.
 - step_time: seconds of one forward_extend of our model code (a decode or verify step);
   on CPU timed with the threads an engine worker gets (worker_cpu_threads, cpu_threads).
 """
@@ -128,6 +130,21 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         if all("embed_tokens" in n or n.endswith("wte.weight") for n in names):
             continue      # untied input embedding: one row per token
         total += nbytes
+    return total
+
+
+def kv_bytes_per_position(model: torch.nn.Module) -> int:
+    """Bytes of K and V (and an FP8 cache's scales) one position holds in all of the model's
+    KV caches (this rank's heads): a decode step reads this many per attended position."""
+    total = 0
+    for module in model.modules():
+        cache = getattr(module, "kv_cache", None)
+        if cache is None or not hasattr(cache, "k_cache"):
+            continue
+        heads_dim = cache.k_cache[0, :, 0]                                  # [Hkv, D]
+        total += 2 * heads_dim.numel() * heads_dim.element_size()
+        if cache.fp8:
+            total += 2 * cache.k_scale[0, :, 0].numel() * cache.k_scale.element_size()
     return total
 
 

@@ -104,8 +104,7 @@ class TandemTarget:
         first.start()
         ids = torch.tensor(prompts, dtype=torch.long, device=dev)
         slots = list(range(bsz))
-        logits = self.runner.run(ids, slots, [0] * bsz, [length] * bsz)   # prefill: eager
-        token = self.argmax(logits[:, -1])
+        token = self.argmax(self.runner.prefill_last(ids, slots, [0] * bsz, [length] * bsz))
         first.mark()                                  # the first token, without a sync
         out = [token]
         for i in range(new_tokens - 1):   # decode steps: CUDA graphs, no host sync

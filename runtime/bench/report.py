@@ -7,7 +7,8 @@ import os
 import platform
 
 FIGURES = ("tokens_per_s", "speedup_over_target", "acceptance_rate", "mean_accepted_tokens",
-           "c", "theoretical_speedup", "efficiency", "roofline_fraction")
+           "c", "theoretical_speedup", "efficiency", "roofline_fraction",
+           "decode_roofline_fraction")
 
 
 def row(mode: str, batch_size: int, status: str = "ok", reason: str | None = None,
@@ -66,6 +67,12 @@ def _fmt(value, digits: int = 2) -> str:
     return str(value)
 
 
+def _ms(seconds: list | None) -> str:
+    """The median of a row's per-request seconds, in milliseconds."""
+    known = sorted(x for x in seconds or () if x is not None)
+    return f"{known[len(known) // 2] * 1e3:.1f}" if known else "-"
+
+
 def _ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -74,7 +81,7 @@ def table(rows: list[dict]) -> str:
     """Markdown table of the rows (skipped/failed rows carry their reason). `speed-up` is the
     row's tokens/s over the `target` row's at the same batch size."""
     head = ["mode", "batch", "tokens/s", "speed-up", "acceptance", "tokens/round", "alpha", "c",
-            "theoretical", "efficiency", "roofline", "note"]
+            "theoretical", "efficiency", "roofline", "decode roofline", "ttft ms", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] != "ok":
@@ -85,7 +92,9 @@ def table(rows: list[dict]) -> str:
                  _ratio(r.get("speedup_over_target")), _fmt(r["acceptance_rate"]),
                  _fmt(r["mean_accepted_tokens"]),
                  _fmt(r.get("alpha")), _fmt(r["c"], 3), _fmt(r["theoretical_speedup"]),
-                 _fmt(r["efficiency"]), _fmt(r["roofline_fraction"], 3), note]
+                 _fmt(r["efficiency"]), _fmt(r["roofline_fraction"], 3),
+                 _fmt(r["decode_roofline_fraction"], 3), _ms(r.get("time_to_first_token_s")),
+                 note]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -140,6 +140,7 @@ class Bench:
             self.info["c_source"] = f"not measured: {reason}"
             return
         self.info["target_weight_bytes"] = report["weight_bytes"]
+        self.info["target_kv_position_bytes"] = report.get("kv_position_bytes")
         for key, out in report["target"].items():
             if isinstance(out, str):
                 self.rows.append(row("target", int(key), "failed", out))
@@ -201,9 +202,23 @@ class Bench:
             if r["mode"] == "target" and bw and wbytes:
                 seconds_per_step = r["wall_s"] / (r["generated_tokens"] / bsz)
                 r["roofline_fraction"] = (wbytes / bw) / seconds_per_step
+                self._decode_roofline(r, bw, wbytes)
             if r["mode"].startswith("spec") and bsz in self.step_costs:
                 self._spec_figures(r, st, self.step_costs[bsz])
         self._overlap_figures(st)
+
+    def _decode_roofline(self, r: dict, bw: float, wbytes: int) -> None:
+        """decode_roofline_fraction: the decode steps' byte limit (the weights plus each row's
+        KV at the mean context, prompt + new_tokens / 2) over their measured time, the
+        call's wall time less its first token (long prompts: the prefill is not decoding)."""
+        kv_position = self.info.get("target_kv_position_bytes")
+        ttft = r.get("time_to_first_token_s") or [None]
+        steps = r["generated_tokens"] // r["batch_size"] - 1
+        if not kv_position or ttft[0] is None or steps < 1:
+            return
+        context = self.s.prompt_len + self.s.new_tokens / 2
+        step_bytes = wbytes + kv_position * context * r["batch_size"]
+        r["decode_roofline_fraction"] = (step_bytes / bw) / ((r["wall_s"] - ttft[0]) / steps)
 
     def _overlap_figures(self, st: Setup) -> None:
         """On each `spec` row that has a `spec-sequential` one beside it: overlap on / off

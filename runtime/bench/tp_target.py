@@ -63,7 +63,7 @@ def _timed_steps(holder: TandemTarget, device: torch.device, job: TargetJob) -> 
 
 
 def measure(job: TargetJob, tp=None) -> dict:
-    """{"weight_bytes": this rank's, "target": {batch: Outcome fields or error text},
+    """{"weight_bytes", "kv_position_bytes": this rank's, "target": {batch: Outcome fields or error text},
     "steps": {batch: step costs} or error text}; batch keys are strings (JSON)."""
     rank = 0 if tp is None else tp.rank
     device = torch.device(job.devices[rank])
@@ -72,8 +72,9 @@ def measure(job: TargetJob, tp=None) -> dict:
                           job.cache_len, job.max_step_len, job.cuda_graphs, tp,
                           quantization=job.quantization)
     try:
-        report = {"weight_bytes": metrics.weight_bytes_per_step(holder.model), "target": {},
-                  "steps": {}}
+        report = {"weight_bytes": metrics.weight_bytes_per_step(holder.model),
+                  "kv_position_bytes": metrics.kv_bytes_per_position(holder.model),
+                  "target": {}, "steps": {}}
         for bsz in job.batch_sizes if job.run_target else ():
             report["target"][str(bsz)] = _reported(parallel, lambda: asdict(timed(
                 holder, job.prompts[:bsz], job.new_tokens, job.warmup, job.repeats)))

@@ -16,7 +16,8 @@ from tests import launch
 pytestmark = pytest.mark.timeout(300)
 
 FIGURES = ("tokens_per_s", "speedup_over_target", "acceptance_rate", "mean_accepted_tokens",
-           "c", "theoretical_speedup", "efficiency", "roofline_fraction")
+           "c", "theoretical_speedup", "efficiency", "roofline_fraction",
+           "decode_roofline_fraction")
 MODES = ("target", "spec", "hf", "hf-compiled", "hf-assisted")
 K, NEW = 4, 8
 
@@ -79,6 +80,8 @@ def test_target(report):
     for r in rows(report, "target").values():
         assert r["status"] == "ok"
         assert 0 < r["roofline_fraction"] < 10     # CPU timing noise aside, a fraction
+        # the decode steps alone, their KV bytes counted too: above the whole call's
+        assert r["decode_roofline_fraction"] > r["roofline_fraction"]
         assert r["acceptance_rate"] is None and r["c"] is None
         assert_first_token_times(r)
 

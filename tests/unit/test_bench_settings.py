@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from launcher import bench as cli
 from runtime.bench.settings import BenchSettings, resolve
@@ -94,3 +95,18 @@ def test_config_run(tmp_path):
 def test_check_rejects_a_max_seq_len_too_short():
     with pytest.raises(ValueError, match="--max-seq-len 10"):
         BenchSettings(prompt_len=8, new_tokens=8, max_seq_len=10).check()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_kv_bytes_per_position_counts_every_layers_keys_and_values(llama_path, kv_dtype):
+    """metrics.kv_bytes_per_position: K and V of every KV head in every layer at their
+    stored size, and an FP8 cache's two float32 scales a head (KVCache.position_bytes)."""
+    from runtime.bench.metrics import kv_bytes_per_position
+    from runtime.models import load_model
+    from runtime.models.arch.cache import KVCache
+
+    model = load_model(llama_path, torch.float32, torch.device("cpu"))
+    model.allocate_cache(2, 64, kv_dtype=kv_dtype)
+    args = model.args
+    assert kv_bytes_per_position(model) == args.n_layers * KVCache.position_bytes(
+        args.n_kv_heads, args.head_dim, torch.float32, kv_dtype)

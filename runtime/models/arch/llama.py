@@ -211,12 +211,19 @@ class LlamaForCausalLM(nn.Module):
         kv_len >= max(start_pos + n_valid). Shapes depend only on input_ids.shape,
         block_table.shape and kv_len, so a CUDA graph can capture it
         (runtime.models.runners.step_runner) and replay it for any table."""
+        return self.lm_head(self.hidden_static(input_ids, block_table, start_pos, n_valid,
+                                               kv_len))                    # [B, T, V]
+
+    def hidden_static(self, input_ids: torch.Tensor, block_table: torch.Tensor,
+                      start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int
+                      ) -> torch.Tensor:
+        """forward_static without the LM head: the final norm's output [B, T, hidden] (a
+        long prompt's chunks need logits at one position at most: PrefillRunner)."""
         batch = ExtendBatch.build(block_table, start_pos, n_valid, input_ids.shape[1], kv_len,
                                   self.block_size, self.num_blocks)
         input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
         cos, sin = self.rotary_emb(batch.positions, self.model.norm.weight.dtype)  # [B, T, D]
-        hidden = self.model(input_ids, cos, sin, batch)                    # [B, T, hidden]
-        return self.lm_head(hidden)                                        # [B, T, V]
+        return self.model(input_ids, cos, sin, batch)                      # [B, T, hidden]
 
     @torch.no_grad()
     def forward_extend(self, input_ids: torch.Tensor, rows, start_pos: torch.Tensor,

@@ -29,12 +29,13 @@ import torch
 
 from runtime.models.arch import attention, kernels
 from runtime.models.runners.graphs import kv_bucket, kv_buckets, record_graph
-from runtime.models.runners.hostcopy import copy_into
+from runtime.models.runners.hostcopy import copy_into, to_device
 from runtime.models.runners.tables import StaticTable
 
 CHUNK_BUCKETS = (16, 32, 64, 128, 256)   # tokens per row of a prefill chunk
 MAX_TOKENS = 512           # batch bucket x chunk bucket of one prefill graph, at most
 MAX_STARTUP_GRAPHS = 64    # prefill graphs captured at startup at most; more on first use
+LONG_TOKENS = 2048         # rows x tokens of one eager chunk of a long prompt (_run_long)
 
 
 def heads_per_kv_head(model) -> int | None:
@@ -55,10 +56,11 @@ class PrefillRunner:
 
     def __init__(self, model, device: torch.device, batch_sizes: list[int], capture: bool,
                  pool=None, max_tokens: int = MAX_TOKENS,
-                 chunks: tuple[int, ...] = CHUNK_BUCKETS):
+                 chunks: tuple[int, ...] = CHUNK_BUCKETS, long_tokens: int = LONG_TOKENS):
         self.model, self.device = model, device
         self.batch_sizes, self.chunks = batch_sizes, sorted(chunks)
         self.capture, self.pool = capture, pool
+        self.long_tokens = long_tokens
         max_batch = batch_sizes[-1]
         self.max_tokens = max(max_tokens, max_batch * self.chunks[0])   # rows of `out`
         self.rows_per_token = heads_per_kv_head(model)
@@ -110,6 +112,8 @@ class PrefillRunner:
         its last valid token [B, V] (a prompt's first output token). B must not exceed the
         largest batch bucket. Every chunk keeps all B rows; a row already done has no valid
         token in it."""
+        if logits is not True and self.goes_long(ids.shape[0], n_valid):
+            return self._run_long(ids, rows, starts, n_valid, logits == "last")
         if logits == "last":
             return self._run_last(ids, rows, starts, n_valid)
         self.table.load(rows)                  # every chunk of the call reads these tables
@@ -132,6 +136,43 @@ class PrefillRunner:
             width = min(out.shape[1], seq - c0)
             result[:, c0:c0 + width].copy_(out[:, :width])
         return result
+
+    def goes_long(self, bsz: int, n_valid: list[int]) -> bool:
+        """Whether a call without full logits goes in long chunks (_run_long): some row has
+        more tokens than one graph chunk of its batch bucket holds."""
+        padded = next((b for b in self.batch_sizes if b >= bsz), bsz)
+        return hasattr(self.model, "hidden_static") and max(n_valid) > self.chunk_for(padded)
+
+    def long_chunk(self, bsz: int) -> int:
+        """Tokens per row of one long chunk: long_tokens (LONG_TOKENS) in all."""
+        return max(1, self.long_tokens // bsz)
+
+    def _run_long(self, ids: torch.Tensor, rows, starts: list[int], n_valid: list[int],
+                  last: bool) -> torch.Tensor | None:
+        """A long prompt in eager chunks of long_chunk(B) tokens a row at their own width:
+        the model's hidden states only (hidden_static), then the LM head at each row's
+        last valid token when `last` ([B, V], as _run_last), else nothing (None)."""
+        self.table.load(rows)
+        bsz = ids.shape[0]
+        step, table = self.long_chunk(bsz), self.table.rows(bsz)
+        out = None
+        for c0 in range(0, max(n_valid), step):
+            n = [min(max(v - c0, 0), step) for v in n_valid]
+            begin = [s + min(c0, v) for s, v in zip(starts, n_valid)]
+            kv_len = max(b + k for b, k in zip(begin, n) if k)
+            hidden = self.model.hidden_static(
+                ids[:, c0:c0 + max(n)], table, to_device(begin, torch.long, self.device),
+                to_device(n, torch.long, self.device), kv_len)             # [B, C, hidden]
+            ends = [b for b, v in enumerate(n_valid) if c0 < v <= c0 + step]
+            if not (last and ends):
+                continue
+            at = to_device([n_valid[b] - 1 - c0 for b in ends], torch.long, self.device)
+            logits = self.model.lm_head(hidden[to_device(ends, torch.long, self.device), at])
+            if out is None:
+                out = torch.empty(bsz, logits.shape[-1], dtype=logits.dtype,
+                                  device=self.device)
+            out[ends] = logits                                              # [E, V]
+        return out
 
     def _run_last(self, ids: torch.Tensor, rows, starts: list[int],
                   n_valid: list[int]) -> torch.Tensor:

@@ -224,3 +224,27 @@ def test_prefill_last_gives_each_rows_last_logits(llama_path, lengths):
     for b, n in enumerate(lengths):
         torch.testing.assert_close(got[b], want[b, n - 1], rtol=1e-4, atol=1e-4)
     assert_same_kv(eager, static, slots, lengths)
+
+
+@pytest.mark.parametrize("long_tokens", [64, 2048], ids=["chunks-of-32", "one-chunk"])
+def test_long_prompts_in_eager_chunks_equal_eager(llama_path, long_tokens):
+    """Rows longer than a graph chunk go in long eager chunks (PrefillRunner._run_long, the
+    hidden states only): each row's last logits and the cache equal the eager forward's,
+    over a cached prefix too (rows starting past 0), rows ending in different chunks."""
+    eager, static = fresh(llama_path), fresh(llama_path)
+    runner = PrefillRunner(static, CPU, batch_buckets(2), capture=False, max_tokens=32,
+                           long_tokens=long_tokens)
+    lengths, slots = [150, 70], [1, 0]
+    head = prompts_of([30, 30], 11)
+    rows = prompts_of(lengths, 12)
+    for model in (eager, static):     # a cached prefix of 30 tokens per row
+        model.forward_extend(padded(head), torch.tensor(slots), torch.tensor([0, 0]),
+                             torch.tensor([30, 30]))
+    assert runner.goes_long(2, lengths) and not runner.goes_long(2, [16, 3])
+    got = runner.run(padded(rows), slots, [30, 30], lengths, logits="last")       # [B, V]
+    want = eager.forward_extend(padded(rows), torch.tensor(slots), torch.tensor([30, 30]),
+                                torch.tensor(lengths))
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(got[b], want[b, n - 1], rtol=1e-4, atol=1e-4)
+    assert runner.run(padded(rows), slots, [30, 30], lengths, logits=False) is None
+    assert_same_kv(eager, static, slots, [30 + n for n in lengths])
