@@ -10,6 +10,11 @@
 #       (the paged KV cache in serving, examples/gpu/serving_kv.py: TTFT with a cached
 #       2,000-token prefix; 64 x 128 and 256 x 2,000-token requests at once; 70b FP8;
 #       kv_cache_dtype auto vs fp8 at 8k context)
+#   bash examples/h200_bench.sh OUTDIR mixed mixed-whole
+#       (mixed traffic, examples/gpu/serving_mixed.py, issue 36: 32 streams decode while a
+#       7,000-token prompt arrives every second, 8 of them; the streams' inter-token gaps with
+#       and without the long prompts and the long ones' TTFT; prefill chunks of 512 tokens,
+#       then whole prompts)
 #   bash examples/h200_bench.sh OUTDIR cpu-overlap
 #       (overlap on / off on two of the host's CPU cores: examples/cpu/overlap_figures.sh)
 # The experiments behind the defaults (kernel microbenchmarks, in-process A/B of step
@@ -36,6 +41,13 @@ serving() {   # serving PHASE ARGS...: examples/gpu/serving_kv.py, 8b bf16 unles
     local phase=$1; shift
     local start=$SECONDS
     python examples/gpu/serving_kv.py --device cuda:0 --synthetic-dir "$SYN" \
+        --out "$OUT/$phase.json" "$@" > "$OUT/$phase.log" 2>&1
+    echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
+}
+mixed() {   # mixed PHASE ARGS...: examples/gpu/serving_mixed.py, 8b bf16 unless ARGS say
+    local phase=$1; shift
+    local start=$SECONDS
+    python examples/gpu/serving_mixed.py --device cuda:0 --synthetic-dir "$SYN" \
         --out "$OUT/$phase.json" "$@" > "$OUT/$phase.log" 2>&1
     echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
 }
@@ -86,6 +98,10 @@ for phase in "$@"; do
                     --concurrency 64 --prompt-len 2000 --new-tokens 256 --max-seq-len 32768 ;;
         kv-fp8) serving kv-fp8 kvdtype --kv-dtypes auto,fp8 --concurrency 8 --prompt-len 8000 \
                     --new-tokens 128 ;;
+        mixed) mixed mixed --streams 32 --long-prompt-len 7000 --long-every 1.0 \
+                   --long-count 8 --max-prefill-tokens 512 ;;
+        mixed-whole) mixed mixed-whole --streams 32 --long-prompt-len 7000 --long-every 1.0 \
+                         --long-count 8 --max-prefill-tokens none ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac

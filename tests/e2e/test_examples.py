@@ -1,5 +1,5 @@
 """examples/quickstart.py runs as the README says, on the built-in demo model; CPU smoke runs
-of examples/cpu/overlap_bench.py and examples/gpu/serving_kv.py."""
+of examples/cpu/overlap_bench.py, examples/gpu/serving_kv.py and examples/gpu/serving_mixed.py."""
 from __future__ import annotations
 
 import json
@@ -77,3 +77,37 @@ def test_serving_kv_runs(tmp_path):
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[1:]] == ["| ttft cached", "| ttft uncached",
                                                      "| serve-2-32"]
+
+
+@pytest.mark.timeout(180)
+def test_serving_mixed_runs(tmp_path):
+    """examples/gpu/serving_mixed.py on the tiny pair on CPU (issue 36's benchmark, small):
+    two steady streams outlast two long prompts, chunked 16 tokens a step; both windows have
+    gaps, every long request finishes with its TTFT, and the table has both windows."""
+    out = tmp_path / "mixed.json"
+    res = subprocess.run([sys.executable, "examples/gpu/serving_mixed.py", "--synthetic",
+                          "tiny", "--device", "cpu", "--streams", "2", "--stream-new-tokens",
+                          "4000", "--long-prompt-len", "64", "--long-count", "2",
+                          "--long-every", "0.2", "--max-prefill-tokens", "16",
+                          "--out", str(out)],
+                         cwd=ROOT, text=True, capture_output=True, timeout=170)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {"settings", "versions", "hardware", "date"} <= set(report)
+    r = report["results"]
+    assert r["max_prefill_tokens"] == 16 and r["streams"] == 2 and r["streams_outlasted"]
+    for name in ("baseline", "mixed"):
+        w = r[name]
+        assert w["length_s"] > 0 and w["tokens"] > 0 and w["tokens_per_s"] > 0, name
+        for gaps in (w["token_gap_s"], w["arrival_gap_s"]):
+            assert 0 < gaps["p50"] <= gaps["p90"] <= gaps["p99"] <= gaps["max"], name
+            assert gaps["p99_over_p50"] >= 1 and gaps["count"] > 0
+        assert w["arrival_gap_s"]["max"] >= w["token_gap_s"]["max"]
+    assert r["long_finished"] == 2 and len(r["long_requests"]) == 2
+    for long in r["long_requests"]:
+        assert long["finished"] and long["tokens"] == 16 and "error" not in long
+        assert 0 < long["ttft_s"] <= long["total_s"]
+    assert 0 < r["long_ttft_p50_s"] <= r["long_ttft_max_s"] <= r["long_total_max_s"]
+    assert r["long_requests"][1]["submitted_s"] >= 0.2 - 0.05
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| baseline", "| long prompts"]
