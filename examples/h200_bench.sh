@@ -10,6 +10,11 @@
 #       (the paged KV cache in serving, examples/gpu/serving_kv.py: TTFT with a cached
 #       2,000-token prefix; 64 x 128 and 256 x 2,000-token requests at once; 70b FP8;
 #       kv_cache_dtype auto vs fp8 at 8k context)
+#   bash examples/h200_bench.sh OUTDIR prompt-128 prompt-2048 prompt-8000 decode-32000 trt-70b
+#       (long prompts, issue 36: 8b bf16 target and spec at batch 1 after a prompt of N
+#       tokens, the table's ttft ms; decode-N: the target alone at an N-token context, its
+#       decode roofline; trt-70b: TensorRT-LLM's published workload, 70b FP8 + draft, a
+#       500-token prompt and 200 new tokens)
 #   bash examples/h200_bench.sh OUTDIR mixed mixed-whole
 #       (mixed traffic, examples/gpu/serving_mixed.py, issue 36: 32 streams decode while a
 #       7,000-token prompt arrives every second, 8 of them; the streams' inter-token gaps with
@@ -89,6 +94,12 @@ for phase in "$@"; do
                           --draft-len 4 --modes spec ;;   # phases: spec_server_stats.profile
         k[0-9]*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len "${phase#k}" \
                      --modes spec ;;
+        prompt-*) bench "$phase" --batch-sizes 1 --eps 0.02 --draft-len auto \
+                      --prompt-len "${phase#prompt-}" --modes target,spec ;;
+        decode-*) bench "$phase" --batch-sizes 1 --eps 0.02 --prompt-len "${phase#decode-}" \
+                      --modes target ;;
+        trt-70b) bench trt-70b --synthetic 70b --quantization fp8 --batch-sizes 1 --eps 0.01 \
+                     --draft-len auto --prompt-len 500 --new-tokens 200 --modes target,spec ;;
         kv-ttft) serving kv-ttft ttft --prompt-len 2000 --suffix-len 50 --runs 5 ;;
         kv-serve64) serving kv-serve64 serve --concurrency 64 --prompt-len 128 \
                         --new-tokens 256 ;;
