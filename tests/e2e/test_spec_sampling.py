@@ -104,20 +104,23 @@ def sample_pairs(engine, setting: dict, seed: int, new_tokens: int = 2
     return counts, sum(out.stats["overlapped_rounds"] for out in outs)
 
 
-@pytest.mark.parametrize("acceptance,draft_devices,target_devices,draft_kind,k", [
-    ("tokens", ["cpu:0"], ["cpu:1"], "random", 3),
-    ("logits", ["cpu:0"], ["cpu:1"], "random", 3),
-    ("logits", ["cpu:0"], ["cpu:1", "cpu:2"], "random", 3),   # draft TP 1, target TP 2
-    ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"], "random", 3),   # draft TP 2, target TP 1
+@pytest.mark.parametrize("acceptance,draft_devices,target_devices,draft_kind,k,budget", [
+    # runtime.max_prefill_tokens 23: most prompts are prefilled over two scheduler steps
+    # (23 = 4 x 5 + 3), beside the rounds of the requests already running
+    ("tokens", ["cpu:0"], ["cpu:1"], "random", 3, 23),
+    ("logits", ["cpu:0"], ["cpu:1"], "random", 3, None),
+    ("logits", ["cpu:0"], ["cpu:1", "cpu:2"], "random", 3, None),  # draft TP 1, target TP 2
+    ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"], "random", 3, None),  # draft TP 2, target TP 1
     # overlapped rounds kept (held logits; `tokens` keeps the bonus: test_overlap_sampling)
-    ("logits", ["cpu:0"], ["cpu:1"], "near", 1),
+    ("logits", ["cpu:0"], ["cpu:1"], "near", 1, None),
 ])
 def test_sampled_output_follows_target(acceptance, draft_devices, target_devices, draft_kind,
-                                       k, pair, tmp_path):
+                                       k, budget, pair, tmp_path):
     drafts, target = pair
     draft = drafts[draft_kind]
     cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_devices,
-                              target_devices, draft_len=k, max_batch_size=256)
+                              target_devices, draft_len=k, max_batch_size=256,
+                              max_prefill_tokens=budget)
     launch.set_speculation(cfg, acceptance=acceptance)
     with Engine.launch(cfg) as engine:
         # each acceptance mode meets every setting once: the one-device-each layouts plain
