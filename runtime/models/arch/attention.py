@@ -22,6 +22,7 @@ if TYPE_CHECKING:   # Triton's module: imported where the kernels run
 
 SMALL_QUERY = 64   # up to this many query rows per KV head: explicit matmul-softmax-matmul
 SLOT_KERNEL_ROWS = 128  # up to this many: the Triton kernel over the cache (when enabled)
+PREFILL_KERNEL_MAX_DIM = 256   # more rows: the prefill kernel, for head_dims up to this
 
 
 class Attention(nn.Module):
@@ -118,7 +119,10 @@ class Attention(nn.Module):
                 quantize: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D];
-        or the step's kernels.rope.NewTokens (only where _folds_rope said so).
+        or the step's kernels.rope.NewTokens (only where _folds_rope said so). With the
+        kernels on: steps of up to SLOT_KERNEL_ROWS stacked rows take the flash-decoding
+        kernel, longer ones (prompt chunks) the flash-attention prefill kernel; without them
+        (CPU), grouped_attention over the gathered cache.
         quantize: o_proj's FP8 input instead ([B*T, H*D] e4m3, [B*T, 1]), quantized in the
         attention kernel's combine where that pays (kernels.attention.fp8_combine_pays), else
         by fused.fp8_quantize_heads after it."""
@@ -132,6 +136,10 @@ class Attention(nn.Module):
                                  quantize=in_combine, kv_scales=cache.scales)
             if in_combine:
                 return out
+        elif kernels.enabled() and prefill_kernel().fits(q, cache.k_cache, cache.scales):
+            out = prefill_kernel().prefill_attention(
+                q, cache.k_cache, cache.v_cache, batch.block_table, *batch.int32_rows(),
+                self.sliding_window, kv_scales=cache.scales)                # [B, T, H, D]
         else:
             k_all, v_all = cache.read(batch)      # gathered (dequantized) [B, Hkv, L, D]
             out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
@@ -143,6 +151,14 @@ def rope_kernel():
     from runtime.models.arch.kernels import rope
 
     return rope
+
+
+def prefill_kernel():
+    """runtime.models.arch.kernels.prefill_attention, imported on first use (Triton): the
+    flash-attention kernel of steps too long for the slot kernel (prompt chunks)."""
+    from runtime.models.arch.kernels import prefill_attention
+
+    return prefill_attention
 
 
 def rotary_write(*args, scales: tuple = ()) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Prefill at static shapes: prompts in bucketed chunks, replayed from CUDA graphs.
+"""Prefill: prompts in bucketed static chunks replayed from CUDA graphs, or in long chunks.
 
 Why: run eagerly at its own shape, a prompt's forward is CPU-bound on a GPU (per layer the
 Python of the model and the guards of the torch.compile'd pieces, some 400 launches for an
@@ -11,12 +11,19 @@ plus itself causally (each token's absolute position says what it may see). On C
 runtime.models.runners.step_runner.StepRunner.capture_all, else on first use) and replayed: one
 launch per chunk. On CPU the same chunks run eagerly, so CPU tests cover the chunking.
 
-Attention: chunks whose stacked query rows (heads per KV head x chunk tokens) the Triton
-kernel serves (runtime.models.arch.attention: kernels enabled, at most SLOT_KERNEL_ROWS rows)
-read each row's length on the device, so one graph serves every KV length (the attended
-length passed is the whole cache). Longer chunks take grouped_attention over
+Attention: with the Triton kernels on, every chunk attends straight over the paged cache
+(the slot kernel for chunks of at most SLOT_KERNEL_ROWS stacked query rows, the
+flash-attention prefill kernel for longer ones: runtime.models.arch.attention._attend), and
+both read each row's length on the device, so one graph serves every KV length (the attended
+length passed is the whole cache). Without them (CPU) chunks take grouped_attention over
 KVCache.read with a mask: their attended length is rounded up to a KV bucket
 (graphs.kv_bucket), one graph per bucket.
+
+Long prompts: a call without full logits (a shard's prefill, a prompt's first token) whose
+longest row exceeds one graph chunk goes in long chunks instead (`_run_long`): LONG_TOKENS
+tokens a call, eagerly at their own width (matrix products of thousands of rows are
+compute-bound, so the launches' host time hides behind them), through the model's hidden
+states only, with the LM head at each row's last token where its logits are wanted.
 
 Memory: a graph's tokens (batch bucket x chunk bucket) stay within `max_tokens` (the
 activations and the lm_head's logits of one chunk are what its graph holds while it runs),
@@ -38,13 +45,13 @@ MAX_STARTUP_GRAPHS = 64    # prefill graphs captured at startup at most; more on
 LONG_TOKENS = 2048         # rows x tokens of one eager chunk of a long prompt (_run_long)
 
 
-def heads_per_kv_head(model) -> int | None:
-    """Query rows per token that attention stacks per KV head (local heads, TP included);
-    None for a model without runtime.models.arch.attention.Attention layers."""
+def attention_shape(model) -> tuple[int | None, int]:
+    """(query rows per token that attention stacks per KV head (local heads, TP included),
+    head_dim); (None, 0) for a model without runtime.models.arch.attention.Attention layers."""
     for module in model.modules():
         if isinstance(module, attention.Attention):
-            return module.n_heads // module.n_kv_heads
-    return None
+            return module.n_heads // module.n_kv_heads, module.head_dim
+    return None, 0
 
 
 class PrefillRunner:
@@ -63,7 +70,7 @@ class PrefillRunner:
         self.long_tokens = long_tokens
         max_batch = batch_sizes[-1]
         self.max_tokens = max(max_tokens, max_batch * self.chunks[0])   # rows of `out`
-        self.rows_per_token = heads_per_kv_head(model)
+        self.rows_per_token, self.head_dim = attention_shape(model)
         self.ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)  # [B*C]
         self.meta = torch.zeros(2, max_batch, dtype=torch.long, device=device)  # start/n
         self.table = StaticTable(model, max_batch, device)
@@ -77,9 +84,12 @@ class PrefillRunner:
         return fits[-1] if fits else self.chunks[0]
 
     def kernel_serves(self, chunk: int) -> bool:
-        """Whether attention takes the Triton kernel (no KV bucket) for chunks this long."""
-        return kernels.enabled() and self.rows_per_token is not None and \
-            self.rows_per_token * chunk <= attention.SLOT_KERNEL_ROWS
+        """Whether attention takes a Triton kernel (no KV bucket) for chunks this long: the
+        slot kernel for few stacked rows, the prefill kernel for more (attention._attend)."""
+        if not kernels.enabled() or self.rows_per_token is None:
+            return False
+        return self.rows_per_token * chunk <= attention.SLOT_KERNEL_ROWS or \
+            self.head_dim <= attention.PREFILL_KERNEL_MAX_DIM
 
     def attended(self, chunk: int, kv_len: int) -> int:
         """The attended length of a chunk's graph: the whole cache when the kernel reads

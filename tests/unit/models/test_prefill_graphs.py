@@ -121,12 +121,16 @@ def test_startup_keys_bounded_and_shortest_first(llama_path, monkeypatch):
     assert [k[2] for k in keys] == sorted(k[2] for k in keys)   # no kernel: KV buckets
     assert {kv for _, _, kv in keys} == {256, CACHE_LEN}
     assert runner.startup_keys(limit=5) == keys[:5]
-    # with the kernel, chunks it serves need one graph for every KV length, and come first
+    # with the kernels (slot kernel up to 128 stacked rows, prefill kernel beyond), every
+    # chunk needs one graph for every KV length
     monkeypatch.setattr(kernels, "enabled", lambda: True)
     assert runner.rows_per_token == 2           # the tiny model: 4 heads over 2 KV heads
     keys = runner.startup_keys(limit=1000)
-    served = [k for k in keys if k[1] <= 64]    # 2 x 64 = 128 stacked rows at most
-    assert served == keys[:len(served)] and all(kv == CACHE_LEN for _, _, kv in served)
+    assert all(kv == CACHE_LEN for _, _, kv in keys)
+    assert sorted(keys) == sorted({(b, c, CACHE_LEN) for b, c, _ in keys})
+    assert runner.attended(64, 10) == CACHE_LEN and runner.attended(128, 10) == CACHE_LEN
+    # a head_dim the prefill kernel does not take: longer chunks go back to KV buckets
+    runner.head_dim = 512
     assert runner.attended(64, 10) == CACHE_LEN and runner.attended(128, 10) == \
         kv_bucket(10, CACHE_LEN)
 
