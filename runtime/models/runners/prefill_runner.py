@@ -20,7 +20,7 @@ KVCache.read with a mask: their attended length is rounded up to a KV bucket
 (graphs.kv_bucket), one graph per bucket.
 
 Long prompts: a call without full logits (a shard's prefill, a prompt's first token) whose
-longest row exceeds one graph chunk goes in long chunks instead (`_run_long`): LONG_TOKENS
+longest row has LONG_MIN_TOKENS or more goes in long chunks instead (`_run_long`): LONG_TOKENS
 tokens a call, eagerly at their own width (matrix products of thousands of rows are
 compute-bound, so the launches' host time hides behind them), through the model's hidden
 states only, with the LM head at each row's last token where its logits are wanted.
@@ -43,6 +43,11 @@ CHUNK_BUCKETS = (16, 32, 64, 128, 256)   # tokens per row of a prefill chunk
 MAX_TOKENS = 512           # batch bucket x chunk bucket of one prefill graph, at most
 MAX_STARTUP_GRAPHS = 64    # prefill graphs captured at startup at most; more on first use
 LONG_TOKENS = 2048         # rows x tokens of one eager chunk of a long prompt (_run_long)
+# the fewest tokens of a row that go in long chunks: below, the graph chunks replay without
+# host time. Measured on an H200 (h200_bench.sh trt-70b): a 500-token prompt of the 70b FP8
+# target eagerly in one chunk took 110 ms to its first token, its 80 layers' launches
+# outrunning the GPU; 2,048 tokens of the 8b target took 47.6 ms, 84 in graph chunks.
+LONG_MIN_TOKENS = 1024
 
 
 def attention_shape(model) -> tuple[int | None, int]:
@@ -63,11 +68,12 @@ class PrefillRunner:
 
     def __init__(self, model, device: torch.device, batch_sizes: list[int], capture: bool,
                  pool=None, max_tokens: int = MAX_TOKENS,
-                 chunks: tuple[int, ...] = CHUNK_BUCKETS, long_tokens: int = LONG_TOKENS):
+                 chunks: tuple[int, ...] = CHUNK_BUCKETS, long_tokens: int = LONG_TOKENS,
+                 long_min: int = LONG_MIN_TOKENS):
         self.model, self.device = model, device
         self.batch_sizes, self.chunks = batch_sizes, sorted(chunks)
         self.capture, self.pool = capture, pool
-        self.long_tokens = long_tokens
+        self.long_tokens, self.long_min = long_tokens, long_min
         max_batch = batch_sizes[-1]
         self.max_tokens = max(max_tokens, max_batch * self.chunks[0])   # rows of `out`
         self.rows_per_token, self.head_dim = attention_shape(model)
@@ -149,9 +155,12 @@ class PrefillRunner:
 
     def goes_long(self, bsz: int, n_valid: list[int]) -> bool:
         """Whether a call without full logits goes in long chunks (_run_long): some row has
-        more tokens than one graph chunk of its batch bucket holds."""
+        at least long_min tokens (enough work a launch for the eager host time to hide:
+        LONG_MIN_TOKENS) and more than one graph chunk of its batch bucket holds."""
         padded = next((b for b in self.batch_sizes if b >= bsz), bsz)
-        return hasattr(self.model, "hidden_static") and max(n_valid) > self.chunk_for(padded)
+        longest = max(n_valid)
+        return hasattr(self.model, "hidden_static") and longest >= self.long_min and \
+            longest > self.chunk_for(padded)
 
     def long_chunk(self, bsz: int) -> int:
         """Tokens per row of one long chunk: long_tokens (LONG_TOKENS) in all."""

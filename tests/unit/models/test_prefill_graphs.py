@@ -237,7 +237,7 @@ def test_long_prompts_in_eager_chunks_equal_eager(llama_path, long_tokens):
     over a cached prefix too (rows starting past 0), rows ending in different chunks."""
     eager, static = fresh(llama_path), fresh(llama_path)
     runner = PrefillRunner(static, CPU, batch_buckets(2), capture=False, max_tokens=32,
-                           long_tokens=long_tokens)
+                           long_tokens=long_tokens, long_min=64)
     lengths, slots = [150, 70], [1, 0]
     head = prompts_of([30, 30], 11)
     rows = prompts_of(lengths, 12)
@@ -245,6 +245,7 @@ def test_long_prompts_in_eager_chunks_equal_eager(llama_path, long_tokens):
         model.forward_extend(padded(head), torch.tensor(slots), torch.tensor([0, 0]),
                              torch.tensor([30, 30]))
     assert runner.goes_long(2, lengths) and not runner.goes_long(2, [16, 3])
+    assert not runner.goes_long(2, [63, 3])          # over a graph chunk, under long_min
     got = runner.run(padded(rows), slots, [30, 30], lengths, logits="last")       # [B, V]
     want = eager.forward_extend(padded(rows), torch.tensor(slots), torch.tensor([30, 30]),
                                 torch.tensor(lengths))
