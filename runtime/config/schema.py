@@ -113,7 +113,8 @@ class RuntimeConfig(_Checked):
     kv_cache_tokens: int | None = _checked(None, check.optional_int_at_least(1))  # the pool's size
     kv_cache_dtype: str = _checked("auto", check.choice("auto", "fp8"))   # fp8: e4m3 with scales
     prefix_caching: bool = _checked(True, check.boolean)   # reuse KV blocks of prefixes seen
-    # prompt tokens one step may prefill (chunked prefill beside the running streams' rounds)
+    # prompt tokens one step may prefill while requests decode (chunked prefill beside the
+    # running streams' rounds; null: whole prompts)
     max_prefill_tokens: int | None = _checked(None, check.optional_int_at_least(2))
     startup_timeout_s: float = _checked(300.0, check.positive_float)
     step_timeout_s: float = _checked(120.0, check.positive_float)

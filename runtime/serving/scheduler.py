@@ -42,7 +42,8 @@ class Scheduler:
         """num_slots: requests running at once (runtime.max_batch_size); blocks: the KV
         pool's books (default: room for num_slots requests of table_len positions, no
         prefix caching); table_len: the most positions one request's table addresses;
-        max_prefill_tokens: prompt tokens one step may prefill (None: whole prompts)."""
+        max_prefill_tokens: prompt tokens one step may prefill while requests decode (None:
+        whole prompts)."""
         if max_prefill_tokens is not None and max_prefill_tokens < 2:
             raise ValueError(f"max_prefill_tokens must be >= 2, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -161,8 +162,10 @@ class Scheduler:
     def _chunks(self) -> list[tuple[Sequence, list[int], bool]]:
         """This step's prefill work, in admission order: (sequence, its tokens from
         prefill_at on, whether they end its prompt), at most max_prefill_tokens tokens in
-        all; a prompt cut short keeps its chunk's last token pending for the next."""
-        budget = self.max_prefill_tokens
+        all while some request is decoding (with none, nothing waits on the prefill: whole
+        prompts); a prompt cut short keeps its chunk's last token pending for the next."""
+        decoding = any(s.ready for s in self.running.values())
+        budget = self.max_prefill_tokens if decoding else None
         chunks = []
         for seq in sorted((s for s in self.running.values() if not s.ready),
                           key=lambda s: s.admitted):

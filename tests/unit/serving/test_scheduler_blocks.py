@@ -602,10 +602,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_stream_decodes(budge
     """A long prompt arriving while a stream decodes is prefilled `budget` tokens a step; the
     stream gets tokens in every step meanwhile; both end exact, with no block left."""
     run = Run(num_blocks=400, max_prefill_tokens=budget)
-    steady = run.add(make_seq("steady", user(0), 100))
-    while not steady.ready:                # its own prompt comes in chunks too
-        run.step()
-    long = run.add(make_seq("long", [9000 + i for i in range(120)], 12))
+    steady = run.add(make_seq("steady", user(0), 100))   # decodes past the long prefill
+    run.step()                             # alone: its prompt whole, nothing to wait on it
+    length = min(120, 20 * budget)         # 20 steps at most: the stream outlasts them
+    long = run.add(make_seq("long", [9000 + i for i in range(length)], 12))
     sizes, gaps = [], 0
     while not long.ready or long.slot is None:
         before = len(steady.generated)
@@ -615,7 +615,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_stream_decodes(budge
         gaps += len(steady.generated) == before and steady.finish_reason is None
     run.drain()
     assert_exact(run, [steady, long])
-    assert len(sizes) >= 120 // budget and max(sizes) <= budget    # chunks within the budget
+    assert len(sizes) >= length // budget and max(sizes) <= budget  # chunks within the budget
     assert gaps == 0                                   # the stream never waited a whole step
     run.check_idle()
 
@@ -631,4 +631,23 @@ def test_chunks_resume_after_a_prefix_hit_and_preemption():
     assert_exact(run, [first] + later)
     assert all(s.cached_prompt_tokens == len(SYSTEM) // BS * BS for s in later)
     assert any(p["cached"] > 0 and not p["final"] for p in run.workers.prefills)
+    run.check_idle()
+
+
+def test_with_nothing_decoding_prompts_are_prefilled_whole():
+    """The budget holds only while requests decode: prompts arriving at an idle server are
+    prefilled whole in one step (nothing waits on them), the next one beside a decoding
+    stream in chunks."""
+    run = Run(num_blocks=400, max_prefill_tokens=8)
+    first = [run.add(make_seq(f"a{i}", [7000 + 50 * i + j for j in range(40)], 30))
+             for i in range(2)]
+    run.step()
+    assert all(s.ready for s in first)
+    assert [len(p["prompt"]) - p["cached"] for p in run.workers.prefills] == [40, 40]
+    later = run.add(make_seq("b", [9000 + j for j in range(40)], 4))
+    done = len(run.workers.prefills)
+    run.step()
+    assert not later.ready and len(run.workers.prefills[done]["prompt"]) <= 8
+    run.drain()
+    assert_exact(run, first + [later])
     run.check_idle()
