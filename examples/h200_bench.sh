@@ -42,17 +42,11 @@ bench() {   # bench PHASE ARGS...: a synthetic pair (8b unless --synthetic follo
         --repeats "${REPEATS:-3}" ${EXTRA:-} "$@" > "$OUT/$phase.log" 2>&1
     echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
 }
-serving() {   # serving PHASE ARGS...: examples/gpu/serving_kv.py, 8b bf16 unless ARGS say
-    local phase=$1; shift
+serving() {   # serving SCRIPT PHASE ARGS...: the serving experiment SCRIPT of examples/gpu
+              # (serving_kv, serving_mixed), 8b bf16 unless ARGS say
+    local script=$1 phase=$2; shift 2
     local start=$SECONDS
-    python examples/gpu/serving_kv.py --device cuda:0 --synthetic-dir "$SYN" \
-        --out "$OUT/$phase.json" "$@" > "$OUT/$phase.log" 2>&1
-    echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
-}
-mixed() {   # mixed PHASE ARGS...: examples/gpu/serving_mixed.py, 8b bf16 unless ARGS say
-    local phase=$1; shift
-    local start=$SECONDS
-    python examples/gpu/serving_mixed.py --device cuda:0 --synthetic-dir "$SYN" \
+    python "examples/gpu/$script.py" --device cuda:0 --synthetic-dir "$SYN" \
         --out "$OUT/$phase.json" "$@" > "$OUT/$phase.log" 2>&1
     echo "== $phase (rc $?, $((SECONDS - start)) s)"; grep '^|' "$OUT/$phase.log"
 }
@@ -100,18 +94,18 @@ for phase in "$@"; do
                       --modes target ;;
         trt-70b) bench trt-70b --synthetic 70b --quantization fp8 --batch-sizes 1 --eps 0.01 \
                      --draft-len auto --prompt-len 500 --new-tokens 200 --modes target,spec ;;
-        kv-ttft) serving kv-ttft ttft --prompt-len 2000 --suffix-len 50 --runs 5 ;;
-        kv-serve64) serving kv-serve64 serve --concurrency 64 --prompt-len 128 \
+        kv-ttft) serving serving_kv kv-ttft ttft --prompt-len 2000 --suffix-len 50 --runs 5 ;;
+        kv-serve64) serving serving_kv kv-serve64 serve --concurrency 64 --prompt-len 128 \
                         --new-tokens 256 ;;
-        kv-serve256) serving kv-serve256 serve --concurrency 256 --prompt-len 2000 \
+        kv-serve256) serving serving_kv kv-serve256 serve --concurrency 256 --prompt-len 2000 \
                          --new-tokens 256 --max-seq-len 32768 ;;
-        kv-70b) serving kv-70b serve --synthetic 70b --quantization fp8 --eps 0.01 \
+        kv-70b) serving serving_kv kv-70b serve --synthetic 70b --quantization fp8 --eps 0.01 \
                     --concurrency 64 --prompt-len 2000 --new-tokens 256 --max-seq-len 32768 ;;
-        kv-fp8) serving kv-fp8 kvdtype --kv-dtypes auto,fp8 --concurrency 8 --prompt-len 8000 \
+        kv-fp8) serving serving_kv kv-fp8 kvdtype --kv-dtypes auto,fp8 --concurrency 8 --prompt-len 8000 \
                     --new-tokens 128 ;;
-        mixed) mixed mixed --streams 32 --long-prompt-len 7000 --long-every 1.0 \
+        mixed) serving serving_mixed mixed --streams 32 --long-prompt-len 7000 --long-every 1.0 \
                    --long-count 8 --max-prefill-tokens 512 ;;
-        mixed-whole) mixed mixed-whole --streams 32 --long-prompt-len 7000 --long-every 1.0 \
+        mixed-whole) serving serving_mixed mixed-whole --streams 32 --long-prompt-len 7000 --long-every 1.0 \
                          --long-count 8 --max-prefill-tokens none ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
