@@ -132,3 +132,31 @@ class ParallelLMHead(nn.Linear):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, vocab_slice=[{self.vocab_start}, {self.vocab_stop}), "
                 f"vocab_size={self.vocab_size}, gather_logits={self.gather_logits}")
+
+
+class ParallelRMSNorm(nn.Module):
+    """An RMSNorm over a feature dim split across the group (e.g. OLMo 2's q/k norms over all
+    heads, each rank holding features [start, stop)): the sum of squares is all-reduced, so
+    each rank normalises its slice by the whole row's RMS. The mean divides by local size x
+    group size, which is also right when every rank holds an equal share of replicated
+    features (KV heads replicated r times: r x the sum over r x the features)."""
+
+    def __init__(self, start: int, stop: int, eps: float, group: dist.ProcessGroup | None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(stop - start, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.start, self.stop, self.group = start, stop, group
+
+    def shards(self) -> dict[str, Shard]:
+        return {"weight": Shard(0, self.start, self.stop)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()                                                # [..., local]
+        total = all_reduce(h.pow(2).sum(-1, keepdim=True), self.group)
+        count = h.shape[-1] * (1 if self.group is None else dist.get_world_size(self.group))
+        h = h * torch.rsqrt(total / count + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"slice=[{self.start}, {self.stop}), eps={self.variance_epsilon}"

@@ -36,7 +36,9 @@ def _tiny_kwargs(**overrides) -> dict:
 
 def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0,
                      **overrides) -> str:
-    """Save a tiny random model of `arch` ('llama', 'qwen2', 'mistral') to out_dir; return it."""
+    """Save a tiny random model of `arch` ('llama', 'qwen2', 'mistral', 'qwen3', 'olmo2',
+    'phi3') to out_dir; return it. Qwen3 and OLMo 2 get head_dim 32 (not hidden / heads);
+    overrides replace any value."""
     import transformers
 
     torch.manual_seed(seed)
@@ -50,12 +52,32 @@ def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
     elif arch == "mistral":
         config = transformers.MistralConfig(**kwargs)
         model = transformers.MistralForCausalLM(config)
+    elif arch in FAMILIES:
+        config_class, model_class = (getattr(transformers, n) for n in FAMILIES[arch])
+        config = config_class(**{**FAMILY_DEFAULTS.get(arch, {}), **kwargs})
+        model = model_class(config)
+        _perturb_norms(model)
     else:
         raise ValueError(f"unknown arch {arch!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     return str(out_dir)
+
+
+FAMILIES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+            "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+FAMILY_DEFAULTS = {"qwen3": {"head_dim": 32}, "olmo2": {}, "phi3": {}}
+
+
+@torch.no_grad()
+def _perturb_norms(model) -> None:
+    """Norm weights (all ones at init) drawn around 1, so a norm applied in the wrong place
+    or over the wrong features changes the logits."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(1 + 0.5 * torch.randn(param.shape))
 
 
 def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -17,6 +17,9 @@ from safetensors.torch import load_file, save_file
 FP8 = torch.float8_e4m3fn
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# fused checkpoint projections (Phi-3): per output channel, quantizing the stack is
+# quantizing each part
+FUSED_LINEARS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 
 # name: (method, weight scales, activations); methods as in runtime.models.loading.fp8_formats
 FORMATS = {
@@ -136,7 +139,8 @@ def write_quantized_reference(float_dir: str, out_dir: str | Path) -> str:
     output channel (amax / 448) and dequantized again."""
     tensors = load_file(str(Path(float_dir) / "model.safetensors"))
     for name, tensor in tensors.items():
-        if name.endswith(".weight") and name.removesuffix(".weight").endswith(LINEARS):
+        if name.endswith(".weight") and name.removesuffix(".weight").endswith(
+                LINEARS + FUSED_LINEARS):
             tensors[name] = dequantize(*quantize(tensor, "channel"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

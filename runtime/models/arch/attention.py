@@ -15,6 +15,7 @@ from torch import nn
 from runtime.models.arch import fused, kernels
 from runtime.models.arch.cache import ExtendBatch, KVCache
 from runtime.models.arch.model_args import ModelArgs
+from runtime.models.arch.norms import RMSNorm
 from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 
 if TYPE_CHECKING:   # Triton's module: imported where the kernels run
@@ -40,6 +41,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_bias)
         self.kv_cache: KVCache | None = None
         self.qkv: RowStack | None = None   # set by fuse_projections
+        self.qk_norm = args.qk_norm        # model_args.QK_NORM: q/k normed before RoPE
+        if args.qk_norm is not None:       # "head": weight [D]; "full": [H*D] and [Hkv*D]
+            per_head = args.qk_norm == "head"
+            eps = args.rms_norm_eps
+            self.q_norm = RMSNorm(args.head_dim if per_head else q_dim, eps)
+            self.k_norm = RMSNorm(args.head_dim if per_head else kv_dim, eps)
 
     def fuse_projections(self) -> None:
         """One GEMM for q, k and v (float or FP8); their weights become views of it."""
@@ -57,8 +64,10 @@ class Attention(nn.Module):
                                 kv_dtype=kv_dtype)
 
     def fp8_fused(self, x: torch.Tensor) -> bool:
-        """Whether forward takes an FP8Act (quant.fuses_fp8): FP8 GEMMs for qkv and o_proj."""
-        return fuses_fp8(x, self.qkv, self.o_proj)
+        """Whether forward takes an FP8Act (quant.fuses_fp8): FP8 GEMMs for qkv and o_proj.
+        Not with q/k norms: they sit between the qkv GEMM and the RoPE kernel that would
+        rescale its raw output (those layers take the unfused FP8 GEMMs instead)."""
+        return self.qk_norm is None and fuses_fp8(x, self.qkv, self.o_proj)
 
     def forward(self, x: torch.Tensor | FP8Act, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ExtendBatch) -> torch.Tensor | FP8Out:
@@ -76,6 +85,8 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
+        if self.qk_norm is not None:
+            q, k = self._norm_qk(q, k, d)
         cache = self.kv_cache
         q, k, v = q.view(bsz, seq, h, d), k.view(bsz, seq, h_kv, d), v.view(bsz, seq, h_kv, d)
         if self._folds_rope(seq) and rope_kernel().fits(q, k, v, cos, sin):
@@ -86,6 +97,16 @@ class Attention(nn.Module):
                              scales=cache.scales)                        # [B, Hkv, r*T, D]
         out = self._attend(q, batch, seq)                                  # [B, T, H, D]
         return self.o_proj(out.reshape(bsz, seq, self.n_heads * self.head_dim))
+
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor, d: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, T, H*D], k [B, T, Hkv*D] normed before RoPE (so also before the kernels that
+        fold RoPE into attention): over each head's D values (Qwen3) or over the whole
+        projection (OLMo 2; under TP the plan's norm sums the squares over the group)."""
+        if self.qk_norm == "head":
+            return (self.q_norm(q.unflatten(-1, (-1, d))).flatten(-2),
+                    self.k_norm(k.unflatten(-1, (-1, d))).flatten(-2))
+        return self.q_norm(q), self.k_norm(k)
 
     def _forward_fp8(self, x: FP8Act, cos: torch.Tensor, sin: torch.Tensor,
                      batch: ExtendBatch) -> FP8Out | torch.Tensor:

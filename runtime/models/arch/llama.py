@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) with HF-identical parameter names."""
+"""Llama-family decoder with HF-identical parameter names: Llama, Mistral, Qwen2, and the
+families that differ from it as data (model_args: QK_NORM, POST_NORMS, ...): Qwen3, OLMo 2,
+Phi-3 (its fused qkv_proj / gate_up_proj are split on load: loading.fused_tensors)."""
 from __future__ import annotations
 
 import torch
@@ -10,19 +12,9 @@ from runtime.models.arch.attention import Attention
 from runtime.models.arch.base import check_extend_args
 from runtime.models.arch.cache import ExtendBatch, as_block_table, blocks_for
 from runtime.models.arch.model_args import ModelArgs
+from runtime.models.arch.norms import RMSNorm
 from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 from runtime.models.arch.rope import RotaryEmbedding, compute_inv_freq
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x.flatten(0, -2), self.weight,
-                              self.variance_epsilon).view(x.shape)
 
 
 class MLP(nn.Module):
@@ -60,7 +52,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_norms = args.post_norms
+        if not args.post_norms:
+            self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        else:                      # OLMo 2: no input norm; the MLP's output is normed
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor, sin: torch.Tensor,
@@ -73,11 +69,23 @@ class DecoderLayer(nn.Module):
         eager and CUDA-graph steps) the attention's and the MLP's input norms also quantize
         for their first GEMM, and the outputs of o_proj and down_proj may be raw (FP8Out):
         the next norm rescales them (the quantize / rescale steps fold into neighbours)."""
+        if self.post_norms:
+            return self._forward_post_norms(x, delta, cos, sin, batch)
         attn_fp8, mlp_fp8 = self.self_attn.fp8_fused(x), self.mlp.fp8_fused(x)
         x, h = add_then_norm(x, delta, self.input_layernorm, attn_fp8)
         attn = self.self_attn(h, cos, sin, batch)
         x, h = add_then_norm(x, attn, self.post_attention_layernorm, mlp_fp8)
         return x, self.mlp(h)
+
+    def _forward_post_norms(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor,
+                            sin: torch.Tensor, batch: ExtendBatch
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2: x + norm(attn(x)), then + norm(mlp(.)) (returned as the delta). Its norms
+        follow the GEMMs, so it takes no fused FP8 path (FP8 linears quantize on their own)."""
+        if delta is not None:
+            x = x + delta
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, batch))
+        return x, self.post_feedforward_layernorm(self.mlp(x))
 
 
 Delta = torch.Tensor | FP8Out | None

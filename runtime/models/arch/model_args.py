@@ -9,7 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+
+# what a model loses on the transformers fallback (runtime.models.loading.hf_fallback)
+FALLBACK_LACKS = ("it runs on the slower transformers fallback: no tensor parallelism, paged "
+                  "KV cache or prefix caching, CUDA graphs or FP8 GEMMs")
+
+# Where a family differs from Llama, as data (ModelArgs.from_hf_config reads them):
+# q/k RMSNorm before RoPE, over each head ("head": Qwen3) or the whole projection ("full":
+# OLMo 2, its weight [n_heads * head_dim]); families whose q/k/v always carry a bias;
+# post-norms (OLMo 2: the attention's and the MLP's outputs are normed, then added to the
+# residual; no input norm); sliding windows configured by use_sliding_window / layer_types.
+QK_NORM = {"qwen3": "head", "olmo2": "full"}
+ALWAYS_QKV_BIAS = ("qwen2",)
+POST_NORMS = ("olmo2",)
+QWEN_WINDOWS = ("qwen2", "qwen3")
 
 # RoPE types whose transformers implementation changes the frequencies with the sequence length
 # at run time; a static table reproduces them only up to `original_max_position_embeddings`.
@@ -35,7 +49,7 @@ def unsupported_reason(config: Any) -> str | None:
     """Why our implementation cannot run `config` (then the transformers fallback is used)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}; {FALLBACK_LACKS}"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} (only silu)"
     try:
@@ -60,7 +74,7 @@ def _rope_init_functions() -> dict:
 def _layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
     """Sliding-window size of each layer (None = full causal attention)."""
     window = getattr(config, "sliding_window", None)
-    if config.model_type == "qwen2":
+    if config.model_type in QWEN_WINDOWS:
         if not getattr(config, "use_sliding_window", False):
             return (None,) * n_layers
         types = getattr(config, "layer_types", None)
@@ -87,6 +101,8 @@ class ModelArgs:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     layer_windows: tuple[int | None, ...] = ()
+    qk_norm: str | None = None      # QK_NORM: "head", "full" or None
+    post_norms: bool = False        # POST_NORMS
     hf_config: Any = field(default=None, repr=False)  # for transformers' RoPE initialisers
 
     @classmethod
@@ -97,7 +113,8 @@ class ModelArgs:
         n_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
-        is_qwen2 = config.model_type == "qwen2"
+        model_type = config.model_type
+        always_bias = model_type in ALWAYS_QKV_BIAS
         return cls(
             model_type=config.model_type,
             vocab_size=config.vocab_size,
@@ -108,11 +125,13 @@ class ModelArgs:
             n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=is_qwen2 or attention_bias,   # Qwen2 always has q/k/v bias
-            o_bias=attention_bias and not is_qwen2,
+            qkv_bias=always_bias or attention_bias,   # Qwen2 always has q/k/v bias
+            o_bias=attention_bias and not always_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             layer_windows=_layer_windows(config, config.num_hidden_layers),
+            qk_norm=QK_NORM.get(model_type),
+            post_norms=model_type in POST_NORMS,
             hf_config=config,
         )
 

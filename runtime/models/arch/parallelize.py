@@ -23,7 +23,9 @@ Vocab: each rank holds ceil(V / size) rows; when V does not divide by the size, 
 is padded with zero rows (no id selects them, their logits are cut off after the gather), so
 the logits keep exactly the checkpoint's V columns. The MLP's intermediate features are split
 as evenly as possible (shards may differ by one). Norms, RoPE and biases of row-parallel
-layers are replicated.
+layers are replicated. Q/k norms over each head (Qwen3) are replicated too; those over the
+whole projection (OLMo 2) become parallel.layers.ParallelRMSNorm, sharded with the heads,
+whose RMS sums the squares over the group (one small all-reduce each).
 
 The loader reads, per parameter, only the slice listed in `model.tp_shards`. Collectives run
 over the explicitly passed group (parallel.mappings); nothing is global. Inference only.
@@ -36,8 +38,8 @@ import torch
 from torch import nn
 
 from parallel.groups import TPInfo
-from parallel.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                             VocabParallelEmbedding)
+from parallel.layers import (ColumnParallelLinear, ParallelLMHead, ParallelRMSNorm,
+                             RowParallelLinear, VocabParallelEmbedding)
 from runtime.models.arch.llama import LlamaForCausalLM
 from runtime.models.arch.model_args import ModelArgs, check_tp_shape
 
@@ -131,6 +133,10 @@ def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool 
         attn.v_proj = _column(attn.v_proj, k0 * d, k1 * d, meta)
         attn.o_proj = _row(attn.o_proj, q0 * d, q1 * d, group, meta)
         attn.n_heads, attn.n_kv_heads = plan.n_heads, plan.n_kv_heads
+        if attn.qk_norm == "full":
+            eps = attn.q_norm.variance_epsilon
+            attn.q_norm = ParallelRMSNorm(q0 * d, q1 * d, eps, group, device=meta)
+            attn.k_norm = ParallelRMSNorm(k0 * d, k1 * d, eps, group, device=meta)
         mlp.gate_proj = _column(mlp.gate_proj, i0, i1, meta)
         mlp.up_proj = _column(mlp.up_proj, i0, i1, meta)
         mlp.down_proj = _row(mlp.down_proj, i0, i1, group, meta)

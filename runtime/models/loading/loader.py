@@ -1,7 +1,9 @@
 """load_model: HF checkpoint directory or .gguf file -> CausalLM on a device.
 
-Llama-family checkpoints (model_type llama / mistral / qwen2) get our LlamaForCausalLM, built
-on the meta device and filled tensor by tensor; anything else gets HFFallbackModel.
+Llama-family checkpoints (model_type llama / mistral / qwen2 / qwen3 / olmo2 / phi3:
+model_args.SUPPORTED_MODEL_TYPES) get our LlamaForCausalLM, built on the meta device and
+filled tensor by tensor; anything else gets HFFallbackModel. Fused checkpoint projections
+(Phi-3's qkv_proj, gate_up_proj) are read as their parts (loading.fused_tensors).
 `build_model`, `open_weights` and `load_weights` are public so tensor parallelism can shard
 the meta model before loading.
 
@@ -24,6 +26,7 @@ from runtime.models.arch.llama import LlamaForCausalLM
 from runtime.models.arch.model_args import ModelArgs, unsupported_reason
 from runtime.models.arch.quant import load_dtype
 from runtime.models.loading import gguf_cache, portable_config
+from runtime.models.loading.fused_tensors import split_fused
 from runtime.models.loading.weights import SafetensorsWeights, WeightSource
 from runtime.models.loading.synthetic import RECIPE_FILE, SyntheticWeights
 
@@ -82,7 +85,8 @@ def open_weights(path: str | os.PathLike, model: nn.Module | None = None,
     if gguf_file is None and (directory / RECIPE_FILE).is_file():
         return SyntheticWeights(directory, device)
     if gguf_file is None:
-        return SafetensorsWeights(directory)
+        weights = SafetensorsWeights(directory)
+        return weights if model is None else split_fused(weights, model.args)
     if model is None or config is None:
         raise ValueError("opening a .gguf needs the model (for tensor names) and its config")
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -189,7 +193,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
                quantization: str | None = None,
                progress: Callable[[int, int], None] | None = None):
     """HF checkpoint directory (config.json + safetensors, sharded or single) or .gguf file ->
-    our LlamaForCausalLM for llama / mistral / qwen2, else HFFallbackModel. Eval mode, on
+    our LlamaForCausalLM for model_args.SUPPORTED_MODEL_TYPES, else HFFallbackModel. Eval mode, on
     `device`, in `dtype`.
 
     `tp` (parallel.groups.TPInfo): None or size 1 loads the whole model. Otherwise
@@ -209,11 +213,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
         return _load_ours(path, config, dtype, device, tp, gather_logits, quantization,
                           progress)
     if _tp_enabled(tp):
-        raise NotImplementedError(f"tensor parallelism (size {tp.size}) needs our Llama-family "
+        raise NotImplementedError(f"tensor parallelism (size {tp.size}) needs our native "
                                   f"implementation, but {path} needs the transformers "
                                   f"fallback: {reason}")
     if quantization is not None:
-        raise ValueError(f"quantization {quantization!r} needs our Llama-family "
+        raise ValueError(f"quantization {quantization!r} needs our native "
                          f"implementation, but {path} needs the transformers fallback: {reason}")
     from runtime.models.loading.hf_fallback import HFFallbackModel
 

@@ -22,7 +22,7 @@ RESERVE = 0.05   # of total device memory, kept free for activations when no bud
 
 
 def _attention_layers(model) -> list | None:
-    """The model's decoder layers (they have self_attn and input_layernorm), or None for a
+    """The model's decoder layers (they have self_attn and norms), or None for a
     model that allocates its own cache (transformers fallback)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not hasattr(layers[0], "self_attn"):
@@ -40,7 +40,7 @@ def block_bytes(model, block_size: int, kv_dtype: str = "auto") -> int | None:
         return None
     return sum(block_size * KVCache.position_bytes(
         layer.self_attn.n_kv_heads, layer.self_attn.head_dim,
-        layer.input_layernorm.weight.dtype, kv_dtype) for layer in layers)
+        layer.post_attention_layernorm.weight.dtype, kv_dtype) for layer in layers)
 
 
 def cache_bytes(model, num_slots: int, cache_len: int, block_size: int = 16,
