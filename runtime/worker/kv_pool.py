@@ -22,6 +22,7 @@ import torch.distributed as dist
 from runtime.config import TandemConfig
 from runtime.models.arch.cache import blocks_for
 from runtime.models.runners.kv_budget import GIB, RESERVE, block_bytes, device_memory
+from runtime.models.runners.prefill_runner import long_chunk_bytes
 
 
 class PoolTooSmallElsewhere(Exception):
@@ -57,9 +58,10 @@ def step_bytes(config: TandemConfig, model) -> int:
     verify step (draft window + 1 positions) in float32, four times (the graphs' outputs, the
     runners' buffers, the sampling and acceptance work on them). 0.2 GiB at batch 8 for a
     128k vocabulary; at batch 256, 5 GiB: without it a pool sized to the 5% reserve left
-    the CUDA graphs' capture out of memory (measured on an H200)."""
+    the CUDA graphs' capture out of memory (measured on an H200). Plus a long prompt chunk's
+    activations (prefill_runner.long_chunk_bytes: about 0.9 GiB for an 8b model)."""
     rows = config.runtime.max_batch_size * (config.speculation.max_draft_len + 2)
-    return 4 * rows * getattr(model, "vocab_size", 0) * 4
+    return 4 * rows * getattr(model, "vocab_size", 0) * 4 + long_chunk_bytes(model)
 
 
 def local_blocks(config: TandemConfig, models: dict[str, object], device: torch.device,

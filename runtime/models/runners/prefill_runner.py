@@ -59,6 +59,20 @@ def attention_shape(model) -> tuple[int | None, int]:
     return None, 0
 
 
+def long_chunk_bytes(model, tokens: int = LONG_TOKENS) -> int:
+    """An upper bound of the activations one long chunk (_run_long) holds at once in a
+    layer, from the model's full (not TP-sharded) shapes: gate/up and q/k/v as float32 (the
+    FP8 GEMMs' raw outputs), the MLP's product and a few copies of the residual stream in
+    the activation dtype; twice that for the allocator. 0 for a model without `args`."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return 0
+    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    per_token = 4 * (2 * args.intermediate_size + qkv) + \
+        2 * (args.intermediate_size + 6 * args.hidden_size)
+    return 2 * tokens * per_token
+
+
 class PrefillRunner:
     """Chunked static-shape forwards of calls longer than a decode step (prompts).
 

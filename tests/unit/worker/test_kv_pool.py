@@ -67,3 +67,17 @@ def test_a_worker_whose_budget_is_not_the_cause_only_waits(llama_path, model, tm
     monkeypatch.setattr(kv_pool.dist, "all_reduce", other_worker_has_none)
     with pytest.raises(kv_pool.PoolTooSmallElsewhere, match="another worker"):
         kv_pool.pool_blocks(config(llama_path, tmp_path), {"target": model}, CPU, object())
+
+
+def test_step_bytes_count_a_long_prompt_chunk(llama_path, model, tmp_path):
+    """The free-memory budget leaves room for the steps' logits and for one long prompt
+    chunk's activations (prefill_runner.long_chunk_bytes), which grow with its tokens."""
+    from runtime.models.runners.prefill_runner import LONG_TOKENS, long_chunk_bytes
+
+    cfg = config(llama_path, tmp_path)
+    chunk = long_chunk_bytes(model)
+    assert chunk > 0 and long_chunk_bytes(model, 2 * LONG_TOKENS) == 2 * chunk
+    args = model.args
+    assert chunk >= LONG_TOKENS * 4 * 2 * args.intermediate_size   # gate/up as float32
+    rows = cfg.runtime.max_batch_size * (cfg.speculation.max_draft_len + 2)
+    assert kv_pool.step_bytes(cfg, model) == 16 * rows * model.vocab_size + chunk
