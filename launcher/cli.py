@@ -180,6 +180,7 @@ def _main(argv: list[str]) -> int:
         return bench_main(args)
     from launcher.bootstrap import control_bind
     from launcher.discovery import discover, multi_node
+    from launcher.orphan import end_with_launcher
     from parallel.topology import LaunchError
     from runtime.config import ConfigError
     from runtime.control.auth import check_control_bind
@@ -202,6 +203,7 @@ def _main(argv: list[str]) -> int:
         return _fail(str(exc))
     except (LaunchError, ValueError, FileNotFoundError) as exc:
         return _fail(flag_message(str(exc)) if args.command == "run" else str(exc))
+    end_with_launcher(env.method, env.rank)   # torchrun's or mpirun's ranks: launcher/orphan.py
     if not env.is_orchestrator:
         from runtime.worker.process import run_worker
 
@@ -310,6 +312,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _worker(args) -> int:
+    from launcher.orphan import end_with_launcher
     from runtime.worker.process import run_worker
 
     rank = args.rank
@@ -323,4 +326,5 @@ def _worker(args) -> int:
         if parent != MPI.COMM_NULL:
             parent.Disconnect()
         rank = 1 + MPI.COMM_WORLD.Get_rank()
+    end_with_launcher("child", rank)          # rank 0 (or the MPI daemon) started us
     return run_worker(rank, args.world_size, args.init_method, args.startup_timeout)

@@ -5,9 +5,11 @@ heartbeats and silence limits still tell."""
 from __future__ import annotations
 
 import os
+import select
 import socket
+import threading
 import time
-from typing import Hashable
+from typing import Callable, Hashable
 
 import zmq
 
@@ -70,3 +72,47 @@ class ProcessWatch:
     def _forget(self, fd: int) -> None:
         self.poller.unregister(fd)
         os.close(fd)
+
+
+# --- a rank ends with its launcher -------------------------------------------------------
+# torchrun's agent, mpirun's daemon (prted / orted / hydra's proxy) or tandem's own spawner
+# starts each rank as its child; SIGKILLed (an OOM killer, a job scheduler), it can no longer
+# end them. PR_SET_PDEATHSIG would fire when the parent *thread* that forked us ends, not the
+# process, so the rank watches its parent process instead: a pidfd, waited on by a thread of
+# its own (no wake-up while the parent lives), or where there are no pidfds the parent pid,
+# looked at every PARENT_POLL_S.
+PARENT_POLL_S = 1.0
+
+
+def watch_parent(on_gone: Callable[[int], None], poll_s: float = PARENT_POLL_S) -> int | None:
+    """Call on_gone(parent pid) on a daemon thread once this process's parent has ended (at
+    once if it already has). Returns the parent's pid, or None when there is none to watch
+    (init or a subreaper of pid 1 adopted us: we are an orphan from the start)."""
+    ppid = os.getppid()
+    if ppid <= 1:
+        return None
+    try:
+        fd: int | None = os.pidfd_open(ppid)
+    except (AttributeError, OSError):   # no pidfds (or the parent just ended: see below)
+        fd = None
+    if os.getppid() != ppid:            # it ended before the pidfd could be opened
+        if fd is not None:
+            os.close(fd)
+        fd = -1
+    threading.Thread(target=_await_parent, args=(ppid, fd, on_gone, poll_s),
+                     name="tandem-launcher-watch", daemon=True).start()
+    return ppid
+
+
+def _await_parent(ppid: int, fd: int | None, on_gone: Callable[[int], None],
+                  poll_s: float) -> None:
+    if fd is not None and fd >= 0:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while not poller.poll():        # readable (POLLIN) once the process has ended
+            pass
+        os.close(fd)
+    elif fd is None:
+        while os.getppid() == ppid:     # reparented (to init or a subreaper) once it ends
+            time.sleep(poll_s)
+    on_gone(ppid)
