@@ -9,6 +9,7 @@ import os
 
 from parallel.devices import Device
 from runtime.config.schema import ModelConfig, ServerConfig, TandemConfig
+from runtime.config.vocab import check_vocab
 from runtime.errors import ConfigError
 from runtime.models.arch.model_args import check_tp_shape
 
@@ -71,12 +72,8 @@ def check_files(cfg: TandemConfig) -> None:
     draft, target = infos["draft"], infos["target"]
     check_tp(cfg, infos)
     check_quantization(cfg, infos)
-    if draft.vocab_size != target.vocab_size:
-        raise ConfigError(
-            "draft.model",
-            f"vocab mismatch: draft {draft.path} has vocab_size {draft.vocab_size} but "
-            f"target {target.path} has vocab_size {target.vocab_size}; draft and target "
-            f"must share one vocabulary")
+    # vocab_size may differ over one tokenizer (embeddings padded differently)
+    check_vocab(cfg, draft.vocab_size, target.vocab_size)
 
 
 def check_server_auth(server: ServerConfig, check_files: bool) -> None:

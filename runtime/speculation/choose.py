@@ -14,6 +14,7 @@ from runtime.speculation import rng
 from runtime.speculation.acceptance import accept_rejection, accept_tokens, greedy_accept
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.sampling import sample_from, warp_probs
+from runtime.speculation.vocab import DraftVocab
 
 
 @dataclass(frozen=True)
@@ -42,20 +43,25 @@ class BatchSampling:
 
 
 def draft_choose(logits: torch.Tensor, sampling: BatchSampling, index: torch.Tensor,
-                 acceptance: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 acceptance: str, vocab: DraftVocab | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] for the tokens at sequence index `index` [B] -> token [B] and q [B, V]
-    (None when the whole batch is greedy).
+    (None when the whole batch is greedy). With `vocab` (a draft padded differently from
+    the target) the choice is among ids < vocab.propose and q is [B, vocab.width].
 
     Under `tokens` acceptance the draft samples with the target's own uniforms: the output is
     the target's samples whatever the draft proposes, and coupled uniforms make the draft's
     sample coincide with the target's more often. `logits` acceptance needs an independent
     draft sample (its own stream)."""
+    if vocab is not None:
+        logits = vocab.restrict(logits)                                  # [B, propose]
     if sampling.greedy:
         return logits.argmax(dim=-1), None
     q = sampling.warp(logits[:, None])                                   # [B, 1, V]
     stream = rng.STREAM_TARGET if acceptance == "tokens" else rng.STREAM_DRAFT
     u = rng.uniform(sampling.seed, index[:, None], stream)               # [B, 1]
-    return sample_from(q, u)[:, 0], q[:, 0]
+    token = sample_from(q, u)[:, 0]
+    return token, q[:, 0] if vocab is None else vocab.widen(q[:, 0])
 
 
 def target_verify(draft_tokens: torch.Tensor, logits: torch.Tensor, sampling: BatchSampling,

@@ -41,6 +41,7 @@ def load_shards(config: TandemConfig, spec: WorkerSpec, groups: Groups, device: 
         # decode steps: the pending token(s) (1 or 2), then one token at a time
         draft = _shard(config, DraftShard, "draft", draft_model, [1, 2], device, rank,
                        num_blocks, progress)
+        draft.vocab = _draft_vocab(config, draft_model)
     if target_model is not None:
         spec_cfg = config.speculation   # verify steps: pending + k draft tokens
         ks = [spec_cfg.draft_len] if spec_cfg.fixed_draft_len else \
@@ -80,6 +81,19 @@ def _load_draft(config: TandemConfig, spec: WorkerSpec, groups: Groups, device: 
     return load_model(draft_cfg.model, draft_cfg.torch_dtype, device, tp,
                       quantization=draft_cfg.quantization,
                       progress=_callback(progress, "weights"))
+
+
+def _draft_vocab(config: TandemConfig, draft_model):
+    """The draft's DraftVocab when its vocab_size differs from the target's (an embedding
+    padded differently over one tokenizer: runtime.config.vocab), else None."""
+    from runtime.config.vocab import propose_limit
+    from runtime.models.loading.checkpoint import inspect_checkpoint
+    from runtime.speculation.vocab import DraftVocab
+
+    embed = draft_model.vocab_size
+    width = inspect_checkpoint(config.target.model).vocab_size
+    limit = propose_limit(config, embed, width)
+    return None if limit is None else DraftVocab(limit, width, embed)
 
 
 def _callback(progress: ProgressReporter | None, phase: str):

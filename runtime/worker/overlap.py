@@ -78,8 +78,7 @@ def take_drafts(draft: DraftShard, slots: list[int], k: int
 
 def _one_hot(tokens: torch.Tensor, draft: DraftShard) -> torch.Tensor:
     """[k] greedy draft tokens -> their q [k, V]: what draft_choose gives a greedy row."""
-    vocab = draft.model.vocab_size
-    return torch.nn.functional.one_hot(tokens, vocab).to(torch.float32)
+    return torch.nn.functional.one_hot(tokens, draft.q_width).to(torch.float32)
 
 
 def commit_draft(draft: DraftShard, slots: list[int], drafts: list[list[int]],

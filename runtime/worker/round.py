@@ -78,7 +78,7 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
     clock.lap("draft_tokens_transfer_s")
     if need_q:
         if draft_probs is None:
-            draft_probs = torch.zeros(batch, k, shard.model.vocab_size, device=dev)
+            draft_probs = torch.zeros(batch, k, _q_width(parts), device=dev)
         bridge_broadcast(draft_probs, parts.draft_leader, parts.bridge)
     clock.lap("draft_probs_transfer_s")
     # 3. target: one forward over pending + k drafts; accept a prefix, add one token of its own
@@ -124,7 +124,7 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     draft_tokens, ready = sent[:, :k], sent[:, k]                          # [B, k], [B]
     if need_q:
         if draft_probs is None:
-            draft_probs = torch.zeros(batch, k, (target or draft).model.vocab_size, device=dev)
+            draft_probs = torch.zeros(batch, k, _q_width(parts), device=dev)
         bridge_broadcast(draft_probs, parts.draft_leader, parts.bridge)
     clock.lap("draft_transfer_s")
     # 3. at once: the target verifies, the draft drafts the next window
@@ -208,6 +208,14 @@ def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], param
     for i, row in zip(ends, rows):
         tokens[i] = row
     return _result(parts, start, clock, tokens, [0] * len(slots))
+
+
+def _q_width(parts: RoundParts) -> int:
+    """The width of the draft's q on the bridge: the target's vocab_size (a draft padded
+    differently widens its q to it: runtime.speculation.vocab)."""
+    if parts.target is not None:
+        return parts.target.model.vocab_size
+    return parts.draft.q_width
 
 
 def _rows(index: list[int], *columns: list | None) -> list[list | None]:

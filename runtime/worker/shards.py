@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from runtime.speculation.choose import BatchSampling, draft_choose
+from runtime.speculation.vocab import DraftVocab
 from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
 from runtime.worker.block_tables import SlotTables
@@ -144,10 +145,26 @@ class DraftShard(ModelShard):
     round's proposals right after a commit (`propose_ahead`: the GPU drafts while the verdict
     travels to the orchestrator and the next command travels back), and with overlap each
     kept slot's next window, drafted during the verify (`draft_window`). A round that fits
-    (same slots in the same states, k no larger) takes those proposals; others forget them."""
+    (same slots in the same states, k no larger) takes those proposals; others forget them.
+
+    `vocab` (runtime.speculation.vocab.DraftVocab) is set when the draft's embedding is
+    padded differently from the target's: proposals are then ids < vocab.propose, q is as
+    wide as the target's vocabulary, and ids fed in are clamped into the draft's embedding."""
 
     refeeds_last = True
     ahead: Extension | None = None
+    vocab: DraftVocab | None = None
+
+    @property
+    def q_width(self) -> int:
+        """The width of the q it sends: the target's vocab_size."""
+        return self.model.vocab_size if self.vocab is None else self.vocab.width
+
+    def _step(self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None,
+              logits: bool | str = True) -> torch.Tensor | None:
+        if self.vocab is not None:
+            ids = self.vocab.inputs(ids)
+        return super()._step(slots, ids, n_valid, logits)
 
     @property
     def windows(self) -> dict[int, Extension]:
@@ -194,7 +211,7 @@ class DraftShard(ModelShard):
             last = to_device([len(p) - 1 for p in pending], torch.long, self.device)
             logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
         sampling, index = self.sampling(slots), self.committed_index(slots)   # index [B]
-        token, q = draft_choose(logits, sampling, index, self.acceptance)
+        token, q = draft_choose(logits, sampling, index, self.acceptance, self.vocab)
         return self._continue(slots, [token], [] if q is None else [q], k, sampling, index)
 
     def _continue(self, slots: list[int], tokens: list[torch.Tensor],
@@ -205,7 +222,7 @@ class DraftShard(ModelShard):
         each row's first proposal."""
         for i in range(len(tokens), k):
             logits = self._step(slots, tokens[-1][:, None])[:, -1]        # [B, V]
-            token, q = draft_choose(logits, sampling, index + i, self.acceptance)
+            token, q = draft_choose(logits, sampling, index + i, self.acceptance, self.vocab)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
