@@ -199,6 +199,7 @@ def _main(argv: list[str]) -> int:
         topology = config.topology()
         if env.world_size is not None:
             topology.check_world_size(env.world_size)
+        _check_nodes(config, env)
     except ConfigError as exc:   # names its dotted key, and lists config keys as they are
         return _fail(str(exc))
     except (LaunchError, ValueError, FileNotFoundError) as exc:
@@ -216,6 +217,20 @@ def _main(argv: list[str]) -> int:
                         stream=args.stream)
     return serve_forever(config, env, http=http, metrics=metrics, quiet=args.quiet,
                          served_model_name=args.served_model_name)
+
+
+def _check_nodes(config, env) -> None:
+    """Devices that name their node against where the launcher put the ranks, on every rank
+    (runtime.config.nodes); on several nodes also this node's CUDA indices, which rank 0's
+    config checks cannot see."""
+    from runtime.config.nodes import check_nodes
+
+    def cuda_count() -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    check_nodes(config, env.layout, cuda_count if env.layout.nodes > 1 else None)
 
 
 def _load(args, check_devices: bool):

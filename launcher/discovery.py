@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from parallel.nodes import NodeLayout
 
 MPI_ENV_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS")
 
@@ -23,6 +25,7 @@ class LaunchEnv:
     rank: int
     world_size: int | None  # None: rank 0 decides (spawn, mpi-spawn)
     init_method: str | None  # torch.distributed init method; None: rank 0 picks a port
+    layout: NodeLayout = field(default_factory=lambda: NodeLayout.one_host("tandem run"))
 
     @property
     def is_orchestrator(self) -> bool:
@@ -68,16 +71,53 @@ def discover() -> LaunchEnv:
         return LaunchEnv("spawn", 0, None, None)
     if under_torchrun():
         return LaunchEnv("torchrun", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         "env://")
+                         "env://", torchrun_layout(os.environ))
     if under_mpi():
         survive_mpi_fault_notice()
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
         if comm.Get_size() == 1:
-            return LaunchEnv("mpi-spawn", 0, None, None)
-        return LaunchEnv("mpi", comm.Get_rank(), comm.Get_size(), _mpi_init_method(comm))
+            return LaunchEnv("mpi-spawn", 0, None, None,
+                             NodeLayout.one_host("mpirun -n 1 (rank 0 spawns the workers)"))
+        init_method = _mpi_init_method(comm)
+        return LaunchEnv("mpi", comm.Get_rank(), comm.Get_size(), init_method,
+                         mpi_layout(comm))
     return LaunchEnv("spawn", 0, None, None)
+
+
+def torchrun_layout(env) -> NodeLayout:
+    """torchrun places ranks node by node: node g (GROUP_RANK) runs LOCAL_WORLD_SIZE ranks
+    from RANK - LOCAL_RANK on, of GROUP_WORLD_SIZE nodes. A rank knows its own node's block,
+    and with 1 or 2 nodes every block (the other node holds the rest)."""
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    local = int(env.get("LOCAL_WORLD_SIZE", world))
+    first = rank - int(env.get("LOCAL_RANK", 0))
+    node = int(env.get("GROUP_RANK", first // max(local, 1)))
+    nodes = int(env.get("GROUP_WORLD_SIZE", -(-world // max(local, 1))))
+    nodes = max(nodes, node + 1)
+    blocks = {node: (first, local)}
+    if nodes == 2:
+        other = (0, first) if node == 1 else (local, world - local)
+        blocks[1 - node] = other
+    return NodeLayout.from_blocks("torchrun", nodes, world, rank, blocks)
+
+
+def mpi_layout(comm) -> NodeLayout:
+    """Each rank's host, told apart by MPI (the ranks that share memory), named by the lowest
+    rank on it; exchanged as plain ints (nothing pickled)."""
+    from array import array
+
+    from mpi4py import MPI
+
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    lowest = array("i", [0])
+    node_comm.Allreduce([array("i", [comm.Get_rank()]), MPI.INT], [lowest, MPI.INT],
+                        op=MPI.MIN)
+    node_comm.Free()
+    hosts = array("i", [0] * comm.Get_size())
+    comm.Allgather([lowest, MPI.INT], [hosts, MPI.INT])
+    return NodeLayout.from_hosts("mpirun", list(hosts), comm.Get_rank())
 
 
 def _mpi_init_method(comm) -> str:

@@ -3,6 +3,9 @@
 Rank 0 is the orchestrator. Every distinct device of draft.devices ∪ target.devices gets one
 worker rank (1, 2, ...), in order of first appearance in draft.devices, then target.devices.
 A device in both lists hosts both shards (co-location), so no two ranks share a device.
+Devices that name their node (parallel.devices) take their ranks node by node, as torchrun
+and mpirun place ranks: rank 0 and node 0's devices first, then node 1's, and so on (within
+a node, in order of first appearance); parallel.nodes checks that against the launch.
 """
 from __future__ import annotations
 
@@ -159,13 +162,15 @@ def _as_devices(devices: Sequence[Device], name: str) -> list[Device]:
 
 def build_topology(draft_devices: Sequence[Device],
                    target_devices: Sequence[Device]) -> Topology:
-    """One worker per distinct device, ranks in order of first appearance (draft, then target)."""
+    """One worker per distinct device, ranks in order of first appearance (draft, then
+    target); devices that name their node, node by node (stable within a node)."""
     draft = _as_devices(draft_devices, "draft")
     target = _as_devices(target_devices, "target")
     order: list[Device] = []
     for d in draft + target:
         if d not in order:
             order.append(d)
+    order.sort(key=lambda d: d.node or 0)   # stable: no named node, no change
     workers = tuple(
         WorkerSpec(rank=i + 1, device=d,
                    draft_tp_rank=draft.index(d) if d in draft else None,

@@ -9,13 +9,14 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from parallel.devices import Device
 from parallel.topology import Topology, build_topology
 from runtime.config import values as check
+from runtime.config.nodes import resolve_config_nodes
 from runtime.config.values import ACCEPTANCE_MODES, DTYPES
 from runtime.errors import ConfigError
 from runtime.models.loading import hub
@@ -141,6 +142,10 @@ class TandemConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
+        draft, target = resolve_config_nodes(self.draft.devices, self.target.devices)
+        if (draft, target) != (self.draft.devices, self.target.devices):   # `1` = `n0:1`
+            object.__setattr__(self, "draft", replace(self.draft, devices=draft))
+            object.__setattr__(self, "target", replace(self.target, devices=target))
         shared = sorted(map(str, set(self.draft.devices) & set(self.target.devices)))
         if self.speculation.overlap is True and shared:
             raise ConfigError("speculation.overlap", f"true needs disjoint device lists, but "
@@ -256,7 +261,7 @@ def parse_device(value: Any, key: str) -> Device:
 
 def _parse_devices(value: Any, key: str) -> tuple[Device, ...]:
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(key, f"must be a list like [0, 1] or [cpu:0], got "
+        raise ConfigError(key, f"must be a list like [0, 1], [cpu:0] or [n1:0], got "
                                f"{check.describe(value)}")
     if not value:
         raise ConfigError(key, "must list at least one device")

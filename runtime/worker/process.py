@@ -150,8 +150,9 @@ class Worker:
                                            self.config.runtime.step_timeout_s)
         self.device = self.spec.device.torch_device
         if self.device.type == "cuda":
-            # multi-node: config ids are global, each node numbers its own GPUs from 0
-            self.device = torch.device("cuda", self.device.index % torch.cuda.device_count())
+            if self.spec.device.node is None:
+                # ids without a node (unlike n1:0) are global; each node counts from 0
+                self.device = torch.device("cuda", self.device.index % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
             # cuDNN attention builds a new plan for every new KV length (tens of ms each);
             # the KV length changes every round, so use the flash / memory-efficient kernels

@@ -84,11 +84,15 @@ def test_auto_target_only_rounds_under_tp(models, tmp_path):
     assert all(0 < only < rounds for only, rounds in counts), counts
 
 
-def test_two_nodes_simulated(models, reference, tmp_path):
+@pytest.mark.parametrize("draft_devices, target_devices", [
+    (["cpu:0"], ["cpu:1", "cpu:2"]),                  # global numbering
+    (["cpu:0"], ["n1:cpu:0", "n1:cpu:1"]),            # each node's own (docs/multinode.md)
+], ids=["global", "per-node"])
+def test_two_nodes_simulated(models, reference, tmp_path, draft_devices, target_devices):
     """Two torchrun agents (node ranks 0 and 1) on localhost, 2 processes each: the
     orchestrator and the draft on node 0, the TP-2 target on node 1."""
     cfg = launch.write_config(tmp_path / "c.yaml", models["a_near"], models["a"],
-                              ["cpu:0"], ["cpu:1", "cpu:2"], draft_len=3)
+                              draft_devices, target_devices, draft_len=3)
     port = str(free_port())
     procs = []
     for node in (0, 1):
