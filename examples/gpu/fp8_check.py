@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from examples.gpu.graphs_check import decode  # noqa: E402
 from runtime.bench.metrics import step_time, weight_bytes_per_step  # noqa: E402
 from runtime.models import load_model  # noqa: E402
-from runtime.models.arch import fused, kernels, quant  # noqa: E402
+from runtime.models.arch import fused, quant
+from runtime.models import kernels# noqa: E402
 from runtime.models.runners.step_runner import StepRunner  # noqa: E402
 from runtime.models.loading.synthetic import SHAPES, build_pair  # noqa: E402
 

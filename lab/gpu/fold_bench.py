@@ -1,5 +1,5 @@
 """Microbenchmark of RoPE folded into the attention kernel: the RoPE / KV-write kernel then
-slot_attention over the stacked queries (runtime/models/arch/kernels/rope.py, attention.py)
+slot_attention over the stacked queries (runtime/models/kernels/rope.py, attention.py)
 against slot_attention of the step's NewTokens, which rotates the queries and writes the new
 keys and values in its partial kernel (one launch fewer). bf16 activations, or the fused FP8
 path's raw float32 qkv output with its scales (--fp8); the 8b shape (32 query heads, 8 KV
@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from lab.gpu.kernel_bench import graphed_us  # noqa: E402
 from runtime.models.arch.cache import ExtendBatch, KVCache, blocks_for  # noqa: E402
-from runtime.models.arch.kernels import rope  # noqa: E402
-from runtime.models.arch.kernels.attention import slot_attention  # noqa: E402
+from runtime.models.kernels import rope  # noqa: E402
+from runtime.models.kernels.attention import slot_attention  # noqa: E402
 
 N_HEADS, N_KV, DIM, CACHE = 32, 8, 128, 4096 + 16
 

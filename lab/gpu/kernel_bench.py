@@ -1,4 +1,4 @@
-"""Microbenchmark of the Triton decode/verify attention (runtime/models/arch/kernels/attention.py)
+"""Microbenchmark of the Triton decode/verify attention (runtime/models/kernels/attention.py)
 against the eager path it replaces (runtime.models.arch.attention.grouped_attention over the cache
 views, with the mask built per step), on the decode shapes of the synthetic models; and, for
 the FP8 path, the plain kernel followed by fused.fp8_quantize_rows of its output against the
@@ -30,8 +30,8 @@ from runtime.models.arch.attention import grouped_attention  # noqa: E402
 from runtime.models.arch.cache import ExtendBatch, KVCache, blocks_for  # noqa: E402
 from runtime.models.arch import fused  # noqa: E402
 from runtime.models.arch.fused import fp8_quantize_rows, stack_heads  # noqa: E402
-from runtime.models.arch.kernels import attention as kernel_module  # noqa: E402
-from runtime.models.arch.kernels.attention import slot_attention  # noqa: E402
+from runtime.models.kernels import attention as kernel_module  # noqa: E402
+from runtime.models.kernels.attention import slot_attention  # noqa: E402
 
 SHAPES = {"8b": (32, 8, 128), "70b-tp1": (64, 8, 128), "1b": (32, 8, 64)}  # H, Hkv, D
 REPEAT = 20

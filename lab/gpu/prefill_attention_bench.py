@@ -1,4 +1,4 @@
-"""Microbenchmark of the prefill flash-attention kernel (runtime/models/arch/kernels/
+"""Microbenchmark of the prefill flash-attention kernel (runtime/models/kernels/
 prefill_attention.py, issue 36) against the two torch paths a long prompt's chunks can take.
 
 A prompt of P tokens is prefilled in chunks of C tokens (one row); each chunk attends over
@@ -65,7 +65,7 @@ from runtime.models.arch.attention import grouped_attention  # noqa: E402
 from runtime.models.arch.cache import ExtendBatch, KVCache, blocks_for  # noqa: E402
 from runtime.models.arch import fused  # noqa: E402
 from runtime.models.arch.fused import stack_heads  # noqa: E402
-from runtime.models.arch.kernels import prefill_attention as kernel  # noqa: E402
+from runtime.models.kernels import prefill_attention as kernel  # noqa: E402
 import triton  # noqa: E402
 
 DEV = torch.device(ARGS.device)

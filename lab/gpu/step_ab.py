@@ -43,7 +43,7 @@ import torch._inductor.config as inductor_config
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models import load_model  # noqa: E402
 from runtime.models.arch import fused  # noqa: E402
-from runtime.models.arch.kernels import attention as attention_kernel  # noqa: E402
+from runtime.models.kernels import attention as attention_kernel  # noqa: E402
 from runtime.models.runners.step_runner import StepRunner  # noqa: E402
 from runtime.models.loading.synthetic import build_pair  # noqa: E402
 

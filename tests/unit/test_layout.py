@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = {"api", "serving", "control", "worker", "speculation", "models", "bench", "config"}
-MODEL_ROOMS = {"arch", "loading", "runners"}
+MODEL_ROOMS = {"arch", "kernels", "loading", "runners"}
 PACKAGES = ("runtime", "launcher", "parallel")
 
 

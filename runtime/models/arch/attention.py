@@ -12,14 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.arch import fused, kernels
+from runtime.models import kernels
+from runtime.models.arch import fused
 from runtime.models.arch.cache import ExtendBatch, KVCache
 from runtime.models.arch.model_args import ModelArgs
 from runtime.models.arch.norms import RMSNorm
 from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 
 if TYPE_CHECKING:   # Triton's module: imported where the kernels run
-    from runtime.models.arch.kernels.rope import NewTokens
+    from runtime.models.kernels.rope import NewTokens
 
 SMALL_QUERY = 64   # up to this many query rows per KV head: explicit matmul-softmax-matmul
 SLOT_KERNEL_ROWS = 128  # up to this many: the Triton kernel over the cache (when enabled)
@@ -128,7 +129,7 @@ class Attention(nn.Module):
         more, a head_dim it takes): then the separate RoPE kernel is not launched."""
         if not (kernels.enabled() and self._slot_kernel(seq)):
             return False
-        from runtime.models.arch.kernels import attention as kernel
+        from runtime.models.kernels import attention as kernel
 
         return seq >= kernel.FOLD_ROPE_MIN_SEQ and kernel.fits_head_dim(self.head_dim)
 
@@ -149,7 +150,7 @@ class Attention(nn.Module):
         by fused.fp8_quantize_heads after it."""
         cache = self.kv_cache
         if kernels.enabled() and self._slot_kernel(seq):
-            from runtime.models.arch.kernels.attention import fp8_combine_pays
+            from runtime.models.kernels.attention import fp8_combine_pays
 
             in_combine = quantize and fp8_combine_pays(q, batch.capacity, seq)
             out = slot_attention(q, cache.k_cache, cache.v_cache, batch.block_table,
@@ -168,22 +169,22 @@ class Attention(nn.Module):
 
 
 def rope_kernel():
-    """runtime.models.arch.kernels.rope, imported on first use (Triton)."""
-    from runtime.models.arch.kernels import rope
+    """runtime.models.kernels.rope, imported on first use (Triton)."""
+    from runtime.models.kernels import rope
 
     return rope
 
 
 def prefill_kernel():
-    """runtime.models.arch.kernels.prefill_attention, imported on first use (Triton): the
+    """runtime.models.kernels.prefill_attention, imported on first use (Triton): the
     flash-attention kernel of steps too long for the slot kernel (prompt chunks)."""
-    from runtime.models.arch.kernels import prefill_attention
+    from runtime.models.kernels import prefill_attention
 
     return prefill_attention
 
 
 def rotary_write(*args, scales: tuple = ()) -> torch.Tensor:
-    """runtime.models.arch.kernels.rope.rotary_write (one Triton kernel) when the kernels are on and
+    """runtime.models.kernels.rope.rotary_write (one Triton kernel) when the kernels are on and
     it takes these tensors, else fused.rotary_write (same arguments). scales: an FP8 cache's
     KVCache.scales (the kernel's trailing arguments, or fused.rotary_write_kv8's)."""
     if kernels.enabled() and rope_kernel().fits(*args[:5]):
@@ -194,7 +195,7 @@ def rotary_write(*args, scales: tuple = ()) -> torch.Tensor:
 
 
 def rotary_write_fp8(*args, scales: tuple = ()) -> torch.Tensor:
-    """runtime.models.arch.kernels.rope.rotary_write_fp8 (one Triton kernel) when the kernels are
+    """runtime.models.kernels.rope.rotary_write_fp8 (one Triton kernel) when the kernels are
     on and it takes these tensors, else fused.rotary_write_fp8 (same arguments); scales as
     rotary_write's (fused.rotary_write_fp8_kv8)."""
     if kernels.enabled():
@@ -207,8 +208,8 @@ def rotary_write_fp8(*args, scales: tuple = ()) -> torch.Tensor:
 
 
 def slot_attention(*args, **kwargs) -> torch.Tensor:
-    """runtime.models.arch.kernels.attention.slot_attention, imported on first use (Triton)."""
-    from runtime.models.arch.kernels.attention import slot_attention as kernel
+    """runtime.models.kernels.attention.slot_attention, imported on first use (Triton)."""
+    from runtime.models.kernels.attention import slot_attention as kernel
 
     return kernel(*args, **kwargs)
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.models.arch import attention, kernels
+from runtime.models.arch import attention
+from runtime.models import kernels
 from runtime.models.runners.graphs import kv_bucket, kv_buckets, record_graph
 from runtime.models.runners.hostcopy import copy_into, to_device
 from runtime.models.runners.tables import StaticTable

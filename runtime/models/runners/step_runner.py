@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 
 from runtime.models.runners.hostcopy import copy_into, to_device
-from runtime.models.arch import fused, kernels
+from runtime.models.arch import fused
+from runtime.models import kernels
 from runtime.models.runners.graphs import batch_buckets, kv_bucket, kv_buckets, record_graph
 from runtime.models.runners.prefill_runner import PrefillRunner
 from runtime.models.runners.tables import StaticTable, device_table

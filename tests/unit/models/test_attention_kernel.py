@@ -1,4 +1,4 @@
-"""The slot-attention kernel (runtime/models/arch/kernels/attention.py) over a long cache with short
+"""The slot-attention kernel (runtime/models/kernels/attention.py) over a long cache with short
 rows, where most chunks are dead, and its FP8 variant (quantize=True), under the Triton
 interpreter on the CPU. Every buffer the kernel allocates starts NaN-filled here, so a read
 of a partial that no program wrote poisons the output."""
@@ -16,7 +16,7 @@ from runtime.models.arch.attention import grouped_attention
 from tests import paged
 from runtime.models.arch import fused
 from runtime.models.arch.fused import stack_heads
-from runtime.models.arch.kernels import attention as kernel, available
+from runtime.models.kernels import attention as kernel, available
 
 assert available(torch.device("cpu"))
 torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""runtime/models/arch/kernels/e4m3.py's rounding under the Triton interpreter on the CPU: bit for bit
+"""runtime/models/kernels/e4m3.py's rounding under the Triton interpreter on the CPU: bit for bit
 torch's round-to-nearest-even cast to e4m3 (the interpreter's own cast is not)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ CASES = r'''
 import torch
 import triton
 import triton.language as tl
-from runtime.models.arch.kernels.e4m3 import e4m3_rne
+from runtime.models.kernels.e4m3 import e4m3_rne
 
 FP8 = torch.float8_e4m3fn
 torch.manual_seed(0)

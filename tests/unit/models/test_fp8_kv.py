@@ -215,8 +215,9 @@ def test_bytes_count_scales_and_one_byte_values(soft_llama):
 KERNEL_SCRIPT = r'''
 import sys
 import torch
-from runtime.models.arch import fused, kernels, quant
-from runtime.models.arch.kernels import attention as attention_kernel, rope
+from runtime.models.arch import fused, quant
+from runtime.models import kernels
+from runtime.models.kernels import attention as attention_kernel, rope
 from tests.unit.models.test_fp8_kv import (KERNEL_STEPS, assert_fp8_close_to_auto, build,
                                            check_corruption, max_err, padding_writes, run_steps)
 from tests.interpreted import count_calls

@@ -1,4 +1,4 @@
-"""The Triton kernels (runtime/models/arch/kernels/) against their eager references, on small shapes,
+"""The Triton kernels (runtime/models/kernels/) against their eager references, on small shapes,
 under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set before triton loads)."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from runtime.models.arch.attention import grouped_attention
 from runtime.models.arch.cache import ExtendBatch, KVCache
 from runtime.models.arch import fused
 from runtime.models.arch.fused import stack_heads
-from runtime.models.arch.kernels import available, rope
-from runtime.models.arch.kernels.attention import slot_attention
+from runtime.models.kernels import available, rope
+from runtime.models.kernels.attention import slot_attention
 from runtime.models.arch.rope import RotaryEmbedding, compute_inv_freq
 from tests import paged
 
@@ -198,8 +198,9 @@ MODEL_CASE = r'''
 import sys
 import torch
 from runtime.models import load_model
-from runtime.models.arch import kernels, quant
-from runtime.models.arch.kernels import attention as attention_kernel, rope
+from runtime.models.arch import quant
+from runtime.models import kernels
+from runtime.models.kernels import attention as attention_kernel, rope
 from tests.interpreted import count_calls
 
 path, quantization = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None

@@ -1,4 +1,4 @@
-"""The prefill flash-attention kernel (runtime/models/arch/kernels/prefill_attention.py) against
+"""The prefill flash-attention kernel (runtime/models/kernels/prefill_attention.py) against
 its eager reference, grouped_attention over KVCache.read and ExtendBatch.mask, under the
 Triton interpreter on the CPU (TRITON_INTERPRET=1 set before triton loads): chunks with and
 without a cached prefix, shuffled block tables, ragged rows with padding queries, GQA and
@@ -19,8 +19,8 @@ from runtime.models.arch import fused
 from runtime.models.arch.attention import grouped_attention
 from runtime.models.arch.cache import KVCache, blocks_for
 from runtime.models.arch.fused import stack_heads
-from runtime.models.arch.kernels import available
-from runtime.models.arch.kernels import prefill_attention as kernel
+from runtime.models.kernels import available
+from runtime.models.kernels import prefill_attention as kernel
 from tests import paged
 
 assert available(torch.device("cpu"))

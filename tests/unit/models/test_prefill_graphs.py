@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.models import load_model
-from runtime.models.arch import kernels
+from runtime.models import kernels
 from runtime.models.runners.prefill_runner import MAX_TOKENS, PrefillRunner
 from runtime.models.runners.graphs import batch_buckets, kv_bucket
 from runtime.models.runners.step_runner import StepRunner
@@ -179,7 +179,7 @@ KERNEL_CASE = r'''
 import sys
 import torch
 from runtime.models import load_model
-from runtime.models.arch import kernels
+from runtime.models import kernels
 from runtime.models.runners.prefill_runner import PrefillRunner
 
 path = sys.argv[1]

@@ -16,7 +16,7 @@ epilogue: q, k and v are slices of its raw float32 output, rescaled per token an
 channel (+ bias) and rounded to the activation dtype before the rotation, as fp8_rescale
 does; compiled, that path was two kernels.
 
-Steps of several tokens a row skip this kernel: runtime.models.arch.kernels.attention's partial
+Steps of several tokens a row skip this kernel: runtime.models.kernels.attention's partial
 kernel rotates and writes the step's NewTokens itself, through new_rows / write_new_kv here
 (the same arithmetic).
 """
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.models.arch.kernels.fp8_kv import check_pools, kv_quantize, kv_scale, scale_args
+from runtime.models.kernels.fp8_kv import check_pools, kv_quantize, kv_scale, scale_args
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def rotated(src, col, dims, mask, cos, sin, xs, ws_ptr, b_ptr, HALF: tl.constexp
     """RoPE of a tile of heads, float32: src / col the pointers / raw columns of each row's
     element 0 ([R, 1]), dims [1, D], cos / sin [R, D] float32. The same arithmetic as
     _rope_write_kernel (lo * cos - hi * sin, hi * cos + lo * sin), the halves read twice
-    instead of split: runtime.models.arch.kernels.attention folds it into its partial kernel."""
+    instead of split: runtime.models.kernels.attention folds it into its partial kernel."""
     low = dims < HALF
     swap = tl.where(low, dims + HALF, dims - HALF)
     x = _load_masked(src + dims, col + dims, mask, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, ACT)
@@ -65,7 +65,7 @@ def rotated(src, col, dims, mask, cos, sin, xs, ws_ptr, b_ptr, HALF: tl.constexp
 def new_rows(src, col, tok, ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct,
              stride_xs, ROTATE: tl.constexpr, D: tl.constexpr, RAW: tl.constexpr,
              HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
-    """Rows of the step's new q / k (ROTATE) or v (runtime.models.arch.kernels.attention's partial
+    """Rows of the step's new q / k (ROTATE) or v (runtime.models.kernels.attention's partial
     kernel reads them through these two): src / col [R, 1] each row's element 0 and
     raw column, tok [R] its token, ok [R]; float32 [R, BLOCK_D], masked rows 0."""
     mask = ok[:, None] & (dims[None, :] < D)

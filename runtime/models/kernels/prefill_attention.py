@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.models.arch.kernels.fp8_kv import check_pools, scale_args
+from runtime.models.kernels.fp8_kv import check_pools, scale_args
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by BLOCK_D on a GPU, measured on an H200 (bf16,
 # lab/gpu/prefill_attention_bench.py --configs: one row, 8k / 32k prompts in chunks of 512 to

@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from runtime.models.arch import fused
-from runtime.models.arch.kernels.e4m3 import e4m3_rne
-from runtime.models.arch.kernels.fp8_kv import check_pools, scale_args
-from runtime.models.arch.kernels.rope import NewTokens, new_rows, write_new_kv
+from runtime.models.kernels.e4m3 import e4m3_rne
+from runtime.models.kernels.fp8_kv import check_pools, scale_args
+from runtime.models.kernels.rope import NewTokens, new_rows, write_new_kv
 
 # KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
 # idle, so they get short chunks: more programs, a shorter serial loop in each (measured on an

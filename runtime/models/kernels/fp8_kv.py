@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from runtime.models.arch import fused
-from runtime.models.arch.kernels.e4m3 import e4m3_rne
+from runtime.models.kernels.e4m3 import e4m3_rne
 
 FP8_MAX = tl.constexpr(fused.FP8_MAX)
 AMAX_FLOOR = tl.constexpr(fused.KV_AMAX_FLOOR)
