@@ -36,7 +36,9 @@ def check_backend(cfg: TandemConfig) -> None:
 
 
 def check_cuda(cfg: TandemConfig) -> None:
-    cuda = [(key, d) for key, d in all_devices(cfg) if d.kind == "cuda"]
+    """Every CUDA device of the job's global numbering exists here; a device that names its
+    node is checked by the ranks of that node (runtime.config.nodes)."""
+    cuda = [(key, d) for key, d in all_devices(cfg) if d.kind == "cuda" and d.node is None]
     if not cuda:
         return
     import torch
@@ -160,7 +162,8 @@ def check_kv_memory(cfg: TandemConfig) -> None:
 
     per_device: dict[Device, list[tuple[str, int, float | None]]] = {}
     for name, model in model_lists(cfg):
-        cuda = [device for device in model.devices if device.kind == "cuda"]
+        cuda = [device for device in model.devices   # this host's: node 0 or not named
+                if device.kind == "cuda" and not device.node]
         need = kv_cache_bytes(cfg, model, inspect_checkpoint(model.model)) if cuda else None
         for device in cuda if need is not None else ():
             per_device.setdefault(device, []).append((name, need, model.kv_cache_memory))

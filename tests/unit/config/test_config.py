@@ -327,6 +327,17 @@ def test_cuda_device_count_checked(monkeypatch):
     assert _load(bad).target.tp_size == 2        # check_devices=False skips it
 
 
+def test_devices_naming_their_node_are_checked_on_that_node(monkeypatch):
+    """A config naming nodes leaves each node's CUDA indices to the ranks there
+    (runtime.config.nodes): the config check here counts none of them."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = _base(draft={"model": "/d", "devices": ["n0:0"]},
+                target={"model": "/t", "devices": ["n1:0", "n1:1"]})
+    assert _load(cfg, check_devices=True).target.devices[1] == Device("cuda", 1, node=1)
+    _error(_base(draft={"model": "/d", "devices": [0]}, target={"model": "/t", "devices": [1]}),
+           "target.devices", "1 CUDA device", check_devices=True)
+
+
 def test_no_cuda_at_all(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     _error(_base(draft={"model": "/d", "devices": [0]}, target={"model": "/t", "devices": [0]}),
