@@ -1,7 +1,7 @@
 """Two hosts for real: two network namespaces joined by a veth pair (private addresses), each
 with its own host name, and one torchrun agent in each (`--nnodes 2`, static rendezvous on
 the first one's address). Namespace 1 runs the orchestrator (rank 0, `tandem serve`) and the
-draft (cpu:0); namespace 2 a TP-2 target (cpu:1, cpu:2: the config's global numbering). The
+draft (cpu:0, node 0); namespace 2 a TP-2 target (n1:cpu:0, n1:cpu:1: CPU slots of node 1). The
 control plane binds to namespace 1's address and is signed (TANDEM_AUTH_KEY_FILE); gloo
 talks over the veth (GLOO_SOCKET_IFNAME). Clients run in namespace 1.
 
@@ -162,8 +162,8 @@ def setup(hosts, tmp_path_factory):
     target = checkpoints.build_checkpoint(root / "target", "llama", seed=0, eos_token_id=None,
                                           max_position_embeddings=2048)
     draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
-    cfg = launch.write_config(root / "c.yaml", draft, target, ["cpu:0"], ["cpu:1", "cpu:2"],
-                              draft_len=3, max_seq_len=2048)
+    cfg = launch.write_config(root / "c.yaml", draft, target, ["cpu:0"],
+                              ["n1:cpu:0", "n1:cpu:1"], draft_len=3, max_seq_len=2048)
     key = root / "key"
     key.write_text(secrets.token_hex(32))
     key.chmod(0o600)
