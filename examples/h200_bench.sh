@@ -3,6 +3,10 @@
 #   bash examples/h200_bench.sh OUTDIR check k4 auto-0.02 eps-0.05 auto-0.2 batch16
 #   bash examples/h200_bench.sh OUTDIR fp8-auto-0.02 auto-0.02 fp8-70b-0.01   # README's table
 #   bash examples/h200_bench.sh OUTDIR tp2-smoke 70b-0.01      # two H200s: target TP 2
+#   bash examples/h200_bench.sh OUTDIR family-qwen3-8b family-olmo2-7b family-phi3-mini
+#       (the other native families, issue 37: auto-0.02 on the synthetic shape of Qwen3-8B,
+#       OLMo-2-1124-7B or Phi-3-mini, runtime/models/loading/synthetic_shapes.py; for OLMo 2
+#       eps scales the post-norms of the layers from K on)
 #   bash examples/h200_bench.sh OUTDIR profile spec-profile    # where the time goes
 #   bash examples/h200_bench.sh OUTDIR fp8-check profile-fp8 profile-fp8-70b
 #       (FP8 exactness and step times; the FP8 8b and 70b steps' kernels)
@@ -72,6 +76,8 @@ for phase in "$@"; do
         k4) bench k4 --batch-sizes 1 --eps 0.02 --draft-len 4 ${K4_MODES:-} ;;
         auto-0.02) bench auto-0.02 --batch-sizes 1 --eps 0.02 --draft-len auto \
                        --modes target,spec ;;
+        family-*) bench "$phase" --synthetic "${phase#family-}" --batch-sizes 1 --eps 0.02 \
+                      --draft-len auto --modes target,spec ;;
         eps-0.05) bench eps-0.05 --batch-sizes 1 --eps 0.05 --draft-len 4 \
                       --modes target,spec,hf-assisted ;;
         auto-0.2) bench auto-0.2 --batch-sizes 1 --eps 0.2 --draft-len auto --modes target,spec ;;

@@ -7,21 +7,24 @@ import sys
 import warnings
 
 MODES = ("target", "spec", "spec-sequential", "hf", "hf-compiled", "hf-assisted")
-SHAPES = ("tiny", "small", "1b", "8b", "70b")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
+    from runtime.models.loading.synthetic_shapes import SHAPES   # torch-free
+
     p = sub.add_parser("bench", help="benchmark tandem against the target alone and "
                        "transformers", description="Run the modes side by side on the same "
                        "seeded random prompts; print a table, optionally write JSON.")
     p.add_argument("config", nargs="?", help="YAML config whose draft/target to use "
                    "(instead of --synthetic; default: none)")
-    p.add_argument("--synthetic", choices=SHAPES, default=None,
-                   help="build a random Llama-shaped pair (default tiny without CONFIG)")
+    p.add_argument("--synthetic", choices=list(SHAPES), default=None,
+                   help="build a random pair of this shape: Llama tiny..70b, or the Qwen3, "
+                        "OLMo 2, Phi-3 shapes (default tiny without CONFIG)")
     p.add_argument("--draft-layers", type=int, default=2,
                    help="synthetic draft = the target's first K layers (default 2)")
     p.add_argument("--eps", type=float, default=0.02,
-                   help="scale of the synthetic target's o_proj/down_proj from layer K on")
+                   help="scale of the synthetic target's o_proj/down_proj from layer K on "
+                        "(OLMo 2: its post-norms)")
     p.add_argument("--device", default=None,
                    help="synthetic pair's device, e.g. cuda:0 or cpu (default cuda:0 if "
                         "available)")

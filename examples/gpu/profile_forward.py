@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from runtime.bench.metrics import copy_bandwidth, step_time  # noqa: E402
 from runtime.models import load_model  # noqa: E402
 from runtime.models.runners.step_runner import StepRunner  # noqa: E402
-from runtime.models.loading.synthetic import build_pair  # noqa: E402
+from runtime.models.loading.synthetic import SHAPES, build_pair  # noqa: E402
 
 POSITION, REPLAYS = 300, 5
 
@@ -80,7 +80,7 @@ def gemm_bandwidth(model, device, dtype) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--shape", default="1b", choices=list(SHAPES))
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1],

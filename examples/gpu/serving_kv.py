@@ -42,6 +42,7 @@ from runtime import Engine  # noqa: E402
 from runtime.bench.report import hardware, now, versions  # noqa: E402
 from runtime.bench.settings import BenchSettings, resolve  # noqa: E402
 from runtime.config import load_config  # noqa: E402
+from runtime.models.loading.synthetic_shapes import SHAPES  # noqa: E402
 
 EXPERIMENTS = ("ttft", "serve", "kvdtype")
 DEFAULTS = {   # per experiment: prompt_len, new_tokens, concurrency (flags override)
@@ -53,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiments", nargs="+", choices=EXPERIMENTS)
-    p.add_argument("--synthetic", default="8b", choices=("tiny", "small", "1b", "8b", "70b"))
+    p.add_argument("--synthetic", default="8b", choices=list(SHAPES))
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--eps", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0, help="synthetic weights and prompts")

@@ -59,6 +59,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runtime.bench.report import hardware, now, versions  # noqa: E402
+from runtime.models.loading.synthetic_shapes import SHAPES  # noqa: E402
 from serving_kv import _ms, engine_config, launched  # noqa: E402
 
 
@@ -69,7 +70,7 @@ def _budget(text: str) -> int | None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--synthetic", default="8b", choices=("tiny", "small", "1b", "8b", "70b"))
+    p.add_argument("--synthetic", default="8b", choices=list(SHAPES))
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--eps", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0, help="synthetic weights")

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.bench.modes import MODES
+from runtime.models.loading.synthetic_shapes import CONTEXT as SYNTHETIC_CONTEXT
 
 log = logging.getLogger("tandem.bench")
 KV_CACHE_DTYPES = ("auto", "fp8")
-SYNTHETIC_CONTEXT = 8192   # max_position_embeddings of runtime.models.loading.synthetic pairs
 try:
     from runtime.config.schema import MAX_AUTO_DRAFT_LEN
 except ImportError:   # pragma: no cover - older config without draft_len: auto

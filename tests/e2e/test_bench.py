@@ -236,6 +236,22 @@ def test_tensor_parallel_target_phase(tmp_path):
         assert is_num(spec["c"]) and is_num(spec["efficiency"])
 
 
+def test_qwen3_synthetic_shape(tmp_path):
+    """--synthetic qwen3-tiny (runtime.models.loading.synthetic_shapes): a Qwen3 recipe pair
+    through the target and spec modes, the spec engine's tokens equal the target's (~12 s)."""
+    out = tmp_path / "qwen3.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", "bench", "--synthetic", "qwen3-tiny", "--device",
+         "cpu", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens", str(NEW),
+         "--draft-len", str(K), "--modes", "target,spec", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=launch.clean_env())
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["synthetic"] == "qwen3-tiny"
+    assert rows(report, "target")[1]["status"] == "ok"
+    assert rows(report, "spec")[1]["tokens_equal_target"] is True
+
+
 def test_config_and_synthetic_together_is_a_usage_error(tmp_path, capsys):
     from launcher.cli import main
 

@@ -80,12 +80,12 @@ def build_model(config: Any) -> LlamaForCausalLM:
 def open_weights(path: str | os.PathLike, model: nn.Module | None = None,
                  config: Any = None, device: torch.device | str = "cpu") -> WeightSource:
     """Weight source of a checkpoint; GGUF needs the config and the model's parameter names.
-    A synthetic recipe (runtime.models.loading.synthetic) draws its tensors on `device`."""
+    A synthetic recipe (runtime.models.loading.synthetic) draws its tensors on `device`.
+    Given the model, fused projections (Phi-3's) read as their parts (fused_tensors)."""
     directory, gguf_file = _resolve(path)
-    if gguf_file is None and (directory / RECIPE_FILE).is_file():
-        return SyntheticWeights(directory, device)
     if gguf_file is None:
-        weights = SafetensorsWeights(directory)
+        weights = SyntheticWeights(directory, device) if (directory / RECIPE_FILE).is_file() \
+            else SafetensorsWeights(directory)
         return weights if model is None else split_fused(weights, model.args)
     if model is None or config is None:
         raise ValueError("opening a .gguf needs the model (for tensor names) and its config")

@@ -1,9 +1,11 @@
 """Synthetic draft/target pairs with random weights, for benchmarks and GPU checks.
 
-Target: a Llama-shaped model (normal weights, std 0.02, seed 0). Draft: the target's first K
-layers sharing its embeddings, final norm and LM head. The target's layers from K on have
-o_proj and down_proj scaled by eps, so the draft's agreement with the target falls as eps
-grows. Every FLOP is real; acceptance is measured, never assumed.
+Target: a Llama-family model of one of SHAPES (runtime.models.loading.synthetic_shapes:
+Llama, Qwen3, OLMo 2, Phi-3; normal weights, std 0.02, seed 0; norm weights 1). Draft: the
+target's first K layers sharing its embeddings, final norm and LM head. The target's layers
+from K on have o_proj and down_proj scaled by eps (OLMo 2: their post-norm weights, see
+synthetic_shapes), so the draft's agreement with the target falls as eps grows. Every FLOP
+is real; acceptance is measured, never assumed.
 
 Each tensor is drawn from its own generator, seeded by (seed, tensor name), so a tensor has
 the same values however the pair is built or sharded. A pair is either written out as
@@ -23,40 +25,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
-    # CPU-sized: one thread runs a forward in tens of ms, and its 2-layer draft costs about
-    # 0.3 of it (the overlap benchmark on two CPU slots)
-    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                  num_attention_heads=16, num_key_value_heads=4, vocab_size=4096),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
-}
-
-
-def _config(shape: dict, layers: int) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            **shape, "num_hidden_layers": layers, "hidden_act": "silu",
-            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16"}
-
-
-def _layer_shapes(s: dict) -> dict[str, tuple[int, ...]]:
-    h, i = s["hidden_size"], s["intermediate_size"]
-    d = h // s["num_attention_heads"]
-    kv = s["num_key_value_heads"] * d
-    return {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
-            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
-            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-            "mlp.down_proj.weight": (h, i), "input_layernorm.weight": (h,),
-            "post_attention_layernorm.weight": (h,)}
-
+from runtime.models.loading.synthetic_shapes import SHAPES, config, eps_scaled, layer_shapes
 
 RECIPE_FILE = "synthetic.json"
 
@@ -68,9 +37,9 @@ def tensor_seed(seed: int, name: str) -> int:
 
 def draw_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype,
                 device: torch.device | str, scale: float = 1.0) -> torch.Tensor:
-    """One weight on `device`: ones for norms, else normal(0, 0.02) * scale."""
+    """One weight on `device`: `scale` for norms, else normal(0, 0.02) * scale."""
     if len(shape) == 1:
-        return torch.ones(shape, dtype=dtype, device=device)
+        return torch.full(shape, scale, dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
     t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
     return t.mul_(0.02 * scale).to(dtype)
@@ -84,10 +53,10 @@ def tensor_plan(shape: str, role: str, draft_layers: int, eps: float
     plan = {"model.embed_tokens.weight": (embed, 1.0),
             "model.norm.weight": ((s["hidden_size"],), 1.0), "lm_head.weight": (embed, 1.0)}
     layers = draft_layers if role == "draft" else s["num_hidden_layers"]
+    shapes, scaled_names = layer_shapes(shape), eps_scaled(shape)
     for layer in range(layers):
-        for name, shp in _layer_shapes(s).items():
-            scaled = layer >= draft_layers and name in ("self_attn.o_proj.weight",
-                                                        "mlp.down_proj.weight")
+        for name, shp in shapes.items():
+            scaled = layer >= draft_layers and name in scaled_names
             plan[f"model.layers.{layer}.{name}"] = (shp, eps if scaled else 1.0)
     return plan
 
@@ -206,6 +175,6 @@ def build_pair(out_dir: str | Path, shape: str = "tiny", draft_layers: int = 2,
             recipe = {"shape": shape, "role": role, "draft_layers": draft_layers, "eps": eps,
                       "seed": seed, "dtype": dtype_name}
             (path / RECIPE_FILE).write_text(json.dumps(recipe, indent=1))
-        config = dict(_config(s, layers), torch_dtype=dtype_name)
-        (path / "config.json").write_text(json.dumps(config, indent=1))
+        conf = dict(config(shape, layers), torch_dtype=dtype_name)
+        (path / "config.json").write_text(json.dumps(conf, indent=1))
     return str(out / "draft"), str(out / "target")
