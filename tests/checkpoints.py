@@ -37,8 +37,8 @@ def _tiny_kwargs(**overrides) -> dict:
 def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0,
                      **overrides) -> str:
     """Save a tiny random model of `arch` ('llama', 'qwen2', 'mistral', 'qwen3', 'olmo2',
-    'phi3') to out_dir; return it. Qwen3 and OLMo 2 get head_dim 32 (not hidden / heads);
-    overrides replace any value."""
+    'phi3', 'gemma3_text', 'gemma2') to out_dir; return it. Qwen3 and the Gemmas get head_dim
+    32 (not hidden / heads); overrides replace any value."""
     import transformers
 
     torch.manual_seed(seed)
@@ -56,7 +56,7 @@ def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
         config_class, model_class = (getattr(transformers, n) for n in FAMILIES[arch])
         config = config_class(**{**FAMILY_DEFAULTS.get(arch, {}), **kwargs})
         model = model_class(config)
-        _perturb_norms(model)
+        _perturb_norms(model, offset=0.0 if arch in GEMMA_DEFAULTS else 1.0)
     else:
         raise ValueError(f"unknown arch {arch!r}")
     out_dir = Path(out_dir)
@@ -68,16 +68,27 @@ def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
 FAMILIES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
             "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
             "phi3": ("Phi3Config", "Phi3ForCausalLM")}
-FAMILY_DEFAULTS = {"qwen3": {"head_dim": 32}, "olmo2": {}, "phi3": {}}
+# Gemma: attention scale 24 ** -0.5 (not head_dim's), a window of 4 positions on sliding
+# layers, soft-caps low enough to bend the tiny models' logits (tests.unit.models.test_gemma)
+GEMMA_DEFAULTS = {
+    "gemma3_text": {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "final_logit_softcapping": 3.0},
+    "gemma2": {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
+               "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+}
+FAMILIES.update({"gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+                 "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")})
+FAMILY_DEFAULTS = {"qwen3": {"head_dim": 32}, "olmo2": {}, "phi3": {}, **GEMMA_DEFAULTS}
 
 
 @torch.no_grad()
-def _perturb_norms(model) -> None:
-    """Norm weights (all ones at init) drawn around 1, so a norm applied in the wrong place
-    or over the wrong features changes the logits."""
+def _perturb_norms(model, offset: float = 1.0) -> None:
+    """Norm weights (all `offset` at init: 1, Gemma's 0 as it scales by 1 + w) drawn around
+    it, so a norm applied in the wrong place or over the wrong features changes the logits."""
     for name, param in model.named_parameters():
         if "norm" in name:
-            param.copy_(1 + 0.5 * torch.randn(param.shape))
+            param.copy_(offset + 0.5 * torch.randn(param.shape))
 
 
 def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -16,7 +16,7 @@ from runtime.models import kernels
 from runtime.models.arch import fused
 from runtime.models.arch.cache import ExtendBatch, KVCache
 from runtime.models.arch.model_args import ModelArgs
-from runtime.models.arch.norms import RMSNorm
+from runtime.models.arch.norms import GemmaRMSNorm, RMSNorm
 from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 
 if TYPE_CHECKING:   # Triton's module: imported where the kernels run
@@ -35,6 +35,8 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.sliding_window = args.layer_windows[layer_idx] if args.layer_windows else None
+        self.scale = args.attn_scale or args.head_dim ** -0.5    # of q.k (Gemma: its own)
+        self.softcap = args.attn_softcap   # Gemma 2: scores capped at c * tanh(s / c)
         q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         self.q_proj = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
@@ -45,9 +47,9 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm        # model_args.QK_NORM: q/k normed before RoPE
         if args.qk_norm is not None:       # "head": weight [D]; "full": [H*D] and [Hkv*D]
             per_head = args.qk_norm == "head"
-            eps = args.rms_norm_eps
-            self.q_norm = RMSNorm(args.head_dim if per_head else q_dim, eps)
-            self.k_norm = RMSNorm(args.head_dim if per_head else kv_dim, eps)
+            eps, norm = args.rms_norm_eps, GemmaRMSNorm if args.gemma else RMSNorm
+            self.q_norm = norm(args.head_dim if per_head else q_dim, eps)
+            self.k_norm = norm(args.head_dim if per_head else kv_dim, eps)
 
     def fuse_projections(self) -> None:
         """One GEMM for q, k and v (float or FP8); their weights become views of it."""
@@ -149,22 +151,24 @@ class Attention(nn.Module):
         attention kernel's combine where that pays (kernels.attention.fp8_combine_pays), else
         by fused.fp8_quantize_heads after it."""
         cache = self.kv_cache
+        logits = dict(scale=self.scale, softcap=self.softcap)   # per layer (Gemma)
         if kernels.enabled() and self._slot_kernel(seq):
             from runtime.models.kernels.attention import fp8_combine_pays
 
             in_combine = quantize and fp8_combine_pays(q, batch.capacity, seq)
             out = slot_attention(q, cache.k_cache, cache.v_cache, batch.block_table,
                                  *batch.int32_rows(), seq, self.sliding_window,
-                                 quantize=in_combine, kv_scales=cache.scales)
+                                 quantize=in_combine, kv_scales=cache.scales, **logits)
             if in_combine:
                 return out
         elif kernels.enabled() and prefill_kernel().fits(q, cache.k_cache, cache.scales):
             out = prefill_kernel().prefill_attention(
                 q, cache.k_cache, cache.v_cache, batch.block_table, *batch.int32_rows(),
-                self.sliding_window, kv_scales=cache.scales)                # [B, T, H, D]
+                self.sliding_window, kv_scales=cache.scales, **logits)     # [B, T, H, D]
         else:
             k_all, v_all = cache.read(batch)      # gathered (dequantized) [B, Hkv, L, D]
-            out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq)
+            out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq,
+                                    **logits)
         return fused.fp8_quantize_heads(out) if quantize else out
 
 
@@ -215,24 +219,29 @@ def slot_attention(*args, **kwargs) -> torch.Tensor:
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor, seq: int) -> torch.Tensor:
+                      mask: torch.Tensor, seq: int, scale: float | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Grouped-query attention without copying keys/values per query head.
 
     q [B, Hkv, r*T, D] (the r = H / Hkv query heads of each KV head stacked along the query
     axis: fused.stack_heads); k, v [B, Hkv, L, D]; mask [B, 1, T, L] bool -> [B, T, H, D].
     Attention reads each KV head once; every query row has its own softmax, so stacking
-    changes nothing."""
+    changes nothing. scale: of the scores (default D ** -0.5); softcap c: scaled scores
+    capped at c * tanh(s / c) before the mask (Gemma 2; SDPA has no such step, so capped
+    layers always take the explicit softmax)."""
     bsz, n_kv, rows, dim = q.shape
     n_rep, n_heads = rows // seq, rows // seq * n_kv
     length = mask.shape[-1]
-    if n_rep * seq <= SMALL_QUERY:   # decode / verify: a few query rows over a short KV
+    scale = dim ** -0.5 if scale is None else scale
+    if n_rep * seq <= SMALL_QUERY or softcap is not None:   # decode / verify (short KV)
         scores = torch.matmul(q, k.transpose(-1, -2))                      # [B, Hkv, r*T, L]
         probs = fused.masked_softmax(scores.view(bsz, n_kv, n_rep, seq, length),
-                                     mask[:, :, None], dim ** -0.5)        # [B, Hkv, r, T, L]
+                                     mask[:, :, None], scale, softcap)     # [B, Hkv, r, T, L]
         out = torch.matmul(probs.view(bsz, n_kv, n_rep * seq, length), v)  # [B, Hkv, r*T, D]
     else:
         mask = mask[:, :, None].expand(bsz, 1, n_rep, seq, length)         # [B, 1, r, T, L]
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.reshape(bsz, 1, n_rep * seq, length))  # [B, Hkv, r*T, D]
+            q, k, v, attn_mask=mask.reshape(bsz, 1, n_rep * seq, length),
+            scale=scale)                                                   # [B, Hkv, r*T, D]
     out = out.view(bsz, n_kv, n_rep, seq, dim).permute(0, 3, 1, 2, 4)      # [B, T, Hkv, r, D]
     return out.reshape(bsz, seq, n_heads, dim)

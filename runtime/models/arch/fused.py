@@ -27,6 +27,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def unit_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma2RMSNorm / Gemma3RMSNorm: normalise and scale by (1 + weight), both
+    in float32, then cast back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): a residual add and the next norm in one pass."""
@@ -80,10 +88,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(scores * scale) over the last axis where mask allows, in float32, cast back."""
-    masked = (scores.float() * scale).masked_fill(~mask, float("-inf"))
-    return masked.softmax(dim=-1).to(scores.dtype)
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> gelu_tanh(gate) * up [N, I] (Gemma's GeGLU, gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float,
+                   softcap: float | None = None) -> torch.Tensor:
+    """softmax(scores * scale) over the last axis where mask allows, in float32, cast back;
+    softcap c (Gemma 2): the scaled scores become c * tanh(s / c) before the mask."""
+    s = scores.float() * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    return s.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(scores.dtype)
 
 
 FP8_MAX = 448.0   # torch.finfo(torch.float8_e4m3fn).max
@@ -245,7 +263,8 @@ def rotary_write_fp8_kv8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torc
 
 
 _EAGER = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, rotary_write, silu_mul,
-                                      masked_softmax, fp8_dequantize, fp8_quantize_rows,
+                                      masked_softmax, unit_offset_rms_norm, gelu_tanh_mul,
+                                      fp8_dequantize, fp8_quantize_rows,
                                       fp8_rescale, rms_norm_fp8, add_rms_norm_fp8,
                                       rescale_add_rms_norm, silu_mul_fp8, rotary_write_fp8,
                                       fp8_quantize_heads, rotary_write_kv8,

@@ -1,6 +1,8 @@
 """Llama-family decoder with HF-identical parameter names: Llama, Mistral, Qwen2, and the
-families that differ from it as data (model_args: QK_NORM, POST_NORMS, ...): Qwen3, OLMo 2,
-Phi-3 (its fused qkv_proj / gate_up_proj are split on load: loading.fused_tensors)."""
+families that differ from it as data (model_args: QK_NORM, POST_NORMS, GEMMA, ...): Qwen3,
+OLMo 2, Phi-3 (its fused qkv_proj / gate_up_proj are split on load: loading.fused_tensors),
+Gemma 2 and Gemma 3 text (four (1 + w) norms a layer, GeGLU, scaled embeddings, per-layer
+attention scale / soft-cap, a RoPE table per layer type, final logit soft-capping)."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +14,7 @@ from runtime.models.arch.attention import Attention
 from runtime.models.arch.base import check_extend_args
 from runtime.models.arch.cache import ExtendBatch, as_block_table, blocks_for
 from runtime.models.arch.model_args import ModelArgs
-from runtime.models.arch.norms import RMSNorm
+from runtime.models.arch.norms import GemmaRMSNorm, RMSNorm
 from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
 from runtime.models.arch.rope import RotaryEmbedding, compute_inv_freq
 
@@ -25,14 +27,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.gate_up: RowStack | None = None   # set by fuse_projections
+        self.gelu = args.activation == "gelu_tanh"   # Gemma's GeGLU, else SwiGLU
 
     def fuse_projections(self) -> None:
         """One [2I, hidden] GEMM for gate and up (float or FP8); their weights become views."""
         self.gate_up = stack_rows(self.gate_proj, self.up_proj)
 
     def fp8_fused(self, x: torch.Tensor) -> bool:
-        """Whether forward takes an FP8Act (quant.fuses_fp8): gate_up and down_proj FP8 GEMMs."""
-        return fuses_fp8(x, self.gate_up, self.down_proj)
+        """Whether forward takes an FP8Act (quant.fuses_fp8): gate_up and down_proj FP8 GEMMs
+        (SwiGLU only: fused.silu_mul_fp8 is its epilogue)."""
+        return not self.gelu and fuses_fp8(x, self.gate_up, self.down_proj)
 
     def forward(self, x: torch.Tensor | FP8Act) -> torch.Tensor | FP8Out:
         # x [B, T, hidden] -> [B, T, hidden]; or the fused FP8 path (fp8_fused): x the FP8Act
@@ -42,9 +46,12 @@ class MLP(nn.Module):
             a8, a_scale = fused.silu_mul_fp8(*gate_up, x.dtype)            # [M, I], [M, 1]
             return self.down_proj.forward_fp8(FP8Act(a8, a_scale, x.dtype))
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = self.gate_up(x)                                          # [B, T, 2I]
-        return self.down_proj(fused.silu_mul(gate_up.flatten(0, 1)).view(*x.shape[:2], -1))
+            gate = self.gate_proj(x)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            return self.down_proj(act * self.up_proj(x))
+        gate_up = self.gate_up(x).flatten(0, 1)                            # [B*T, 2I]
+        act = fused.gelu_tanh_mul(gate_up) if self.gelu else fused.silu_mul(gate_up)
+        return self.down_proj(act.view(*x.shape[:2], -1))
 
 
 class DecoderLayer(nn.Module):
@@ -52,12 +59,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args)
-        self.post_norms = args.post_norms
+        self.post_norms, self.gemma = args.post_norms, args.gemma
+        self.rope_type = args.layer_rope[layer_idx] if args.layer_rope else None
+        h, eps, norm = args.hidden_size, args.rms_norm_eps, GemmaRMSNorm if args.gemma else RMSNorm
         if not args.post_norms:
-            self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        else:                      # OLMo 2: no input norm; the MLP's output is normed
-            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.input_layernorm = norm(h, eps)
+        if args.post_norms or args.gemma:   # OLMo 2 (no input norm), Gemma: MLP output normed
+            self.post_feedforward_layernorm = norm(h, eps)
+        if args.gemma:
+            self.pre_feedforward_layernorm = norm(h, eps)
+        self.post_attention_layernorm = norm(h, eps)
 
     def forward(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ExtendBatch) -> tuple[torch.Tensor, Delta]:
@@ -71,6 +82,8 @@ class DecoderLayer(nn.Module):
         the next norm rescales them (the quantize / rescale steps fold into neighbours)."""
         if self.post_norms:
             return self._forward_post_norms(x, delta, cos, sin, batch)
+        if self.gemma:
+            return self._forward_gemma(x, delta, cos, sin, batch)
         attn_fp8, mlp_fp8 = self.self_attn.fp8_fused(x), self.mlp.fp8_fused(x)
         x, h = add_then_norm(x, delta, self.input_layernorm, attn_fp8)
         attn = self.self_attn(h, cos, sin, batch)
@@ -87,6 +100,18 @@ class DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, batch))
         return x, self.post_feedforward_layernorm(self.mlp(x))
 
+    def _forward_gemma(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor,
+                       sin: torch.Tensor, batch: ExtendBatch
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma 2 / 3: x + post_attn(attn(input(x))), then + post_ff(mlp(pre_ff(.)))
+        (returned as the delta). Norms sit on both sides of each GEMM block, so it takes no
+        fused FP8 path (FP8 linears quantize on their own)."""
+        if delta is not None:
+            x = x + delta
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        x = x + self.post_attention_layernorm(attn)
+        return x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
 
 Delta = torch.Tensor | FP8Out | None
 
@@ -96,7 +121,11 @@ def add_then_norm(x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: bool =
     """(x + delta, norm(x + delta)) in one fused kernel; x and norm(x) when delta is None.
     x [B, T, hidden]; delta [B, T, hidden] or [M, hidden] in x.dtype, or an FP8 GEMM's raw
     output (FP8Out: its rescale is folded in). quantize: the norm comes back quantized for
-    the next FP8 GEMM (FP8Act of [M, hidden], the quantization folded in)."""
+    the next FP8 GEMM (FP8Act of [M, hidden], the quantization folded in). A norm that is
+    not `fusable` (Gemma's) adds, then norms on its own."""
+    if not norm.fusable:
+        x = x if delta is None else x + delta
+        return x, norm(x)
     if quantize:
         return _add_then_norm_fp8(x, delta, norm)
     rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon   # [M, hidden]
@@ -130,13 +159,20 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
                                          _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = (GemmaRMSNorm if args.gemma else RMSNorm)(args.hidden_size, args.rms_norm_eps)
+        # Gemma: embeddings times sqrt(hidden_size) rounded to the embedding's dtype
+        self.embed_scale = args.hidden_size ** 0.5 if args.gemma else None
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ExtendBatch) -> torch.Tensor:
+                batch: ExtendBatch, tables: dict | None = None) -> torch.Tensor:
+        """tables: layer type -> (cos, sin) for layers with a RoPE table of their own."""
         x, delta = self.embed_tokens(input_ids), None                      # [B, T, hidden]
+        if self.embed_scale is not None:
+            # a Python float equal to transformers' float32 scale cast to x's dtype
+            x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype).item()
         for layer in self.layers:
-            x, delta = layer(x, delta, cos, sin, batch)
+            rope = (tables or {}).get(layer.rope_type, (cos, sin))
+            x, delta = layer(x, delta, *rope, batch)
         return add_then_norm(x, delta, self.norm)[1]
 
 
@@ -149,12 +185,26 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = args.vocab_size
         self.model = LlamaModel(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        inv_freq, scaling, self.rope_exact_until = compute_inv_freq(args.hf_config, args.head_dim)
-        self.rotary_emb = RotaryEmbedding(inv_freq, scaling)
+        self._build_rope(args)
         self.num_slots: int | None = None
         self.max_seq_len: int | None = None
         self.block_size, self.blocks_per_seq, self.num_blocks = 16, 0, 0   # allocate_cache
         self.tie_weights()
+
+    def _build_rope(self, args: ModelArgs) -> None:
+        """rotary_emb, the table of every layer; with a table per layer type (Gemma 3:
+        model_args.rope_layer_types) that of full-attention layers, and rotary_by_type the
+        others' (sliding layers: the local base)."""
+        cfg, types = args.hf_config, sorted(set(args.layer_rope))
+        main = "full_attention" if types else None
+        inv_freq, scaling, self.rope_exact_until = compute_inv_freq(cfg, args.head_dim, main)
+        self.rotary_emb = RotaryEmbedding(inv_freq, scaling)
+        self.rotary_by_type = nn.ModuleDict()
+        for layer_type in (t for t in types if t != main):
+            inv_freq, scaling, exact = compute_inv_freq(cfg, args.head_dim, layer_type)
+            self.rotary_by_type[layer_type] = RotaryEmbedding(inv_freq, scaling)
+            if exact is not None:
+                self.rope_exact_until = min(exact, self.rope_exact_until or exact)
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
@@ -219,8 +269,16 @@ class LlamaForCausalLM(nn.Module):
         kv_len >= max(start_pos + n_valid). Shapes depend only on input_ids.shape,
         block_table.shape and kv_len, so a CUDA graph can capture it
         (runtime.models.runners.step_runner) and replay it for any table."""
-        return self.lm_head(self.hidden_static(input_ids, block_table, start_pos, n_valid,
-                                               kv_len))                    # [B, T, V]
+        return self.logits(self.hidden_static(input_ids, block_table, start_pos, n_valid,
+                                              kv_len))                     # [B, T, V]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head of hidden states [..., hidden] -> [..., V] (V local when the head is
+        vocab-parallel), soft-capped where the family does (Gemma: c * tanh(x / c),
+        elementwise, so a vocab shard caps its own columns)."""
+        out = self.lm_head(hidden)
+        cap = self.args.final_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
 
     def hidden_static(self, input_ids: torch.Tensor, block_table: torch.Tensor,
                       start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int
@@ -230,8 +288,10 @@ class LlamaForCausalLM(nn.Module):
         batch = ExtendBatch.build(block_table, start_pos, n_valid, input_ids.shape[1], kv_len,
                                   self.block_size, self.num_blocks)
         input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
-        cos, sin = self.rotary_emb(batch.positions, self.model.norm.weight.dtype)  # [B, T, D]
-        return self.model(input_ids, cos, sin, batch)                      # [B, T, hidden]
+        dtype = self.model.norm.weight.dtype
+        cos, sin = self.rotary_emb(batch.positions, dtype)                 # [B, T, D]
+        tables = {t: emb(batch.positions, dtype) for t, emb in self.rotary_by_type.items()}
+        return self.model(input_ids, cos, sin, batch, tables)              # [B, T, hidden]
 
     @torch.no_grad()
     def forward_extend(self, input_ids: torch.Tensor, rows, start_pos: torch.Tensor,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text",
+                         "gemma2")
 
 # what a model loses on the transformers fallback (runtime.models.loading.hf_fallback)
 FALLBACK_LACKS = ("it runs on the slower transformers fallback: no tensor parallelism, paged "
@@ -20,19 +21,31 @@ FALLBACK_LACKS = ("it runs on the slower transformers fallback: no tensor parall
 # OLMo 2, its weight [n_heads * head_dim]); families whose q/k/v always carry a bias;
 # post-norms (OLMo 2: the attention's and the MLP's outputs are normed, then added to the
 # residual; no input norm); sliding windows configured by use_sliding_window / layer_types.
-QK_NORM = {"qwen3": "head", "olmo2": "full"}
+QK_NORM = {"qwen3": "head", "olmo2": "full", "gemma3_text": "head"}
 ALWAYS_QKV_BIAS = ("qwen2",)
 POST_NORMS = ("olmo2",)
 QWEN_WINDOWS = ("qwen2", "qwen3")
+# Gemma 2 / Gemma 3 (text): RMSNorm scaling by (1 + weight) in float32, four norms a layer
+# (input, post-attention, pre- and post-feedforward), GeGLU (gelu tanh), embeddings times
+# sqrt(hidden_size), attention scale query_pre_attn_scalar ** -0.5, windows by layer_types,
+# final logit soft-capping; Gemma 2 also caps the attention logits (Gemma 3's transformers
+# code never passes its attn_logit_softcapping to attention), Gemma 3 has one RoPE table a
+# layer type (rope_parameters[layer_type]: local base for sliding layers).
+GEMMA = ("gemma2", "gemma3_text")
+ATTN_SOFTCAP = ("gemma2",)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 # RoPE types whose transformers implementation changes the frequencies with the sequence length
 # at run time; a static table reproduces them only up to `original_max_position_embeddings`.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def rope_parameters(config: Any) -> dict:
-    """The RoPE parameters of `config` as one flat dict with at least rope_type and rope_theta."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict:
+    """The RoPE parameters of `config` as one flat dict with at least rope_type and rope_theta;
+    layer_type: those of that layer type where they are given per type (Gemma 3)."""
     params = getattr(config, "rope_parameters", None)
+    if layer_type is not None:
+        params = params[layer_type]
     if not params:  # transformers 4 style: rope_theta attribute + optional rope_scaling dict
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -50,18 +63,38 @@ def unsupported_reason(config: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}; {FALLBACK_LACKS}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} (only silu)"
-    try:
-        rope = rope_parameters(config)
-    except NotImplementedError as exc:
-        return str(exc)
-    if rope["rope_type"] != "default" and rope["rope_type"] not in _rope_init_functions():
-        return f"unknown rope_type {rope['rope_type']!r}"
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        return f"partial_rotary_factor {partial} (only 1.0)"
+    if activation(config) not in ACTIVATIONS:
+        return f"hidden_act {activation(config)!r} (only {tuple(ACTIVATIONS)})"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention (only causal attention)"
+    for layer_type in rope_layer_types(config) or (None,):
+        try:
+            rope = rope_parameters(config, layer_type)
+        except NotImplementedError as exc:
+            return str(exc)
+        if rope["rope_type"] != "default" and rope["rope_type"] not in _rope_init_functions():
+            return f"unknown rope_type {rope['rope_type']!r}"
+        partial = rope.get("partial_rotary_factor",
+                           getattr(config, "partial_rotary_factor", 1.0))
+        if partial not in (None, 1.0):
+            return f"partial_rotary_factor {partial} (only 1.0)"
     return None
+
+
+def activation(config: Any) -> str:
+    """The MLP's activation: hidden_activation (Gemma) or hidden_act."""
+    if config.model_type in GEMMA:
+        return getattr(config, "hidden_activation", None) or config.hidden_act
+    return getattr(config, "hidden_act", "silu")
+
+
+def rope_layer_types(config: Any) -> tuple[str, ...]:
+    """The layer types with RoPE tables of their own, sorted ("full_attention",
+    "sliding_attention"): Gemma 3's rope_parameters per type; () for one table."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if config.model_type == "gemma3_text" and all(isinstance(v, dict) for v in params.values()):
+        return tuple(sorted(params))
+    return ()
 
 
 def _rope_init_functions() -> dict:
@@ -82,6 +115,8 @@ def _layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
             start = getattr(config, "max_window_layers", n_layers)
             types = ["sliding_attention" if i >= start else "full" for i in range(n_layers)]
         return tuple(window if t == "sliding_attention" else None for t in types)
+    if config.model_type in GEMMA:
+        return tuple(window if t == "sliding_attention" else None for t in config.layer_types)
     return (window,) * n_layers
 
 
@@ -103,6 +138,12 @@ class ModelArgs:
     layer_windows: tuple[int | None, ...] = ()
     qk_norm: str | None = None      # QK_NORM: "head", "full" or None
     post_norms: bool = False        # POST_NORMS
+    gemma: bool = False             # GEMMA: (1 + w) norms, four a layer, scaled embeddings
+    activation: str = "silu"        # ACTIVATIONS' values: "silu" or "gelu_tanh"
+    attn_scale: float | None = None    # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # ATTN_SOFTCAP: s = c * tanh(s / c) before the mask
+    final_softcap: float | None = None  # the LM head's output likewise
+    layer_rope: tuple[str, ...] = ()   # per layer: its rope_layer_types entry; () one table
     hf_config: Any = field(default=None, repr=False)  # for transformers' RoPE initialisers
 
     @classmethod
@@ -133,7 +174,20 @@ class ModelArgs:
             qk_norm=QK_NORM.get(model_type),
             post_norms=model_type in POST_NORMS,
             hf_config=config,
+            **_gemma_args(config),
         )
+
+
+def _gemma_args(config: Any) -> dict:
+    """ModelArgs fields of the GEMMA families (none for the others)."""
+    if config.model_type not in GEMMA:
+        return {}
+    cap = config.attn_logit_softcapping if config.model_type in ATTN_SOFTCAP else None
+    per_type = rope_layer_types(config)
+    return dict(gemma=True, activation=ACTIVATIONS[activation(config)],
+                attn_scale=config.query_pre_attn_scalar ** -0.5, attn_softcap=cap or None,
+                final_softcap=getattr(config, "final_logit_softcapping", None) or None,
+                layer_rope=tuple(config.layer_types) if per_type else ())
 
 
 def check_tp_shape(name: str, n_heads: int, n_kv: int, size: int) -> None:

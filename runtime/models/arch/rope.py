@@ -9,14 +9,16 @@ from torch import nn
 from runtime.models.arch.model_args import LENGTH_DEPENDENT_ROPE, rope_parameters
 
 
-def compute_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float, int | None]:
+def compute_inv_freq(config: Any, head_dim: int, layer_type: str | None = None
+                     ) -> tuple[torch.Tensor, float, int | None]:
     """(inv_freq [head_dim // 2] float32 on CPU, attention_scaling, exact_until).
 
     'default' RoPE is plain 1 / theta^(2i/d); every other type goes through transformers'
     ROPE_INIT_FUNCTIONS so llama3 / yarn / linear scaling match transformers exactly.
     exact_until: for length-dependent types (dynamic, longrope) the largest sequence length
-    for which the static table equals transformers' frequencies; None when always exact."""
-    params = rope_parameters(config)
+    for which the static table equals transformers' frequencies; None when always exact.
+    layer_type: the table of that layer type (Gemma 3: model_args.rope_layer_types)."""
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     with torch.device("cpu"):  # also when the model is being built under a meta device context
         if rope_type == "default":
@@ -25,7 +27,9 @@ def compute_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float, i
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            kwargs = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"),
+                                                               **kwargs)
     exact_until = None
     if rope_type in LENGTH_DEPENDENT_ROPE:
         exact_until = params.get("original_max_position_embeddings") or getattr(

@@ -33,6 +33,7 @@ import triton.language as tl
 from runtime.models.arch import fused
 from runtime.models.kernels.e4m3 import e4m3_rne
 from runtime.models.kernels.fp8_kv import check_pools, scale_args
+from runtime.models.kernels.prefill_attention import soft_cap
 from runtime.models.kernels.rope import NewTokens, new_rows, write_new_kv
 
 # KV positions per program (a multiple of BLOCK_N). Few rows x KV heads leave most of the GPU
@@ -80,7 +81,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
                     stride_qb, stride_qh, stride_qm, stride_tb,
                     stride_kb, stride_kh, stride_kl,
                     stride_ob, stride_oh, stride_oc, stride_om,
-                    T, M, scale, window, chunk,
+                    T, M, scale, window, chunk, softcap,
                     nq_ptr, nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr,
                     stride_nqt, stride_nqh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
                     stride_ct, stride_xs, R, KV_COL, V_COL,
@@ -88,8 +89,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     D: tl.constexpr, T_POW2: tl.constexpr, BS: tl.constexpr,
                     IEEE: tl.constexpr, ROPE: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ACT: tl.constexpr, KV8: tl.constexpr):
-    """KV8: e4m3 pools with per-position scales (ks_ptr, vs_ptr: kernels.fp8_kv), cast to
+                    ACT: tl.constexpr, KV8: tl.constexpr, SOFTCAP: tl.constexpr):
+    """SOFTCAP: scaled scores capped at softcap * tanh(s / softcap) (Gemma 2).
+    KV8: e4m3 pools with per-position scales (ks_ptr, vs_ptr: kernels.fp8_kv), cast to
     ACT and scaled in float32: K's scales multiply the scores, V's the probabilities.
     ROPE: q_ptr is unused; the program rotates its queries itself from the step's q
     (nq_ptr: rope.NewTokens, raw FP8 output with RAW) and first writes the rotated keys and
@@ -161,6 +163,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
         if KV8:
             s = s * k_sc[None, :]
         s = s * scale                                                        # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         allowed = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         allowed = allowed & ((window <= 0) | (kv[None, :] > q_pos[:, None] - window))
         s = tl.where(allowed, s, float("-inf"))
@@ -278,7 +282,8 @@ def chunks(cache_len: int, programs: int) -> tuple[int, int]:
 
 def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
               table: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor, seq: int,
-              window: int | None, chunk: int, n_chunks: int, kv_scales: tuple = ()
+              window: int | None, chunk: int, n_chunks: int, kv_scales: tuple = (),
+              scale: float | None = None, softcap: float | None = None
               ) -> tuple[torch.Tensor, ...]:
     """_partial_kernel over grid (B, Hkv, chunks of the cache) -> (o [B, Hkv, C, BLOCK_M, D],
     m and l [B, Hkv, C, BLOCK_M]) float32, written for the live chunks only. q: the stacked
@@ -302,12 +307,14 @@ def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch
         table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        seq, rows, 1.0 / math.sqrt(dim), window or 0, chunk,
+        seq, rows, 1.0 / math.sqrt(dim) if scale is None else scale, window or 0, chunk,
+        softcap or 1.0,
         *new.pointers(), *new.strides(), *new.columns(), *scale_args(kv_scales, k_cache),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
         T_POW2=max(2, triton.next_power_of_2(seq)), BS=k_cache.shape[2],
         IEEE=dtype == torch.float32,
-        ROPE=rope, RAW=new.raw, HAS_BIAS=new.has_bias, ACT=_ROUND[dtype], KV8=bool(kv_scales))
+        ROPE=rope, RAW=new.raw, HAS_BIAS=new.has_bias, ACT=_ROUND[dtype], KV8=bool(kv_scales),
+        SOFTCAP=softcap is not None)
     return o_part, m_part, l_part
 
 
@@ -334,7 +341,8 @@ def fits_head_dim(dim: int) -> bool:
 def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                    seq: int, window: int | None = None, *, quantize: bool = False,
-                   kv_scales: tuple[torch.Tensor, ...] = ()
+                   kv_scales: tuple[torch.Tensor, ...] = (), scale: float | None = None,
+                   softcap: float | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of the new tokens over the paged KV cache, their own keys included.
 
@@ -349,7 +357,8 @@ def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: 
     valid [B, T] bool (either also as int32: ExtendBatch.int32_rows); seq = T; window:
     sliding window (keys in (pos - window, pos]) or None; kv_scales: KVCache.scales, an FP8
     cache's (k_scale, v_scale) [N+1, Hkv, BS] float32 with e4m3 pools (read and written
-    quantized: kernels.fp8_kv), () for pools in the activation dtype.
+    quantized: kernels.fp8_kv), () for pools in the activation dtype; scale: of q.k (default
+    D ** -0.5); softcap c: scaled scores capped at c * tanh(s / c) before the mask (Gemma 2).
     Returns [B, T, H, D] like grouped_attention; padding queries give zeros.
     quantize=True: o_proj's FP8 input instead, fused.fp8_quantize_heads of that output:
     ([B*T, H*D] e4m3, [B*T, 1] float32 scales), padding tokens zeros with scale 1e-12 / 448.
@@ -371,7 +380,7 @@ def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: 
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     chunk, n_chunks = chunks(capacity(table, k_cache), bsz * n_kv)
     parts = _partials(q, k_cache, v_cache, table, pos, ok, seq, window, chunk, n_chunks,
-                      kv_scales)
+                      kv_scales, scale, softcap)
     o_part = parts[0]
     block_m = o_part.shape[3]
     meta = dict(BLOCK_M=block_m, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),

@@ -67,12 +67,21 @@ _ACT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl
 
 
 @triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap) in float32 (Gemma 2's attention logits), tanh from one exp."""
+    x = s / cap
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y) * cap
+
+
+@triton.jit
 def _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, head_base, s_head,
-          n0, hi, q_pos, window, qk_scale, dims,
+          n0, hi, q_pos, window, qk_scale, softcap, dims,
           stride_kb, stride_kl, stride_sb, stride_sl,
           MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
           D: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
-          KV8: tl.constexpr, UPCAST: tl.constexpr):
+          KV8: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
     """One BLOCK_N step of the online softmax over KV positions n0 ..; MASKED: causal,
     window and the row's length (hi) applied, else every position is seen by every row.
     UPCAST: bf16 operands converted to float32 for IEEE dots (the interpreter's bf16 dot
@@ -113,6 +122,8 @@ def _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, head_base, 
         s = s * (k_sc * qk_scale)[None, :]
     else:
         s = s * qk_scale                                  # log2 units: exp2 below
+    if SOFTCAP:                        # softcap in log2 units too: c * LOG2E
+        s = soft_cap(s, softcap)
     if MASKED:
         allowed = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         allowed = allowed & ((window <= 0) | (kv[None, :] > q_pos[:, None] - window))
@@ -143,10 +154,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr, o_ptr,
                     stride_qb, stride_qh, stride_qm, stride_tb,
                     stride_kb, stride_kh, stride_kl,
                     stride_ob, stride_ot, stride_oh,
-                    T, R, qk_scale, window,
+                    T, R, qk_scale, window, softcap,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     D: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
-                    ACT: tl.constexpr, KV8: tl.constexpr, UPCAST: tl.constexpr):
+                    ACT: tl.constexpr, KV8: tl.constexpr, UPCAST: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     head = tl.program_id(0)                                   # query head = KV head * R + g
     mb = tl.num_programs(1) - 1 - tl.program_id(1)            # the last query blocks first
     b = tl.program_id(2).to(tl.int64)
@@ -179,19 +191,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr, o_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(lo, full_lo, BLOCK_N):                    # the window's lower edge
         acc, m_i, l_i = _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row,
-                              head_base, s_head, n0, hi, q_pos, window, qk_scale, dims,
+                              head_base, s_head, n0, hi, q_pos, window, qk_scale, softcap, dims,
                               stride_kb, stride_kl, stride_sb, stride_sl, True,
-                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST)
+                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST, SOFTCAP)
     for n0 in range(full_lo, full_hi, BLOCK_N):               # seen whole by every query
         acc, m_i, l_i = _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row,
-                              head_base, s_head, n0, hi, q_pos, window, qk_scale, dims,
+                              head_base, s_head, n0, hi, q_pos, window, qk_scale, softcap, dims,
                               stride_kb, stride_kl, stride_sb, stride_sl, False,
-                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST)
+                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST, SOFTCAP)
     for n0 in range(full_hi, hi, BLOCK_N):                    # the diagonal
         acc, m_i, l_i = _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row,
-                              head_base, s_head, n0, hi, q_pos, window, qk_scale, dims,
+                              head_base, s_head, n0, hi, q_pos, window, qk_scale, softcap, dims,
                               stride_kb, stride_kl, stride_sb, stride_sl, True,
-                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST)
+                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST, SOFTCAP)
     # padding queries (l = 0, or garbage from the unmasked steps) write zeros, never NaN
     out = acc / tl.where(q_ok & (l_i > 0), l_i, 1.0)[:, None]
     out = tl.where(q_ok[:, None], out, 0.0)
@@ -251,7 +263,8 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, kv_scales: tuple = ()) -> bool:
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                      window: int | None = None, kv_scales: tuple[torch.Tensor, ...] = ()
+                      window: int | None = None, kv_scales: tuple[torch.Tensor, ...] = (),
+                      scale: float | None = None, softcap: float | None = None
                       ) -> torch.Tensor:
     """A prefill chunk's attention over the paged cache -> [B, T, H, D] in q's dtype.
 
@@ -262,8 +275,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_table[b, p // BS], offset p % BS); positions, valid [B, T] (int32:
     ExtendBatch.int32_rows; others are converted): each query's absolute position and
     whether it is real; window: keys in (p - window, p], or None; kv_scales: an FP8 cache's
-    (k_scale, v_scale) [N+1, Hkv, BS] float32 (KVCache.scales), or (). Padding queries give
-    zeros. `fits` says which shapes it takes."""
+    (k_scale, v_scale) [N+1, Hkv, BS] float32 (KVCache.scales), or (). scale: of q.k (default
+    D ** -0.5); softcap c: the scaled scores become c * tanh(s / c) before the mask (Gemma 2).
+    Padding queries give zeros. `fits` says which shapes it takes."""
     if not fits(q, k_cache, kv_scales):
         raise ValueError(f"prefill_attention: q {tuple(q.shape)} {q.dtype} over a "
                          f"{tuple(k_cache.shape)} {k_cache.dtype} pool, {len(kv_scales)} scales")
@@ -288,8 +302,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        seq, n_rep, LOG2E / math.sqrt(dim), window or 0,
+        seq, n_rep, LOG2E * (dim ** -0.5 if scale is None else scale), window or 0,
+        LOG2E * (softcap or 1.0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(dim), D=dim, BS=k_cache.shape[2],
         IEEE=q.dtype == torch.float32 or upcast, ACT=_ACT[q.dtype], KV8=bool(kv_scales),
-        UPCAST=upcast, num_warps=warps, num_stages=stages)
+        UPCAST=upcast, SOFTCAP=softcap is not None, num_warps=warps, num_stages=stages)
     return out

@@ -60,10 +60,12 @@ class PortableConfig(SimpleNamespace):
 def is_portable(config: Any) -> bool:
     """Whether our model can run `config` from its values alone: a supported Llama-family
     config with plain RoPE."""
-    from runtime.models.arch.model_args import rope_parameters, unsupported_reason
+    from runtime.models.arch.model_args import (rope_layer_types, rope_parameters,
+                                                unsupported_reason)
 
     return (unsupported_reason(config) is None
-            and rope_parameters(config)["rope_type"] == "default")
+            and all(rope_parameters(config, t)["rope_type"] == "default"
+                    for t in rope_layer_types(config) or (None,)))
 
 
 def write(config: Any, directory: Path) -> None:

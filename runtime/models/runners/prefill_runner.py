@@ -201,7 +201,7 @@ class PrefillRunner:
             if not (last and ends):
                 continue
             at = to_device([n_valid[b] - 1 - c0 for b in ends], torch.long, self.device)
-            logits = self.model.lm_head(hidden[to_device(ends, torch.long, self.device), at])
+            logits = self.model.logits(hidden[to_device(ends, torch.long, self.device), at])
             if out is None:
                 out = torch.empty(bsz, logits.shape[-1], dtype=logits.dtype,
                                   device=self.device)

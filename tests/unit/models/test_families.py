@@ -1,10 +1,13 @@
-"""Qwen3, OLMo 2 and Phi-3 on our Llama-family model (model_args.QK_NORM, POST_NORMS,
-loading.fused_tensors): logits equal transformers' (eager forward_extend, StepRunner's
+"""Qwen3, OLMo 2, Phi-3, Gemma 3 (text) and Gemma 2 on our Llama-family model
+(model_args.QK_NORM, POST_NORMS, GEMMA, loading.fused_tensors): logits equal transformers' (eager forward_extend, StepRunner's
 static chunked prefill and decode steps over the paged cache, TP 2 in a gloo world), FP8
 quantize-on-load equals its dequantized float reference, and the config checks take them.
 
 The tiny checkpoints' norm weights are drawn around 1 (tests.checkpoints._perturb_norms), so
-a norm skipped, misplaced or taken over the wrong features moves the logits."""
+a norm skipped, misplaced or taken over the wrong features moves the logits (Gemma's around
+0: it scales by 1 + w). The Gemmas' attention scale, windows and soft-caps are set so each
+matters at these lengths (tests.checkpoints.GEMMA_DEFAULTS; tests/unit/models/test_gemma.py
+shows they do, and runs their Triton kernels)."""
 from __future__ import annotations
 
 import datetime
@@ -41,8 +44,12 @@ VARIANTS = {
     "phi3": ("phi3", {"sliding_window": 4}),
     "phi3_longrope": ("phi3", {"rope_parameters": LONGROPE, "max_position_embeddings": 256,
                                "original_max_position_embeddings": 64}),
+    "gemma3": ("gemma3_text", {}),                           # sliding layer 0, full layer 1
+    "gemma3_tied_linear": ("gemma3_text", {"tie_word_embeddings": True, "rope_scaling": {
+        "rope_type": "linear", "factor": 4.0}}),             # global layers' table only
+    "gemma2": ("gemma2", {}),                                # attention + final soft-caps
 }
-TP_CASES = ("qwen3", "olmo2", "olmo2_kv1", "phi3_longrope")
+TP_CASES = ("qwen3", "olmo2", "olmo2_kv1", "phi3_longrope", "gemma3_tied_linear", "gemma2")
 
 
 def _sequence(seed: int, n: int = 24) -> list[int]:
@@ -87,7 +94,7 @@ def test_forward_extend_matches_hf(paths, name):
     torch.testing.assert_close(_extend_in_pieces(model, seq), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "olmo2", "phi3_longrope"])
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "phi3_longrope", "gemma3", "gemma2"])
 def test_step_runner_chunks_and_decode_match_hf(paths, name):
     """A 20-token prompt through StepRunner's static prefill chunks (max_step_len 4), then
     single-token and 3-token static steps, two rows at once."""
@@ -131,7 +138,7 @@ def test_phi3_fused_projections_split_on_load(paths):
 # ---------------------------------------------------------------- FP8
 
 
-@pytest.mark.parametrize("name", ["qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "phi3", "gemma3", "gemma2"])
 def test_fp8_on_load_equals_dequantized_reference(paths, name, tmp_path):
     ours = _ours(paths[name], quantization="fp8")
     attn = ours.model.layers[0].self_attn
@@ -142,17 +149,18 @@ def test_fp8_on_load_equals_dequantized_reference(paths, name, tmp_path):
                                atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma2"])
 def test_fp8_gemm_path_fused_equals_unfused(paths, name, monkeypatch):
     """The FP8 GEMM path (emulated on CPU): q/k norms keep attention off the fused route
-    (OLMo 2's post-norms keep the whole layer off it); the logits are those of the unfused
-    path bit for bit."""
+    (OLMo 2's post-norms and Gemma's four norms keep the whole layer off it); the logits
+    are those of the unfused path bit for bit."""
     monkeypatch.setattr(quant, "EMULATE_FP8_GEMM", True)
     model = load_model(paths[name], F32, CPU, quantization="fp8")
     x = torch.zeros(1, 1, model.args.hidden_size)
     layer = model.model.layers[0]
-    assert not layer.self_attn.fp8_fused(x)
-    assert layer.post_norms == (name == "olmo2")   # OLMo 2's layer never asks its MLP
+    assert layer.post_norms == (name == "olmo2")   # OLMo 2's and Gemma's layers never ask
+    assert layer.gemma == (name == "gemma2")       # their attention or MLP
+    assert layer.gemma or not layer.self_attn.fp8_fused(x)
     out = {}
     for fuse in (False, True):
         monkeypatch.setattr(quant, "FUSE_FP8", fuse)
@@ -170,10 +178,10 @@ def test_unsupported_reason_and_config_checks(paths, tmp_path):
     from runtime.config import load_config as load_tandem_config
     from tests import launch
 
-    gemma = transformers.Gemma2Config(vocab_size=96, hidden_size=64, num_hidden_layers=1)
+    gemma = transformers.GemmaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1)
     reason = unsupported_reason(gemma)
-    assert "gemma2" in reason and "transformers fallback" in reason and "tensor" in reason
-    for name in ("qwen3", "olmo2", "phi3"):
+    assert "'gemma'" in reason and "transformers fallback" in reason and "tensor" in reason
+    for name in ("qwen3", "olmo2", "phi3", "gemma3", "gemma2"):
         assert unsupported_reason(_hf_config(paths[name])) is None
         cfg = launch.write_config(tmp_path / f"{name}.yaml", paths[name], paths[name],
                                   ["cpu:0"], ["cpu:1", "cpu:2"])
@@ -218,14 +226,14 @@ def _tp_child(rank: int, port: int, cases: dict, out_dir: str) -> None:
 
 def test_tp2_matches_hf(paths, tmp_path):
     """TP 2: split and replicated KV heads, OLMo 2's whole-q/k norms over the sharded heads
-    (sum of squares all-reduced), Phi-3's fused tensors sharded; FP8 at TP 2 equals FP8 at
-    TP 1."""
+    (sum of squares all-reduced), Phi-3's fused tensors sharded, Gemma's tied vocab-parallel
+    head soft-capped; FP8 at TP 2 equals FP8 at TP 1."""
     import torch.multiprocessing as mp
 
     from tests.launch import free_port
 
     cases = {name: (paths[name], None) for name in TP_CASES}
-    cases.update({f"{name}_fp8": (paths[name], "fp8") for name in ("olmo2", "phi3")})
+    cases.update({f"{name}_fp8": (paths[name], "fp8") for name in ("olmo2", "phi3", "gemma3")})
     ctx, port = mp.get_context("spawn"), free_port()
     procs = [ctx.Process(target=_tp_child, args=(r, port, cases, str(tmp_path)), daemon=True)
              for r in range(2)]
