@@ -104,3 +104,16 @@ def kill_all(pids) -> None:
 
 def read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process `pid` holds open (its /proc/<pid>/fd links)."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(link[len("socket:["):-1])
+    return out

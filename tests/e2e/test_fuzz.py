@@ -27,6 +27,7 @@ from runtime import Client
 from runtime.control import protocol
 from runtime.control.pool import WorkerPool
 from tests import checkpoints, launch
+from tests.processes import socket_inodes
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -431,18 +432,6 @@ def _listening() -> dict[str, tuple[str, int]]:
     return out
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    out = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            out.add(link[8:-1])
-    return out
-
-
 def _external_ip() -> str | None:
     """A non-loopback IPv4 address of this host, if it has one."""
     try:
@@ -460,7 +449,7 @@ def test_control_sockets_unreachable_from_outside(server):
     not to a wildcard or external address; through this host's external address their ports
     refuse connections."""
     listening = _listening()
-    mine = [listening[i] for i in _socket_inodes(server.proc.pid) if i in listening]
+    mine = [listening[i] for i in socket_inodes(server.proc.pid) if i in listening]
     server_port = int(server.address.rsplit(":", 1)[1])
     assert server_port in {port for _, port in mine}, mine
     assert len(mine) >= 4, mine            # control ROUTER, beacon PUB, store, server

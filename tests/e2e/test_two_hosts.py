@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests import checkpoints, launch
-from tests.processes import kill_all, ranks_of, read, running, wait_gone
+from tests.processes import kill_all, ranks_of, read, running, socket_inodes, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
@@ -248,14 +248,7 @@ def _ended(client: subprocess.Popen) -> dict:
 
 def _listening_ports(pid: int, addr: str) -> list[int]:
     """The TCP ports process `pid` listens on at IPv4 address `addr` (its namespace's view)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:["):-1])
+    inodes = socket_inodes(pid)
     want = "".join(f"{int(part):02X}" for part in reversed(addr.split(".")))
     ports = []
     for row in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
