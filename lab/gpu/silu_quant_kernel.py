@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from runtime.models.kernels.attention import _ROUND  # noqa: E402
+from runtime.models.kernels.combine import _ROUND  # noqa: E402
 from runtime.models.kernels.e4m3 import e4m3_rne  # noqa: E402
 
 
