@@ -48,6 +48,20 @@ def _ok_row(name: str, bsz: int, out: Outcome, **values) -> dict:
                **extra, **values)
 
 
+def _decode_efficiency(r: dict, base: dict | None) -> None:
+    """decode_efficiency: the decode steps' speed-up over the target's (each call's wall time
+    less its first token) over the theoretical speed-up. With long prompts the first token
+    is much of a call, and `efficiency` counts it; this does not."""
+    first = (r.get("time_to_first_token_s") or [None])[0]
+    base_first = ((base or {}).get("time_to_first_token_s") or [None])[0]
+    if None in (first, base_first, r.get("theoretical_speedup")) or not base["tokens_per_s"]:
+        return
+    spec_s = (r["wall_s"] - first) / r["generated_tokens"]
+    target_s = (base["wall_s"] - base_first) / base["generated_tokens"]
+    if spec_s > 0:
+        r["decode_efficiency"] = target_s / spec_s / r["theoretical_speedup"]
+
+
 class Bench:
     def __init__(self, settings: BenchSettings):
         settings.check()
@@ -205,6 +219,7 @@ class Bench:
                 self._decode_roofline(r, bw, wbytes)
             if r["mode"].startswith("spec") and bsz in self.step_costs:
                 self._spec_figures(r, st, self.step_costs[bsz])
+                _decode_efficiency(r, base)
         self._overlap_figures(st)
 
     def _decode_roofline(self, r: dict, bw: float, wbytes: int) -> None:

@@ -102,6 +102,7 @@ def test_spec(report):
         assert r["theoretical_speedup"] == pytest.approx(
             metrics.theoretical_speedup(r["alpha"], K, r["c"]))
         assert r["tokens_equal_target"] is True    # greedy float32: the target's own tokens
+        assert r["decode_efficiency"] > 0          # without the first token of either mode
         assert_first_token_times(r)
 
 
