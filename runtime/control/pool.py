@@ -80,6 +80,7 @@ class WorkerPool:
         self._failed_at: float | None = None
         self._inbox: collections.deque[dict] = collections.deque()   # drained, not yet used
         self._drops, self._drop_logged = 0, -DROP_LOG_S                # dropped frames
+        self.dropped_total = 0           # every frame dropped (the metric reads it)
         self._poller = zmq.Poller()                  # the socket and the local workers' pidfds
         self._poller.register(self.sock, zmq.POLLIN)
         self._watch = ProcessWatch(self._poller)     # the workers on this host
@@ -134,6 +135,7 @@ class WorkerPool:
         """Log a dropped frame: the first at once, then at most one line per
         DROP_LOG_S with the count (a local process could flood us with forgeries)."""
         self._drops += 1
+        self.dropped_total += 1
         now = time.monotonic()
         if now - self._drop_logged >= DROP_LOG_S:
             more = f" (and {self._drops - 1} more since the last report)" \

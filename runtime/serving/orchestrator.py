@@ -77,6 +77,7 @@ class Orchestrator:
         scheduler.metrics.watch(lambda: len(scheduler.running), lambda: len(scheduler.queue),
                                 scheduler.draft_len)
         scheduler.metrics.prometheus.watch_blocks(lambda: blocks.used / blocks.num_blocks)
+        scheduler.metrics.prometheus.watch_drops(lambda: pool.dropped_total)
         return self
 
     def info(self) -> dict:

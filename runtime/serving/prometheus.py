@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 PREFIX = "tandem:"
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -109,6 +110,13 @@ class PrometheusMetrics:
         """The KV gauge reads the block books when scraped."""
         self.kv_usage.set_function(usage)
 
+    def watch_drops(self, dropped: Callable[[], int]) -> None:
+        """tandem:control_frames_dropped_total reads the worker pool's count when scraped:
+        frames rank 0 dropped (unsigned, forged or malformed; the log says which)."""
+        self.registry.register(_ReadCounter(
+            f"{PREFIX}control_frames_dropped", "Control frames rank 0 dropped: unsigned, "
+            "forged or malformed (the log names them).", dropped))
+
     def prefix_lookup(self, queried: int, hit: int) -> None:
         self.prefix_queries.inc(queried)
         self.prefix_hits.inc(hit)
@@ -158,6 +166,16 @@ class PrometheusMetrics:
     def text(self) -> str:
         """The Prometheus text exposition (format 0.0.4) of this server's registry."""
         return generate_latest(self.registry).decode()
+
+
+class _ReadCounter:
+    """A counter whose total another object keeps (a custom collector, read when scraped)."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]):
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def collect(self):
+        yield CounterMetricFamily(self.name, self.documentation, value=self.read())
 
 
 class MetricsEndpoint:

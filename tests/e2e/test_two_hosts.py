@@ -6,7 +6,7 @@ control plane binds to namespace 1's address and is signed (TANDEM_AUTH_KEY_FILE
 talks over the veth (GLOO_SOCKET_IFNAME). Clients run in namespace 1.
 
 Two jobs: the first checks greedy output against transformers through a client, that an
-unsigned frame from namespace 2 to rank 0's control sockets is dropped (and logged), and
+unsigned frame from namespace 2 to rank 0's control sockets is dropped (logged and counted), and
 that SIGKILL to namespace 2's torchrun agent takes its ranks with it (launcher/orphan.py)
 and then the whole job; the second that a killed target rank raises EngineDeadError at the
 client within 10 s and every rank exits. Root only; every process (tagged by an environment
@@ -52,6 +52,8 @@ client.dead_after_s = 10.0
 if mode == "generate":
     outs = client.generate(prompt_token_ids=prompts, max_new_tokens=new)
     print(json.dumps([o.token_ids for o in outs]), flush=True)
+elif mode == "metrics":
+    print(json.dumps(client.metrics()), flush=True)
 else:
     stream = client.stream(prompt_token_ids=prompts[0], max_new_tokens=new)
     next(stream); next(stream)
@@ -293,6 +295,12 @@ def test_unsigned_frame_from_host_2_is_dropped(job):
         time.sleep(0.2)
     assert "dropped a worker frame" in read(job.err[0]) or \
         "dropped a heartbeat frame" in read(job.err[0])
+    client = job.client("metrics")                     # and counted, as Prometheus shows
+    text = json.loads(_line(client, 60))
+    client.wait(10)
+    dropped = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("tandem:control_frames_dropped_total ")]
+    assert dropped and dropped[0] >= 1, text
 
 
 def test_killed_agent_takes_its_ranks_and_the_job_down(job):
