@@ -1,29 +1,41 @@
-"""Qwen3 (issue 37's native families) end to end: a Qwen3 target at TP 2 (cpu:1-2) with a
-Qwen3 draft on cpu:0, greedy: the output equals the target's own transformers greedy output
-token for token (float32, CPU). One launch; tests/unit/models/test_families.py covers the
-families' logits, TP 2 and FP8 without processes."""
+"""Issue 37's native families end to end, one Engine each: a Qwen3 target at TP 2 (cpu:1-2)
+and a Gemma 3 target (soft-capped logits, sliding and full layers, two RoPE tables) on
+cpu:1, each with a same-family draft on cpu:0. Greedy output equals the target's own
+transformers greedy output token for token (float32, CPU), also for prompts that find their
+prefix in the paged cache (blocks of 4 tokens). tests/unit/models/test_families.py and
+test_gemma.py cover the families' logits, TP 2, FP8 and the kernels without processes."""
 from __future__ import annotations
 
 import pytest
 
+from runtime import Engine
 from tests import checkpoints, launch
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPTS = [[1, 5, 9, 13, 17, 21, 25], [1, 77, 3, 8, 60, 61, 62, 63, 64, 65, 2, 33]]
-NEW_TOKENS = 20
+PREFIX = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45]        # three blocks of 4
+TAILS = [[60, 61, 62], [2, 33], [77, 3, 8, 64, 65]]
+NEW_TOKENS = 16
 
 
-def test_qwen3_tp2_target_greedy_equals_transformers(tmp_path):
-    target = checkpoints.build_checkpoint(tmp_path / "target", "qwen3", seed=7)
+@pytest.mark.parametrize("arch,target_devices", [
+    ("qwen3", ["cpu:1", "cpu:2"]),
+    ("gemma3_text", ["cpu:1"]),
+])
+def test_family_pair_greedy_equals_transformers_with_prefix_hits(arch, target_devices,
+                                                                  tmp_path):
+    target = checkpoints.build_checkpoint(tmp_path / "target", arch, seed=7)
     draft = checkpoints.build_near_draft(target, tmp_path / "draft", noise=0.05)
-    draft_devices, target_devices = ["cpu:0"], ["cpu:1", "cpu:2"]
-    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_devices,
-                              target_devices, draft_len=4)
-    args = ["run", cfg, "--max-new-tokens", str(NEW_TOKENS)]
-    for prompt in PROMPTS:
-        args += ["--prompt-ids", ",".join(map(str, prompt))]
-    outs = launch.run_json("spawn", launch.world_size(draft_devices, target_devices), args)
-    want = [checkpoints.hf_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
-    assert [o["token_ids"] for o in outs] == want
-    assert all(o["stats"]["acceptance_rate"] > 0.3 for o in outs), [o["stats"] for o in outs]
+    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, ["cpu:0"], target_devices,
+                              draft_len=4, kv_block_size=4, max_seq_len=64)
+    prompts = [PREFIX + tail for tail in TAILS]
+    with Engine.launch(cfg) as engine:
+        first = engine.generate(prompt_token_ids=prompts[0], max_new_tokens=NEW_TOKENS)
+        rest = engine.generate(prompt_token_ids=prompts[1:], max_new_tokens=NEW_TOKENS)
+    outs = [first, *rest]
+    want = [checkpoints.hf_greedy(target, p, NEW_TOKENS) for p in prompts]
+    assert [o.token_ids for o in outs] == want
+    assert all(o.stats["cached_prompt_tokens"] == len(PREFIX) for o in rest), \
+        [o.stats for o in rest]
+    assert sum(o.stats["acceptance_rate"] for o in outs) / len(outs) > 0.3, \
+        [o.stats for o in outs]

@@ -144,3 +144,24 @@ def test_sampled_output_follows_target(acceptance, draft_devices, target_devices
                                 **SETTINGS[0])
         assert engine.generate(prompt_token_ids=PROMPT, max_new_tokens=6, seed=5,
                                **SETTINGS[0]).token_ids == again.token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_family_sampled_output_follows_target(arch, tmp_path):
+    """Issue 37's native families sample the target's own distribution too (`logits`
+    acceptance, top-k and top-p): Qwen3's q/k norms, Gemma 3's norms, soft-capped logits and
+    sliding layers on both sides of the speculation."""
+    target = checkpoints.build_checkpoint(tmp_path / "target", arch, seed=10, **KW)
+    draft = checkpoints.build_checkpoint(tmp_path / "draft", arch, seed=11, **KW)
+    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"],
+                              draft_len=3, max_batch_size=256)
+    launch.set_speculation(cfg, acceptance="logits")
+    setting = SETTINGS[3]
+    with Engine.launch(cfg) as engine:
+        counts, _ = sample_pairs(engine, setting, seed=77)
+    target_p, draft_p = exact_joint(target, setting), exact_joint(draft, setting)
+    p_joint = chi_square_p(counts, target_p)
+    p_first = chi_square_p(counts.sum(1), target_p.sum(1))
+    p_second = chi_square_p(counts.sum(0), target_p.sum(0))
+    assert min(p_joint, p_first, p_second) > 1e-3, (p_joint, p_first, p_second)
+    assert chi_square_p(counts, draft_p) < 1e-6, "test cannot tell draft from target"
