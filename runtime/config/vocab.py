@@ -1,13 +1,19 @@
 """Draft and target vocabularies: which pairs may run together, and which ids the draft may
 propose (runtime.speculation.vocab.DraftVocab).
 
+A draft whose checkpoint has a tokenizer other than the one in use (another size, or the
+same tokens with other ids) drafts across tokenizers (`cross_tokenizer`): its proposals
+cross as text (runtime.speculation.retokenize, runtime.serving.cross_round), which needs
+`acceptance: tokens`; `logits` is refused naming speculation.acceptance (the draft's q is a
+distribution over other ids). Its embedding may then have any size.
+
 Equal vocab_size: accepted as always, nothing is restricted. Different vocab_size (an
 embedding padded differently, as Qwen2.5-0.5B's 151,936 rows beside Qwen2.5-7B's 152,064)
 is accepted when both speak one tokenizer, decided from tokenizer files:
 - the tokenizer in use is `tokenizer` when configured, else the target checkpoint's own;
 - when the draft checkpoint has a tokenizer too, it must load to the same vocabulary as the
   one in use (the same size and the same token -> id map), else the draft speaks another
-  tokenizer: refused (cross-tokenizer drafting is not supported);
+  tokenizer: drafting across tokenizers (above);
 - with no tokenizer at all (neither configured nor beside either model) nothing shows that
   the ids mean the same: refused, naming both sizes (configure `tokenizer` to vouch);
 - the tokenizer's size (len(tokenizer): its vocabulary and added tokens) must fit in both
@@ -15,26 +21,29 @@ is accepted when both speak one tokenizer, decided from tokenizer files:
 """
 from __future__ import annotations
 
+import os
+
 from runtime.config.schema import TandemConfig
 from runtime.errors import ConfigError
 
-__all__ = ["check_vocab", "propose_limit"]
+__all__ = ["check_vocab", "cross_tokenizer", "propose_limit"]
 
 
 def check_vocab(cfg: TandemConfig, draft_vocab: int, target_vocab: int) -> int | None:
-    """The config check: None for equal sizes, else the number of ids the draft may propose
-    (the shared tokenizer's size). Raises ConfigError naming the key."""
+    """The config check: None for equal sizes or a draft with its own tokenizer, else the
+    number of ids the draft may propose (the shared tokenizer's size). Raises ConfigError
+    naming the key."""
+    if cross_tokenizer(cfg):
+        if cfg.speculation.acceptance != "tokens":
+            raise ConfigError("speculation.acceptance", f"the draft {cfg.draft.model} has a "
+                              f"different tokenizer from the target's ({_where(cfg)}): "
+                              f"drafting across tokenizers needs `acceptance: tokens`, not "
+                              f"{cfg.speculation.acceptance!r}")
+        return None
     if draft_vocab == target_vocab:
         return None
     key, tokenizer = _tokenizer_in_use(cfg)
-    draft_tok = _load(cfg.draft.model, "draft.model")
-    if tokenizer is not None and draft_tok is not None and not _same(tokenizer, draft_tok):
-        raise ConfigError("draft.model", f"the draft {cfg.draft.model} has a different "
-                          f"tokenizer from the target's ({_where(cfg)}): "
-                          f"{len(draft_tok)} tokens against {len(tokenizer)}, or the same "
-                          f"tokens with other ids; draft and target must share one "
-                          f"tokenizer (drafting across tokenizers is not supported)")
-    tokenizer = tokenizer if tokenizer is not None else draft_tok
+    tokenizer = tokenizer if tokenizer is not None else _load(cfg.draft.model, "draft.model")
     if tokenizer is None:
         raise ConfigError("draft.model", f"vocab mismatch: draft {cfg.draft.model} has "
                           f"vocab_size {draft_vocab} but target {cfg.target.model} has "
@@ -45,10 +54,39 @@ def check_vocab(cfg: TandemConfig, draft_vocab: int, target_vocab: int) -> int |
     return _fits(len(tokenizer), key or "draft.model", draft_vocab, target_vocab)
 
 
+def cross_tokenizer(cfg: TandemConfig) -> bool:
+    """Whether the draft speaks another tokenizer than the one in use: its checkpoint has
+    one, and it differs (a draft that is the target's own checkpoint never does)."""
+    tokenizer = cfg.tokenizer if cfg.tokenizer is not None else cfg.target.model
+    return _differ(cfg.draft.model, tokenizer, cfg.tokenizer is not None)
+
+
+def _differ(draft: str, tokenizer: str, configured: bool) -> bool:
+    """(paths not on disk, e.g. ids not resolved by load_config(check_files=False): no)"""
+    if draft == tokenizer or not (os.path.exists(draft) and os.path.exists(tokenizer)):
+        return False
+    if _same_file(draft, tokenizer, "tokenizer.json"):
+        return False
+    draft_tok = _load(draft, "draft.model")
+    if draft_tok is None:
+        return False
+    used = _load(tokenizer, "tokenizer" if configured else "target.model", configured)
+    return used is not None and not _same(used, draft_tok)
+
+
+def _same_file(a: str, b: str, name: str) -> bool:
+    """Whether both dirs hold the file `name` with the same bytes (no tokenizer loaded)."""
+    paths = [os.path.join(d, name) for d in (a, b)]
+    if not all(os.path.isfile(p) for p in paths):
+        return False
+    with open(paths[0], "rb") as fa, open(paths[1], "rb") as fb:
+        return fa.read() == fb.read()
+
+
 def propose_limit(cfg: TandemConfig, draft_vocab: int, target_vocab: int) -> int | None:
     """What check_vocab returns, for a worker (the config passed that check already): the
     size of the tokenizer in use, or of the draft's where none is; None for equal sizes."""
-    if draft_vocab == target_vocab:
+    if draft_vocab == target_vocab or cross_tokenizer(cfg):
         return None
     _, tokenizer = _tokenizer_in_use(cfg)
     if tokenizer is None:

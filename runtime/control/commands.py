@@ -51,6 +51,7 @@ def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict], list[int],
 
 TARGET_LEADER = "target_leader"     # reports the round's verdict
 WORKER = "worker"                   # any other rank: its time only
+DRAFT_LEADER = "draft_leader"       # reports a cross-tokenizer draft's proposals
 REPLIES: dict[str, dict[str, Any]] = {
     "ack": {},                      # a release done (a prefill replies as a round: first tokens)
     # cached: per slot, the positions every shard of the rank caches committed KV for
@@ -140,9 +141,68 @@ class ReleaseCommand:
         return cls(int_list(_command(msg, cls.TYPE)["slots"], "release.slots"))
 
 
-def command(msg: dict) -> RoundCommand | PrefillCommand | ReleaseCommand:
+@dataclass(frozen=True)
+class CrossDraftCommand:
+    """orchestrator -> every worker, a draft with another tokenizer: per slot, the draft's
+    committed sequence becomes its first keep[i] cached tokens and tokens[i] (its own ids,
+    re-tokenised from the committed text; keep 0: a new sequence, sampled with params[i]);
+    then it proposes k tokens, which its leader reports (runtime.serving.cross_round)."""
+    TYPE: ClassVar[str] = "draft_cross"
+    slots: list[int]
+    k: int
+    keep: list[int]
+    tokens: list[list[int]]
+    params: list[dict]
+
+    def to_msg(self) -> dict:
+        return {"type": self.TYPE, "slots": list(self.slots), "k": self.k,
+                "keep": list(self.keep), "tokens": [list(t) for t in self.tokens],
+                "params": list(self.params)}
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> CrossDraftCommand:
+        msg = _command(msg, cls.TYPE)
+        slots = int_list(msg["slots"], "draft_cross.slots")
+        keep = int_list(msg["keep"], "draft_cross.keep")
+        tokens = [int_list(t, "draft_cross.tokens") for t in msg["tokens"]]
+        params = [check_sampling(p) for p in msg["params"]]
+        if not len(slots) == len(keep) == len(tokens) == len(params):
+            raise ProtocolError("draft_cross: slots, keep, tokens, params differ in length")
+        if any(not t for t in tokens) or any(n < 0 for n in keep):
+            raise ProtocolError("draft_cross: a slot with no tokens or keep < 0")
+        return cls(slots, msg["k"], keep, tokens, params)
+
+
+@dataclass(frozen=True)
+class CrossVerifyCommand:
+    """orchestrator -> every worker, a draft with another tokenizer: the target verifies
+    `proposals` (its own ids, any number per slot) under `tokens` acceptance and commits."""
+    TYPE: ClassVar[str] = "verify_cross"
+    slots: list[int]
+    proposals: list[list[int]]
+    tables: list[list[int]] = field(default_factory=list)   # per slot: blocks to append
+
+    def to_msg(self) -> dict:
+        return {"type": self.TYPE, "slots": list(self.slots),
+                "proposals": [list(p) for p in self.proposals],
+                "tables": [list(t) for t in self.tables]}
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> CrossVerifyCommand:
+        msg = _command(msg, cls.TYPE)
+        slots = int_list(msg["slots"], "verify_cross.slots")
+        proposals = [int_list(p, "verify_cross.proposals") for p in msg["proposals"]]
+        tables = [int_list(t, "verify_cross.tables") for t in msg["tables"]]
+        if len(proposals) != len(slots) or tables and len(tables) != len(slots):
+            raise ProtocolError("verify_cross: slots, proposals, tables differ in length")
+        return cls(slots, proposals, tables)
+
+
+def command(msg: dict) -> (RoundCommand | PrefillCommand | ReleaseCommand | CrossDraftCommand
+                           | CrossVerifyCommand):
     """The typed step command in a message (ProtocolError for any other)."""
-    kinds = {c.TYPE: c for c in (RoundCommand, PrefillCommand, ReleaseCommand)}
+    kinds = {c.TYPE: c for c in (RoundCommand, PrefillCommand, ReleaseCommand,
+                                 CrossDraftCommand, CrossVerifyCommand)}
     kind = msg.get("type") if isinstance(msg, dict) else None
     if kind not in kinds:
         raise ProtocolError(f"not a step command: {kind!r}")
@@ -188,7 +248,7 @@ class RoundReply:
 
     @property
     def reports(self) -> bool:
-        return self.role == TARGET_LEADER
+        return self.role in (TARGET_LEADER, DRAFT_LEADER)
 
     def to_map(self) -> dict:
         return {"kind": self.KIND, "role": self.role, "worker_s": float(self.worker_s),
@@ -199,7 +259,7 @@ class RoundReply:
     @classmethod
     def from_map(cls, result: Any) -> RoundReply:
         m = _reply(result, cls.KIND)
-        if m["role"] not in (TARGET_LEADER, WORKER):
+        if m["role"] not in (TARGET_LEADER, DRAFT_LEADER, WORKER):
             raise ProtocolError(f"round reply: unknown role {m['role']!r}")
         tokens = [int_list(t, "round reply.tokens") for t in m["tokens"]]
         accepted = int_list(m["accepted"], "round reply.accepted")

@@ -62,6 +62,12 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT,
               "tables": LIST},
     "release": {"step": INT, "slots": LIST},
+    # a draft with another tokenizer (runtime.serving.cross_round): the draft's committed
+    # tokens become keep cached ones and `tokens`, then it proposes k (its own ids) ...
+    "draft_cross": {"step": INT, "slots": LIST, "k": INT, "keep": LIST, "tokens": LIST,
+                    "params": LIST},
+    # ... which rank 0 maps to the target's ids: the target verifies and commits them
+    "verify_cross": {"step": INT, "slots": LIST, "proposals": LIST, "tables": LIST},
     "shutdown": {},
     # client -> server
     "generate": {"id": STR, "prompts": LIST, "prompt_ids": LIST, "params": MAP, "stream": BOOL,

@@ -18,7 +18,10 @@ from runtime.control.pool import WorkerPool
 from runtime.serving.block_manager import BlockManager
 from runtime.serving.scheduler import Event, Scheduler, Sequence
 from runtime.serving.textstream import TextStream
+from runtime.config.vocab import cross_tokenizer
 from runtime.models.loading.tokenizer import load_tokenizer
+from runtime.serving.cross_round import CrossRounds
+from runtime.speculation.retokenize import TextBridge
 
 log = logging.getLogger("tandem.orchestrator")
 
@@ -49,6 +52,17 @@ class Orchestrator:
             eos = (tokenizer.eos_token_id,)
         self.vocab_size, self.tokenizer, self.eos_token_ids = info.vocab_size, tokenizer, eos
 
+    def _cross_rounds(self) -> CrossRounds | None:
+        """The rounds of a draft with another tokenizer (runtime.serving.cross_round), or
+        None when draft and target share one."""
+        if not cross_tokenizer(self.config):
+            return None
+        cfg = self.config
+        log.info("the draft %s has another tokenizer: its proposals cross as text (two "
+                 "commands a round, no overlap or drafting ahead)", cfg.draft.model)
+        bridge = TextBridge(self.tokenizer, load_tokenizer(cfg.draft.model, required=True))
+        return CrossRounds(bridge, cfg.kv_seq_len, cfg.speculation.max_draft_len)
+
     def _loaded(self) -> None:
         """Wait for _load; raise what it raised."""
         self._loader.join()
@@ -65,14 +79,15 @@ class Orchestrator:
             log.warning("prefix caching off: a model runs through transformers with its own "
                      "KV cache (runtime.prefix_caching needs the paged cache of both)")
         blocks = BlockManager(pool.kv_blocks, rt.kv_block_size, prefix_caching)
+        cross = self._cross_rounds()
         self._scheduler = Scheduler(pool, rt.max_batch_size,
                                    self.config.speculation.fixed_draft_len,
                                    self.eos_token_ids, rt.step_timeout_s,
-                                   overlap=self.config.overlapped,
+                                   overlap=self.config.overlapped and cross is None,
                                    acceptance=self.config.speculation.acceptance,
                                    blocks=blocks, table_len=self.config.kv_seq_len,
                                    max_prefill_tokens=rt.max_prefill_tokens
-                                   if pool.shares_blocks else None)
+                                   if pool.shares_blocks else None, cross=cross)
         scheduler = self._scheduler
         scheduler.metrics.watch(lambda: len(scheduler.running), lambda: len(scheduler.queue),
                                 scheduler.draft_len)

@@ -19,6 +19,7 @@ from runtime.config.schema import MAX_AUTO_DRAFT_LEN
 from runtime.control import commands, protocol
 from runtime.control.pool import WorkerPool
 from runtime.serving.block_manager import BlockManager
+from runtime.serving.cross_round import CrossRounds, RoundOutcome
 from runtime.serving.metrics import ServingMetrics
 from runtime.serving.sequence import Event, Sequence
 
@@ -38,15 +39,16 @@ class Scheduler:
                  eos_token_ids: tuple[int, ...], step_timeout_s: float,
                  overlap: bool = False, acceptance: str = "tokens",
                  blocks: BlockManager | None = None, table_len: int | None = None,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, cross: CrossRounds | None = None):
         """num_slots: requests running at once (runtime.max_batch_size); blocks: the KV
         pool's books (default: room for num_slots requests of table_len positions, no
         prefix caching); table_len: the most positions one request's table addresses;
         max_prefill_tokens: prompt tokens one step may prefill while requests decode (None:
-        whole prompts)."""
+        whole prompts); cross: the rounds of a draft with another tokenizer."""
         if max_prefill_tokens is not None and max_prefill_tokens < 2:
             raise ValueError(f"max_prefill_tokens must be >= 2, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
+        self.cross = cross
         self.pool = pool
         self.draft_len = MAX_AUTO_DRAFT_LEN if draft_len is None else draft_len  # max k
         self.controller = DraftLenController(draft_len, MAX_AUTO_DRAFT_LEN, overlap)
@@ -96,6 +98,25 @@ class Scheduler:
             self.metrics.idle()
             return events
         k, next_k = self._draft_lens(slots)
+        outcome = self._round(slots, k, next_k)
+        finished = []
+        self.controller.observe(k, outcome.accepted, outcome.cost, outcome.steps)
+        for slot, tokens, accepted, kept, held in zip(slots, outcome.tokens, outcome.accepted,
+                                                      outcome.overlapped, outcome.cached):
+            seq = self.running[slot]
+            seq.overlapped_rounds += kept
+            events.append(self._append(seq, tokens, accepted, outcome.k, kept))
+            self._index(seq, held)
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        events.extend(self._retire(finished))
+        return events
+
+    def _round(self, slots: list[int], k: int, next_k: int) -> RoundOutcome:
+        """One round of these slots, k drafts each (a draft with another tokenizer: two
+        commands, runtime.serving.cross_round)."""
+        if self.cross is not None:
+            return self.cross.round(self, slots, k)
         steps = 1
         if k == 0:   # target-only: several decode steps on one command, none past a limit
             steps = min(TARGET_ONLY_STEPS, *(self.running[s].params.max_new_tokens -
@@ -106,20 +127,9 @@ class Scheduler:
         cost = self.metrics.round_ends(start, results, k)
         replies = _replies(results)
         verdict = _verdict(replies)
-        finished = []
-        self.controller.observe(k, verdict.accepted, cost, steps)
-        overlapped = verdict.overlapped or [False] * len(slots)
-        cached = _cached(replies, len(slots))
-        for slot, tokens, accepted, kept, held in zip(slots, verdict.tokens, verdict.accepted,
-                                                      overlapped, cached):
-            seq = self.running[slot]
-            seq.overlapped_rounds += kept
-            events.append(self._append(seq, tokens, accepted, k, kept))
-            self._index(seq, held)
-            if seq.finish_reason is not None:
-                finished.append(seq)
-        events.extend(self._retire(finished))
-        return events
+        return RoundOutcome(verdict.tokens, verdict.accepted,
+                            verdict.overlapped or [False] * len(slots),
+                            _cached(replies, len(slots)), cost, steps, k)
 
     def _draft_lens(self, slots: list[int]) -> tuple[int, int]:
         """(k of this round, k of the next one). The next round's k is chosen a round early,

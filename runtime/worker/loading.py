@@ -29,6 +29,7 @@ def load_shards(config: TandemConfig, spec: WorkerSpec, groups: Groups, device: 
     captured (all loads come before the first capture, so the orchestrator's phases follow
     one another)."""
     from parallel.vocab import VocabParallel
+    from runtime.config.vocab import cross_tokenizer
     from runtime.worker.kv_pool import pool_blocks
 
     target_model = _load_target(config, spec, groups, device, progress)
@@ -38,10 +39,12 @@ def load_shards(config: TandemConfig, spec: WorkerSpec, groups: Groups, device: 
     num_blocks = pool_blocks(config, models, device, groups.bridge)
     draft = target = None
     if draft_model is not None:
+        cross = cross_tokenizer(config)   # its own positions: its own fixed block tables
         # decode steps: the pending token(s) (1 or 2), then one token at a time
         draft = _shard(config, DraftShard, "draft", draft_model, [1, 2], device, rank,
-                       num_blocks, progress)
-        draft.vocab = _draft_vocab(config, draft_model)
+                       None if cross else num_blocks, progress)
+        draft.cross = cross
+        draft.vocab = None if cross else _draft_vocab(config, draft_model)
     if target_model is not None:
         spec_cfg = config.speculation   # verify steps: pending + k draft tokens
         ks = [spec_cfg.draft_len] if spec_cfg.fixed_draft_len else \

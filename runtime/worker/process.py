@@ -24,6 +24,7 @@ from runtime.config import TandemConfig, load_config
 from runtime.control.heartbeat import Pulse
 from runtime.control.progress import ProgressReporter
 from runtime.control.signals import SignalWakeup
+from runtime.worker.cross import draft_cross, verify_cross
 from runtime.worker.kv_pool import PoolTooSmallElsewhere
 from runtime.worker.loading import load_shards
 from runtime.worker.round import (NextWork, RoundParts, decode_target_only, drop_stale_ahead,
@@ -242,6 +243,15 @@ class Worker:
         cmd = commands.command(msg)
         drop_stale_ahead(self.parts, cmd.k if isinstance(cmd, commands.RoundCommand) else None)
         shards = [s for s in (self.parts.draft, self.parts.target) if s is not None]
+        max_k = self.config.speculation.max_draft_len
+        if isinstance(cmd, commands.CrossDraftCommand):
+            if not 1 <= cmd.k <= max_k:
+                raise ValueError(f"draft_cross.k must be in 1..{max_k}, got {cmd.k}")
+            return draft_cross(self.parts, cmd)
+        if isinstance(cmd, commands.CrossVerifyCommand):
+            if any(len(p) > max_k for p in cmd.proposals):
+                raise ValueError(f"verify_cross: more than {max_k} proposals for a slot")
+            return self._with_cached(verify_cross(self.parts, cmd), cmd.slots, shards)
         if isinstance(cmd, commands.ReleaseCommand):
             for shard in shards:
                 shard.release(cmd.slots)
@@ -266,7 +276,11 @@ class Worker:
     @staticmethod
     def _with_cached(result: commands.RoundReply, slots: list[int], shards: list
                      ) -> commands.RoundReply:
-        """The reply with, per slot, the positions every shard of this rank caches."""
+        """The reply with, per slot, the positions every shard of this rank caches (a draft
+        with another tokenizer counts its own positions, in its own tables: not reported)."""
+        shards = [s for s in shards if not getattr(s, "cross", False)]
+        if not shards:
+            return result
         cached = [min(column) for column in zip(*(s.cached(slots) for s in shards))]
         return dataclasses.replace(result, cached=cached)
 

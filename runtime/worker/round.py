@@ -183,12 +183,12 @@ def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], param
     ends = [i for i, f in enumerate(final) if f]
     chunks = [i for i, f in enumerate(final) if not f]
     first = torch.zeros(len(ends), 1, dtype=torch.long, device=parts.device)     # [F, 1]
-    if parts.draft is not None:
+    draft = parts.draft if parts.draft is not None and not parts.draft.cross else None
+    if draft is not None:   # (a draft with another tokenizer starts at its first round)
         if chunks:
-            parts.draft.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
+            draft.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
         if ends:
-            parts.draft.prefill(*_rows(ends, slots, prompts, params, cached, tables),
-                                through=True)
+            draft.prefill(*_rows(ends, slots, prompts, params, cached, tables), through=True)
     if parts.target is not None:
         if chunks:
             parts.target.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
@@ -200,7 +200,7 @@ def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], param
     if ends:
         bridge_broadcast(first, parts.target_leader, parts.bridge)
         rows = first.tolist()                                             # the one sync
-        for shard in (parts.draft, parts.target):
+        for shard in (draft, parts.target):
             if shard is not None:
                 shard.append_decoded([slots[i] for i in ends], rows)
     clock.lap("first_token_transfer_s")

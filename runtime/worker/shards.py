@@ -154,6 +154,21 @@ class DraftShard(ModelShard):
     refeeds_last = True
     ahead: Extension | None = None
     vocab: DraftVocab | None = None
+    cross = False           # another tokenizer: own fixed block tables, synced from text
+
+    def resync(self, slots: list[int], keep: list[int], tokens: list[list[int]],
+               params: list[dict]) -> None:
+        """A draft with another tokenizer (cross): each slot's sequence becomes its first
+        keep[i] cached positions and tokens[i] (keep 0: a new sequence, sampled with
+        params[i]); all but the last token are fed, the last stays pending."""
+        for slot, n, row, sampling in zip(slots, keep, tokens, params):
+            if n == 0:
+                self._start([slot], [row], [sampling], None, None)
+            else:
+                self.slots.rewind(slot, n, row)
+        rows = [(s, r[:-1]) for s, r in zip(slots, tokens) if len(r) > 1]
+        if rows:
+            self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
 
     @property
     def q_width(self) -> int:

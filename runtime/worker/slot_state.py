@@ -93,6 +93,16 @@ class SlotBook:
         self.states[slot] = SlotState(cached + len(tokens), cached, [tokens[-1]],
                                       {key: sampling[key] for key in GREEDY})
 
+    def rewind(self, slot: int, keep: int, tokens: list[int]) -> None:
+        """The sequence is now its first `keep` cached positions and `tokens` (a draft with
+        another tokenizer, re-synced from the committed text): the last is pending, the
+        others are to be fed (append) as a prefill's are. keep 0 needs start."""
+        state = self.check(slot)
+        if not 0 < keep <= state.cache_len or not tokens:
+            raise ValueError(f"slot {slot}: keeps {keep} of {state.cache_len} cached "
+                             f"positions with {len(tokens)} tokens")
+        state.cache_len, state.committed, state.pending = keep, keep + len(tokens), [tokens[-1]]
+
     def reset(self, slot: int) -> None:
         self.check(slot)
         self.states[slot] = SlotState()

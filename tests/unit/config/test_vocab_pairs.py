@@ -1,11 +1,12 @@
 """runtime.config.vocab: draft/target vocab_size may differ over one tokenizer (embeddings
-padded differently); a different tokenizer, or none to tell, is refused naming the key."""
+padded differently); none to tell is refused naming the key; a draft with a different
+tokenizer drafts across tokenizers, which needs `acceptance: tokens`."""
 from __future__ import annotations
 
 import pytest
 
 from runtime.config import load_config
-from runtime.config.vocab import check_vocab, propose_limit
+from runtime.config.vocab import check_vocab, cross_tokenizer, propose_limit
 from runtime.errors import ConfigError
 from tests.checkpoints import build_checkpoint
 from tests.tiny_tokenizers import save_tokenizer
@@ -23,9 +24,10 @@ def dirs(tmp_path_factory):
             "bare": str(root / "bare")}
 
 
-def cfg(draft: str, target: str, tokenizer: str | None = None):
+def cfg(draft: str, target: str, tokenizer: str | None = None, acceptance: str = "tokens"):
     raw = {"draft": {"model": draft, "devices": ["cpu:0"]},
-           "target": {"model": target, "devices": ["cpu:1"]}}
+           "target": {"model": target, "devices": ["cpu:1"]},
+           "speculation": {"acceptance": acceptance}}
     if tokenizer is not None:
         raw["tokenizer"] = tokenizer
     return load_config(raw, check_files=False, check_devices=False)
@@ -59,11 +61,22 @@ def test_one_tokenizer_present_is_the_one(dirs):
     assert check_vocab(configured, 112, 96) == 90
 
 
-def test_different_tokenizer_refused(dirs):
-    refused(cfg(dirs["shifted"], dirs["tok90"]), 112, 96, "draft.model", "different tokenizer")
-    refused(cfg(dirs["tok100"], dirs["tok90"]), 112, 96, "draft.model", "100", "90")
-    configured = cfg(dirs["shifted"], dirs["tok90"], tokenizer=dirs["tok90b"])
-    refused(configured, 112, 96, "draft.model", "different tokenizer", "`tokenizer`")
+@pytest.mark.parametrize("draft_vocab", [112, 96])
+def test_different_tokenizer_drafts_across(dirs, draft_vocab):
+    """Another size, or the same tokens with other ids, whatever the embeddings' sizes:
+    accepted under `tokens` (nothing restricted), refused under `logits`."""
+    for draft in ("shifted", "tok100"):
+        config = cfg(dirs[draft], dirs["tok90"])
+        assert cross_tokenizer(config)
+        assert check_vocab(config, draft_vocab, 96) is None
+        assert propose_limit(config, draft_vocab, 96) is None
+        refused(cfg(dirs[draft], dirs["tok90"], acceptance="logits"), draft_vocab, 96,
+                "speculation.acceptance", "different tokenizer", "acceptance: tokens")
+    configured = cfg(dirs["shifted"], dirs["tok90"], tokenizer=dirs["tok90b"],
+                     acceptance="logits")
+    refused(configured, draft_vocab, 96, "speculation.acceptance", "`tokenizer`")
+    assert not cross_tokenizer(cfg(dirs["tok90b"], dirs["tok90"]))
+    assert not cross_tokenizer(cfg(dirs["bare"], dirs["tok90"]))
 
 
 def test_no_tokenizer_refused_naming_both_sizes(dirs):
@@ -87,6 +100,7 @@ def test_load_config_accepts_a_padded_pair(tmp_path):
         load_config(raw)
     save_tokenizer(target, 90)
     assert load_config(raw).draft.model == draft
-    save_tokenizer(draft, 90, shift=3)
-    with pytest.raises(ConfigError, match="different tokenizer"):
-        load_config(raw)
+    save_tokenizer(draft, 90, shift=3)                 # another tokenizer: tokens only
+    assert load_config(raw).draft.model == draft
+    with pytest.raises(ConfigError, match="speculation.acceptance: .*different tokenizer"):
+        load_config({**raw, "speculation": {"acceptance": "logits"}})
