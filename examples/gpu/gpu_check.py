@@ -24,6 +24,7 @@ import yaml
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from runtime.models.loading.synthetic import build_pair  # noqa: E402
+from runtime.speculation.retokenize import common_prefix  # noqa: E402
 
 LAYOUTS = {  # name: (draft devices, target devices)
     "both [0]": ([0], [0]),
@@ -60,15 +61,6 @@ def config(draft, target, d_dev, t_dev, dtype, acceptance="tokens", k=4):
             "runtime": {"max_batch_size": 1, "max_seq_len": 1024}}
 
 
-def match_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="1b")
@@ -93,7 +85,7 @@ def main() -> None:
         results["layouts"][name] = {"float32": r32, "bfloat16": r16, "float32_exact": exact}
         rows.append(f"| {name} | {'yes' if exact else 'NO'} | "
                     f"{r32['stats']['tokens_per_s']:.1f} | {r16['stats']['tokens_per_s']:.1f} | "
-                    f"{match_len(r16['token_ids'], ref)}/{len(ref)} | "
+                    f"{common_prefix(r16['token_ids'], ref)}/{len(ref)} | "
                     f"{r16['stats']['acceptance_rate']:.2f} |")
     print("| layout | float32 token-exact vs both [0] | float32 tok/s | bf16 tok/s | "
           "bf16 tokens matching float32 | bf16 acceptance |")
