@@ -1,6 +1,6 @@
-"""Issue 37's native families end to end, one Engine each: a Qwen3 target at TP 2 (cpu:1-2)
-and a Gemma 3 target (soft-capped logits, sliding and full layers, two RoPE tables) on
-cpu:1, each with a same-family draft on cpu:0. Greedy output equals the target's own
+"""Issue 37's native families end to end, one Engine each: Qwen3 and OLMo 2 targets at TP 2
+(cpu:1-2), Gemma 3 (soft-capped logits, sliding and full layers, two RoPE tables), Phi-3 and
+Gemma 2 targets on cpu:1, each with a same-family draft on cpu:0. Greedy output equals the target's own
 transformers greedy output token for token (float32, CPU), also for prompts that find their
 prefix in the paged cache (blocks of 4 tokens). tests/unit/models/test_families.py and
 test_gemma.py cover the families' logits, TP 2, FP8 and the kernels without processes."""
@@ -21,6 +21,9 @@ NEW_TOKENS = 16
 @pytest.mark.parametrize("arch,target_devices", [
     ("qwen3", ["cpu:1", "cpu:2"]),
     ("gemma3_text", ["cpu:1"]),
+    ("olmo2", ["cpu:1", "cpu:2"]),
+    ("phi3", ["cpu:1"]),
+    ("gemma2", ["cpu:1"]),
 ])
 def test_family_pair_greedy_equals_transformers_with_prefix_hits(arch, target_devices,
                                                                   tmp_path):
