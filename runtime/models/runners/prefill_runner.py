@@ -60,6 +60,15 @@ def attention_shape(model) -> tuple[int | None, int]:
     return None, 0
 
 
+def chunk_rows(starts: list[int], n_valid: list[int], step: int, stop: int):
+    """The chunks of a call, `step` tokens a row, columns 0 to `stop`: (c0, begin, n) with
+    the chunk's first column, each row's start position in it and its valid tokens in it
+    (0 for a row already done)."""
+    for c0 in range(0, stop, step):
+        yield (c0, [s + min(c0, v) for s, v in zip(starts, n_valid)],
+               [min(max(v - c0, 0), step) for v in n_valid])
+
+
 def long_chunk_bytes(model, tokens: int = LONG_TOKENS) -> int:
     """An upper bound of the activations one long chunk (_run_long) holds at once in a
     layer, from the model's full (not TP-sharded) shapes: gate/up and q/k/v as float32 (the
@@ -153,9 +162,7 @@ class PrefillRunner:
         step = self.chunk_for(padded)
         longest = max(max(n_valid), 1)
         result = None
-        for c0 in range(0, longest, step):
-            n = [min(max(v - c0, 0), step) for v in n_valid]               # valid in chunk
-            begin = [s + min(c0, v) for s, v in zip(starts, n_valid)]
+        for c0, begin, n in chunk_rows(starts, n_valid, step, longest):
             out = self._chunk(ids, c0, padded, begin, n)                  # [B, C, V]
             if not logits:
                 continue
@@ -190,9 +197,7 @@ class PrefillRunner:
         bsz = ids.shape[0]
         step, table = self.long_chunk(bsz), self.table.rows(bsz)
         out = None
-        for c0 in range(0, max(n_valid), step):
-            n = [min(max(v - c0, 0), step) for v in n_valid]
-            begin = [s + min(c0, v) for s, v in zip(starts, n_valid)]
+        for c0, begin, n in chunk_rows(starts, n_valid, step, max(n_valid)):
             kv_len = max(b + k for b, k in zip(begin, n) if k)
             hidden = self.model.hidden_static(
                 ids[:, c0:c0 + max(n)], table, to_device(begin, torch.long, self.device),
@@ -217,9 +222,7 @@ class PrefillRunner:
         padded = next(b for b in self.batch_sizes if b >= bsz)
         step = self.chunk_for(padded)
         last = None
-        for c0 in range(0, max(n_valid), step):
-            n = [min(max(v - c0, 0), step) for v in n_valid]
-            begin = [s + min(c0, v) for s, v in zip(starts, n_valid)]
+        for c0, begin, n in chunk_rows(starts, n_valid, step, max(n_valid)):
             out = self._chunk(ids, c0, padded, begin, n)                  # [B, C, V]
             if last is None:
                 last = torch.empty(bsz, out.shape[-1], dtype=out.dtype, device=self.device)
