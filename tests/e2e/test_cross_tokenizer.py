@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from runtime import Engine
 from tests import checkpoints, launch
-from tests.e2e.test_spec_sampling import chi_square_p, model_and_warpers
+from tests.e2e.test_spec_sampling import chi_square_p, exact_joint
 from tests.tiny_tokenizers import save_text_tokenizer
 
 pytestmark = pytest.mark.timeout(400)
@@ -35,17 +34,6 @@ def pair(tmp_path_factory):
     return draft, target
 
 
-def exact_joint(target: str, prompt: list[int]) -> np.ndarray:
-    """[V, V] probability of (first, second) generated token under the target alone."""
-    model, warpers = model_and_warpers(target, SETTING)
-    ids = torch.tensor([prompt + [x] for x in range(VOCAB)])
-    with torch.no_grad():
-        logits = model(ids).logits                                # [V, P+1, V]
-    first = warpers(ids[:1, :-1], logits[:1, -2]).softmax(-1)[0]  # [V]
-    second = warpers(ids, logits[:, -1]).softmax(-1)              # [V, V]
-    return (first[:, None] * second).double().numpy()
-
-
 def test_cross_tokenizer_draft_is_exact(pair, tmp_path):
     draft, target = pair
     reference = [checkpoints.hf_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
@@ -64,6 +52,6 @@ def test_cross_tokenizer_draft_is_exact(pair, tmp_path):
     # proposals were kept: the sampled words came through the draft's mapped proposals
     accepted = sum(sum(o.stats["accepted_per_position"]) for o in sampled)
     assert accepted > SAMPLES // 20, accepted
-    probs = exact_joint(target, PROMPTS[0])
+    probs = exact_joint(target, SETTING, PROMPTS[0], VOCAB)
     p_values = (chi_square_p(counts, probs), chi_square_p(counts.sum(0), probs.sum(0)))
     assert min(p_values) > 1e-3, p_values

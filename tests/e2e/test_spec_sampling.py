@@ -65,10 +65,12 @@ def model_and_warpers(model_dir: str, setting: dict):
     return model, warpers
 
 
-def exact_joint(model_dir: str, setting: dict) -> np.ndarray:
-    """[V, V] probability of (first, second) generated token under the model alone."""
+def exact_joint(model_dir: str, setting: dict, prompt: list[int] = PROMPT,
+                vocab: int = VOCAB) -> np.ndarray:
+    """[V, V] probability of (first, second) generated token after `prompt` under the model
+    alone (V = vocab, the model's vocab_size)."""
     model, warpers = model_and_warpers(model_dir, setting)
-    ids = torch.tensor([PROMPT + [x] for x in range(VOCAB)])
+    ids = torch.tensor([prompt + [x] for x in range(vocab)])
     with torch.no_grad():
         logits = model(ids).logits                                # [V, P+1, V]
     first = warpers(ids[:1, :-1], logits[:1, -2]).softmax(-1)[0]  # [V]
