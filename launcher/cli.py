@@ -216,7 +216,8 @@ def _main(argv: list[str]) -> int:
         return run_once(config, env, request, as_json=args.json, quiet=args.quiet,
                         stream=args.stream)
     return serve_forever(config, env, http=http, metrics=metrics, quiet=args.quiet,
-                         served_model_name=args.served_model_name)
+                         served_model_name=args.served_model_name,
+                         address_source="--address" if args.address else "server.address")
 
 
 def _check_nodes(config, env) -> None:
@@ -242,7 +243,8 @@ def _load(args, check_devices: bool):
         return default_config()
     config = load_config(args.config, check_devices=check_devices)
     if args.command == "serve" and args.address:
-        config = load_config(dict(config.to_dict(), server={"address": args.address}),
+        raw = config.to_dict()   # the other server keys stay as the config says
+        config = load_config(dict(raw, server=dict(raw["server"], address=args.address)),
                              check_files=False, check_devices=False)
     return config
 

@@ -8,6 +8,9 @@ import stat
 import sys
 import threading
 import time
+from dataclasses import dataclass
+
+import zmq
 
 from launcher.bootstrap import StartupUsageError, start_cluster
 from launcher.discovery import LaunchEnv
@@ -166,13 +169,14 @@ def _generate(orch, cluster, seqs, out: RunOutput, request: dict,
 def serve_forever(config: TandemConfig, env: LaunchEnv,
                   http: tuple[str, int] | None = None,
                   metrics: tuple[str, int] | None = None, quiet: bool = False,
-                  served_model_name: str | None = None) -> int:
+                  served_model_name: str | None = None,
+                  address_source: str = "server.address") -> int:
     """Serve at server.address until SIGINT/SIGTERM; with `http` = (host, port) also the
     OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process, serving
     the model as `served_model_name` (default: the target's file or directory name), with
-    `metrics` = (host, port) the Prometheus metrics (runtime/serving/prometheus.py)."""
-    from runtime.serving.server import Server
-
+    `metrics` = (host, port) the Prometheus metrics (runtime/serving/prometheus.py).
+    Every address is bound before any worker starts: a taken one is a usage error (exit 2)
+    naming its flag or key (`address_source` for server.address)."""
     stop = threading.Event()
 
     def on_signal(signum, _frame):   # the normal way to stop a server: no warning
@@ -183,57 +187,105 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
     signal.signal(signal.SIGTERM, on_signal)
     try:
         _watch_owner()
+        bound = _Endpoints.bind(config, http, metrics, address_source)
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    http_sock = None
-    if http is not None:
-        from runtime.api.http_api import bind_http
-
-        try:  # bound before anything starts: a taken port is a usage error
-            http_sock = bind_http(*http)
-        except OSError as exc:
-            print(f"tandem: error: --http: cannot listen on {http[0]}:{http[1]}: {exc}",
-                  file=sys.stderr)
-            return EXIT_USAGE
-    metrics_endpoint = None
-    if metrics is not None:
-        from runtime.serving.prometheus import MetricsEndpoint
-
-        try:  # bound before anything starts, like --http
-            metrics_endpoint = MetricsEndpoint(*metrics)
-        except OSError as exc:
-            print(f"tandem: error: --metrics: cannot listen on {metrics[0]}:{metrics[1]}: "
-                  f"{exc}", file=sys.stderr)
-            if http_sock is not None:
-                http_sock.close()
-            return EXIT_USAGE
-
-    started = _start(config, env, quiet)
-    if isinstance(started, int):
-        if http_sock is not None:
-            http_sock.close()
-        if metrics_endpoint is not None:
-            metrics_endpoint.close()
-        return started
-    orch, cluster = started
-    server = front = None
-    code = 0
     try:
+        started = _start(config, env, quiet)
+        if isinstance(started, int):
+            return started
+        return _serve(config, *started, bound, served_model_name, stop)
+    finally:
+        bound.close()
+
+
+@dataclass
+class _Endpoints:
+    """What `serve` listens on, bound before anything starts (closed by close())."""
+    door: object                      # runtime.serving.client_door.ClientDoor
+    context: zmq.Context
+    http_sock: object | None = None
+    metrics: object | None = None     # runtime.serving.prometheus.MetricsEndpoint
+    front: object | None = None       # the HTTP front once started
+
+    @classmethod
+    def bind(cls, config: TandemConfig, http, metrics, address_source: str) -> "_Endpoints":
+        """Bind server.address, then --http and --metrics; ValueError naming the one taken."""
+        from runtime.serving.client_door import ClientDoor
+
         key = None if config.server.auth_key_file is None else \
             load_key(config.server.auth_key_file)
-        server = Server(orch.attach(cluster.pool), config.server.address, cluster.context, key)
+        context = zmq.Context()
+        try:
+            door = ClientDoor(config.server.address, context, key)
+        except zmq.ZMQError as exc:
+            context.term()
+            raise ValueError(f"{address_source}: cannot listen on {config.server.address}: "
+                             f"{exc}") from None
+        bound = cls(door, context)
+        try:
+            bound._bind_http(http, metrics)
+        except BaseException:
+            bound.close()
+            raise
+        return bound
+
+    def _bind_http(self, http, metrics) -> None:
+        if http is not None:
+            from runtime.api.http_api import bind_http
+
+            try:
+                self.http_sock = bind_http(*http)
+            except OSError as exc:
+                raise ValueError(f"--http: cannot listen on {http[0]}:{http[1]}: "
+                                 f"{exc}") from None
+        if metrics is not None:
+            from runtime.serving.prometheus import MetricsEndpoint
+
+            try:
+                self.metrics = MetricsEndpoint(*metrics)
+            except OSError as exc:
+                raise ValueError(f"--metrics: cannot listen on {metrics[0]}:{metrics[1]}: "
+                                 f"{exc}") from None
+
+    def close(self) -> None:
+        """The HTTP front first (its streams end with the failure replies), then the rest.
+        Idempotent."""
+        if self.front is not None:
+            self.front.stop()
+        elif self.http_sock is not None:
+            self.http_sock.close()
+        self.front = self.http_sock = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.door.close()
+        if not self.context.closed:
+            self.context.term()
+
+
+def _serve(config: TandemConfig, orch, cluster, bound: _Endpoints,
+           served_model_name: str | None, stop: threading.Event) -> int:
+    """serve_forever once the workers are ready: serve until `stop`; the exit code."""
+    from runtime.serving.server import Server
+
+    code = 0
+    try:
+        server = Server(orch.attach(cluster.pool), bound.door,
+                        client_timeout_s=config.server.client_timeout_s)
         print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
-        if metrics_endpoint is not None:
-            metrics_endpoint.start(orch.metrics_registry())
-            print(f"tandem: metrics at {metrics_endpoint.url}", file=sys.stderr, flush=True)
-        if http_sock is not None:
+        if bound.metrics is not None:
+            bound.metrics.start(orch.metrics_registry())
+            print(f"tandem: metrics at {bound.metrics.url}", file=sys.stderr, flush=True)
+        if bound.http_sock is not None:
             from runtime.api.http_api import HttpFront
 
-            front = HttpFront(config.server.address, http_sock, served_model_name,
-                              auth_key_file=config.server.auth_key_file)
-            front.start()
-            print(f"tandem: HTTP API at {front.url}", file=sys.stderr, flush=True)
+            bound.front = HttpFront(config.server.address, bound.http_sock,
+                                    served_model_name,
+                                    auth_key_file=config.server.auth_key_file)
+            bound.front.start()
+            print(f"tandem: HTTP API at {bound.front.url}", file=sys.stderr, flush=True)
         server.serve(stop)
     except EngineDeadError as exc:
         # the failure replies leave first: under MPICH's hydra a word on stderr after a rank
@@ -243,14 +295,7 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
         code = EXIT_DEAD
         time.sleep(0.2)  # let the failure replies leave
     finally:
-        if front is not None:
-            front.stop()  # serve() failed its requests: the streams end, then it stops
-        elif http_sock is not None:
-            http_sock.close()
-        if metrics_endpoint is not None:
-            metrics_endpoint.close()
-        if server is not None:
-            server.close()
+        bound.close()   # every request answered before the workers are waited for
         cluster.shutdown()
     return code
 

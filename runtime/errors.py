@@ -11,6 +11,12 @@ class EngineClosedError(EngineDeadError):
     a dead engine handles a closed one too."""
 
 
+class RequestCancelledError(RuntimeError):
+    """The server ended a request before its result: it heard nothing from this client for
+    longer than its client timeout (a client that stopped pinging), or the client cancelled
+    it. The engine keeps serving; the request may be sent again."""
+
+
 class RequestError(ValueError):
     """The server refused a request (bad arguments); the engine keeps serving."""
 

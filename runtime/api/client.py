@@ -27,10 +27,11 @@ from typing import Callable, Iterator
 import zmq
 
 from runtime.api.client_io import (IO_JOIN_S, WORKER_DEATH_GRACE_S, ClientIO, _close_client,
-                                   _run_closers, _Waker)
+                                   _run_closers)
 from runtime.api.outputs import GenerationOutput, StreamDelta
 from runtime.control import auth
-from runtime.errors import EngineClosedError, EngineDeadError
+from runtime.control.waker import Waker
+from runtime.errors import EngineClosedError, EngineDeadError, RequestCancelledError
 from runtime.params import SamplingParams, check_fits, check_prompt_ids
 
 __all__ = ["Client", "CONNECT_TIMEOUT_S", "IO_JOIN_S", "WORKER_DEATH_GRACE_S"]
@@ -56,7 +57,7 @@ class Client(ClientIO):
         self.ping_s = ping_s
         self._context = zmq.Context()
         self._outbox: queue.Queue = queue.Queue()
-        self._waker = _Waker()
+        self._waker = Waker()
         self._waiters: dict[str, queue.Queue] = {}
         self._patience: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -108,12 +109,17 @@ class Client(ClientIO):
         if msg["type"] == "failed":
             if msg["kind"] == "dead":
                 raise _dead_error(msg)
+            if msg["kind"] == "cancelled":
+                raise RequestCancelledError(msg["message"])
             raise ValueError(msg["message"])
         return msg
 
-    def _unanswered(self, timeout_s: float) -> EngineDeadError:
+    def _unanswered(self, timeout_s: float, starting: bool = False) -> EngineDeadError:
         if not self._reached:
             return EngineDeadError(self._nobody_there(f"waited {timeout_s:.0f} s"))
+        if starting:
+            return EngineDeadError(f"the server at {self.address} is still starting after "
+                                   f"{timeout_s:.0f} s (its workers are loading)")
         return EngineDeadError(f"no answer from {self.address} within {timeout_s:.0f} s")
 
     def info(self, timeout_s: float | None = None) -> dict:
@@ -126,18 +132,21 @@ class Client(ClientIO):
         rid = "ping-" + self._new_id()
         waiter = self._open({"type": "ping", "id": rid}, patient=patient)
         try:
-            deadline = time.monotonic() + timeout_s
+            deadline, starting = time.monotonic() + timeout_s, False
             while True:
                 try:
                     msg = waiter.get(timeout=0.2)
                 except queue.Empty:
-                    if time.monotonic() > deadline:
-                        raise self._unanswered(timeout_s) from None
-                    self._post({"type": "ping", "id": rid})
-                    continue
-                if msg["type"] == "failed":
+                    msg = None
+                if msg is not None and msg["type"] == "failed":
                     raise _dead_error(msg)
-                return msg["info"]
+                if msg is not None and msg["type"] == "pong":
+                    return msg["info"]
+                starting |= msg is not None   # `starting`: alive, its workers loading
+                if time.monotonic() > deadline:
+                    raise self._unanswered(timeout_s, starting) from None
+                if msg is None:
+                    self._post({"type": "ping", "id": rid})
         finally:
             self._close_waiter(rid)
 

@@ -1,11 +1,13 @@
-"""The I/O side of a Client (runtime.api.client): the thread that owns its ZeroMQ socket, the
-pipe that wakes that thread, and the liveness rules the thread applies between polls.
+"""The I/O side of a Client (runtime.api.client): the thread that owns its ZeroMQ socket, and
+the liveness rules it applies between polls (runtime.control.waker wakes it).
 
 Liveness, checked after every poll (at most POLL_MS apart):
 - a process of the server on this host that ended (pidfds, runtime.control.procwatch), or the
   Engine's own server process: every waiting call raises EngineDeadError naming it;
 - a server that was reached once (heard from, or a connection made) and has said nothing for
-  `dead_after_s` while calls wait: EngineDeadError, and so does every later call;
+  `dead_after_s` while calls wait (it answers pings on a thread of its own, however long a
+  step runs: runtime.serving.client_door): those calls raise EngineDeadError and their
+  requests are cancelled; a later call tries again, so a server that answers again is found;
 - an address where nothing was ever reached: ZeroMQ connects lazily and retries for ever, so
   a missing server shows only as a connection that never happens (the socket monitor's
   EVENT_CONNECTED). A call that waits `connect_timeout_s` for one raises EngineDeadError
@@ -27,48 +29,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from runtime.control import protocol
 from runtime.control.procwatch import ProcessWatch, parent_pid
+from runtime.control.waker import Waker
 
 WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead local worker
 IO_JOIN_S = 5.0              # how long close() waits for the I/O thread to end
 
 
-class _Waker:
-    """A pipe whose read end the I/O thread polls: a byte written to it wakes the thread.
-    The I/O thread closes it as it ends; a wake after that does nothing. The lock keeps a
-    closed descriptor's number, which the OS may have handed out again, from being written."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        os.set_blocking(self._write_fd, False)
-
-    def wake(self) -> None:
-        with self._lock:
-            if self._write_fd is None:
-                return
-            try:
-                os.write(self._write_fd, b"w")
-            except OSError:
-                pass   # the pipe is full: a wake is pending
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.read_fd, 4096):
-                pass
-        except OSError:   # BlockingIOError: drained
-            pass
-
-    def close(self) -> None:
-        with self._lock:
-            if self._write_fd is not None:
-                os.close(self.read_fd)
-                os.close(self._write_fd)
-                self._write_fd = None
-
-
 def _close_client(closed: threading.Event, lock: threading.Lock, waiters: dict,
-                  waker: _Waker, thread: threading.Thread, message: str) -> None:
+                  waker: Waker, thread: threading.Thread, message: str) -> None:
     """The Client's part of close(): no new call gets in, every waiting call raises
     EngineClosedError (first, so that none waits on what follows), then the I/O thread
     ends. Holds no reference to the Client (its finalizer calls this)."""
@@ -98,6 +66,7 @@ class ClientIO:
     connect_timeout_s: float
     ping_s: float
     _waiters: dict[str, queue.Queue]
+    _outbox: queue.Queue
     _patience: dict[str, float]    # request id -> when it gives up on an unreached address
     _lock: threading.Lock
 
@@ -108,7 +77,7 @@ class ClientIO:
     # --- the thread ----------------------------------------------------------------------
     @staticmethod
     def _io_main(ref: weakref.ref, closed: threading.Event, context: zmq.Context,
-                 waker: _Waker) -> None:
+                 waker: Waker) -> None:
         """The I/O thread. It holds its Client only while it works, never while it waits in
         poll: a Client nobody else holds is collected (its finalizer closes it). It owns the
         socket, the context and the wake pipe, and closes them as it ends."""
@@ -268,13 +237,27 @@ class ClientIO:
         reason = reason or self._process_gone()
         if reason is None and self._server_end() is not None:
             reason = f"tandem server (pid {self._info['server'][1]}) is gone"
-        if reason is None and self._waiters and self._reached and \
-                time.monotonic() - self._last_heard > self.dead_after_s:
-            reason = f"server at {self.address} silent for {self.dead_after_s:.0f} s"
         if reason is not None:
             self._mark_dead(reason)
+        elif self._waiters and self._reached and \
+                time.monotonic() - self._last_heard > self.dead_after_s:
+            self._fail_silent()
         elif self._patience and not self._reached:
             self._give_up_unreached()
+
+    def _fail_silent(self) -> None:
+        """The server, reached once, said nothing for dead_after_s (its pings are answered on
+        a thread of their own, however long a step runs): every waiting call raises
+        EngineDeadError, and its request is cancelled should the server still hold it. The
+        client stays usable: a server that answers again serves the next call."""
+        reason = f"server at {self.address} silent for {self.dead_after_s:.0f} s"
+        with self._lock:
+            waiting = list(self._waiters.items())
+            self._waiters.clear()
+            self._patience.clear()
+        for rid, waiter in waiting:
+            waiter.put({"type": "failed", "id": "", "message": reason, "kind": "dead"})
+            self._outbox.put({"type": "cancel", "id": rid})
 
     def _give_up_unreached(self) -> None:
         """Fail the calls that waited connect_timeout_s for an address where nothing was

@@ -258,6 +258,9 @@ def _failure(msg: dict, max_name: str, prompt_name: str) -> HttpError:
     if msg["kind"] == "dead":
         return HttpError(503, f"the engine is not available: {msg['message']}",
                          kind="server_error", code="engine_dead")
+    if msg["kind"] == "cancelled":
+        return HttpError(503, f"the request was cancelled: {msg['message']}",
+                         kind="server_error", code="request_cancelled")
     return _value_error(ValueError(msg["message"]), max_name, prompt_name)
 
 

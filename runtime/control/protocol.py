@@ -79,8 +79,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # server -> client
     "delta": {"id": STR, "index": INT, "token_ids": LIST, "text": STR},
     "final": {"id": STR, "outputs": LIST},
+    # kind: "value" (a bad request), "cancelled" (the client went silent, or asked),
+    # "dead" (the engine failed, or the server is shutting down)
     "failed": {"id": STR, "message": STR, "kind": STR},
     "pong": {"id": STR, "info": MAP},
+    "starting": {"id": STR},         # a ping's answer while the workers load
     "stats_reply": {"id": STR, "stats": MAP},
     "metrics_reply": {"id": STR, "text": STR},
 }

@@ -1,10 +1,14 @@
-"""The serving loop of rank 0: clients over ZeroMQ (ROUTER) <-> the orchestrator.
+"""The serving loop of rank 0: the clients' frames (runtime.serving.client_door) <-> the
+orchestrator.
 
-An idle server blocks: one poll over the client socket, the workers' control socket, the
-local workers' pidfds and a signal wake-up pipe, until a worker's heartbeat could be too old
-(the Beacon's thread reads the heartbeats meanwhile: runtime.control.pool), at most
-IDLE_WAIT_S. So it uses no CPU to speak of, and still sees a client's frame, a worker's error
-or death and a stopping signal at once.
+The client door's thread reads every frame as it arrives and answers pings, so neither a
+client's liveness nor the server's depends on how long one step runs. This loop takes the
+frames that wait, runs one step, and sweeps the requests of clients that went silent. An idle
+server blocks: one poll over the door's wake-up pipe, the workers' control socket, the local
+workers' pidfds and a signal wake-up pipe, until a worker's heartbeat could be too old (the
+Beacon's thread reads the heartbeats meanwhile: runtime.control.pool), at most IDLE_WAIT_S.
+Every request ends with a terminal reply: `final`, or `failed` with a kind ("value",
+"cancelled" or "dead") and a message, whatever ended it.
 """
 from __future__ import annotations
 
@@ -13,11 +17,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-import zmq
-
-from runtime.control import protocol
 from runtime.control.signals import SignalWakeup
 from runtime.errors import EngineDeadError
+from runtime.serving.client_door import ClientDoor
 from runtime.serving.orchestrator import Orchestrator
 from runtime.serving.scheduler import Event
 
@@ -36,26 +38,18 @@ class Pending:
 
 
 class Server:
-    def __init__(self, orch: Orchestrator, address: str, context: zmq.Context,
-                 key: bytes | None = None):
+    def __init__(self, orch: Orchestrator, door: ClientDoor,
+                 client_timeout_s: float = CLIENT_TIMEOUT_S):
+        """Serve the clients at `door` (bound already, answering `starting` until now)."""
         self.orch = orch
-        self.key = key          # HMAC key: every frame in and out is signed (runtime.control.auth)
-        self.sock = context.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 10000)
-        self.sock.setsockopt(zmq.RCVHWM, 1000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        self.sock.bind(address)
+        self.door = door
         self.pending: dict[str, Pending] = {}
-        self.client_seen: dict[bytes, float] = {}   # identity -> last frame (clients ping)
-        self.client_timeout_s = CLIENT_TIMEOUT_S
+        self.client_timeout_s = client_timeout_s
         self._last_sweep = time.monotonic()
+        door.info = orch.info()   # from now on pings get a pong with the server's facts
 
     def reply(self, identity: bytes, msg: dict) -> None:
-        try:
-            self.sock.send_multipart([identity, protocol.encode(msg, self.key)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("could not reply to a client: %s", exc)
+        self.door.reply(identity, msg)
 
     def serve(self, stop: threading.Event) -> None:
         """Until `stop` is set. Raises EngineDeadError when the workers are gone."""
@@ -67,47 +61,42 @@ class Server:
             except EngineDeadError as exc:
                 self.fail_all(str(exc), "dead")
                 raise
+            except BaseException as exc:   # a bug must not leave a client waiting
+                self.fail_all(f"the server failed: {exc!r}", "dead")
+                raise
         self.fail_all("server shutting down", "dead")
 
-    def turn(self, idle_ms: int, wakeup: SignalWakeup) -> None:
-        """What has arrived, but a bounded number of frames (clients that keep sending,
-        pings or stats, must not starve the rounds); then one round, or, with nothing to
-        run, a wait for the next frame, worker event or signal."""
-        for _ in range(MAX_FRAMES_PER_TURN):
-            if not self.sock.poll(0):
-                break
-            self.handle_frame(self.sock.recv_multipart())
-        if self.orch.has_work:
-            self.dispatch(self.orch.step())
-        else:
-            self.orch.idle(idle_ms, wake=(self.sock, *wakeup.fds))
-            wakeup.drain()
-        self.sweep_clients()
-
     def fail_all(self, message: str, kind: str) -> None:
+        """Serving ends: every request in flight, waiting at the door or still to come is
+        answered `failed` with `message`."""
+        self.door.refuse(message)
         for rid, pend in list(self.pending.items()):
             self.reply(pend.identity, {"type": "failed", "id": rid, "message": message,
                                        "kind": kind})
         self.pending.clear()
 
-    def handle_frame(self, parts: list[bytes]) -> None:
-        if len(parts) != 2:
-            log.warning("dropped a client frame with %d parts", len(parts))
-            return
-        identity, frame = parts
-        self.client_seen[identity] = time.monotonic()
-        try:
-            msg = protocol.decode(frame, self.key)
-        except protocol.ProtocolError as exc:
-            log.warning("dropped a client frame: %s", exc)
-            return
+    def turn(self, idle_ms: int, wakeup: SignalWakeup) -> None:
+        """What has arrived, but a bounded number of frames (clients that keep sending,
+        pings or stats, must not starve the rounds); then one round, or, with nothing to
+        run, a wait for the next frame, worker event or signal."""
+        for identity, msg in self.door.take(MAX_FRAMES_PER_TURN):
+            self.handle(identity, msg)
+        if self.door.failure is not None:
+            raise EngineDeadError(self.door.failure)
+        if self.orch.has_work:
+            self.dispatch(self.orch.step())
+        else:
+            wait_ms = 0 if self.door.waiting else idle_ms
+            self.orch.idle(wait_ms, wake=(self.door.wake_fd, *wakeup.fds))
+            wakeup.drain()
+        self.sweep_clients()
+
+    def handle(self, identity: bytes, msg: dict) -> None:
+        """One client message (checked against its schema by the door; pings it answers)."""
         kind = msg["type"]
-        if kind == "ping":
-            self.reply(identity, {"type": "pong", "id": msg["id"], "info": self.orch.info()})
-        elif kind == "cancel":
+        if kind == "cancel":
             if msg["id"] in self.pending and self.pending[msg["id"]].identity == identity:
-                del self.pending[msg["id"]]
-                self.orch.cancel(msg["id"])
+                self.end(msg["id"], "the client cancelled the request", "cancelled")
         elif kind == "stats":
             self.reply(identity, {"type": "stats_reply", "id": msg["id"],
                                   "stats": self.orch.stats()})
@@ -150,20 +139,28 @@ class Server:
                 self.reply(pend.identity, {"type": "final", "id": seq.request_id,
                                            "outputs": [s.output() for s in pend.seqs]})
 
+    def end(self, rid: str, message: str, kind: str) -> None:
+        """End a request before its final reply: the scheduler drops it, the client is told."""
+        pend = self.pending.pop(rid)
+        self.orch.cancel(rid)
+        self.reply(pend.identity, {"type": "failed", "id": rid, "message": message,
+                                   "kind": kind})
+
     def sweep_clients(self) -> None:
-        """Cancel the requests of clients that stopped pinging (gone without a word)."""
+        """Cancel the requests of clients that stopped pinging (gone without a word). The
+        door hears every frame as it arrives, so a long step does not silence a client."""
         now = time.monotonic()
         if now - self._last_sweep < 1.0:
             return
         self._last_sweep = now
         for rid, pend in list(self.pending.items()):
-            if now - self.client_seen.get(pend.identity, now) > self.client_timeout_s:
-                log.warning("client gone; cancelling request %s", rid)
-                del self.pending[rid]
-                self.orch.cancel(rid)
-        for identity, seen in list(self.client_seen.items()):
-            if now - seen > 10 * self.client_timeout_s:
-                del self.client_seen[identity]
+            seen = self.door.last_seen(pend.identity)
+            silent = now - (now if seen is None else seen)
+            if silent > self.client_timeout_s:
+                log.warning("client silent for %.0f s; cancelling request %s", silent, rid)
+                self.end(rid, f"the client sent nothing for {silent:.0f} s (more than "
+                              f"{self.client_timeout_s:g} s): cancelled", "cancelled")
+        self.door.forget_before(now - 10 * self.client_timeout_s)
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.door.close()

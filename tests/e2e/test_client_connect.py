@@ -99,7 +99,7 @@ def test_something_that_is_no_tandem_server_gets_the_silence_limit():
         listener.close()
 
 
-def test_a_server_heard_once_gets_the_silence_limit(tmp_path):
+def test_a_server_heard_once_gets_the_silence_limit_then_is_found_again(tmp_path):
     address = f"ipc://{tmp_path}/server.sock"
     server = ping_server(address)
     with Client(address, dead_after_s=CONNECT_TIMEOUT_S + 3) as client:
@@ -109,8 +109,13 @@ def test_a_server_heard_once_gets_the_silence_limit(tmp_path):
         with pytest.raises(EngineDeadError, match="silent for"):
             client.generate("hi", max_new_tokens=2)
         assert time.monotonic() - start > CONNECT_TIMEOUT_S + 1.5
-        with pytest.raises(EngineDeadError, match="silent for"):   # and it stays dead
+        with pytest.raises(EngineDeadError, match="silent for"):   # while it stays silent
             client.info()
+        server = ping_server(address)    # it answers again: the client finds it (no
+        try:                             # permanent 503 in an HTTP front over it)
+            assert client.info()["model"] == "fake"
+        finally:
+            server.close()
 
 
 @pytest.mark.parametrize("ids, max_new, pattern", [
