@@ -3,6 +3,7 @@
 Exit codes: 0 done; 1 the engine died (a worker crashed, a rank went silent); 2 a usage or
 config error, found before any process starts wherever it can be; 128 + N stopped by signal
 N (130: Ctrl-C). Errors name what the user typed: a dotted config key or a flag."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ import sys
 from launcher.output import LastWords, flag_message, json_error
 
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
 DEMO_PROMPT = "What is speculative decoding? Answer in two sentences."
 
 
@@ -37,101 +38,182 @@ def _version() -> str:
 
     try:
         return version("tandem")
-    except PackageNotFoundError:   # run from a checkout that was never installed
+    except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed; pip install -e .)"
 
 
 def _parser() -> argparse.ArgumentParser:
     """The public command line (the hidden `worker` entry has its own: _worker_parser)."""
-    parser = argparse.ArgumentParser(prog="tandem", formatter_class=_HelpFormatter,
-                                     description="Draft-target speculative decoding across "
-                                                 "processes and GPUs.",
-                                     epilog="Each command's options, with their defaults: "
-                                            "tandem COMMAND --help (e.g. tandem run --help).")
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        formatter_class=_HelpFormatter,
+        description="Draft-target speculative decoding across processes and GPUs.",
+        epilog="Each command's options, with their defaults: "
+        "tandem COMMAND --help (e.g. tandem run --help).",
+    )
     parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{run,serve,bench}")
-    _add_run(sub.add_parser("run", help="generate once and exit",
-                            formatter_class=_HelpFormatter,
-                            description="Generate for one prompt (or a batch) and exit. The "
-                                        "text streams to stdout; stats go to stderr. Ctrl-C "
-                                        "stops with what was generated (exit 130)."))
-    _add_serve(sub.add_parser("serve", help="serve clients until SIGINT/SIGTERM",
-                              formatter_class=_HelpFormatter,
-                              description="Start everything and serve clients at "
-                                          "server.address until SIGINT/SIGTERM."))
+    _add_run(
+        sub.add_parser(
+            "run",
+            help="generate once and exit",
+            formatter_class=_HelpFormatter,
+            description="Generate for one prompt (or a batch) and exit. The "
+            "text streams to stdout; stats go to stderr. Ctrl-C "
+            "stops with what was generated (exit 130).",
+        )
+    )
+    _add_serve(
+        sub.add_parser(
+            "serve",
+            help="serve clients until SIGINT/SIGTERM",
+            formatter_class=_HelpFormatter,
+            description="Start everything and serve clients at "
+            "server.address until SIGINT/SIGTERM.",
+        )
+    )
     from launcher.bench import add_parser as add_bench_parser
 
     bench = add_bench_parser(sub)
     bench.formatter_class = _HelpFormatter
-    _add_quiet(bench)   # its Engine's server writes plain lines anyway
+    _add_quiet(bench)  # its Engine's server writes plain lines anyway
     return parser
 
 
 def _add_run(run: argparse.ArgumentParser) -> None:
-    run.add_argument("config", nargs="?",
-                     help="YAML config (default: the built-in demo, SmolLM2-135M-Instruct on "
-                          "the CPU as both draft and target)")
+    run.add_argument(
+        "config",
+        nargs="?",
+        help="YAML config (default: the built-in demo, SmolLM2-135M-Instruct on "
+        "the CPU as both draft and target)",
+    )
     src = run.add_mutually_exclusive_group()
-    src.add_argument("--prompt", action="append", metavar="TEXT",
-                     help="prompt text; repeat for a batch (default for the demo: "
-                          f"{DEMO_PROMPT!r})")
-    src.add_argument("--prompt-ids", action="append", metavar="IDS",
-                     help="comma-separated prompt token ids, e.g. 1,2,3; repeat for a batch "
-                          "(no default)")
-    run.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                     help="tokens to generate at most per prompt")
-    run.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                     help="sampling temperature; 0 is greedy")
-    run.add_argument("--top-k", type=int, default=None, metavar="K",
-                     help="sample from the K most likely tokens (default: no limit)")
-    run.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                     help="sample from the most likely tokens whose probabilities sum to P "
-                          "(1.0: no limit)")
-    run.add_argument("--seed", type=int, default=None, metavar="S",
-                     help="sampling seed; prompt i samples with S + i (default: a random one)")
-    run.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                     help="stop string; repeatable (default: none)")
-    run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                     help="apply the tokenizer's chat template to --prompt "
-                          "(default: on for the built-in demo, off otherwise)")
-    run.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                     help="print the text as it is generated (several prompts: one after "
-                          "another); --no-stream prints each prompt's text once all are done")
-    run.add_argument("--json", action="store_true",
-                     help="print one JSON object per prompt on stdout once all are done "
-                          "(text, token_ids, finish_reason, stats) instead of the text")
-    run.add_argument("--print-config", action="store_true",
-                     help="print the effective config (defaults filled in) as YAML and exit")
+    src.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help=f"prompt text; repeat for a batch (default for the demo: {DEMO_PROMPT!r})",
+    )
+    src.add_argument(
+        "--prompt-ids",
+        action="append",
+        metavar="IDS",
+        help="comma-separated prompt token ids, e.g. 1,2,3; repeat for a batch (no default)",
+    )
+    run.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="tokens to generate at most per prompt",
+    )
+    run.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature; 0 is greedy",
+    )
+    run.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sample from the K most likely tokens (default: no limit)",
+    )
+    run.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample from the most likely tokens whose probabilities sum to P (1.0: no limit)",
+    )
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="sampling seed; prompt i samples with S + i (default: a random one)",
+    )
+    run.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="stop string; repeatable (default: none)",
+    )
+    run.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the tokenizer's chat template to --prompt "
+        "(default: on for the built-in demo, off otherwise)",
+    )
+    run.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="print the text as it is generated (several prompts: one after "
+        "another); --no-stream prints each prompt's text once all are done",
+    )
+    run.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per prompt on stdout once all are done "
+        "(text, token_ids, finish_reason, stats) instead of the text",
+    )
+    run.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective config (defaults filled in) as YAML and exit",
+    )
     _add_quiet(run)
 
 
 def _add_listener(parser: argparse.ArgumentParser, flag: str, what: str) -> None:
     """FLAG HOST:PORT (loopback unless FLAG-allow-remote) for an endpoint serving `what`."""
-    parser.add_argument(flag, metavar="HOST:PORT", default=None,
-                        help=f"also serve {what} here (loopback only unless "
-                             f"{flag}-allow-remote; default: none)")
-    parser.add_argument(f"{flag}-allow-remote", action="store_true",
-                        help=f"allow {flag} on a non-loopback address (no authentication)")
+    parser.add_argument(
+        flag,
+        metavar="HOST:PORT",
+        default=None,
+        help=f"also serve {what} here (loopback only unless {flag}-allow-remote; default: none)",
+    )
+    parser.add_argument(
+        f"{flag}-allow-remote",
+        action="store_true",
+        help=f"allow {flag} on a non-loopback address (no authentication)",
+    )
 
 
 def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("config", help="YAML config")
-    serve.add_argument("--address", help="listen here instead of server.address "
-                                         "(default: the config's)")
+    serve.add_argument(
+        "--address", help="listen here instead of server.address (default: the config's)"
+    )
     _add_listener(serve, "--http", "an OpenAI-compatible HTTP API")
-    serve.add_argument("--served-model-name", metavar="NAME", default=None,
-                       help="the model id HTTP clients name (OpenAI's `model`); requests for "
-                            "another get 404 (default: the target's file or directory name)")
+    serve.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model id HTTP clients name (OpenAI's `model`); requests for "
+        "another get 404 (default: the target's file or directory name)",
+    )
     _add_listener(serve, "--metrics", "the Prometheus metrics at GET /metrics")
-    serve.add_argument("--print-config", action="store_true",
-                       help="print the effective config (defaults filled in) as YAML and exit")
+    serve.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective config (defaults filled in) as YAML and exit",
+    )
     _add_quiet(serve)
 
 
 def _add_quiet(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quiet", action="store_true",
-                        help="startup progress as plain lines (where each phase starts and "
-                             "ends) instead of bars; also the case when stderr is no terminal")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="startup progress as plain lines (where each phase starts and "
+        "ends) instead of bars; also the case when stderr is no terminal",
+    )
 
 
 def _worker_parser() -> argparse.ArgumentParser:
@@ -169,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
-                        format="[tandem] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG", "WARNING"),
+        format="[tandem] %(levelname)s %(name)s: %(message)s",
+    )
     if argv[:1] == ["worker"]:
         return _worker(_worker_parser().parse_args(argv[1:]))
     args = _parser().parse_args(argv)
@@ -195,29 +279,37 @@ def _main(argv: list[str]) -> int:
         request = _request_from_args(args, config) if args.command == "run" else None
         http, metrics = _serve_endpoints(args) if args.command == "serve" else (None, None)
         env = discover()
-        check_control_bind(control_bind())   # beyond loopback only with a key, on every rank
+        check_control_bind(control_bind())  # beyond loopback only with a key, on every rank
         topology = config.topology()
         if env.world_size is not None:
             topology.check_world_size(env.world_size)
         _check_nodes(config, env)
-    except ConfigError as exc:   # names its dotted key, and lists config keys as they are
+    except ConfigError as exc:  # names its dotted key, and lists config keys as they are
         return _fail(str(exc))
     except (LaunchError, ValueError, FileNotFoundError) as exc:
         return _fail(flag_message(str(exc)) if args.command == "run" else str(exc))
-    end_with_launcher(env.method, env.rank)   # torchrun's or mpirun's ranks: launcher/orphan.py
+    end_with_launcher(env.method, env.rank)  # torchrun's or mpirun's ranks: launcher/orphan.py
     if not env.is_orchestrator:
         from runtime.worker.process import run_worker
 
-        return run_worker(env.rank, env.world_size, env.init_method,
-                          config.runtime.startup_timeout_s)
+        return run_worker(
+            env.rank, env.world_size, env.init_method, config.runtime.startup_timeout_s
+        )
     from launcher.session import run_once, serve_forever
 
     if args.command == "run":
-        return run_once(config, env, request, as_json=args.json, quiet=args.quiet,
-                        stream=args.stream)
-    return serve_forever(config, env, http=http, metrics=metrics, quiet=args.quiet,
-                         served_model_name=args.served_model_name,
-                         address_source="--address" if args.address else "server.address")
+        return run_once(
+            config, env, request, as_json=args.json, quiet=args.quiet, stream=args.stream
+        )
+    return serve_forever(
+        config,
+        env,
+        http=http,
+        metrics=metrics,
+        quiet=args.quiet,
+        served_model_name=args.served_model_name,
+        address_source="--address" if args.address else "server.address",
+    )
 
 
 def _check_nodes(config, env) -> None:
@@ -243,9 +335,12 @@ def _load(args, check_devices: bool):
         return default_config()
     config = load_config(args.config, check_devices=check_devices)
     if args.command == "serve" and args.address:
-        raw = config.to_dict()   # the other server keys stay as the config says
-        config = load_config(dict(raw, server=dict(raw["server"], address=args.address)),
-                             check_files=False, check_devices=False)
+        raw = config.to_dict()  # the other server keys stay as the config says
+        config = load_config(
+            dict(raw, server=dict(raw["server"], address=args.address)),
+            check_files=False,
+            check_devices=False,
+        )
     return config
 
 
@@ -257,14 +352,16 @@ def _serve_endpoints(args) -> tuple:
         if not args.served_model_name.strip():
             raise ValueError("--served-model-name: expected a non-empty name")
         if args.http is None:
-            raise ValueError("--served-model-name: only the HTTP API names the model; "
-                             "give --http HOST:PORT too")
+            raise ValueError(
+                "--served-model-name: only the HTTP API names the model; give --http HOST:PORT too"
+            )
     http = metrics = None
     if args.http is not None:
         http = parse_http_address(args.http, args.http_allow_remote)
     if args.metrics is not None:
-        metrics = parse_http_address(args.metrics, args.metrics_allow_remote,
-                                     flag="--metrics", what="the metrics endpoint")
+        metrics = parse_http_address(
+            args.metrics, args.metrics_allow_remote, flag="--metrics", what="the metrics endpoint"
+        )
     return http, metrics
 
 
@@ -278,8 +375,13 @@ def _request_from_args(args, config) -> dict:
             raise ValueError("run: give --prompt TEXT or --prompt-ids 1,2,3")
         args.prompt = [DEMO_PROMPT]
     params = SamplingParams.from_kwargs(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop=args.stop or ()).to_dict()
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop or (),
+    ).to_dict()
     id_lists = None
     if args.prompt_ids is not None:
         id_lists = [_parse_ids(text) for text in args.prompt_ids]
@@ -287,8 +389,13 @@ def _request_from_args(args, config) -> dict:
         raise ValueError("--prompt: empty prompt")
     chat = demo if args.chat is None else args.chat
     _check_request(config, args, id_lists)
-    return {"prompts": None if id_lists else args.prompt, "prompt_ids": id_lists,
-            "params": params, "chat": chat, "demo": demo}
+    return {
+        "prompts": None if id_lists else args.prompt,
+        "prompt_ids": id_lists,
+        "params": params,
+        "chat": chat,
+        "demo": demo,
+    }
 
 
 def _check_request(config, args, id_lists: list[list[int]] | None) -> None:
@@ -300,29 +407,34 @@ def _check_request(config, args, id_lists: list[list[int]] | None) -> None:
     path = config.tokenizer_path
     needs = "--prompt" if id_lists is None else "--stop" if args.stop else None
     if needs and not has_tokenizer_files(path):
-        raise ValueError(f"{needs}: {path} has no tokenizer (none of "
-                         f"{', '.join(TOKENIZER_FILES)}); give token ids with --prompt-ids, "
-                         f"or name one with `tokenizer:` in the config")
+        raise ValueError(
+            f"{needs}: {path} has no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}); give token ids with --prompt-ids, "
+            f"or name one with `tokenizer:` in the config"
+        )
     if id_lists is None:
         return
     from runtime.models.loading.checkpoint import inspect_checkpoint
-    from runtime.params import check_prompt_ids
-    from runtime.params import check_fits
+    from runtime.params import check_fits, check_prompt_ids
 
     vocab_size = inspect_checkpoint(config.target.model).vocab_size
     for i, ids in enumerate(id_lists):
         check_prompt_ids(ids, vocab_size, "--prompt-ids")
         # in the API's words, which _main's flag_message turns into --prompt-ids, --max-new-tokens
-        check_fits(len(ids), args.max_new_tokens, config.runtime.max_seq_len,
-                   "prompt_token_ids", i if len(id_lists) > 1 else None)
+        check_fits(
+            len(ids),
+            args.max_new_tokens,
+            config.runtime.max_seq_len,
+            "prompt_token_ids",
+            i if len(id_lists) > 1 else None,
+        )
 
 
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--prompt-ids: expected comma-separated integers, "
-                         f"got {text!r}") from None
+        raise ValueError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
     if not ids:
         raise ValueError("--prompt-ids: empty prompt")
     return ids
@@ -343,5 +455,5 @@ def _worker(args) -> int:
         if parent != MPI.COMM_NULL:
             parent.Disconnect()
         rank = 1 + MPI.COMM_WORLD.Get_rank()
-    end_with_launcher("child", rank)          # rank 0 (or the MPI daemon) started us
+    end_with_launcher("child", rank)  # rank 0 (or the MPI daemon) started us
     return run_worker(rank, args.world_size, args.init_method, args.startup_timeout)

@@ -7,6 +7,7 @@ Four launch forms (INTERFACE.md) map to these methods:
 - "mpi-spawn": `mpirun -n 1`; rank 0 starts the workers with MPI_Comm_spawn;
 - "child": a worker started by rank 0 (spawn or mpi-spawn), told its rank on the command line.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ MPI_ENV_KEYS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MP
 
 @dataclass(frozen=True)
 class LaunchEnv:
-    method: str            # spawn | torchrun | mpi | mpi-spawn | child
+    method: str  # spawn | torchrun | mpi | mpi-spawn | child
     rank: int
     world_size: int | None  # None: rank 0 decides (spawn, mpi-spawn)
     init_method: str | None  # torch.distributed init method; None: rank 0 picks a port
@@ -40,18 +41,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def under_torchrun() -> bool:
     env = os.environ
-    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env
-                                            and "MASTER_ADDR" in env)
+    return "TORCHELASTIC_RUN_ID" in env or (
+        "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env
+    )
 
 
 def multi_node() -> bool:
     """Whether this launch spans several hosts (torchrun or MPI tell us how many ranks are
     local); then CUDA ids in the config are local to each rank's node."""
     env = os.environ
-    pairs = (("LOCAL_WORLD_SIZE", "WORLD_SIZE"), ("OMPI_COMM_WORLD_LOCAL_SIZE",
-             "OMPI_COMM_WORLD_SIZE"), ("MPI_LOCALNRANKS", "PMI_SIZE"))
-    return any(local in env and total in env and env[local] != env[total]
-               for local, total in pairs)
+    pairs = (
+        ("LOCAL_WORLD_SIZE", "WORLD_SIZE"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),
+        ("MPI_LOCALNRANKS", "PMI_SIZE"),
+    )
+    return any(local in env and total in env and env[local] != env[total] for local, total in pairs)
 
 
 def under_mpi() -> bool:
@@ -70,19 +74,28 @@ def discover() -> LaunchEnv:
     if os.environ.get("TANDEM_LAUNCH") == "spawn":  # Engine.launch's child: always spawn
         return LaunchEnv("spawn", 0, None, None)
     if under_torchrun():
-        return LaunchEnv("torchrun", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         "env://", torchrun_layout(os.environ))
+        return LaunchEnv(
+            "torchrun",
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            "env://",
+            torchrun_layout(os.environ),
+        )
     if under_mpi():
         survive_mpi_fault_notice()
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
         if comm.Get_size() == 1:
-            return LaunchEnv("mpi-spawn", 0, None, None,
-                             NodeLayout.one_host("mpirun -n 1 (rank 0 spawns the workers)"))
+            return LaunchEnv(
+                "mpi-spawn",
+                0,
+                None,
+                None,
+                NodeLayout.one_host("mpirun -n 1 (rank 0 spawns the workers)"),
+            )
         init_method = _mpi_init_method(comm)
-        return LaunchEnv("mpi", comm.Get_rank(), comm.Get_size(), init_method,
-                         mpi_layout(comm))
+        return LaunchEnv("mpi", comm.Get_rank(), comm.Get_size(), init_method, mpi_layout(comm))
     return LaunchEnv("spawn", 0, None, None)
 
 
@@ -112,8 +125,7 @@ def mpi_layout(comm) -> NodeLayout:
 
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     lowest = array("i", [0])
-    node_comm.Allreduce([array("i", [comm.Get_rank()]), MPI.INT], [lowest, MPI.INT],
-                        op=MPI.MIN)
+    node_comm.Allreduce([array("i", [comm.Get_rank()]), MPI.INT], [lowest, MPI.INT], op=MPI.MIN)
     node_comm.Free()
     hosts = array("i", [0] * comm.Get_size())
     comm.Allgather([lowest, MPI.INT], [hosts, MPI.INT])

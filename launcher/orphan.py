@@ -12,6 +12,7 @@ it is gone:
 A rank of a plain `tandem run` / `tandem serve` (launch method "spawn": its parent is a
 user's shell or program) watches nothing; an Engine's server ends with the Engine by its own
 pipe (launcher.session._watch_owner)."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,8 @@ import time
 from runtime.control.procwatch import watch_parent
 
 log = logging.getLogger("tandem.launcher")
-LAUNCHED = ("torchrun", "mpi", "mpi-spawn", "child")   # launch methods with a launcher parent
-ORPHAN_GRACE_S = 5.0    # rank 0: from its own SIGTERM to a hard exit (within the 10 s bound)
+LAUNCHED = ("torchrun", "mpi", "mpi-spawn", "child")  # launch methods with a launcher parent
+ORPHAN_GRACE_S = 5.0  # rank 0: from its own SIGTERM to a hard exit (within the 10 s bound)
 EXIT_ORPHANED = 1
 
 
@@ -40,7 +41,7 @@ def _launcher_gone(rank: int, ppid: int) -> None:
     log.warning("rank %d: its launcher (pid %d) is gone; exiting", rank, ppid)
     if rank != 0:
         _exit_now()
-    os.kill(os.getpid(), signal.SIGTERM)   # serve / run stop in order, as on a user's signal
+    os.kill(os.getpid(), signal.SIGTERM)  # serve / run stop in order, as on a user's signal
     time.sleep(ORPHAN_GRACE_S)
     _exit_now()
 

@@ -4,13 +4,14 @@ its stats line on stderr; with --json one JSON object per prompt once all are do
 Several prompts run as one batch but print one after another: the first streams, and a later
 prompt's text (held meanwhile) follows as soon as the prompts before it are done, so texts
 never interleave. Interrupted, whatever was generated is printed, and nothing else."""
+
 from __future__ import annotations
 
 import json
 import os
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 DEMO_NOTE = """\
 tandem: demo: SmolLM2-135M-Instruct on the CPU is both draft and target, so every draft
@@ -28,12 +29,12 @@ class LastWords:
     ends the process, or, when the handler interrupted `write()` itself (it runs in the main
     thread, between two of its steps), lets that write finish and end the process then."""
 
-    wrote_any = False   # class-wide: has this process written its last words (main's check)
+    wrote_any = False  # class-wide: has this process written its last words (main's check)
 
     def __init__(self, make: Callable[[], str]):
         self.make = make
-        self.state: str | None = None         # None -> "writing" -> "written"
-        self.exit_code: int | None = None     # set by exit_now during write()
+        self.state: str | None = None  # None -> "writing" -> "written"
+        self.exit_code: int | None = None  # set by exit_now during write()
 
     def write(self) -> None:
         if self.state is not None:
@@ -61,8 +62,8 @@ class LastWords:
 def _write_all(fd: int, data: bytes) -> None:
     try:
         while data:
-            data = data[os.write(fd, data):]
-    except OSError:      # stdout closed (a reader gone): nobody to tell
+            data = data[os.write(fd, data) :]
+    except OSError:  # stdout closed (a reader gone): nobody to tell
         pass
 
 
@@ -76,17 +77,17 @@ class RunOutput:
     """Prints one `tandem run` request's outputs from the orchestrator's step events."""
 
     def __init__(self, seqs, as_json: bool, stream: bool, profile=lambda: {}):
-        self.seqs = seqs                      # runtime.serving.scheduler.Sequence, in order
+        self.seqs = seqs  # runtime.serving.scheduler.Sequence, in order
         self.as_json = as_json
         self.stream = stream and not as_json
-        self.profile = profile                # the orchestrator's per-phase timings
+        self.profile = profile  # the orchestrator's per-phase timings
         # --json: one object per prompt, finish_reason "cancelled" where unfinished, written
         # once whichever way the run ends (finished, interrupted, a second signal)
         self.json = LastWords(self._json_text) if as_json else None
-        self.held = [""] * len(seqs)          # text generated and not printed yet
-        self.done = [False] * len(seqs)       # retired (its stats are final)
-        self.next = 0                         # the first prompt not printed in full
-        self.line_open = False                # stdout has text after its last newline
+        self.held = [""] * len(seqs)  # text generated and not printed yet
+        self.done = [False] * len(seqs)  # retired (its stats are final)
+        self.next = 0  # the first prompt not printed in full
+        self.line_open = False  # stdout has text after its last newline
 
     def event(self, event) -> None:
         """One event of Orchestrator.step()."""
@@ -162,10 +163,14 @@ class RunOutput:
     @staticmethod
     def _stats_line(out: dict) -> None:
         s = out["stats"]
-        print(f"[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, "
-              f"acceptance={s['acceptance_rate']:.2f}, "
-              f"tokens/round={s['mean_accepted_tokens']:.2f}, "
-              f"{s['tokens_per_s']:.1f} tokens/s]", file=sys.stderr, flush=True)
+        print(
+            f"[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, "
+            f"acceptance={s['acceptance_rate']:.2f}, "
+            f"tokens/round={s['mean_accepted_tokens']:.2f}, "
+            f"{s['tokens_per_s']:.1f} tokens/s]",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def print_demo_header(prompts: list[str] | None) -> None:
@@ -177,9 +182,13 @@ def print_demo_header(prompts: list[str] | None) -> None:
 
 
 # Python argument names in tandem's messages -> what the `tandem run` user typed.
-_FLAG_NAMES = {"prompt_token_ids": "--prompt-ids", "max_new_tokens": "--max-new-tokens",
-               "top_k": "--top-k", "top_p": "--top-p"}
-_LEADING_FLAGS = ("prompt", "temperature", "seed", "stop")   # only as a message's subject
+_FLAG_NAMES = {
+    "prompt_token_ids": "--prompt-ids",
+    "max_new_tokens": "--max-new-tokens",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+}
+_LEADING_FLAGS = ("prompt", "temperature", "seed", "stop")  # only as a message's subject
 
 
 def flag_message(message: str) -> str:

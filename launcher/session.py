@@ -1,4 +1,5 @@
 """Rank 0's two sessions: generate once (`tandem run`) and serve (`tandem serve`)."""
+
 from __future__ import annotations
 
 import logging
@@ -16,14 +17,14 @@ from launcher.bootstrap import StartupUsageError, start_cluster
 from launcher.discovery import LaunchEnv
 from launcher.output import LastWords, RunOutput, flag_message, json_error, print_demo_header
 from runtime.api.engine import OWNER_FD_ENV
-from runtime.control.auth import load_key
 from runtime.config import TandemConfig
+from runtime.control.auth import load_key
 from runtime.errors import EngineDeadError
 
 log = logging.getLogger("tandem.launcher")
 EXIT_DEAD = 1
 EXIT_USAGE = 2
-OWNER_GRACE_S = 5.0   # owner gone: how long an orderly shutdown may take before we just exit
+OWNER_GRACE_S = 5.0  # owner gone: how long an orderly shutdown may take before we just exit
 
 
 def _start(config: TandemConfig, env: LaunchEnv, quiet: bool = False, orch=None):
@@ -60,7 +61,7 @@ class _Interrupt:
         self.last_words: LastWords | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> "_Interrupt":
+    def __enter__(self) -> _Interrupt:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
@@ -73,7 +74,7 @@ class _Interrupt:
         if self.signum is not None:
             os.write(2, b"tandem: interrupted again; exiting now\n")
             if self.last_words is not None:
-                self.last_words.exit_now(128 + signum)   # returns only into its own write
+                self.last_words.exit_now(128 + signum)  # returns only into its own write
                 return
             os._exit(128 + signum)
         self.signum = signum
@@ -93,13 +94,19 @@ class _Interrupt:
         return self.code
 
 
-def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool,
-             quiet: bool = False, stream: bool = True) -> int:
+def run_once(
+    config: TandemConfig,
+    env: LaunchEnv,
+    request: dict,
+    as_json: bool,
+    quiet: bool = False,
+    stream: bool = True,
+) -> int:
     """Generate for the request's prompts and exit: 0, 1 (the engine died), 2 (a usage
     error), or 128 + the signal that interrupted it (130 for Ctrl-C)."""
     with _Interrupt() as interrupt:
         started = None
-        if as_json:   # until the prompts are read, interrupted means an error object
+        if as_json:  # until the prompts are read, interrupted means an error object
             interrupt.last_words = json_error(lambda: interrupt.describe("while starting"))
         try:
             prepared = _prepare(config, request)
@@ -107,7 +114,7 @@ def run_once(config: TandemConfig, env: LaunchEnv, request: dict, as_json: bool,
                 return prepared
             orch, seqs = prepared
             out = RunOutput(seqs, as_json, stream)
-            if as_json:   # from now on, one object per prompt with what it generated
+            if as_json:  # from now on, one object per prompt with what it generated
                 interrupt.last_words = out.json
             started = _start(config, env, quiet, orch)
             interrupt.deferred = True
@@ -134,21 +141,25 @@ def _prepare(config: TandemConfig, request: dict):
 
     orch = Orchestrator(config)
     try:
-        return orch, orch.make_sequences("run", request["prompts"], request["prompt_ids"],
-                                         request["params"], chat=request["chat"])
+        return orch, orch.make_sequences(
+            "run",
+            request["prompts"],
+            request["prompt_ids"],
+            request["params"],
+            chat=request["chat"],
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"tandem: error: {flag_message(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
 
 
-def _generate(orch, cluster, seqs, out: RunOutput, request: dict,
-              interrupt: _Interrupt) -> int:
+def _generate(orch, cluster, seqs, out: RunOutput, request: dict, interrupt: _Interrupt) -> int:
     orch.attach(cluster.pool)
     out.profile = orch.profile
     if request.get("demo"):
         print_demo_header(request["prompts"])
     now = time.perf_counter()
-    for seq in seqs:   # made before the workers started: their clock starts now
+    for seq in seqs:  # made before the workers started: their clock starts now
         seq.t_start = now
     try:
         orch.submit(seqs)
@@ -166,11 +177,15 @@ def _generate(orch, cluster, seqs, out: RunOutput, request: dict,
     return 0
 
 
-def serve_forever(config: TandemConfig, env: LaunchEnv,
-                  http: tuple[str, int] | None = None,
-                  metrics: tuple[str, int] | None = None, quiet: bool = False,
-                  served_model_name: str | None = None,
-                  address_source: str = "server.address") -> int:
+def serve_forever(
+    config: TandemConfig,
+    env: LaunchEnv,
+    http: tuple[str, int] | None = None,
+    metrics: tuple[str, int] | None = None,
+    quiet: bool = False,
+    served_model_name: str | None = None,
+    address_source: str = "server.address",
+) -> int:
     """Serve at server.address until SIGINT/SIGTERM; with `http` = (host, port) also the
     OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process, serving
     the model as `served_model_name` (default: the target's file or directory name), with
@@ -179,7 +194,7 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
     naming its flag or key (`address_source` for server.address)."""
     stop = threading.Event()
 
-    def on_signal(signum, _frame):   # the normal way to stop a server: no warning
+    def on_signal(signum, _frame):  # the normal way to stop a server: no warning
         log.info("received signal %d; shutting down", signum)
         stop.set()
 
@@ -203,26 +218,27 @@ def serve_forever(config: TandemConfig, env: LaunchEnv,
 @dataclass
 class _Endpoints:
     """What `serve` listens on, bound before anything starts (closed by close())."""
-    door: object                      # runtime.serving.client_door.ClientDoor
+
+    door: object  # runtime.serving.client_door.ClientDoor
     context: zmq.Context
     http_sock: object | None = None
-    metrics: object | None = None     # runtime.serving.prometheus.MetricsEndpoint
-    front: object | None = None       # the HTTP front once started
+    metrics: object | None = None  # runtime.serving.prometheus.MetricsEndpoint
+    front: object | None = None  # the HTTP front once started
 
     @classmethod
-    def bind(cls, config: TandemConfig, http, metrics, address_source: str) -> "_Endpoints":
+    def bind(cls, config: TandemConfig, http, metrics, address_source: str) -> _Endpoints:
         """Bind server.address, then --http and --metrics; ValueError naming the one taken."""
         from runtime.serving.client_door import ClientDoor
 
-        key = None if config.server.auth_key_file is None else \
-            load_key(config.server.auth_key_file)
+        key = None if config.server.auth_key_file is None else load_key(config.server.auth_key_file)
         context = zmq.Context()
         try:
             door = ClientDoor(config.server.address, context, key)
         except zmq.ZMQError as exc:
             context.term()
-            raise ValueError(f"{address_source}: cannot listen on {config.server.address}: "
-                             f"{exc}") from None
+            raise ValueError(
+                f"{address_source}: cannot listen on {config.server.address}: {exc}"
+            ) from None
         bound = cls(door, context)
         try:
             bound._bind_http(http, metrics)
@@ -238,16 +254,16 @@ class _Endpoints:
             try:
                 self.http_sock = bind_http(*http)
             except OSError as exc:
-                raise ValueError(f"--http: cannot listen on {http[0]}:{http[1]}: "
-                                 f"{exc}") from None
+                raise ValueError(f"--http: cannot listen on {http[0]}:{http[1]}: {exc}") from None
         if metrics is not None:
             from runtime.serving.prometheus import MetricsEndpoint
 
             try:
                 self.metrics = MetricsEndpoint(*metrics)
             except OSError as exc:
-                raise ValueError(f"--metrics: cannot listen on {metrics[0]}:{metrics[1]}: "
-                                 f"{exc}") from None
+                raise ValueError(
+                    f"--metrics: cannot listen on {metrics[0]}:{metrics[1]}: {exc}"
+                ) from None
 
     def close(self) -> None:
         """The HTTP front first (its streams end with the failure replies), then the rest.
@@ -265,15 +281,22 @@ class _Endpoints:
             self.context.term()
 
 
-def _serve(config: TandemConfig, orch, cluster, bound: _Endpoints,
-           served_model_name: str | None, stop: threading.Event) -> int:
+def _serve(
+    config: TandemConfig,
+    orch,
+    cluster,
+    bound: _Endpoints,
+    served_model_name: str | None,
+    stop: threading.Event,
+) -> int:
     """serve_forever once the workers are ready: serve until `stop`; the exit code."""
     from runtime.serving.server import Server
 
     code = 0
     try:
-        server = Server(orch.attach(cluster.pool), bound.door,
-                        client_timeout_s=config.server.client_timeout_s)
+        server = Server(
+            orch.attach(cluster.pool), bound.door, client_timeout_s=config.server.client_timeout_s
+        )
         print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
         if bound.metrics is not None:
             bound.metrics.start(orch.metrics_registry())
@@ -281,9 +304,12 @@ def _serve(config: TandemConfig, orch, cluster, bound: _Endpoints,
         if bound.http_sock is not None:
             from runtime.api.http_api import HttpFront
 
-            bound.front = HttpFront(config.server.address, bound.http_sock,
-                                    served_model_name,
-                                    auth_key_file=config.server.auth_key_file)
+            bound.front = HttpFront(
+                config.server.address,
+                bound.http_sock,
+                served_model_name,
+                auth_key_file=config.server.auth_key_file,
+            )
             bound.front.start()
             print(f"tandem: HTTP API at {bound.front.url}", file=sys.stderr, flush=True)
         server.serve(stop)
@@ -295,7 +321,7 @@ def _serve(config: TandemConfig, orch, cluster, bound: _Endpoints,
         code = EXIT_DEAD
         time.sleep(0.2)  # let the failure replies leave
     finally:
-        bound.close()   # every request answered before the workers are waited for
+        bound.close()  # every request answered before the workers are waited for
         cluster.shutdown()
     return code
 
@@ -308,7 +334,7 @@ def _watch_owner() -> None:
     still running OWNER_GRACE_S later (startup does not look at the signal) exits at once,
     and its workers die with it (PR_SET_PDEATHSIG).
     A `tandem serve` that a user started has no such pipe and serves until signalled."""
-    value = os.environ.pop(OWNER_FD_ENV, None)   # our workers must not see it
+    value = os.environ.pop(OWNER_FD_ENV, None)  # our workers must not see it
     if value is None:
         return
     try:
@@ -316,21 +342,22 @@ def _watch_owner() -> None:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             raise OSError("not a pipe")
     except (ValueError, OSError) as exc:
-        raise ValueError(f"{OWNER_FD_ENV}: expected the file descriptor of a pipe "
-                         f"(set by Engine.launch), got {value!r}: {exc}") from None
+        raise ValueError(
+            f"{OWNER_FD_ENV}: expected the file descriptor of a pipe "
+            f"(set by Engine.launch), got {value!r}: {exc}"
+        ) from None
     os.set_inheritable(fd, False)
-    threading.Thread(target=_await_owner_end, args=(fd,), name="tandem-owner",
-                     daemon=True).start()
+    threading.Thread(target=_await_owner_end, args=(fd,), name="tandem-owner", daemon=True).start()
 
 
 def _await_owner_end(fd: int) -> None:
     try:
-        while os.read(fd, 512):   # the owner never writes: this returns at EOF only
+        while os.read(fd, 512):  # the owner never writes: this returns at EOF only
             pass
     except OSError:
         pass
     os.close(fd)
     log.warning("the process that launched this server is gone; shutting down")
-    os.kill(os.getpid(), signal.SIGTERM)     # as a user's SIGTERM: serve_forever's handler
+    os.kill(os.getpid(), signal.SIGTERM)  # as a user's SIGTERM: serve_forever's handler
     time.sleep(OWNER_GRACE_S)
     os._exit(EXIT_DEAD)

@@ -10,12 +10,14 @@ of a config that names nodes as a device of node 0.
 Pure data: importing it needs no torch (`torch_device` imports torch when asked). Errors are
 ValueErrors without a key; runtime.config.parse_device names the config key at fault.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -23,8 +25,10 @@ if TYPE_CHECKING:
 __all__ = ["Device", "names_nodes", "resolve_nodes"]
 
 _DEVICE_RE = re.compile(r"(?:n(\d+):)?(?:(cpu|cuda)(?::(\d+))?|(\d+))")
-_DEVICE_HELP = ("use a CUDA index (0, 1, ...), 'cuda:N', 'cpu' or 'cpu:N', optionally after "
-                "a node: 'n1:0', 'n1:cuda:0', 'n1:cpu:0'")
+_DEVICE_HELP = (
+    "use a CUDA index (0, 1, ...), 'cuda:N', 'cpu' or 'cpu:N', optionally after "
+    "a node: 'n1:0', 'n1:cuda:0', 'n1:cpu:0'"
+)
 
 
 def _check_int(value: Any, what: str) -> None:
@@ -37,7 +41,7 @@ class Device:
     """One worker device: a CUDA GPU or a CPU process slot (cpu:N are just slots), on node
     `node` of the launch (None: not named, today's global numbering)."""
 
-    kind: str    # 'cuda' | 'cpu'
+    kind: str  # 'cuda' | 'cpu'
     index: int
     node: int | None = None
 
@@ -52,18 +56,18 @@ class Device:
         where = "" if self.node is None else f"n{self.node}:"
         return f"{where}{self.kind}:{self.index}"
 
-    def on_node(self, node: int) -> "Device":
+    def on_node(self, node: int) -> Device:
         return dataclasses.replace(self, node=node)
 
     @property
-    def torch_device(self) -> "torch.device":
+    def torch_device(self) -> torch.device:
         """On the device's own host: a named node's CUDA index is local to it."""
         import torch
 
         return torch.device("cpu") if self.kind == "cpu" else torch.device("cuda", self.index)
 
     @classmethod
-    def parse(cls, value: Any) -> "Device":
+    def parse(cls, value: Any) -> Device:
         """0 -> cuda:0, '1' -> cuda:1, 'cuda:1', 'cpu' -> cpu:0, 'cpu:2', 'n1:0' -> CUDA 0 of
         node 1, 'n1:cuda:0', 'n1:cpu:2'; else ValueError."""
         if isinstance(value, Device):
@@ -95,5 +99,6 @@ def resolve_nodes(*lists: Sequence[Device]) -> tuple[tuple[Device, ...], ...]:
     the two styles only one way."""
     if not names_nodes(*lists):
         return tuple(tuple(devices) for devices in lists)
-    return tuple(tuple(d if d.node is not None else d.on_node(0) for d in devices)
-                 for devices in lists)
+    return tuple(
+        tuple(d if d.node is not None else d.on_node(0) for d in devices) for devices in lists
+    )

@@ -13,6 +13,7 @@ The worker groups use NCCL on CUDA devices and gloo on CPU devices:
 - bridge: every worker, for draft -> target and target -> draft transfers (the workers'
   world itself, as is any group of every worker: no group of its own).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,15 +25,16 @@ import torch.distributed as dist
 from parallel.topology import Topology
 
 ADDRESS_BYTES = 256
-KEY_BYTES = 32         # runtime.control.auth.LAUNCH_KEY_BYTES
-WORKERS_PREFIX = "tandem_workers"   # the workers' world's keys in the rendezvous store
+KEY_BYTES = 32  # runtime.control.auth.LAUNCH_KEY_BYTES
+WORKERS_PREFIX = "tandem_workers"  # the workers' world's keys in the rendezvous store
 
 
 @dataclass(frozen=True)
 class TPInfo:
     """One rank's place in a tensor-parallel group. group None or size 1 = no TP."""
-    group: "dist.ProcessGroup | None"
-    rank: int          # rank within the group
+
+    group: dist.ProcessGroup | None
+    rank: int  # rank within the group
     size: int
 
     def __post_init__(self):
@@ -46,7 +48,7 @@ class TPInfo:
         return self.size > 1
 
     @classmethod
-    def from_group(cls, group: "dist.ProcessGroup | None") -> "TPInfo":
+    def from_group(cls, group: dist.ProcessGroup | None) -> TPInfo:
         """This rank's TPInfo in `group` (None: no TP)."""
         if group is None:
             return cls(None, 0, 1)
@@ -56,8 +58,10 @@ class TPInfo:
         """ValueError unless the group agrees with this TPInfo's rank and size."""
         size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if (size, rank) != (self.size, self.rank):
-            raise ValueError(f"TPInfo says rank {self.rank} of {self.size}, but its group says "
-                             f"rank {rank} of {size}")
+            raise ValueError(
+                f"TPInfo says rank {self.rank} of {self.size}, but its group says "
+                f"rank {rank} of {size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,9 @@ def torch_rank(rank: int) -> int:
     return rank - 1
 
 
-def init_world(rank: int, world_size: int, init_method: str, timeout_s: float,
-               store: "dist.Store | None" = None) -> "dist.Store":
+def init_world(
+    rank: int, world_size: int, init_method: str, timeout_s: float, store: dist.Store | None = None
+) -> dist.Store:
     """Join the startup world of all ranks (gloo; the orchestrator = rank 0) at the launch's
     rendezvous store (`store`, else the one `init_method` names), which is returned: the
     workers' world meets there later (build_groups), so rank 0 keeps it while it runs."""
@@ -86,8 +91,13 @@ def init_world(rank: int, world_size: int, init_method: str, timeout_s: float,
     if store is None:
         store, _, _ = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
     # the prefix init_process_group gives a store it made from init_method itself
-    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
     return store
 
 
@@ -102,8 +112,7 @@ def backend_for(topology: Topology) -> str:
     return "nccl" if kinds == {"cuda"} else "gloo"
 
 
-def build_groups(topology: Topology, rank: int, store: "dist.Store", timeout_s: float
-                 ) -> Groups:
+def build_groups(topology: Topology, rank: int, store: dist.Store, timeout_s: float) -> Groups:
     """Join the workers' world at `store` and create the worker groups (every worker calls
     this, in the same order; rank 0 does not). Non-members, and every member of a group of
     one rank, get None; a group of every worker is the workers' world itself (a lone
@@ -111,13 +120,20 @@ def build_groups(topology: Topology, rank: int, store: "dist.Store", timeout_s: 
     backend = backend_for(topology)
     timeout = datetime.timedelta(seconds=timeout_s)
     workers = topology.worker_ranks
-    if len(workers) > 1:            # one worker talks to nobody: no world, no thread
-        dist.init_process_group(backend, store=dist.PrefixStore(WORKERS_PREFIX, store),
-                                rank=torch_rank(rank), world_size=len(workers),
-                                timeout=timeout)
+    if len(workers) > 1:  # one worker talks to nobody: no world, no thread
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(WORKERS_PREFIX, store),
+            rank=torch_rank(rank),
+            world_size=len(workers),
+            timeout=timeout,
+        )
     made = {}
-    for name, ranks in (("draft_tp", topology.draft_ranks), ("target_tp", topology.target_ranks),
-                        ("bridge", workers)):
+    for name, ranks in (
+        ("draft_tp", topology.draft_ranks),
+        ("target_tp", topology.target_ranks),
+        ("bridge", workers),
+    ):
         if len(ranks) == 1:
             # A group of one rank talks to nobody. Every rank takes this branch alike, so the
             # new_group calls stay in the same order everywhere.
@@ -125,17 +141,21 @@ def build_groups(topology: Topology, rank: int, store: "dist.Store", timeout_s: 
         elif sorted(ranks) == sorted(workers):
             made[name] = dist.group.WORLD
         else:
-            group = dist.new_group(ranks=[torch_rank(r) for r in ranks], backend=backend,
-                                   timeout=timeout)
+            group = dist.new_group(
+                ranks=[torch_rank(r) for r in ranks], backend=backend, timeout=timeout
+            )
             made[name] = group if rank in ranks else None
-    return Groups(draft_tp=made["draft_tp"], target_tp=made["target_tp"], bridge=made["bridge"],
-                  draft_ranks=tuple(topology.draft_ranks),
-                  target_ranks=tuple(topology.target_ranks),
-                  bridge_ranks=tuple(workers))
+    return Groups(
+        draft_tp=made["draft_tp"],
+        target_tp=made["target_tp"],
+        bridge=made["bridge"],
+        draft_ranks=tuple(topology.draft_ranks),
+        target_ranks=tuple(topology.target_ranks),
+        bridge_ranks=tuple(workers),
+    )
 
 
-def broadcast_control(address: str | None, key: bytes | None = None
-                      ) -> tuple[str, bytes | None]:
+def broadcast_control(address: str | None, key: bytes | None = None) -> tuple[str, bytes | None]:
     """Rank 0 tells every rank where its control socket listens and, if it made one for this
     launch, the HMAC key of the control frames (the startup world, gloo: only its members
     hear it, unlike the store's keys). Returns (address, key);
@@ -150,11 +170,11 @@ def broadcast_control(address: str | None, key: bytes | None = None
         buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
         if key is not None:
             buf[ADDRESS_BYTES] = 1
-            buf[ADDRESS_BYTES + 1:] = torch.tensor(list(key), dtype=torch.uint8)
+            buf[ADDRESS_BYTES + 1 :] = torch.tensor(list(key), dtype=torch.uint8)
     dist.broadcast(buf, src=0)
     raw = bytes(buf.tolist())
     address = raw[:ADDRESS_BYTES].rstrip(b"\0").decode()
-    return address, (raw[ADDRESS_BYTES + 1:] if raw[ADDRESS_BYTES] else None)
+    return address, (raw[ADDRESS_BYTES + 1 :] if raw[ADDRESS_BYTES] else None)
 
 
 def destroy() -> None:

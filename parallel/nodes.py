@@ -6,20 +6,21 @@ numbered as the user numbers them in a config (`n1:0`): torchrun's node rank (GR
 `--node-rank`); under mpirun the hosts in the order of their lowest rank. Either way the
 node of rank 0 (the orchestrator) is node 0.
 """
+
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence
 
 __all__ = ["NodeLayout"]
 
 
 @dataclass(frozen=True)
 class NodeLayout:
-    launcher: str                        # who placed the ranks, in words: "torchrun", ...
-    nodes: int                           # how many nodes the job spans
-    rank_nodes: tuple[int | None, ...]   # the node of each rank (index: rank); None: not known
-    rank: int = 0                        # the rank that sees this layout
+    launcher: str  # who placed the ranks, in words: "torchrun", ...
+    nodes: int  # how many nodes the job spans
+    rank_nodes: tuple[int | None, ...]  # the node of each rank (index: rank); None: not known
+    rank: int = 0  # the rank that sees this layout
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank_nodes", tuple(self.rank_nodes))
@@ -30,13 +31,19 @@ class NodeLayout:
                 raise ValueError(f"node {node} out of range: {self.nodes} node(s)")
 
     @classmethod
-    def one_host(cls, launcher: str, world_size: int | None = None) -> "NodeLayout":
+    def one_host(cls, launcher: str, world_size: int | None = None) -> NodeLayout:
         """Every rank on this host (spawned by rank 0: world_size None, any size)."""
         return cls(launcher, 1, (0,) * (world_size or 0))
 
     @classmethod
-    def from_blocks(cls, launcher: str, nodes: int, world_size: int, rank: int,
-                    blocks: Mapping[int, tuple[int, int]]) -> "NodeLayout":
+    def from_blocks(
+        cls,
+        launcher: str,
+        nodes: int,
+        world_size: int,
+        rank: int,
+        blocks: Mapping[int, tuple[int, int]],
+    ) -> NodeLayout:
         """Contiguous ranks per node (torchrun): blocks {node: (first rank, rank count)} for
         the nodes this rank knows of; rank 0 is on node 0 whatever else is known."""
         rank_nodes: list[int | None] = [None] * world_size
@@ -48,7 +55,7 @@ class NodeLayout:
         return cls(launcher, nodes, tuple(rank_nodes), rank)
 
     @classmethod
-    def from_hosts(cls, launcher: str, hosts: Sequence[Hashable], rank: int) -> "NodeLayout":
+    def from_hosts(cls, launcher: str, hosts: Sequence[Hashable], rank: int) -> NodeLayout:
         """One host key per rank (MPI: the lowest rank on that host): nodes in the order of
         their first rank."""
         order: dict[Hashable, int] = {}
@@ -76,8 +83,11 @@ class NodeLayout:
         parts = []
         for node in range(self.nodes):
             ranks = [r for r, n in enumerate(self.rank_nodes) if n == node]
-            which = f"rank{'s' if len(ranks) > 1 else ''} {_spans(ranks)}" if ranks \
+            which = (
+                f"rank{'s' if len(ranks) > 1 else ''} {_spans(ranks)}"
+                if ranks
                 else "ranks not known here"
+            )
             parts.append(f"node {node}: {which}")
         return f"{self.launcher} runs {self.nodes} {noun}: {', '.join(parts)}"
 

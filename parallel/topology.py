@@ -7,10 +7,12 @@ Devices that name their node (parallel.devices) take their ranks node by node, a
 and mpirun place ranks: rank 0 and node 0's devices first, then node 1's, and so on (within
 a node, in order of first appearance); parallel.nodes checks that against the launch.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 from parallel.devices import Device
 
@@ -23,10 +25,10 @@ class LaunchError(RuntimeError):
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    rank: int                       # global rank, >= 1 (rank 0 is the orchestrator)
+    rank: int  # global rank, >= 1 (rank 0 is the orchestrator)
     device: Device
-    draft_tp_rank: int | None       # index in draft.devices, None if no draft shard here
-    target_tp_rank: int | None      # index in target.devices, None if no target shard here
+    draft_tp_rank: int | None  # index in draft.devices, None if no draft shard here
+    target_tp_rank: int | None  # index in target.devices, None if no target shard here
 
     @property
     def hosts_draft(self) -> bool:
@@ -39,8 +41,9 @@ class WorkerSpec:
     @property
     def roles(self) -> str:
         """'draft', 'target' or 'draft+target'."""
-        return "+".join(name for name, on in (("draft", self.hosts_draft),
-                                              ("target", self.hosts_target)) if on)
+        return "+".join(
+            name for name, on in (("draft", self.hosts_draft), ("target", self.hosts_target)) if on
+        )
 
 
 def _check_group(workers: tuple[WorkerSpec, ...], ranks: tuple[int, ...], name: str) -> None:
@@ -52,14 +55,15 @@ def _check_group(workers: tuple[WorkerSpec, ...], ranks: tuple[int, ...], name: 
     hosts = {w.rank: getattr(w, attr) for w in workers if getattr(w, attr) is not None}
     expected = {rank: tp for tp, rank in enumerate(ranks)}
     if hosts != expected:
-        raise ValueError(f"topology: {name}_ranks {ranks} disagree with the workers' "
-                         f"{attr} values {hosts}")
+        raise ValueError(
+            f"topology: {name}_ranks {ranks} disagree with the workers' {attr} values {hosts}"
+        )
 
 
 @dataclass(frozen=True)
 class Topology:
-    workers: tuple[WorkerSpec, ...]     # ordered by rank 1..W-1
-    draft_ranks: tuple[int, ...]        # global ranks of the draft TP group, in TP-rank order
+    workers: tuple[WorkerSpec, ...]  # ordered by rank 1..W-1
+    draft_ranks: tuple[int, ...]  # global ranks of the draft TP group, in TP-rank order
     target_ranks: tuple[int, ...]
     ORCHESTRATOR_RANK: ClassVar[int] = 0
 
@@ -68,12 +72,14 @@ class Topology:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         ranks = [w.rank for w in self.workers]
         if ranks != list(range(1, len(self.workers) + 1)):
-            raise ValueError(f"topology: worker ranks must be 1..{len(self.workers)} in order, "
-                             f"got {ranks}")
+            raise ValueError(
+                f"topology: worker ranks must be 1..{len(self.workers)} in order, got {ranks}"
+            )
         devices = [w.device for w in self.workers]
         if len(set(devices)) != len(devices):
-            raise ValueError(f"topology: a device hosts two workers: "
-                             f"{', '.join(map(str, devices))}")
+            raise ValueError(
+                f"topology: a device hosts two workers: {', '.join(map(str, devices))}"
+            )
         for w in self.workers:
             if not (w.hosts_draft or w.hosts_target):
                 raise ValueError(f"topology: rank {w.rank} ({w.device}) hosts no model shard")
@@ -116,27 +122,35 @@ class Topology:
         if rank == self.ORCHESTRATOR_RANK:
             raise ValueError("rank 0 is the orchestrator, not a worker")
         if not 1 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is out of range: worker ranks are "
-                             f"1..{self.world_size - 1} (world size {self.world_size})")
+            raise ValueError(
+                f"rank {rank} is out of range: worker ranks are "
+                f"1..{self.world_size - 1} (world size {self.world_size})"
+            )
         return self.workers[rank - 1]
 
     def check_world_size(self, world_size: int) -> None:
         """Raise LaunchError unless world_size == 1 orchestrator + one rank per device."""
-        if (isinstance(world_size, int) and not isinstance(world_size, bool)
-                and world_size == self.world_size):
+        if (
+            isinstance(world_size, int)
+            and not isinstance(world_size, bool)
+            and world_size == self.world_size
+        ):
             return
         n = len(self.workers)
         noun = "device" if n == 1 else "devices"
         raise LaunchError(
             f"world size {world_size} does not match the config: expected "
             f"W={self.world_size} (1 orchestrator + {n} {noun}: "
-            f"{', '.join(map(str, self.devices))})")
+            f"{', '.join(map(str, self.devices))})"
+        )
 
     def describe(self) -> str:
         """A few human-readable lines for logs."""
-        lines = [f"world size {self.world_size}: rank 0 orchestrator; "
-                 f"draft TP {len(self.draft_ranks)} on ranks {list(self.draft_ranks)}, "
-                 f"target TP {len(self.target_ranks)} on ranks {list(self.target_ranks)}"]
+        lines = [
+            f"world size {self.world_size}: rank 0 orchestrator; "
+            f"draft TP {len(self.draft_ranks)} on ranks {list(self.draft_ranks)}, "
+            f"target TP {len(self.target_ranks)} on ranks {list(self.target_ranks)}"
+        ]
         for w in self.workers:
             parts = []
             if w.hosts_draft:
@@ -160,8 +174,7 @@ def _as_devices(devices: Sequence[Device], name: str) -> list[Device]:
     return out
 
 
-def build_topology(draft_devices: Sequence[Device],
-                   target_devices: Sequence[Device]) -> Topology:
+def build_topology(draft_devices: Sequence[Device], target_devices: Sequence[Device]) -> Topology:
     """One worker per distinct device, ranks in order of first appearance (draft, then
     target); devices that name their node, node by node (stable within a node)."""
     draft = _as_devices(draft_devices, "draft")
@@ -170,13 +183,19 @@ def build_topology(draft_devices: Sequence[Device],
     for d in draft + target:
         if d not in order:
             order.append(d)
-    order.sort(key=lambda d: d.node or 0)   # stable: no named node, no change
+    order.sort(key=lambda d: d.node or 0)  # stable: no named node, no change
     workers = tuple(
-        WorkerSpec(rank=i + 1, device=d,
-                   draft_tp_rank=draft.index(d) if d in draft else None,
-                   target_tp_rank=target.index(d) if d in target else None)
-        for i, d in enumerate(order))
+        WorkerSpec(
+            rank=i + 1,
+            device=d,
+            draft_tp_rank=draft.index(d) if d in draft else None,
+            target_tp_rank=target.index(d) if d in target else None,
+        )
+        for i, d in enumerate(order)
+    )
     rank_of = {d: i + 1 for i, d in enumerate(order)}
-    return Topology(workers=workers,
-                    draft_ranks=tuple(rank_of[d] for d in draft),
-                    target_ranks=tuple(rank_of[d] for d in target))
+    return Topology(
+        workers=workers,
+        draft_ranks=tuple(rank_of[d] for d in draft),
+        target_ranks=tuple(rank_of[d] for d in target),
+    )

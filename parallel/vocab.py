@@ -1,5 +1,6 @@
 """A vocab-parallel target's logits: this rank holds [vocab_start, vocab_stop) of a vocabulary
 padded to a multiple of the TP size (see parallel/layers.py ParallelLMHead)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,10 +15,10 @@ from parallel.mappings import all_gather_last_dim, vocab_parallel_argmax
 class VocabParallel:
     group: dist.ProcessGroup
     vocab_start: int
-    vocab_size: int          # the checkpoint's (unpadded) vocabulary
+    vocab_size: int  # the checkpoint's (unpadded) vocabulary
 
     @classmethod
-    def of(cls, model, group: dist.ProcessGroup) -> "VocabParallel":
+    def of(cls, model, group: dist.ProcessGroup) -> VocabParallel:
         head = model.lm_head
         return cls(group, head.vocab_start, head.vocab_size)
 

@@ -1,4 +1,5 @@
 """Per-request sampling parameters and their validation (errors name the argument)."""
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "SamplingParams":
+    def from_kwargs(cls, **kwargs) -> SamplingParams:
         unknown = sorted(set(kwargs) - set(PARAM_NAMES))
         if unknown:
             raise ValueError(f"unknown argument(s) {unknown}; known: {list(PARAM_NAMES)}")
@@ -67,23 +68,29 @@ def check_prompt_ids(ids, vocab_size: int, name: str = "prompt_token_ids") -> li
         raise ValueError(f"{name}: expected a non-empty list of token ids")
     for tok in ids:
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-            raise ValueError(f"{name}: token id {tok!r} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise ValueError(
+                f"{name}: token id {tok!r} is outside the vocabulary [0, {vocab_size})"
+            )
     return list(ids)
 
 
-def check_fits(prompt_len: int, max_new_tokens: int, max_seq_len: int, name: str,
-               index: int | None = None) -> None:
+def check_fits(
+    prompt_len: int, max_new_tokens: int, max_seq_len: int, name: str, index: int | None = None
+) -> None:
     """A ValueError unless a prompt of `prompt_len` tokens and `max_new_tokens` fit in
     runtime.max_seq_len: naming `name` (the prompt) when the prompt alone leaves no room for a
     new token, else max_new_tokens. `index`: which prompt of several (from 0; said from 1)."""
     which = "the prompt" if index is None else f"prompt {index + 1}"
     if prompt_len >= max_seq_len:
-        raise ValueError(f"{name}: {which} is {prompt_len} tokens, too long for "
-                         f"runtime.max_seq_len ({max_seq_len}), which must hold the prompt "
-                         f"and at least one new token; shorten it or raise "
-                         f"runtime.max_seq_len")
+        raise ValueError(
+            f"{name}: {which} is {prompt_len} tokens, too long for "
+            f"runtime.max_seq_len ({max_seq_len}), which must hold the prompt "
+            f"and at least one new token; shorten it or raise "
+            f"runtime.max_seq_len"
+        )
     if prompt_len + max_new_tokens > max_seq_len:
-        raise ValueError(f"max_new_tokens: {which} ({prompt_len} tokens) + max_new_tokens "
-                         f"({max_new_tokens}) exceeds runtime.max_seq_len ({max_seq_len}); "
-                         f"at most {max_seq_len - prompt_len} new tokens fit")
+        raise ValueError(
+            f"max_new_tokens: {which} ({prompt_len} tokens) + max_new_tokens "
+            f"({max_new_tokens}) exceeds runtime.max_seq_len ({max_seq_len}); "
+            f"at most {max_seq_len - prompt_len} new tokens fit"
+        )

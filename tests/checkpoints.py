@@ -3,6 +3,7 @@
 Nothing here is downloaded: every checkpoint is built with transformers from a config and a
 seed, saved with `save_pretrained` (safetensors) into a temporary directory.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,9 @@ def _tiny_kwargs(**overrides) -> dict:
     return kwargs
 
 
-def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0,
-                     **overrides) -> str:
+def build_checkpoint(
+    out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, **overrides
+) -> str:
     """Save a tiny random model of `arch` ('llama', 'qwen2', 'mistral', 'qwen3', 'olmo2',
     'phi3', 'gemma3_text', 'gemma2') to out_dir; return it. Qwen3 and the Gemmas get head_dim
     32 (not hidden / heads); overrides replace any value."""
@@ -65,20 +67,35 @@ def build_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
     return str(out_dir)
 
 
-FAMILIES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-            "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-            "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
 # Gemma: attention scale 24 ** -0.5 (not head_dim's), a window of 4 positions on sliding
 # layers, soft-caps low enough to bend the tiny models' logits (tests.unit.models.test_gemma)
 GEMMA_DEFAULTS = {
-    "gemma3_text": {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
-                    "layer_types": ["sliding_attention", "full_attention"],
-                    "final_logit_softcapping": 3.0},
-    "gemma2": {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 4,
-               "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+    "gemma3_text": {
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": 3.0,
+    },
+    "gemma2": {
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 4,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+    },
 }
-FAMILIES.update({"gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-                 "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")})
+FAMILIES.update(
+    {
+        "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    }
+)
 FAMILY_DEFAULTS = {"qwen3": {"head_dim": 32}, "olmo2": {}, "phi3": {}, **GEMMA_DEFAULTS}
 
 
@@ -97,8 +114,7 @@ def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> li
     Stops at the checkpoint's EOS like tandem does; the EOS token is included."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path,
-                                                              torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
     return hf_generate(model.eval(), prompt_ids, max_new_tokens)
 
 
@@ -106,9 +122,14 @@ def hf_greedy(model_path: str, prompt_ids: list[int], max_new_tokens: int) -> li
 def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """hf_greedy for an already loaded transformers model."""
     ids = torch.tensor([prompt_ids], dtype=torch.long)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def smollm2_gguf() -> str:
@@ -127,8 +148,9 @@ def smollm2_tokenizer():
     import transformers
 
     path = smollm2_gguf()
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                      gguf_file=os.path.basename(path))
+    return transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,17 +161,18 @@ def smollm2_transformers():
 
     path = smollm2_gguf()
     return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
 
 
-def build_near_draft(target_dir: str, out_dir: str | os.PathLike, noise: float = 0.3,
-                     seed: int = 1) -> str:
+def build_near_draft(
+    target_dir: str, out_dir: str | os.PathLike, noise: float = 0.3, seed: int = 1
+) -> str:
     """A draft that mostly agrees with the target: its weights plus relative Gaussian noise,
     so rounds mix full acceptance, partial acceptance and immediate rejection."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir,
-                                                              torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -164,10 +187,16 @@ def build_with_tokenizer(out_dir: str | os.PathLike, seed: int = 0, **overrides)
     """A tiny random Llama with SmolLM2's real tokenizer (vocab 49152) saved beside it, for
     tests of text prompts, detokenisation and stop strings."""
     tok = smollm2_tokenizer()
-    kwargs = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                  num_attention_heads=2, num_key_value_heads=1,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                  pad_token_id=tok.pad_token_id or 0)
+    kwargs = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id or 0,
+    )
     kwargs.update(overrides)
     out = build_checkpoint(out_dir, "llama", seed=seed, **kwargs)
     tok.save_pretrained(out)
@@ -184,6 +213,7 @@ class GreedyReference:
 
     def __call__(self, name: str) -> list[list[int]]:
         if name not in self.cache:
-            self.cache[name] = [hf_greedy(self.models[name], p, self.new_tokens)
-                                for p in self.prompts]
+            self.cache[name] = [
+                hf_greedy(self.models[name], p, self.new_tokens) for p in self.prompts
+            ]
         return self.cache[name]

@@ -1,9 +1,21 @@
 """The suite: tests/unit/ (no processes; a folder per room of runtime/) and tests/e2e/
 (launches, faults, fuzzing, serving, HTTP). Checkpoint builders and launch helpers shared by
 both live beside this file (checkpoints.py, launch.py, processes.py, model_helpers.py)."""
+
 import os
+from pathlib import Path
 
 import pytest
+
+E2E = Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every test under tests/e2e/ launches processes: marked `launch`, so that
+    `pytest -m "not launch"` runs the fast set (README, "Tests")."""
+    for item in items:
+        if E2E in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.launch)
 
 
 @pytest.fixture(scope="session", autouse=True)

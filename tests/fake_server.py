@@ -1,5 +1,6 @@
 """A stand-in for a tandem server in client tests: a ROUTER socket that answers pings with a
 given `info` and nothing else."""
+
 from __future__ import annotations
 
 import threading

@@ -5,6 +5,7 @@ reads as ordinary models (transformers itself is never asked to read FP8).
 The quantization here is written independently of runtime.models.arch.quant (plain torch), so the
 tests compare tandem's reading of each format with what the format's tools would write.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 # fused checkpoint projections (Phi-3): per output channel, quantizing the stack is
 # quantizing each part
 FUSED_LINEARS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
@@ -52,41 +60,72 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _scale_shape(method: str, strategy: str, scale: torch.Tensor) -> torch.Tensor:
     """The scale tensor as each format stores it."""
     if strategy == "channel":
-        return scale.reshape(-1, 1)                        # [out, 1]
+        return scale.reshape(-1, 1)  # [out, 1]
     if method == "compressed-tensors":
-        return scale.reshape(1)                            # [1]
-    return scale.reshape(())                               # AutoFP8 / ModelOpt: a scalar
+        return scale.reshape(1)  # [1]
+    return scale.reshape(())  # AutoFP8 / ModelOpt: a scalar
 
 
 def _config(method: str, strategy: str, activations: str, ignore: list[str]) -> dict:
     """config.json's quantization_config (ModelOpt: hf_quant_config.json's content)."""
     if method == "compressed-tensors":
-        acts = None if activations == "none" else {
-            "num_bits": 8, "type": "float", "symmetric": True,
-            "strategy": "tensor" if activations == "static" else "token",
-            "dynamic": activations == "dynamic"}
-        return {"quant_method": "compressed-tensors", "format": "float-quantized",
-                "quantization_status": "compressed",
-                "config_groups": {"group_0": {
+        acts = (
+            None
+            if activations == "none"
+            else {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "tensor" if activations == "static" else "token",
+                "dynamic": activations == "dynamic",
+            }
+        )
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
                     "targets": ["Linear"],
-                    "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
-                                "symmetric": True, "dynamic": False},
-                    "input_activations": acts, "output_activations": None}},
-                "ignore": ignore}
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": strategy,
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                    "input_activations": acts,
+                    "output_activations": None,
+                }
+            },
+            "ignore": ignore,
+        }
     if method == "fp8":
-        return {"quant_method": "fp8", "activation_scheme": activations,
-                "ignored_layers": ignore}
+        return {"quant_method": "fp8", "activation_scheme": activations, "ignored_layers": ignore}
     if method == "fbgemm_fp8":
-        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
-                "modules_to_not_convert": ignore}
-    return {"producer": {"name": "modelopt", "version": "0.19.0"},
-            "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
-                             "exclude_modules": ignore}}
+        return {
+            "quant_method": "fbgemm_fp8",
+            "activation_scale_ub": 1200.0,
+            "modules_to_not_convert": ignore,
+        }
+    return {
+        "producer": {"name": "modelopt", "version": "0.19.0"},
+        "quantization": {
+            "quant_algo": "FP8",
+            "kv_cache_quant_algo": "FP8",
+            "exclude_modules": ignore,
+        },
+    }
 
 
-def write_fp8(float_dir: str, out_dir: str | Path, fmt: str, ignore: list[str] | None = None,
-              keep_float: tuple[str, ...] = (), scale_dtype: torch.dtype = torch.float32
-              ) -> tuple[str, str]:
+def write_fp8(
+    float_dir: str,
+    out_dir: str | Path,
+    fmt: str,
+    ignore: list[str] | None = None,
+    keep_float: tuple[str, ...] = (),
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[str, str]:
     """(FP8 checkpoint, float32 reference) from the single-file float checkpoint float_dir.
 
     `ignore`: the format's ignore entries (default ['lm_head']); `keep_float`: the module names
@@ -101,8 +140,9 @@ def write_fp8(float_dir: str, out_dir: str | Path, fmt: str, ignore: list[str] |
     stored, reference = {}, {}
     for name, tensor in tensors.items():
         module = name.removesuffix(".weight")
-        quantized = name.endswith(".weight") and module.endswith(LINEARS) and \
-            module not in keep_float
+        quantized = (
+            name.endswith(".weight") and module.endswith(LINEARS) and module not in keep_float
+        )
         if not quantized:
             stored[name] = reference[name] = tensor
             continue
@@ -111,12 +151,11 @@ def write_fp8(float_dir: str, out_dir: str | Path, fmt: str, ignore: list[str] |
         stored[name] = w8
         stored[f"{module}.weight_scale"] = _scale_shape(method, strategy, scale)
         reference[name] = dequantize(w8, scale)
-        if activations == "static":   # any calibrated value: tandem reads none of them
-            stored[f"{module}.input_scale"] = _scale_shape(method, "tensor",
-                                                          torch.tensor(0.02))
+        if activations == "static":  # any calibrated value: tandem reads none of them
+            stored[f"{module}.input_scale"] = _scale_shape(method, "tensor", torch.tensor(0.02))
         if method == "modelopt" and module.endswith(("k_proj", "v_proj")):
-            kind = module.rpartition(".")[2][0]                    # k or v
-            stored[f"{module}.{kind}_scale"] = torch.tensor(1.0)   # KV-cache scales
+            kind = module.rpartition(".")[2][0]  # k or v
+            stored[f"{module}.{kind}_scale"] = torch.tensor(1.0)  # KV-cache scales
     save_file(stored, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
     save_file(reference, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((Path(float_dir) / "config.json").read_text())
@@ -140,7 +179,8 @@ def write_quantized_reference(float_dir: str, out_dir: str | Path) -> str:
     tensors = load_file(str(Path(float_dir) / "model.safetensors"))
     for name, tensor in tensors.items():
         if name.endswith(".weight") and name.removesuffix(".weight").endswith(
-                LINEARS + FUSED_LINEARS):
+            LINEARS + FUSED_LINEARS
+        ):
             tensors[name] = dequantize(*quantize(tensor, "channel"))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Run a test's script in a fresh interpreter under the Triton interpreter (TRITON_INTERPRET=1
 must be set before triton is first imported, so the Triton kernel tests cannot run in the
 pytest process itself)."""
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,11 @@ def count_calls(module, names: tuple[str, ...]) -> list:
     script's check of which kernels ran)."""
     calls: list = []
     for name in names:
-        def counted(*args, _fn=getattr(module, name)):
+
+        def counted(*args, _fn=getattr(module, name)):  # noqa: B008 - bound per name
             calls.append(1)
             return _fn(*args)
+
         setattr(module, name, counted)
     return calls
 
@@ -40,8 +43,14 @@ class Interpreted:
         env = dict(os.environ, TRITON_INTERPRET="1")
         self.out = tempfile.TemporaryFile("w+")
         self.err = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
-                                     text=True, stdout=self.out, stderr=self.err)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=self.out,
+            stderr=self.err,
+        )
 
     def check(self, timeout: float = 280) -> None:
         try:

@@ -1,5 +1,6 @@
 """Run tandem through each launch form in its own process group, with a hard timeout, and
 check that nothing is left running afterwards."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,15 @@ FORMS = ("spawn", "torchrun", "mpirun", "mpi-spawn")
 BIN = Path(sys.executable).parent
 
 
-def write_config(path: Path, draft: str, target: str, draft_devices=("cpu:0",),
-                 target_devices=("cpu:1",), draft_len: int = 4, **runtime) -> str:
+def write_config(
+    path: Path,
+    draft: str,
+    target: str,
+    draft_devices=("cpu:0",),
+    target_devices=("cpu:1",),
+    draft_len: int = 4,
+    **runtime,
+) -> str:
     config = {
         "draft": {"model": draft, "devices": list(draft_devices), "dtype": "float32"},
         "target": {"model": target, "devices": list(target_devices), "dtype": "float32"},
@@ -48,18 +56,22 @@ def world_size(draft_devices, target_devices) -> int:
     return 1 + len(dict.fromkeys([*draft_devices, *target_devices]))
 
 
-def command(form: str, world: int, args: list[str], mpi_args: tuple[str, ...] = ()
-            ) -> list[str]:
+def command(form: str, world: int, args: list[str], mpi_args: tuple[str, ...] = ()) -> list[str]:
     """The command line of one launch form; `mpi_args` go to mpirun (e.g.
     "-disable-auto-cleanup")."""
     if form == "spawn":
         return [sys.executable, "-m", "launcher", *args]
     if form == "torchrun":
-        return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={world}",
-                "-m", "launcher", *args]
+        return [
+            str(BIN / "torchrun"),
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "launcher",
+            *args,
+        ]
     if form == "mpirun":
-        return [_mpirun(), *mpi_args, "-n", str(world), sys.executable, "-m", "launcher",
-                *args]
+        return [_mpirun(), *mpi_args, "-n", str(world), sys.executable, "-m", "launcher", *args]
     if form == "mpi-spawn":
         return [_mpirun(), *mpi_args, "-n", "1", sys.executable, "-m", "launcher", *args]
     raise ValueError(form)
@@ -74,18 +86,29 @@ def clean_env() -> dict:
     env = dict(os.environ)
     for key in list(env):
         if key.startswith(("PMI_", "OMPI_", "PMIX_", "MPI_", "TORCHELASTIC")) or key in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ):
             env.pop(key)
     env["OMP_NUM_THREADS"] = "1"
     return env
 
 
-def run(form: str, world: int, args: list[str], timeout: float = 180
-        ) -> subprocess.CompletedProcess:
+def run(
+    form: str, world: int, args: list[str], timeout: float = 180
+) -> subprocess.CompletedProcess:
     """Run one launch form to completion (or kill it at `timeout`); assert no process is left."""
-    proc = subprocess.Popen(command(form, world, args), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=clean_env())
+    proc = subprocess.Popen(
+        command(form, world, args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=clean_env(),
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -121,9 +144,13 @@ def start_serve(cfg: str, address: str, *args: str, log_path) -> subprocess.Pope
     its output to log_path."""
     env = dict(clean_env(), TANDEM_LAUNCH="spawn")
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "launcher", "serve", cfg,
-                                 "--address", address, *args], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "launcher", "serve", cfg, "--address", address, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
 
 
 def wait_http(url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180) -> None:
@@ -132,18 +159,17 @@ def wait_http(url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}:\n"
-                                 f"{open(log_path).read()[-4000:]}")
+            raise AssertionError(
+                f"server exited {proc.returncode}:\n{open(log_path).read()[-4000:]}"
+            )
         try:
-            with urllib.request.urlopen(url.removesuffix("/v1") + "/health",
-                                        timeout=2) as resp:
+            with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=2) as resp:
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.3)
-    raise AssertionError(f"HTTP front not up after {timeout_s} s:\n"
-                         f"{open(log_path).read()[-4000:]}")
+    raise AssertionError(f"HTTP front not up after {timeout_s} s:\n{open(log_path).read()[-4000:]}")
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 60) -> int:

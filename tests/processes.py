@@ -1,11 +1,13 @@
 """Processes of a launch, seen from the test: a launch's ranks by pid, waiting for them to be
 gone, and killing whatever is left (Linux /proc)."""
+
 from __future__ import annotations
 
 import os
 import signal
 import time
 from pathlib import Path
+
 
 def _stat(pid: int) -> tuple[int, str] | None:
     """(parent pid, state) of a process, None once it is gone."""
@@ -44,13 +46,19 @@ def _rank(pid: int) -> int | None:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             args = fh.read().decode(errors="replace").split("\0")
         with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = dict(kv.split("=", 1) for kv in fh.read().decode(errors="replace")
-                       .split("\0") if "=" in kv)
+            env = dict(
+                kv.split("=", 1)
+                for kv in fh.read().decode(errors="replace").split("\0")
+                if "=" in kv
+            )
     except OSError:
         return None
-    if not os.path.basename(args[0]).startswith("python") or "launcher" not in args \
-            or os.path.basename(args[1]) == "torchrun":
-        return None                    # not a rank: torchrun's agent, mpirun, hydra, ...
+    if (
+        not os.path.basename(args[0]).startswith("python")
+        or "launcher" not in args
+        or os.path.basename(args[1]) == "torchrun"
+    ):
+        return None  # not a rank: torchrun's agent, mpirun, hydra, ...
     if "--rank" in args:
         return int(args[args.index("--rank") + 1])
     for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
@@ -115,5 +123,5 @@ def socket_inodes(pid: int) -> set[str]:
         except OSError:
             continue
         if link.startswith("socket:["):
-            out.add(link[len("socket:["):-1])
+            out.add(link[len("socket:[") : -1])
     return out

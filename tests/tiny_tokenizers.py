@@ -1,6 +1,7 @@
 """Tiny word-level tokenizers saved beside (or apart from) tiny checkpoints, for the tests of
 drafts whose embedding is padded differently over one tokenizer (runtime.config.vocab).
 Built with the `tokenizers` library: nothing is downloaded."""
+
 from __future__ import annotations
 
 import os
@@ -35,18 +36,17 @@ def save_text_tokenizer(out_dir: str | os.PathLike, alphabet: str, words: bool) 
     from transformers import PreTrainedTokenizerFast
 
     if words:
-        vocab = ["<unk>"] + list(alphabet) + ["".join(p)
-                                              for p in itertools.product(alphabet, repeat=2)]
-        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)},
-                                         unk_token="<unk>"))
+        vocab = (
+            ["<unk>"] + list(alphabet) + ["".join(p) for p in itertools.product(alphabet, repeat=2)]
+        )
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     else:
         vocab = [" "] + list(alphabet) + ["?"]
         tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(vocab)}, unk_token="?"))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
         tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok,
-                                   unk_token=vocab[0] if words else vocab[-1])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=vocab[0] if words else vocab[-1])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)

@@ -15,6 +15,7 @@ against the measured copy bandwidth. The swapped products are checked against th
 
     python lab/gpu/gemm_layout_bench.py --out gemm_layout.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from lab.gpu.gemv_bench import layer_shapes  # noqa: E402
-from runtime.bench.metrics import copy_bandwidth  # noqa: E402
-from runtime.models.arch import fused, quant  # noqa: E402
+from lab.gpu.gemv_bench import layer_shapes
+from runtime.bench.metrics import copy_bandwidth
+from runtime.models.arch import fused, quant
 
-COLD_BYTES = 512 << 20     # the weight copies of one cold measurement, in all
-PAD = 16                   # _scaled_mm's N granularity
+COLD_BYTES = 512 << 20  # the weight copies of one cold measurement, in all
+PAD = 16  # _scaled_mm's N granularity
 
 
 def graphed_cycle_us(fns) -> float:
@@ -72,10 +73,18 @@ def variants(n: int, k: int, m: int, copies: int) -> dict[str, list]:
     return {
         "bf16 x@W^T": [lambda w=w: F.linear(x, w) for w in w16],
         "bf16 W@x^T": [lambda w=w: torch.mm(w, x.t()) for w in w16],
-        "fp8 x@W^T": [lambda w=w: torch._scaled_mm(x8, w.t(), scale_a=one, scale_b=one,
-                                                   out_dtype=torch.float32) for w in w8],
-        "fp8 W@x^T": [lambda w=w: torch._scaled_mm(w, x8_pad.t(), scale_a=one, scale_b=one,
-                                                   out_dtype=torch.float32) for w in w8],
+        "fp8 x@W^T": [
+            lambda w=w: torch._scaled_mm(
+                x8, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+            )
+            for w in w8
+        ],
+        "fp8 W@x^T": [
+            lambda w=w: torch._scaled_mm(
+                w, x8_pad.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+            )
+            for w in w8
+        ],
     }
 
 
@@ -83,8 +92,8 @@ def check(fns: dict[str, list], m: int) -> float:
     """Largest relative difference of the swapped products against the plain ones."""
     worst = 0.0
     for kind in ("bf16", "fp8"):
-        plain = fns[f"{kind} x@W^T"][0]().float()                     # [M, N]
-        swapped = fns[f"{kind} W@x^T"][0]().float()[:, :m].t()        # [M, N]
+        plain = fns[f"{kind} x@W^T"][0]().float()  # [M, N]
+        swapped = fns[f"{kind} W@x^T"][0]().float()[:, :m].t()  # [M, N]
         worst = max(worst, ((plain - swapped).norm() / plain.norm()).item())
     return worst
 
@@ -92,14 +101,24 @@ def check(fns: dict[str, list], m: int) -> float:
 def case(shape: str, name: str, n: int, k: int, m: int) -> dict:
     copies = max(2, -(-COLD_BYTES // (n * k)))
     fns = variants(n, k, m, copies)
-    row = {"shape": shape, "linear": name, "N": n, "K": k, "M": m, "copies": copies,
-           "swap_rel_diff": check(fns, m)}
+    row = {
+        "shape": shape,
+        "linear": name,
+        "N": n,
+        "K": k,
+        "M": m,
+        "copies": copies,
+        "swap_rel_diff": check(fns, m),
+    }
     for label, calls in fns.items():
         nbytes = n * k * (2 if label.startswith("bf16") else 1)
         cold = graphed_cycle_us(calls)
         hot = graphed_cycle_us([calls[0]] * len(calls))
-        row[label] = {"cold_us": round(cold, 2), "hot_us": round(hot, 2),
-                      "cold_GBps": round(nbytes / cold / 1e3, 1)}
+        row[label] = {
+            "cold_us": round(cold, 2),
+            "hot_us": round(hot, 2),
+            "cold_GBps": round(nbytes / cold / 1e3, 1),
+        }
     del fns
     torch.cuda.empty_cache()
     return row
@@ -112,18 +131,26 @@ def main() -> int:
     ap.add_argument("--m", default="1,5,16")
     args = ap.parse_args()
     copy = copy_bandwidth(torch.device("cuda"))
-    rows = [case(shape, name, n, k, m) for shape in args.shapes.split(",")
-            for name, (n, k) in layer_shapes(shape).items()
-            for m in (int(v) for v in args.m.split(","))]
+    rows = [
+        case(shape, name, n, k, m)
+        for shape in args.shapes.split(",")
+        for name, (n, k) in layer_shapes(shape).items()
+        for m in (int(v) for v in args.m.split(","))
+    ]
     labels = ("bf16 x@W^T", "bf16 W@x^T", "fp8 x@W^T", "fp8 W@x^T")
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s; cold us (GB/s) / hot us")
     print("| shape | linear | M | " + " | ".join(labels) + " | swap rel diff |")
     print("|---|---|---|" + "---|" * (len(labels) + 1))
     for r in rows:
-        cells = [f"{r[lb]['cold_us']:.1f} ({r[lb]['cold_GBps']:.0f}) / {r[lb]['hot_us']:.1f}"
-                 for lb in labels]
-        print(f"| {r['shape']} | {r['linear']} | {r['M']} | " + " | ".join(cells)
-              + f" | {r['swap_rel_diff']:.1e} |")
+        cells = [
+            f"{r[lb]['cold_us']:.1f} ({r[lb]['cold_GBps']:.0f}) / {r[lb]['hot_us']:.1f}"
+            for lb in labels
+        ]
+        print(
+            f"| {r['shape']} | {r['linear']} | {r['M']} | "
+            + " | ".join(cells)
+            + f" | {r['swap_rel_diff']:.1e} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"copy_GBps": copy / 1e9, "rows": rows}, f, indent=1)

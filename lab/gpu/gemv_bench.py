@@ -14,6 +14,7 @@ output against a float32 reference (relative error).
 
     python lab/gpu/gemv_bench.py --out gemv.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from lab.gpu.kernel_bench import graphed_us  # noqa: E402
-from runtime.bench.metrics import copy_bandwidth  # noqa: E402
-from runtime.models.arch import fused, quant  # noqa: E402
-from lab.gpu.gemv_kernel import gemv  # noqa: E402
-from runtime.models.loading.synthetic import SHAPES  # noqa: E402
+from lab.gpu.gemv_kernel import gemv
+from lab.gpu.kernel_bench import graphed_us
+from runtime.bench.metrics import copy_bandwidth
+from runtime.models.arch import fused, quant
+from runtime.models.loading.synthetic import SHAPES
 
 
 def layer_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -50,7 +51,7 @@ def case(shape: str, name: str, n: int, k: int, m: int) -> dict:
     w16, (w8, scale) = w.to(bf16), quant.quantize_rows(w)
     silu = name == "down"
     x = torch.randn(m, 2 * k if silu else k, device=dev, dtype=bf16)
-    act = fused.silu_mul(x) if silu else x                              # the GEMM's input
+    act = fused.silu_mul(x) if silu else x  # the GEMM's input
     row = {"shape": shape, "linear": name, "N": n, "K": k, "M": m}
     ref16 = F.linear(act.float(), w16.float())
     ref8 = F.linear(act.float(), quant.dequantize(w8, scale))
@@ -68,7 +69,7 @@ def case(shape: str, name: str, n: int, k: int, m: int) -> dict:
     row["fp8_gemv_us"] = graphed_us(lambda: gemv(act, w8, scale))
     row["fp8_gemv_err"] = rel_err(gemv(act, w8, scale), ref8)
     row["fp8_scaled_mm_path_err"] = rel_err(scaled_mm_path(), ref8)
-    if silu:   # the SiLU folded in, against silu_mul then the GEMM
+    if silu:  # the SiLU folded in, against silu_mul then the GEMM
         row["bf16_silu_then_cublas_us"] = graphed_us(lambda: F.linear(fused.silu_mul(x), w16))
         row["bf16_gemv_silu_us"] = graphed_us(lambda: gemv(x, w16, silu_mul=True))
         row["fp8_gemv_silu_us"] = graphed_us(lambda: gemv(x, w8, scale, silu_mul=True))
@@ -87,22 +88,34 @@ def main() -> int:
     ap.add_argument("--m", default="1,2,5,8,16", help="rows (tokens) per call")
     args = ap.parse_args()
     copy = copy_bandwidth(torch.device("cuda"))
-    rows = [case(shape, name, n, k, m) for shape in args.shapes.split(",")
-            for name, (n, k) in layer_shapes(shape).items()
-            for m in (int(v) for v in args.m.split(","))]
+    rows = [
+        case(shape, name, n, k, m)
+        for shape in args.shapes.split(",")
+        for name, (n, k) in layer_shapes(shape).items()
+        for m in (int(v) for v in args.m.split(","))
+    ]
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s")
-    print("| shape | linear | M | bf16 cuBLAS us | bf16 gemv us | FP8 _scaled_mm path us | "
-          "_scaled_mm alone us | FP8 gemv us | FP8 gemv GB/s | down: silu+GEMM / gemv-silu us |")
+    print(
+        "| shape | linear | M | bf16 cuBLAS us | bf16 gemv us | FP8 _scaled_mm path us | "
+        "_scaled_mm alone us | FP8 gemv us | FP8 gemv GB/s | down: silu+GEMM / gemv-silu us |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        silu = (f"{r['bf16_silu_then_cublas_us']:.1f} / {r['bf16_gemv_silu_us']:.1f} (bf16), "
-                f"{r['fp8_gemv_silu_us']:.1f} (fp8)" if "fp8_gemv_silu_us" in r else "")
-        print(f"| {r['shape']} | {r['linear']} | {r['M']} | {r['bf16_cublas_us']:.1f} | "
-              f"{r['bf16_gemv_us']:.1f} | {r['fp8_scaled_mm_path_us']:.1f} | "
-              f"{r['fp8_scaled_mm_alone_us']:.1f} | {r['fp8_gemv_us']:.1f} | "
-              f"{r['fp8_gemv_GBps']} | {silu} |")
-    worst = max(max(r["bf16_gemv_err"], r["fp8_gemv_err"], r.get("fp8_gemv_silu_err", 0))
-                for r in rows)
+        silu = (
+            f"{r['bf16_silu_then_cublas_us']:.1f} / {r['bf16_gemv_silu_us']:.1f} (bf16), "
+            f"{r['fp8_gemv_silu_us']:.1f} (fp8)"
+            if "fp8_gemv_silu_us" in r
+            else ""
+        )
+        print(
+            f"| {r['shape']} | {r['linear']} | {r['M']} | {r['bf16_cublas_us']:.1f} | "
+            f"{r['bf16_gemv_us']:.1f} | {r['fp8_scaled_mm_path_us']:.1f} | "
+            f"{r['fp8_scaled_mm_alone_us']:.1f} | {r['fp8_gemv_us']:.1f} | "
+            f"{r['fp8_gemv_GBps']} | {silu} |"
+        )
+    worst = max(
+        max(r["bf16_gemv_err"], r["fp8_gemv_err"], r.get("fp8_gemv_silu_err", 0)) for r in rows
+    )
     print(f"largest relative error of the kernel vs float32: {worst:.2e}")
     if args.out:
         with open(args.out, "w") as f:

@@ -19,6 +19,7 @@ kernel's output is checked against sdpa's (max abs diff, relative L2) on every c
     python lab/gpu/prefill_attention_bench.py --methods kernel --configs 128x64x8x3,128x128x8x3
     TRITON_INTERPRET=1 python lab/gpu/prefill_attention_bench.py --device cpu --smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64), "d256": (16, 8, 256)}   # H, Hkv, D
+SHAPES = {"8b": (32, 8, 128), "1b": (32, 8, 64), "d256": (16, 8, 256)}  # H, Hkv, D
 METHODS = ("kernel", "sdpa", "sdpa_attn", "eager")
 
 
@@ -45,8 +46,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--prompts", default="2048,8192,32768")
     ap.add_argument("--chunks", default="512,1024,2048,4096")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--configs", default="", help="kernel tunables to compare, "
-                    "BLOCK_MxBLOCK_NxWARPSxSTAGES,... (default: the module's)")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="kernel tunables to compare, BLOCK_MxBLOCK_NxWARPSxSTAGES,... (default: the module's)",
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -56,21 +60,22 @@ def parse() -> argparse.Namespace:
     if args.smoke:
         args.prompts, args.chunks, args.reps, args.warmup = "64", "32,64", 1, 0
     if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     return args
 
 
 ARGS = parse()
+import triton  # noqa: E402
+
+from runtime.models.arch import fused  # noqa: E402
 from runtime.models.arch.attention import grouped_attention  # noqa: E402
 from runtime.models.arch.cache import ExtendBatch, KVCache, blocks_for  # noqa: E402
-from runtime.models.arch import fused  # noqa: E402
 from runtime.models.arch.fused import stack_heads  # noqa: E402
 from runtime.models.kernels import prefill_attention as kernel  # noqa: E402
-import triton  # noqa: E402
 
 DEV = torch.device(ARGS.device)
 CUDA = DEV.type == "cuda"
-SDPA_KERNELS: list[str] = []    # what the sdpa call launched, read once
+SDPA_KERNELS: list[str] = []  # what the sdpa call launched, read once
 FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEV) if CUDA else None
 
 
@@ -95,8 +100,15 @@ def timed_ms(fn) -> float:
     return statistics.median(times)
 
 
-def pool(positions: int, n_kv: int, dim: int, dtype: torch.dtype, block_size: int,
-         rows: int = 1, fp8: bool = False) -> tuple[KVCache, torch.Tensor]:
+def pool(
+    positions: int,
+    n_kv: int,
+    dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    rows: int = 1,
+    fp8: bool = False,
+) -> tuple[KVCache, torch.Tensor]:
     """A random pool for `rows` rows of `positions` and their tables [rows, M] int32, the
     blocks in a shuffled order (as a block manager hands them out)."""
     m = blocks_for(positions, block_size)
@@ -114,10 +126,15 @@ def pool(positions: int, n_kv: int, dim: int, dtype: torch.dtype, block_size: in
 
 
 def batch_of(cache: KVCache, table: torch.Tensor, starts, n_valid, seq: int) -> ExtendBatch:
-    return ExtendBatch.build(table, torch.tensor(starts, device=DEV),
-                             torch.tensor(n_valid, device=DEV), seq,
-                             max(s + n for s, n in zip(starts, n_valid)), cache.block_size,
-                             cache.scratch)
+    return ExtendBatch.build(
+        table,
+        torch.tensor(starts, device=DEV),
+        torch.tensor(n_valid, device=DEV),
+        seq,
+        max(s + n for s, n in zip(starts, n_valid)),
+        cache.block_size,
+        cache.scratch,
+    )
 
 
 def reference(q, cache, batch, window, seq):
@@ -133,20 +150,31 @@ def check_cases() -> list[dict]:
     a window, r = 1 / 4, float32 / bf16 / FP8 caches, head_dim 64 / 128 / 96 / 256."""
     out = []
     for dtype, dim, fp8, window, n_heads, n_kv in (
-            (torch.float32, 128, False, None, 32, 8), (torch.bfloat16, 128, False, None, 32, 8),
-            (torch.bfloat16, 128, False, 300, 8, 8), (torch.bfloat16, 64, False, None, 32, 8),
-            (torch.bfloat16, 128, True, None, 32, 8), (torch.float16, 96, False, 1000, 8, 2),
-            (torch.bfloat16, 256, False, None, 8, 2), (torch.float32, 256, False, 500, 8, 2),
-            (torch.float32, 64, True, None, 32, 8)):
+        (torch.float32, 128, False, None, 32, 8),
+        (torch.bfloat16, 128, False, None, 32, 8),
+        (torch.bfloat16, 128, False, 300, 8, 8),
+        (torch.bfloat16, 64, False, None, 32, 8),
+        (torch.bfloat16, 128, True, None, 32, 8),
+        (torch.float16, 96, False, 1000, 8, 2),
+        (torch.bfloat16, 256, False, None, 8, 2),
+        (torch.float32, 256, False, 500, 8, 2),
+        (torch.float32, 64, True, None, 32, 8),
+    ):
         starts, n_valid, seq = [0, 700, 1500, 333], [900, 517, 64, 0], 900
         cache, table = pool(2600, n_kv, dim, dtype, ARGS.block_size, rows=4, fp8=fp8)
         batch = batch_of(cache, table, starts, n_valid, seq)
         q = stack_heads(torch.randn(4, seq, n_heads, dim, device=DEV), n_kv).to(dtype)
-        case = {"dtype": str(dtype).split(".")[-1], "head_dim": dim, "fp8": fp8,
-                "window": window, "r": n_heads // n_kv}
+        case = {
+            "dtype": str(dtype).split(".")[-1],
+            "head_dim": dim,
+            "fp8": fp8,
+            "window": window,
+            "r": n_heads // n_kv,
+        }
         try:
-            got = kernel.prefill_attention(q, cache.k_cache, cache.v_cache, table,
-                                           *batch.int32_rows(), window, cache.scales)
+            got = kernel.prefill_attention(
+                q, cache.k_cache, cache.v_cache, table, *batch.int32_rows(), window, cache.scales
+            )
         except triton.runtime.errors.OutOfResources as e:
             out.append(dict(case, error=str(e), ok=False))
             continue
@@ -164,15 +192,17 @@ def sdpa_call(q4, k, v, causal_bias, gqa):
     if not gqa:
         rep = q4.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q4, k, v, attn_mask=causal_bias,
-                                          **({"enable_gqa": True} if gqa else {}))
+    return F.scaled_dot_product_attention(
+        q4, k, v, attn_mask=causal_bias, **({"enable_gqa": True} if gqa else {})
+    )
 
 
 def sdpa_context():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION] if CUDA else
-                       [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION] if CUDA else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    )
 
 
 def kernel_names(fn) -> list[str]:
@@ -185,12 +215,21 @@ def kernel_names(fn) -> list[str]:
         if CUDA:
             torch.cuda.synchronize()
     names = {e.key for e in prof.key_averages()}
-    return sorted(n for n in names if any(w in n.lower() for w in
-                                          ("flash", "fmha", "attention", "efficient")))[:6]
+    return sorted(
+        n for n in names if any(w in n.lower() for w in ("flash", "fmha", "attention", "efficient"))
+    )[:6]
 
 
-def prompt_case(prompt: int, chunk: int, n_heads: int, n_kv: int, dim: int, dtype,
-                methods: list[str], gqa: list[bool]) -> dict:
+def prompt_case(
+    prompt: int,
+    chunk: int,
+    n_heads: int,
+    n_kv: int,
+    dim: int,
+    dtype,
+    methods: list[str],
+    gqa: list[bool],
+) -> dict:
     """One prompt prefilled in chunks: each method's per-layer time over all its chunks."""
     from torch.nn.attention.bias import causal_lower_right
 
@@ -202,7 +241,7 @@ def prompt_case(prompt: int, chunk: int, n_heads: int, n_kv: int, dim: int, dtyp
         batch = batch_of(cache, table, [start], [seq], seq)
         length = start + seq
         q = stack_heads(torch.randn(1, seq, n_heads, dim, device=DEV, dtype=dtype), n_kv)
-        q4 = q.view(1, n_heads, seq, dim)                  # stacked rows = head-major
+        q4 = q.view(1, n_heads, seq, dim)  # stacked rows = head-major
         bias = causal_lower_right(seq, length)
         rows = batch.int32_rows()
         mask = batch.mask()
@@ -227,7 +266,7 @@ def prompt_case(prompt: int, chunk: int, n_heads: int, n_kv: int, dim: int, dtyp
 
         try:
             want = run_sdpa_attn()
-        except (RuntimeError, TypeError):                  # enable_gqa refused: expand K/V
+        except (RuntimeError, TypeError):  # enable_gqa refused: expand K/V
             gqa[0] = False
             want = run_sdpa_attn()
         got = run_kernel()
@@ -235,14 +274,24 @@ def prompt_case(prompt: int, chunk: int, n_heads: int, n_kv: int, dim: int, dtyp
             SDPA_KERNELS.extend(kernel_names(run_sdpa_attn) or ["?"])
         max_diff = max(max_diff, (got.float() - want.float()).abs().max().item())
         rel = max(rel, ((got.float() - want.float()).norm() / want.float().norm()).item())
-        fns = {"kernel": run_kernel, "sdpa": run_sdpa, "sdpa_attn": run_sdpa_attn,
-               "eager": run_eager}
+        fns = {
+            "kernel": run_kernel,
+            "sdpa": run_sdpa,
+            "sdpa_attn": run_sdpa_attn,
+            "eager": run_eager,
+        }
         for name in methods:
             ms[name] += timed_ms(fns[name])
         del k_all, v_all, mask
-    row = {"prompt": prompt, "chunk": chunk, "dtype": str(dtype).split(".")[-1],
-           "gflop": round(flops / 1e9, 1), "max_abs_diff": max_diff, "rel_l2": rel,
-           "config": "x".join(map(str, kernel.config(dim, DEV, kernel.programs(q, seq))))}
+    row = {
+        "prompt": prompt,
+        "chunk": chunk,
+        "dtype": str(dtype).split(".")[-1],
+        "gflop": round(flops / 1e9, 1),
+        "max_abs_diff": max_diff,
+        "rel_l2": rel,
+        "config": "x".join(map(str, kernel.config(dim, DEV, kernel.programs(q, seq)))),
+    }
     for name in methods:
         row[f"{name}_ms"] = round(ms[name], 4)
         row[f"{name}_tflops"] = float(f"{flops / ms[name] / 1e9:.3g}")
@@ -254,9 +303,12 @@ def main() -> int:
     dtype = torch.float32 if ARGS.smoke else torch.bfloat16
     methods = [m for m in ARGS.methods.split(",") if m]
     torch.manual_seed(0)
-    result: dict = {"device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter)",
-                    "shape": [n_heads, n_kv, dim], "block_size": ARGS.block_size,
-                    "torch": torch.__version__}
+    result: dict = {
+        "device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter)",
+        "shape": [n_heads, n_kv, dim],
+        "block_size": ARGS.block_size,
+        "torch": torch.__version__,
+    }
     ok = True
     if ARGS.check:
         result["checks"] = check_cases()
@@ -266,15 +318,14 @@ def main() -> int:
     configs = [tuple(int(x) for x in c.split("x")) for c in ARGS.configs.split(",") if c]
     rows, gqa = [], [True]
     for cfg in configs or [None]:
-        if cfg:                         # forced, whatever the grid's size
+        if cfg:  # forced, whatever the grid's size
             kernel.CONFIGS[kernel.block_d(dim)] = kernel.FEW_CONFIGS[kernel.block_d(dim)] = cfg
         for prompt in (int(p) for p in ARGS.prompts.split(",")):
             for chunk in (int(c) for c in ARGS.chunks.split(",")):
                 if chunk > prompt:
                     continue
                 try:
-                    rows.append(prompt_case(prompt, chunk, n_heads, n_kv, dim, dtype,
-                                            methods, gqa))
+                    rows.append(prompt_case(prompt, chunk, n_heads, n_kv, dim, dtype, methods, gqa))
                 except triton.runtime.errors.OutOfResources as e:
                     print(f"config {cfg}: {e}")
                     break
@@ -282,15 +333,16 @@ def main() -> int:
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     ok = ok and all(r["rel_l2"] < tol for r in rows)
     result.update(rows=rows, sdpa_enable_gqa=gqa[0], sdpa_kernels=SDPA_KERNELS, all_ok=ok)
-    print(f"\n{result['device']}, H {n_heads} Hkv {n_kv} D {dim} {dtype}, block "
-          f"size {ARGS.block_size}; ms per layer for the whole prompt (TFLOP/s); SDPA "
-          f"enable_gqa: {gqa[0]} ({', '.join(SDPA_KERNELS)}); checks ok: {ok}")
+    print(
+        f"\n{result['device']}, H {n_heads} Hkv {n_kv} D {dim} {dtype}, block "
+        f"size {ARGS.block_size}; ms per layer for the whole prompt (TFLOP/s); SDPA "
+        f"enable_gqa: {gqa[0]} ({', '.join(SDPA_KERNELS)}); checks ok: {ok}"
+    )
     print("| config | prompt | chunk | " + " | ".join(methods) + " | kernel vs sdpa |")
     print("|---|---|---|" + "---|" * len(methods) + "---|")
     for r in rows:
         cells = " | ".join(f"{r[m + '_ms']:.3f} ({r[m + '_tflops']})" for m in methods)
-        print(f"| {r['config']} | {r['prompt']} | {r['chunk']} | {cells} | "
-              f"{r['rel_l2']:.1e} |")
+        print(f"| {r['config']} | {r['prompt']} | {r['chunk']} | {cells} | {r['rel_l2']:.1e} |")
     if ARGS.out:
         with open(ARGS.out, "w") as f:
             json.dump(result, f, indent=1)

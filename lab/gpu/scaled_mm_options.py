@@ -8,6 +8,7 @@ H200: no option is faster by more than 3% at M = 1 or 5, the decode and verify s
 
     python lab/gpu/scaled_mm_options.py
 """
+
 from __future__ import annotations
 
 import os
@@ -16,31 +17,35 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from lab.gpu.gemv_bench import layer_shapes  # noqa: E402
-from lab.gpu.kernel_bench import graphed_us  # noqa: E402
-from runtime.models.loading.synthetic import SHAPES  # noqa: E402
+from lab.gpu.gemv_bench import layer_shapes
+from lab.gpu.kernel_bench import graphed_us
+from runtime.models.loading.synthetic import SHAPES
 
 
 def main() -> None:
     torch.manual_seed(0)
     one = torch.ones((), device="cuda")
-    shapes = {**layer_shapes("8b"),                                     # name -> [N, K]
-              "head": (SHAPES["8b"]["vocab_size"], SHAPES["8b"]["hidden_size"])}
+    shapes = {
+        **layer_shapes("8b"),  # name -> [N, K]
+        "head": (SHAPES["8b"]["vocab_size"], SHAPES["8b"]["hidden_size"]),
+    }
     for name, (n, k) in shapes.items():
         w = (torch.randn(n, k, device="cuda") / 8).to(torch.float8_e4m3fn)
         for m in (1, 5, 16):
             x = (torch.randn(m, k, device="cuda") / 8).to(torch.float8_e4m3fn)
 
             def gemm(fast: bool, out: torch.dtype) -> torch.Tensor:
-                return torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=out,
-                                        use_fast_accum=fast)
+                return torch._scaled_mm(
+                    x, w.t(), scale_a=one, scale_b=one, out_dtype=out, use_fast_accum=fast
+                )
 
             cells = []
             for fast in (False, True):
                 for out in (torch.float32, torch.bfloat16):
                     us = graphed_us(lambda: gemm(fast, out))
-                    cells.append(f"fast={fast} {str(out)[6:]}: {us:.1f} us "
-                                 f"({n * k / us / 1e6:.2f} TB/s)")
+                    cells.append(
+                        f"fast={fast} {str(out)[6:]}: {us:.1f} us ({n * k / us / 1e6:.2f} TB/s)"
+                    )
             exact, quick = gemm(False, torch.float32), gemm(True, torch.float32)
             diff = ((quick - exact).abs().max() / exact.abs().max()).item()
             print(f"{name} M={m}: " + "; ".join(cells) + f"; fast vs exact {diff:.1e}")

@@ -1,5 +1,6 @@
 """Settings of a decode step side by side in one process: one synthetic model's decode and
-verify steps replayed from their CUDA graphs (the workers' path, runtime/models/runners/step_runner.py),
+verify steps replayed from their CUDA graphs (the workers' path,
+runtime/models/runners/step_runner.py),
 GPU time per step from CUDA events over REPLAYS back-to-back replays, the modes taking turns:
 
     none         no programmatic dependent launch, cuBLAS
@@ -27,6 +28,7 @@ what it computes (0.0 expected); another GEMM algorithm may add in another order
     python lab/gpu/step_ab.py --shape 8b --quantization fp8 --rounds 3 --out pdl.json
     python lab/gpu/step_ab.py --shape 8b --modes pdl lt lt-nosplitk --batch 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,33 +43,44 @@ import torch
 import torch._inductor.config as inductor_config
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from runtime.models import load_model  # noqa: E402
-from runtime.models.arch import fused  # noqa: E402
-from runtime.models.kernels import attention as attention_kernel  # noqa: E402
-from runtime.models.runners.step_runner import StepRunner  # noqa: E402
-from runtime.models.loading.synthetic import build_pair  # noqa: E402
+from runtime.models import load_model
+from runtime.models.arch import fused
+from runtime.models.kernels import attention as attention_kernel
+from runtime.models.loading.synthetic import build_pair
+from runtime.models.runners.step_runner import StepRunner
 
 # mode: (PDL, torch's BLAS backend for bf16/fp16 GEMMs, split-K allowed in them, RoPE folded
 # into the attention kernel from this many tokens a row on: 0 never)
 FOLD = attention_kernel.FOLD_ROPE_MIN_SEQ
 NEVER = 1 << 30
-MODES = {"none": (False, "cublas", True, FOLD), "pdl": (True, "cublas", True, FOLD),
-         "lt": (True, "cublaslt", True, FOLD), "lt-nosplitk": (True, "cublaslt", False, FOLD),
-         "nofold": (True, "cublas", True, 0), "foldall": (True, "cublas", True, 1),
-         "cdt": (True, "cublas", True, FOLD), "cdt-all": (True, "cublas", True, FOLD)}
-PDL_SUPPORTED = fused.pdl_supported   # the runtime's rule; mode `none` overrides it
+MODES = {
+    "none": (False, "cublas", True, FOLD),
+    "pdl": (True, "cublas", True, FOLD),
+    "lt": (True, "cublaslt", True, FOLD),
+    "lt-nosplitk": (True, "cublaslt", False, FOLD),
+    "nofold": (True, "cublas", True, 0),
+    "foldall": (True, "cublas", True, 1),
+    "cdt": (True, "cublas", True, FOLD),
+    "cdt-all": (True, "cublas", True, FOLD),
+}
+PDL_SUPPORTED = fused.pdl_supported  # the runtime's rule; mode `none` overrides it
 # inductor settings of a mode (torch._inductor.config), applied before the pieces compile
-INDUCTOR = {"cdt": {"coordinate_descent_tuning": True},
-            "cdt-all": {"coordinate_descent_tuning": True,
-                        "coordinate_descent_check_all_directions": True,
-                        "coordinate_descent_search_radius": 2}}
-INDUCTOR_DEFAULTS = {key: getattr(inductor_config, key)
-                     for options in INDUCTOR.values() for key in options}
+INDUCTOR = {
+    "cdt": {"coordinate_descent_tuning": True},
+    "cdt-all": {
+        "coordinate_descent_tuning": True,
+        "coordinate_descent_check_all_directions": True,
+        "coordinate_descent_search_radius": 2,
+    },
+}
+INDUCTOR_DEFAULTS = {
+    key: getattr(inductor_config, key) for options in INDUCTOR.values() for key in options
+}
 REDUCTIONS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 POSITION, REPLAYS, PROFILED = 300, 50, 5
 
 
-_compiled: list = [None]   # the (PDL, inductor settings) the pieces were last compiled with
+_compiled: list = [None]  # the (PDL, inductor settings) the pieces were last compiled with
 
 
 def set_mode(name: str, device: torch.device) -> None:
@@ -76,8 +89,8 @@ def set_mode(name: str, device: torch.device) -> None:
     pdl, library, splitk, fold = MODES[name]
     # compile_kernels sets inductor's PDL switch by fused.pdl_supported
     fused.pdl_supported = PDL_SUPPORTED if pdl else (lambda device: False)
-    attention_kernel.FOLD_ROPE_MIN_SEQ = fold or NEVER   # read when the graphs are captured
-    for attr in REDUCTIONS:      # torch's defaults, or no split-K (needs full precision)
+    attention_kernel.FOLD_ROPE_MIN_SEQ = fold or NEVER  # read when the graphs are captured
+    for attr in REDUCTIONS:  # torch's defaults, or no split-K (needs full precision)
         setattr(torch.backends.cuda.matmul, attr, True if splitk else (False, False))
     torch.backends.cuda.preferred_blas_library(library)
     options = INDUCTOR.get(name, {})
@@ -86,7 +99,7 @@ def set_mode(name: str, device: torch.device) -> None:
             setattr(inductor_config, key, value)
         fused.use_eager()
         torch._dynamo.reset()
-        fused.compile_kernels(device)   # sets the PDL switch by fused.pdl_supported
+        fused.compile_kernels(device)  # sets the PDL switch by fused.pdl_supported
         _compiled[0] = (pdl, options)
 
 
@@ -96,19 +109,19 @@ def kernels_per_replay(graph) -> float:
         for _ in range(PROFILED):
             graph.replay()
         torch.cuda.synchronize()
-    return sum(ev.device_type == torch.autograd.DeviceType.CUDA
-               for ev in prof.events()) / PROFILED
+    return sum(ev.device_type == torch.autograd.DeviceType.CUDA for ev in prof.events()) / PROFILED
 
 
-def gpu_step_us(model, device, tokens: int, ids: torch.Tensor, count: bool
-                ) -> tuple[float, torch.Tensor, float | None]:
+def gpu_step_us(
+    model, device, tokens: int, ids: torch.Tensor, count: bool
+) -> tuple[float, torch.Tensor, float | None]:
     """Capture the step's graph (a fresh StepRunner), then GPU microseconds per replay, its
     logits and (when `count`) its kernels per replay."""
     batch = ids.shape[0]
     runner = StepRunner(model, device, batch, 8, cuda_graphs=True)
-    for _ in range(3):   # captures, then replays
+    for _ in range(3):  # captures, then replays
         logits = runner.run(ids, list(range(batch)), [POSITION] * batch, [tokens] * batch)
-    logits = logits.clone()                     # a view the next step would overwrite
+    logits = logits.clone()  # a view the next step would overwrite
     graph = next(iter(runner.graphs.values()))
     start, end = torch.cuda.Event(True), torch.cuda.Event(True)
     graph.replay()
@@ -141,7 +154,7 @@ def measure(model, device, ids: dict, modes: list[str], rounds: int) -> tuple[di
     reference: dict = {}
     diffs = {m: 0.0 for m in modes}
     for r in range(rounds):
-        for mode in (modes if r % 2 == 0 else modes[::-1]):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             set_mode(mode, device)
             for t in ids:
                 us, out, n = gpu_step_us(model, device, t, ids[t], mode not in kernels[t])
@@ -167,27 +180,42 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    torch.backends.cuda.enable_cudnn_sdp(False)   # as the workers do
-    paths = build_pair(tempfile.mkdtemp(), a.shape, draft_layers=2, dtype=dtype,
-                       materialize=False)
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as the workers do
+    paths = build_pair(tempfile.mkdtemp(), a.shape, draft_layers=2, dtype=dtype, materialize=False)
     model = load_model(paths[1], dtype, device, quantization=a.quantization)
     model.allocate_cache(a.batch, 1024)
     gen = torch.Generator().manual_seed(1)
-    ids = {t: torch.randint(0, model.vocab_size, (a.batch, t), generator=gen).to(device)
-           for t in a.tokens}
+    ids = {
+        t: torch.randint(0, model.vocab_size, (a.batch, t), generator=gen).to(device)
+        for t in a.tokens
+    }
     times, kernels, diffs = measure(model, device, ids, a.modes, a.rounds)
-    report = {"shape": a.shape, "batch": a.batch, "dtype": a.dtype, "quantization": a.quantization,
-              "modes": a.modes, "replays": REPLAYS, "steps_us": times, "median_us": {},
-              f"paired_vs_{a.modes[0]}": {}, "kernels_per_step": kernels,
-              f"max_abs_logit_diff_vs_{a.modes[0]}": diffs}
+    report = {
+        "shape": a.shape,
+        "batch": a.batch,
+        "dtype": a.dtype,
+        "quantization": a.quantization,
+        "modes": a.modes,
+        "replays": REPLAYS,
+        "steps_us": times,
+        "median_us": {},
+        f"paired_vs_{a.modes[0]}": {},
+        "kernels_per_step": kernels,
+        f"max_abs_logit_diff_vs_{a.modes[0]}": diffs,
+    }
     for t in a.tokens:
         med, ratios = summary(times[t], a.modes)
         report["median_us"][t], report[f"paired_vs_{a.modes[0]}"][t] = med, ratios
-        print(f"== {t}-token step: " + ", ".join(
-            f"{m} {v:.1f} us ({kernels[t][m]:.0f} kernels)" for m, v in med.items())
-            + f"; {a.modes[0]} / mode: " + ", ".join(f"{m} {v:.3f}x" for m, v in ratios.items()))
-    print("largest logit difference against the first mode: "
-          + ", ".join(f"{m} {v}" for m, v in diffs.items()))
+        print(
+            f"== {t}-token step: "
+            + ", ".join(f"{m} {v:.1f} us ({kernels[t][m]:.0f} kernels)" for m, v in med.items())
+            + f"; {a.modes[0]} / mode: "
+            + ", ".join(f"{m} {v:.3f}x" for m, v in ratios.items())
+        )
+    print(
+        "largest logit difference against the first mode: "
+        + ", ".join(f"{m} {v}" for m, v in diffs.items())
+    )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -2,6 +2,7 @@
 docs/benchmarks.md says why) against its eager references under the Triton interpreter on the
 CPU: float and e4m3 weights, bias, the folded SiLU(gate) * up, ragged shapes, both the
 CUDA-core (<= 4 rows) and tensor-core paths and the split-K reduction."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from tests.interpreted import run_interpreted
 
 pytestmark = pytest.mark.timeout(300)
 
-CASES = r'''
+CASES = r"""
 import torch
 import torch.nn.functional as F
 from runtime.models.arch import fused, quant
@@ -47,7 +48,7 @@ for bad in (torch.randn(17, 64), torch.randn(2, 63)):                # too many 
     else:
         raise AssertionError("accepted " + str(tuple(bad.shape)))
 print("ok")
-'''
+"""
 
 
 def test_gemv_experiment_equals_its_references():

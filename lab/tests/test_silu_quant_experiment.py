@@ -3,6 +3,7 @@ silu_quant_kernel.py; the runtime does not use it) against runtime.models.arch.f
 under the Triton interpreter on the CPU: ragged rows (a program past the row's end), bias,
 float32 activations (and bf16, loosely: the interpreter truncates bf16), and calls reusing the
 buffers (the counters end at 0)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from tests.interpreted import run_interpreted
 
 pytestmark = pytest.mark.timeout(300)
 
-CASES = r'''
+CASES = r"""
 import torch
 from runtime.models.arch import fused
 from lab.gpu.silu_quant_kernel import SiluQuant
@@ -47,7 +48,7 @@ for tokens, inter, block, dtype, bias, final in [(1, 256, 64, torch.float32, Fal
         assert (ours.h.float() - h.float()).abs().max().item() <= \
             h.float().abs().max().item() * (1e-6 if exact else 2 ** -4)
 print("ok")
-'''
+"""
 
 
 def test_silu_quant_kernel_interpreted():

@@ -12,6 +12,7 @@ A Client that nobody holds any more, or that is still open when the interpreter 
 closed by its finalizer (weakref.finalize): the I/O thread holds only a weak reference to
 it while it waits, and the finalizer holds only the parts it closes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,12 +23,17 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import zmq
 
-from runtime.api.client_io import (IO_JOIN_S, WORKER_DEATH_GRACE_S, ClientIO, _close_client,
-                                   _run_closers)
+from runtime.api.client_io import (
+    IO_JOIN_S,
+    WORKER_DEATH_GRACE_S,
+    ClientIO,
+    _close_client,
+    _run_closers,
+)
 from runtime.api.outputs import GenerationOutput, StreamDelta
 from runtime.control import auth
 from runtime.control.waker import Waker
@@ -36,8 +42,8 @@ from runtime.params import SamplingParams, check_fits, check_prompt_ids
 
 __all__ = ["Client", "CONNECT_TIMEOUT_S", "IO_JOIN_S", "WORKER_DEATH_GRACE_S"]
 
-CONNECT_TIMEOUT_S = 3.0   # how long a call waits for a connection to an unreached address
-CALL_TIMEOUT_S = 30.0     # info / stats / metrics: how long a reached server gets to answer
+CONNECT_TIMEOUT_S = 3.0  # how long a call waits for a connection to an unreached address
+CALL_TIMEOUT_S = 30.0  # info / stats / metrics: how long a reached server gets to answer
 
 
 def _dead_error(msg: dict) -> EngineDeadError:
@@ -45,11 +51,17 @@ def _dead_error(msg: dict) -> EngineDeadError:
 
 
 class Client(ClientIO):
-    NAME = "client"   # in the message of EngineClosedError
+    NAME = "client"  # in the message of EngineClosedError
 
-    def __init__(self, address: str, *, auth_key_file: str | None = None,
-                 dead_after_s: float = 30.0, ping_s: float = 1.0,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
+    def __init__(
+        self,
+        address: str,
+        *,
+        auth_key_file: str | None = None,
+        dead_after_s: float = 30.0,
+        ping_s: float = 1.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ):
         self.address = address
         self._key = None if auth_key_file is None else auth.load_key(auth_key_file)
         self.dead_after_s = dead_after_s
@@ -64,17 +76,28 @@ class Client(ClientIO):
         self._dead: str | None = None
         self._closed = threading.Event()
         self._last_heard = time.monotonic()
-        self._heard = self._connected = False   # ever: a frame from the server; a connection
+        self._heard = self._connected = False  # ever: a frame from the server; a connection
         self._info: dict | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
         self._thread = threading.Thread(
-            target=Client._io_main, name="tandem-client", daemon=True,
-            args=(weakref.ref(self), self._closed, self._context, self._waker))
+            target=Client._io_main,
+            name="tandem-client",
+            daemon=True,
+            args=(weakref.ref(self), self._closed, self._context, self._waker),
+        )
         # what close() runs, in order; subclasses append theirs (none may refer to self)
-        self._closers: list[Callable[[], None]] = [functools.partial(
-            _close_client, self._closed, self._lock, self._waiters, self._waker,
-            self._thread, f"{self.NAME} is closed")]
+        self._closers: list[Callable[[], None]] = [
+            functools.partial(
+                _close_client,
+                self._closed,
+                self._lock,
+                self._waiters,
+                self._waker,
+                self._thread,
+                f"{self.NAME} is closed",
+            )
+        ]
         self._finalizer = weakref.finalize(self, _run_closers, self._closers)
         self._thread.start()
 
@@ -87,7 +110,7 @@ class Client(ClientIO):
         put()) and queue msg for sending. Unless `patient`, the call gives up after
         connect_timeout_s if the server was never reached (runtime.api.client_io)."""
         waiter = queue.Queue() if waiter is None else waiter
-        with self._lock:   # close() fails the registered waiters under this lock
+        with self._lock:  # close() fails the registered waiters under this lock
             if self._closed.is_set():
                 raise EngineClosedError(f"{self.NAME} is closed")
             if self._dead is not None:
@@ -118,8 +141,10 @@ class Client(ClientIO):
         if not self._reached:
             return EngineDeadError(self._nobody_there(f"waited {timeout_s:.0f} s"))
         if starting:
-            return EngineDeadError(f"the server at {self.address} is still starting after "
-                                   f"{timeout_s:.0f} s (its workers are loading)")
+            return EngineDeadError(
+                f"the server at {self.address} is still starting after "
+                f"{timeout_s:.0f} s (its workers are loading)"
+            )
         return EngineDeadError(f"no answer from {self.address} within {timeout_s:.0f} s")
 
     def info(self, timeout_s: float | None = None) -> dict:
@@ -142,7 +167,7 @@ class Client(ClientIO):
                     raise _dead_error(msg)
                 if msg is not None and msg["type"] == "pong":
                     return msg["info"]
-                starting |= msg is not None   # `starting`: alive, its workers loading
+                starting |= msg is not None  # `starting`: alive, its workers loading
                 if time.monotonic() > deadline:
                     raise self._unanswered(timeout_s, starting) from None
                 if msg is None:
@@ -176,13 +201,19 @@ class Client(ClientIO):
         `GET /metrics` serves them."""
         return self._ask("metrics", timeout_s)["text"]
 
-    def _request(self, prompt, prompt_token_ids, kwargs, stream: bool, chat: bool
-                 ) -> tuple[dict, bool]:
+    def _request(
+        self, prompt, prompt_token_ids, kwargs, stream: bool, chat: bool
+    ) -> tuple[dict, bool]:
         params = SamplingParams.from_kwargs(**kwargs).to_dict()
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
-        msg = {"type": "generate", "id": self._new_id(), "params": params, "stream": stream,
-               "chat": chat}
+        msg = {
+            "type": "generate",
+            "id": self._new_id(),
+            "params": params,
+            "stream": stream,
+            "chat": chat,
+        }
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt)
@@ -194,8 +225,13 @@ class Client(ClientIO):
             info = self._info or self.info()
             for index, row in enumerate(lists):
                 check_prompt_ids(row, info["vocab_size"])
-                check_fits(len(row), params["max_new_tokens"], info["max_seq_len"],
-                           "prompt_token_ids", index if len(lists) > 1 else None)
+                check_fits(
+                    len(row),
+                    params["max_new_tokens"],
+                    info["max_seq_len"],
+                    "prompt_token_ids",
+                    index if len(lists) > 1 else None,
+                )
             msg["prompt_ids"] = lists
         return msg, single
 
@@ -210,12 +246,15 @@ class Client(ClientIO):
                     break
         finally:
             self._close_waiter(msg["id"])
-        outs = [GenerationOutput(o["text"], o["token_ids"], o["finish_reason"], o["stats"])
-                for o in sorted(reply["outputs"], key=lambda o: o["index"])]
+        outs = [
+            GenerationOutput(o["text"], o["token_ids"], o["finish_reason"], o["stats"])
+            for o in sorted(reply["outputs"], key=lambda o: o["index"])
+        ]
         return outs[0] if single else outs
 
-    def stream(self, prompt=None, *, prompt_token_ids=None, chat: bool = False, **kwargs
-               ) -> Iterator[StreamDelta]:
+    def stream(
+        self, prompt=None, *, prompt_token_ids=None, chat: bool = False, **kwargs
+    ) -> Iterator[StreamDelta]:
         """Yields StreamDelta as each round's tokens arrive (index says which prompt)."""
         msg, _ = self._request(prompt, prompt_token_ids, kwargs, stream=True, chat=chat)
         return self._stream(msg)
@@ -261,5 +300,6 @@ def _id_lists(ids) -> tuple[list[list[int]], bool]:
             return [list(ids)], True
         if all(isinstance(row, (list, tuple)) for row in ids):
             return [list(row) for row in ids], False
-    raise ValueError("prompt_token_ids: expected a non-empty list of token ids "
-                     "or a list of such lists")
+    raise ValueError(
+        "prompt_token_ids: expected a non-empty list of token ids or a list of such lists"
+    )

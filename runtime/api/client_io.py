@@ -15,6 +15,7 @@ Liveness, checked after every poll (at most POLL_MS apart):
   Calls that ask to wait longer (info(timeout_s=...), which is how to wait for a server that
   is starting) are exempt.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -31,23 +32,28 @@ from runtime.control import protocol
 from runtime.control.procwatch import ProcessWatch, parent_pid
 from runtime.control.waker import Waker
 
-WORKER_DEATH_GRACE_S = 2.0   # how long a live server gets to report a dead local worker
-IO_JOIN_S = 5.0              # how long close() waits for the I/O thread to end
+WORKER_DEATH_GRACE_S = 2.0  # how long a live server gets to report a dead local worker
+IO_JOIN_S = 5.0  # how long close() waits for the I/O thread to end
 
 
-def _close_client(closed: threading.Event, lock: threading.Lock, waiters: dict,
-                  waker: Waker, thread: threading.Thread, message: str) -> None:
+def _close_client(
+    closed: threading.Event,
+    lock: threading.Lock,
+    waiters: dict,
+    waker: Waker,
+    thread: threading.Thread,
+    message: str,
+) -> None:
     """The Client's part of close(): no new call gets in, every waiting call raises
     EngineClosedError (first, so that none waits on what follows), then the I/O thread
     ends. Holds no reference to the Client (its finalizer calls this)."""
-    with lock:   # _open registers under this lock: a call is either failed here or refused
+    with lock:  # _open registers under this lock: a call is either failed here or refused
         closed.set()
         pending = list(waiters.values())
     for waiter in pending:
-        waiter.put({"type": "failed", "id": "", "message": message, "kind": "dead",
-                    "closed": True})
+        waiter.put({"type": "failed", "id": "", "message": message, "kind": "dead", "closed": True})
     waker.wake()
-    if thread is not threading.current_thread():   # the finalizer may run on the I/O thread
+    if thread is not threading.current_thread():  # the finalizer may run on the I/O thread
         thread.join(IO_JOIN_S)
 
 
@@ -59,7 +65,7 @@ def _run_closers(closers: list[Callable[[], None]]) -> None:
 class ClientIO:
     """The Client's methods that run on its I/O thread (Client.__init__ sets the state)."""
 
-    POLL_MS = 20   # the I/O thread's longest wait (pings, liveness checks); messages wake it
+    POLL_MS = 20  # the I/O thread's longest wait (pings, liveness checks); messages wake it
 
     address: str
     dead_after_s: float
@@ -67,7 +73,7 @@ class ClientIO:
     ping_s: float
     _waiters: dict[str, queue.Queue]
     _outbox: queue.Queue
-    _patience: dict[str, float]    # request id -> when it gives up on an unreached address
+    _patience: dict[str, float]  # request id -> when it gives up on an unreached address
     _lock: threading.Lock
 
     # --- liveness hooks (Engine overrides) -----------------------------------------------
@@ -76,15 +82,16 @@ class ClientIO:
 
     # --- the thread ----------------------------------------------------------------------
     @staticmethod
-    def _io_main(ref: weakref.ref, closed: threading.Event, context: zmq.Context,
-                 waker: Waker) -> None:
+    def _io_main(
+        ref: weakref.ref, closed: threading.Event, context: zmq.Context, waker: Waker
+    ) -> None:
         """The I/O thread. It holds its Client only while it works, never while it waits in
         poll: a Client nobody else holds is collected (its finalizer closes it). It owns the
         socket, the context and the wake pipe, and closes them as it ends."""
         client = ref()
         sock = watch = monitor = None
         try:
-            if client is not None:   # else collected before this thread ran
+            if client is not None:  # else collected before this thread ran
                 sock, poller, monitor = client._connect()
                 watch = client._watch
             last_ping = 0.0
@@ -95,7 +102,7 @@ class ClientIO:
                 client = ref()
                 if client is not None:
                     client._after_poll(sock, ready)
-        except Exception as exc:  # noqa: BLE001 - every waiting call is told, none hangs
+        except Exception as exc:
             client = ref() if client is None else client
             if client is not None:
                 client._mark_dead(f"the client's I/O thread failed: {exc!r}")
@@ -124,7 +131,7 @@ class ClientIO:
         poller.register(self._waker.read_fd, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         self._poller = poller
-        self._watch = ProcessWatch(poller)   # the server's processes, once it says which
+        self._watch = ProcessWatch(poller)  # the server's processes, once it says which
         return sock, poller, self._monitor
 
     def _before_poll(self, sock: zmq.Socket, last_ping: float) -> float:
@@ -200,7 +207,7 @@ class ClientIO:
             for rank, (host, pid) in info["processes"].items():
                 if parent_pid(pid) != server_pid:
                     self._watch.add(int(rank), host, pid)
-        except (KeyError, TypeError, ValueError):   # an older or foreign server: no table
+        except (KeyError, TypeError, ValueError):  # an older or foreign server: no table
             pass
 
     # --- liveness ------------------------------------------------------------------------
@@ -216,11 +223,16 @@ class ClientIO:
         rank, pid, at = deaths[0]
         server_at = self._server_end()
         if server_at is not None:
-            return None if server_at <= at else \
-                f"rank {rank} (pid {pid}) died; the server exited before it reported it"
+            return (
+                None
+                if server_at <= at
+                else f"rank {rank} (pid {pid}) died; the server exited before it reported it"
+            )
         if time.monotonic() - at > WORKER_DEATH_GRACE_S:
-            return f"rank {rank} (pid {pid}) died; the server did not report it within " \
-                   f"{WORKER_DEATH_GRACE_S:.0f} s"
+            return (
+                f"rank {rank} (pid {pid}) died; the server did not report it within "
+                f"{WORKER_DEATH_GRACE_S:.0f} s"
+            )
         return None
 
     def _server_end(self) -> float | None:
@@ -239,8 +251,11 @@ class ClientIO:
             reason = f"tandem server (pid {self._info['server'][1]}) is gone"
         if reason is not None:
             self._mark_dead(reason)
-        elif self._waiters and self._reached and \
-                time.monotonic() - self._last_heard > self.dead_after_s:
+        elif (
+            self._waiters
+            and self._reached
+            and time.monotonic() - self._last_heard > self.dead_after_s
+        ):
             self._fail_silent()
         elif self._patience and not self._reached:
             self._give_up_unreached()
@@ -275,7 +290,7 @@ class ClientIO:
 
     def _nobody_there(self, waited: str) -> str:
         """Why a call failed at an address where nothing was ever reached."""
-        path = self.address[len("ipc://"):] if self.address.startswith("ipc://") else None
+        path = self.address[len("ipc://") :] if self.address.startswith("ipc://") else None
         if path and not path.startswith("@") and not os.path.exists(path):
             waited = f"no socket file {path}"
         return f"no tandem server at {self.address}: nothing is listening there ({waited})"

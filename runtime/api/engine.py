@@ -8,6 +8,7 @@ finalizer when the Engine is collected or still open at exit. However else this 
 ends (a signal, SIGKILL), the server ends with it: it holds the read end of a pipe whose
 write end only this process holds, and takes EOF there for its owner's end
 (launcher/session.py); its workers die with it."""
+
 from __future__ import annotations
 
 import collections
@@ -32,8 +33,8 @@ ERROR_PREFIX = "tandem: error: "
 INTERNAL_PREFIXES = ("tandem: serving at ",)
 TAIL_LINES = 20
 MAX_DETAIL_CHARS = 2000
-OWNER_FD_ENV = "TANDEM_OWNER_FD"   # tells the server its end of the owner pipe (session.py)
-STOP_WAIT_S = 30.0                 # close(): how long the server gets after SIGTERM
+OWNER_FD_ENV = "TANDEM_OWNER_FD"  # tells the server its end of the owner pipe (session.py)
+STOP_WAIT_S = 30.0  # close(): how long the server gets after SIGTERM
 
 # The write ends of the owner pipes of the servers this process launched. A forked child
 # closes its copies at once: the servers end with their owner, not with its last child.
@@ -52,8 +53,9 @@ def _close_owner_fds_in_child() -> None:
 os.register_at_fork(after_in_child=_close_owner_fds_in_child)
 
 
-def _stop_server(process: subprocess.Popen, tmpdir: str, owner_fd: int | None,
-                 owner_pid: int) -> None:
+def _stop_server(
+    process: subprocess.Popen, tmpdir: str, owner_fd: int | None, owner_pid: int
+) -> None:
     """The Engine's part of close() (after the Client's): end the server (SIGTERM, then
     SIGKILL of its process group after STOP_WAIT_S) and everything it started. Holds no
     reference to the Engine (its finalizer calls this). Only the launching process stops
@@ -67,7 +69,7 @@ def _stop_server(process: subprocess.Popen, tmpdir: str, owner_fd: int | None,
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    if owner_fd is not None:   # only now: the owner pipe's end would cut the shutdown short
+    if owner_fd is not None:  # only now: the owner pipe's end would cut the shutdown short
         _OWNER_FDS.discard(owner_fd)
         os.close(owner_fd)
     shutil.rmtree(tmpdir, ignore_errors=True)
@@ -81,8 +83,11 @@ class StderrTail:
     def __init__(self, pipe, forward=None):
         self._pipe = pipe
         self._forward = forward
-        self._internal = () if os.environ.get("TANDEM_LOG", "").upper() in ("DEBUG", "INFO") \
+        self._internal = (
+            ()
+            if os.environ.get("TANDEM_LOG", "").upper() in ("DEBUG", "INFO")
             else INTERNAL_PREFIXES
+        )
         self.lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="tandem-stderr", daemon=True)
@@ -96,7 +101,7 @@ class StderrTail:
                     self._write(line)
                 text = line.strip()
                 if text.startswith(ERROR_PREFIX):
-                    self.last_error = text[len(ERROR_PREFIX):]
+                    self.last_error = text[len(ERROR_PREFIX) :]
                 if text:
                     self.lines.append(text)
 
@@ -107,7 +112,7 @@ class StderrTail:
         try:
             out.write(line)
             out.flush()
-        except (OSError, ValueError):   # our stderr is closed: keep reading, stop writing
+        except (OSError, ValueError):  # our stderr is closed: keep reading, stop writing
             self._forward = _Discard()
 
     def detail(self, wait_s: float = 2.0) -> str | None:
@@ -129,8 +134,15 @@ class _Discard:
 class Engine(Client):
     NAME = "engine"
 
-    def __init__(self, address: str, process: subprocess.Popen, tmpdir: str,
-                 stderr: StderrTail | None = None, owner_fd: int | None = None, **kwargs):
+    def __init__(
+        self,
+        address: str,
+        process: subprocess.Popen,
+        tmpdir: str,
+        stderr: StderrTail | None = None,
+        owner_fd: int | None = None,
+        **kwargs,
+    ):
         self._process = process
         self._tmpdir = tmpdir
         self._stderr = stderr
@@ -140,12 +152,14 @@ class Engine(Client):
         except BaseException:
             _stop_server(process, tmpdir, owner_fd, os.getpid())
             raise
-        self._closers.append(functools.partial(_stop_server, process, tmpdir, owner_fd,
-                                               os.getpid()))
+        self._closers.append(
+            functools.partial(_stop_server, process, tmpdir, owner_fd, os.getpid())
+        )
 
     @classmethod
-    def launch(cls, config: str | os.PathLike | dict | TandemConfig,
-               startup_timeout_s: float | None = None) -> "Engine":
+    def launch(
+        cls, config: str | os.PathLike | dict | TandemConfig, startup_timeout_s: float | None = None
+    ) -> Engine:
         cfg = config if isinstance(config, TandemConfig) else load_config(config)
         tmpdir = tempfile.mkdtemp(prefix="tandem-")
         path = os.path.join(tmpdir, "config.yaml")
@@ -158,8 +172,9 @@ class Engine(Client):
         owner_r, owner_w = os.pipe()
         env = dict(os.environ, TANDEM_LAUNCH="spawn", **{OWNER_FD_ENV: str(owner_r)})
         try:
-            process = subprocess.Popen(cmd, start_new_session=True, env=env,
-                                       stderr=subprocess.PIPE, pass_fds=(owner_r,))
+            process = subprocess.Popen(
+                cmd, start_new_session=True, env=env, stderr=subprocess.PIPE, pass_fds=(owner_r,)
+            )
         except BaseException:
             os.close(owner_w)
             shutil.rmtree(tmpdir, ignore_errors=True)

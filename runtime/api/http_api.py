@@ -17,6 +17,7 @@ It binds to loopback unless `--http-allow-remote` is given; it has no authentica
 Every HTTP request is one request on the one ZeroMQ client of this front; a request whose HTTP
 client goes away (a closed stream, a dropped connection) is cancelled on the server.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,28 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from runtime.errors import EngineDeadError
 from runtime.api.http_args import (
-    DISCONNECT_POLL_S, _COMPLETION_ARGS, _CHAT_ARGS, HttpError, parse_http_address,
-    bind_http, connect_address, socket_url, _AsyncWaiter, HttpClient, _check_args,
-    _sampling, _messages, _prompt_kwargs, _value_error, _failure, _usage, _finish, _sse)
+    _CHAT_ARGS,
+    _COMPLETION_ARGS,
+    DISCONNECT_POLL_S,
+    HttpClient,
+    HttpError,
+    _AsyncWaiter,
+    _check_args,
+    _failure,
+    _finish,
+    _messages,
+    _prompt_kwargs,
+    _sampling,
+    _sse,
+    _usage,
+    _value_error,
+    bind_http,
+    connect_address,
+    parse_http_address,
+    socket_url,
+)
+from runtime.errors import EngineDeadError
 
 log = logging.getLogger("tandem.http")
 
@@ -58,8 +76,12 @@ class _Routes:
             try:
                 await asyncio.to_thread(self.client.info, 30.0)
             except EngineDeadError as exc:
-                raise HttpError(503, f"the engine is not available: {exc}",
-                                kind="server_error", code="engine_dead") from None
+                raise HttpError(
+                    503,
+                    f"the engine is not available: {exc}",
+                    kind="server_error",
+                    code="engine_dead",
+                ) from None
         return self.client._info
 
     async def model_id(self) -> str:
@@ -80,12 +102,15 @@ class _Routes:
 
     @staticmethod
     def not_found(requested: str, name: str) -> HttpError:
-        return HttpError(404, f"The model `{requested}` does not exist; this server serves "
-                              f"`{name}`", "model", code="model_not_found")
+        return HttpError(
+            404,
+            f"The model `{requested}` does not exist; this server serves `{name}`",
+            "model",
+            code="model_not_found",
+        )
 
     def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created,
-                "owned_by": "tandem"}
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "tandem"}
 
     async def health(self):
         return {"status": "ok"}
@@ -96,8 +121,9 @@ class _Routes:
         try:
             text = await asyncio.to_thread(self.client.metrics, 30.0)
         except EngineDeadError as exc:
-            raise HttpError(503, f"the engine is not available: {exc}",
-                            kind="server_error", code="engine_dead") from None
+            raise HttpError(
+                503, f"the engine is not available: {exc}", kind="server_error", code="engine_dead"
+            ) from None
         return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     async def models(self):
@@ -118,8 +144,9 @@ class _Routes:
             raise HttpError(400, "the request body must be a JSON object")
         return body
 
-    async def submit(self, request: Request, build_kwargs: dict, stream: bool,
-                     max_name: str, prompt_name: str):
+    async def submit(
+        self, request: Request, build_kwargs: dict, stream: bool, max_name: str, prompt_name: str
+    ):
         """(message id, waiter, first reply) once the server has answered; a 400/503
         HttpError if it refused the request."""
         await self.info()  # cached after the first call; token-id validation needs it
@@ -129,8 +156,9 @@ class _Routes:
         except ValueError as exc:
             raise _value_error(exc, max_name, prompt_name) from None
         except EngineDeadError as exc:
-            raise HttpError(503, f"the engine is not available: {exc}",
-                            kind="server_error", code="engine_dead") from None
+            raise HttpError(
+                503, f"the engine is not available: {exc}", kind="server_error", code="engine_dead"
+            ) from None
         rid, done = msg["id"], False
         try:
             while True:
@@ -151,8 +179,15 @@ class _Routes:
             self.client.finish(rid, cancel=not done)
             raise
 
-    async def collect(self, request: Request, rid: str, waiter: _AsyncWaiter, reply: dict,
-                      max_name: str, prompt_name: str) -> list[dict]:
+    async def collect(
+        self,
+        request: Request,
+        rid: str,
+        waiter: _AsyncWaiter,
+        reply: dict,
+        max_name: str,
+        prompt_name: str,
+    ) -> list[dict]:
         """Wait for the final reply of a non-streamed request (cancelled if the HTTP client
         goes away meanwhile)."""
         done = reply["type"] == "final"
@@ -172,9 +207,17 @@ class _Routes:
             self.client.finish(rid, cancel=not done)
         return sorted(reply["outputs"], key=lambda o: o["index"])
 
-    def stream_events(self, rid: str, waiter: _AsyncWaiter, first: dict, chunk,
-                      include_usage: bool, max_name: str, prompt_name: str,
-                      head: list[bytes]):
+    def stream_events(
+        self,
+        rid: str,
+        waiter: _AsyncWaiter,
+        first: dict,
+        chunk,
+        include_usage: bool,
+        max_name: str,
+        prompt_name: str,
+        head: list[bytes],
+    ):
         async def events():
             done = first["type"] == "final"
             reply = first
@@ -184,14 +227,16 @@ class _Routes:
                 while True:
                     if reply["type"] == "delta":
                         if reply["text"]:
-                            yield _sse(chunk(reply["index"], reply["text"], None,
-                                             include_usage))
+                            yield _sse(chunk(reply["index"], reply["text"], None, include_usage))
                     elif reply["type"] == "final":
                         done = True
                         outputs = sorted(reply["outputs"], key=lambda o: o["index"])
                         for out in outputs:
-                            yield _sse(chunk(out["index"], None,
-                                             _finish(out["finish_reason"]), include_usage))
+                            yield _sse(
+                                chunk(
+                                    out["index"], None, _finish(out["finish_reason"]), include_usage
+                                )
+                            )
                         if include_usage:
                             last = chunk(0, None, None, include_usage)
                             last["choices"], last["usage"] = [], _usage(outputs)
@@ -207,9 +252,11 @@ class _Routes:
             finally:
                 self.client.finish(rid, cancel=not done)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def completions(self, request: Request):
         body = await self.read_body(request)
@@ -219,70 +266,99 @@ class _Routes:
             raise HttpError(400, "prompt: this argument is required", "prompt")
         kwargs = dict(_prompt_kwargs(body["prompt"]), params=_sampling(body, "max_tokens"))
         stream = bool(body.get("stream"))
-        rid, waiter, first = await self.submit(request, kwargs, stream, "max_tokens",
-                                               "prompt")
+        rid, waiter, first = await self.submit(request, kwargs, stream, "max_tokens", "prompt")
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if not stream:
-            outputs = await self.collect(request, rid, waiter, first, "max_tokens",
-                                         "prompt")
-            return {"id": cid, "object": "text_completion", "created": created,
-                    "model": name, "system_fingerprint": None,
-                    "choices": [{"index": o["index"], "text": o["text"], "logprobs": None,
-                                 "finish_reason": _finish(o["finish_reason"])}
-                                for o in outputs],
-                    "usage": _usage(outputs)}
+            outputs = await self.collect(request, rid, waiter, first, "max_tokens", "prompt")
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": name,
+                "system_fingerprint": None,
+                "choices": [
+                    {
+                        "index": o["index"],
+                        "text": o["text"],
+                        "logprobs": None,
+                        "finish_reason": _finish(o["finish_reason"]),
+                    }
+                    for o in outputs
+                ],
+                "usage": _usage(outputs),
+            }
 
         def chunk(index, text, finish, include_usage):
-            out = {"id": cid, "object": "text_completion", "created": created,
-                   "model": name, "system_fingerprint": None,
-                   "choices": [{"index": index, "text": text or "", "logprobs": None,
-                                "finish_reason": finish}]}
+            out = {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": name,
+                "system_fingerprint": None,
+                "choices": [
+                    {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                ],
+            }
             if include_usage:
                 out["usage"] = None
             return out
 
         include = bool((body.get("stream_options") or {}).get("include_usage"))
-        return self.stream_events(rid, waiter, first, chunk, include, "max_tokens",
-                                  "prompt", [])
+        return self.stream_events(rid, waiter, first, chunk, include, "max_tokens", "prompt", [])
 
     async def chat_completions(self, request: Request):
         body = await self.read_body(request)
         _check_args(body, _CHAT_ARGS)
         name = await self.check_model(body)
-        max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        max_name = (
+            "max_completion_tokens"
+            if body.get("max_completion_tokens") is not None
             else "max_tokens"
-        kwargs = {"messages": _messages(body.get("messages")),
-                  "params": _sampling(body, max_name)}
+        )
+        kwargs = {"messages": _messages(body.get("messages")), "params": _sampling(body, max_name)}
         stream = bool(body.get("stream"))
         rid, waiter, first = await self.submit(request, kwargs, stream, max_name, "messages")
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if not stream:
             outputs = await self.collect(request, rid, waiter, first, max_name, "messages")
-            return {"id": cid, "object": "chat.completion", "created": created,
-                    "model": name, "system_fingerprint": None,
-                    "choices": [{"index": o["index"],
-                                 "message": {"role": "assistant", "content": o["text"]},
-                                 "logprobs": None,
-                                 "finish_reason": _finish(o["finish_reason"])}
-                                for o in outputs],
-                    "usage": _usage(outputs)}
+            return {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": name,
+                "system_fingerprint": None,
+                "choices": [
+                    {
+                        "index": o["index"],
+                        "message": {"role": "assistant", "content": o["text"]},
+                        "logprobs": None,
+                        "finish_reason": _finish(o["finish_reason"]),
+                    }
+                    for o in outputs
+                ],
+                "usage": _usage(outputs),
+            }
 
         def chunk(index, text, finish, include_usage, delta=None):
             if delta is None:
                 delta = {} if text is None else {"content": text}
-            out = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                   "model": name, "system_fingerprint": None,
-                   "choices": [{"index": index, "delta": delta, "logprobs": None,
-                                "finish_reason": finish}]}
+            out = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": name,
+                "system_fingerprint": None,
+                "choices": [
+                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
             if include_usage:
                 out["usage"] = None
             return out
 
         include = bool((body.get("stream_options") or {}).get("include_usage"))
-        head = [_sse(chunk(0, None, None, include,
-                           delta={"role": "assistant", "content": ""}))]
-        return self.stream_events(rid, waiter, first, chunk, include, max_name,
-                                  "messages", head)
+        head = [_sse(chunk(0, None, None, include, delta={"role": "assistant", "content": ""}))]
+        return self.stream_events(rid, waiter, first, chunk, include, max_name, "messages", head)
 
 
 async def _http_error(_request, exc: HttpError):
@@ -306,19 +382,25 @@ def create_app(client: HttpClient, model_name: str | None = None) -> FastAPI:
 class HttpFront:
     """The app on uvicorn on its own thread (inside `tandem serve`), or in the foreground."""
 
-    def __init__(self, address: str, sock: socket.socket, model_name: str | None = None,
-                 auth_key_file: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        sock: socket.socket,
+        model_name: str | None = None,
+        auth_key_file: str | None = None,
+    ):
         import uvicorn
 
         self.sock = sock
         self.url = socket_url(sock)
         self.client = HttpClient(connect_address(address), auth_key_file=auth_key_file)
         self.app = create_app(self.client, model_name)
-        level = os.environ.get("TANDEM_LOG", "warning").lower()     # as the logging's level
-        if level not in ("critical", "error", "warning", "info", "debug"):   # uvicorn's names
+        level = os.environ.get("TANDEM_LOG", "warning").lower()  # as the logging's level
+        if level not in ("critical", "error", "warning", "info", "debug"):  # uvicorn's names
             level = "warning"
-        config = uvicorn.Config(self.app, log_level=level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            self.app, log_level=level, access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        )
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -366,31 +448,46 @@ class HttpFront:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m runtime.api.http_api",
-        description="OpenAI-compatible HTTP API in front of a running `tandem serve`.")
+        description="OpenAI-compatible HTTP API in front of a running `tandem serve`.",
+    )
     parser.add_argument("address", help="the server's address, e.g. tcp://127.0.0.1:5555")
-    parser.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to listen on "
-                        "(default 127.0.0.1:8000)")
-    parser.add_argument("--http-allow-remote", action="store_true",
-                        help="allow a non-loopback host (the API has no authentication)")
-    parser.add_argument("--auth-key-file", default=None,
-                        help="the server's server.auth_key_file, if it has one")
-    parser.add_argument("--served-model-name", "--model-name", dest="model_name",
-                        default=None, metavar="NAME",
-                        help="the model id clients name (default: the target model's file "
-                             "or directory name)")
+    parser.add_argument(
+        "--http", default="127.0.0.1:8000", help="HOST:PORT to listen on (default 127.0.0.1:8000)"
+    )
+    parser.add_argument(
+        "--http-allow-remote",
+        action="store_true",
+        help="allow a non-loopback host (the API has no authentication)",
+    )
+    parser.add_argument(
+        "--auth-key-file", default=None, help="the server's server.auth_key_file, if it has one"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="model_name",
+        default=None,
+        metavar="NAME",
+        help="the model id clients name (default: the target model's file or directory name)",
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
-                        format="[tandem] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG", "WARNING"),
+        format="[tandem] %(levelname)s %(name)s: %(message)s",
+    )
     try:
         host, port = parse_http_address(args.http, args.http_allow_remote)
         sock = bind_http(host, port)
     except (ValueError, OSError) as exc:
-        print(f"tandem: error: --http: {exc}" if isinstance(exc, OSError) else
-              f"tandem: error: {exc}", file=sys.stderr)
+        print(
+            f"tandem: error: --http: {exc}"
+            if isinstance(exc, OSError)
+            else f"tandem: error: {exc}",
+            file=sys.stderr,
+        )
         return 2
     front = HttpFront(args.address, sock, args.model_name, args.auth_key_file)
-    print(f"tandem: HTTP API at {front.url} (server {args.address})", file=sys.stderr,
-          flush=True)
+    print(f"tandem: HTTP API at {front.url} (server {args.address})", file=sys.stderr, flush=True)
     front.run_forever()
     return 0
 

@@ -1,6 +1,7 @@
 """Request parsing and reply formatting for the OpenAI-compatible HTTP front
 (runtime/http_api.py): argument checks that name OpenAI's parameters, HTTP address handling,
 and the asyncio-friendly Client the front talks to the server with."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,43 +17,90 @@ from runtime.params import SamplingParams
 log = logging.getLogger("tandem.http")
 
 
-DEFAULT_MAX_TOKENS = 16        # OpenAI's default for /v1/completions; used for chat as well
-DEFAULT_TEMPERATURE = 1.0      # OpenAI's default (the Python API's default is greedy)
-DISCONNECT_POLL_S = 0.5        # how often a waiting non-streamed request checks its client
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat as well
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the Python API's default is greedy)
+DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
 
 # Arguments accepted only with their "off" value (anything else is a 400 naming them).
 _OFF_VALUES: dict[str, tuple] = {
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False), "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "audio": (None,), "prediction": (None,),
-    "modalities": (None, ["text"]), "web_search_options": (None,),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
 }
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-            "reasoning_effort", "prompt_cache_key", "safety_identifier", "verbosity"}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-           "stream", "stream_options"}
+_IGNORED = {
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "prompt_cache_key",
+    "safety_identifier",
+    "verbosity",
+}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+}
 _COMPLETION_ARGS = _COMMON | {"prompt"} | set(_OFF_VALUES) | _IGNORED
 _CHAT_ARGS = _COMMON | {"messages", "max_completion_tokens"} | set(_OFF_VALUES) | _IGNORED
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = \
-            status, message, param, kind, code
+        self.status, self.message, self.param, self.kind, self.code = (
+            status,
+            message,
+            param,
+            kind,
+            code,
+        )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 # --- addresses ---------------------------------------------------------------------------
-def parse_http_address(text: str, allow_remote: bool = False, flag: str = "--http",
-                       what: str = "the HTTP API") -> tuple[str, int]:
+def parse_http_address(
+    text: str, allow_remote: bool = False, flag: str = "--http", what: str = "the HTTP API"
+) -> tuple[str, int]:
     """'HOST:PORT', '[V6]:PORT' or 'PORT' (host 127.0.0.1) -> (host, port). A host that is
     not loopback is refused unless allow_remote. Errors are ValueErrors naming `flag` (the
     option that gave the address; `what` is what it serves)."""
@@ -68,8 +116,10 @@ def parse_http_address(text: str, allow_remote: bool = False, flag: str = "--htt
     if not 0 <= port <= 65535:
         raise ValueError(f"{flag}: port {port} is out of range")
     if not allow_remote and not is_loopback(host):
-        raise ValueError(f"{flag}: {host} is not a loopback address; {what} has no "
-                         f"authentication, so binding elsewhere needs {flag}-allow-remote")
+        raise ValueError(
+            f"{flag}: {host} is not a loopback address; {what} has no "
+            f"authentication, so binding elsewhere needs {flag}-allow-remote"
+        )
     return host, port
 
 
@@ -78,8 +128,9 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback
-                               for info in infos)
+    return bool(infos) and all(
+        ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos
+    )
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -146,13 +197,19 @@ class HttpClient(Client):
         if cancel and self._dead is None and not self._closed.is_set():
             self._post({"type": "cancel", "id": rid})
 
-    def build(self, *, prompt=None, prompt_token_ids=None, messages=None, params: dict,
-              stream: bool) -> dict:
+    def build(
+        self, *, prompt=None, prompt_token_ids=None, messages=None, params: dict, stream: bool
+    ) -> dict:
         """The generate message (arguments validated here: ValueError names them)."""
         if messages is not None:
             checked = SamplingParams.from_kwargs(**params).to_dict()
-            return {"type": "generate", "id": self._new_id(), "params": checked,
-                    "stream": stream, "messages": messages}
+            return {
+                "type": "generate",
+                "id": self._new_id(),
+                "params": checked,
+                "stream": stream,
+                "messages": messages,
+            }
         msg, _ = self._request(prompt, prompt_token_ids, params, stream, chat=False)
         return msg
 
@@ -173,27 +230,33 @@ def _check_args(body: dict, allowed: set[str]) -> None:
     if stream is not None and not isinstance(stream, bool):
         raise HttpError(400, "stream: expected a boolean", "stream")
     opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not all(
-            k in ("include_usage", "include_obfuscation") for k in opts)):
-        raise HttpError(400, "stream_options: expected {\"include_usage\": bool}",
-                        "stream_options")
+    if opts is not None and (
+        not isinstance(opts, dict)
+        or not all(k in ("include_usage", "include_obfuscation") for k in opts)
+    ):
+        raise HttpError(400, 'stream_options: expected {"include_usage": bool}', "stream_options")
 
 
 def _sampling(body: dict, max_name: str) -> dict:
     max_tokens = body.get(max_name)
     top_k = body.get("top_k")
-    if top_k == -1 and not isinstance(top_k, bool):   # vLLM's "off"
+    if top_k == -1 and not isinstance(top_k, bool):  # vLLM's "off"
         top_k = None
     stop = body.get("stop")
     if stop is None:
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    kwargs = {"max_new_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-              "temperature": DEFAULT_TEMPERATURE if body.get("temperature") is None
-              else body["temperature"],
-              "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
-              "top_k": top_k, "seed": body.get("seed"), "stop": stop}
+    kwargs = {
+        "max_new_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        "temperature": DEFAULT_TEMPERATURE
+        if body.get("temperature") is None
+        else body["temperature"],
+        "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
+        "top_k": top_k,
+        "seed": body.get("seed"),
+        "stop": stop,
+    }
     return kwargs
 
 
@@ -203,8 +266,9 @@ def _messages(value) -> list[dict]:
     out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise HttpError(400, f"messages[{i}]: expected an object with a string 'role'",
-                            "messages")
+            raise HttpError(
+                400, f"messages[{i}]: expected an object with a string 'role'", "messages"
+            )
         role = "system" if msg["role"] == "developer" else msg["role"]
         content = msg.get("content")
         if content is None:
@@ -212,16 +276,21 @@ def _messages(value) -> list[dict]:
         elif isinstance(content, list):
             parts = []
             for part in content:
-                if isinstance(part, dict) and part.get("type") == "text" and \
-                        isinstance(part.get("text"), str):
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     parts.append(part["text"])
                 else:
-                    raise HttpError(400, f"messages[{i}].content: only text parts are "
-                                         f"supported", "messages")
+                    raise HttpError(
+                        400, f"messages[{i}].content: only text parts are supported", "messages"
+                    )
             content = "\n".join(parts)
         elif not isinstance(content, str):
-            raise HttpError(400, f"messages[{i}].content: expected a string or a list of "
-                                 f"text parts", "messages")
+            raise HttpError(
+                400, f"messages[{i}].content: expected a string or a list of text parts", "messages"
+            )
         out.append({"role": role, "content": content})
     return out
 
@@ -237,14 +306,16 @@ def _prompt_kwargs(prompt) -> dict:
             return {"prompt_token_ids": prompt}
     if isinstance(prompt, (str, list)):
         return {"prompt": prompt}
-    raise HttpError(400, "prompt: expected a string, a list of strings, a list of token ids "
-                         "or a list of such lists", "prompt")
+    raise HttpError(
+        400,
+        "prompt: expected a string, a list of strings, a list of token ids or a list of such lists",
+        "prompt",
+    )
 
 
 def _value_error(exc: ValueError, max_name: str, prompt_name: str) -> HttpError:
     """A tandem ValueError ('name: ...') as a 400 naming the OpenAI argument."""
-    message = str(exc).replace("max_new_tokens", max_name) \
-        .replace("prompt_token_ids", prompt_name)
+    message = str(exc).replace("max_new_tokens", max_name).replace("prompt_token_ids", prompt_name)
     if prompt_name == "messages":
         message = re.sub(r"^prompt\b", "messages", message)
     match = re.match(r"([A-Za-z_]+)[:\s]", message)
@@ -256,19 +327,30 @@ def _value_error(exc: ValueError, max_name: str, prompt_name: str) -> HttpError:
 
 def _failure(msg: dict, max_name: str, prompt_name: str) -> HttpError:
     if msg["kind"] == "dead":
-        return HttpError(503, f"the engine is not available: {msg['message']}",
-                         kind="server_error", code="engine_dead")
+        return HttpError(
+            503,
+            f"the engine is not available: {msg['message']}",
+            kind="server_error",
+            code="engine_dead",
+        )
     if msg["kind"] == "cancelled":
-        return HttpError(503, f"the request was cancelled: {msg['message']}",
-                         kind="server_error", code="request_cancelled")
+        return HttpError(
+            503,
+            f"the request was cancelled: {msg['message']}",
+            kind="server_error",
+            code="request_cancelled",
+        )
     return _value_error(ValueError(msg["message"]), max_name, prompt_name)
 
 
 def _usage(outputs: list[dict]) -> dict:
     prompt = sum(int(o["stats"].get("prompt_tokens", 0)) for o in outputs)
     completion = sum(len(o["token_ids"]) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _finish(reason: str | None) -> str:
@@ -276,8 +358,7 @@ def _finish(reason: str | None) -> str:
 
 
 def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 # --- the app -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 modes.py runs each mode, metrics.py measures and derives the figures (c, theoretical speedup,
 roofline), runner.py puts them together, report.py prints the table and writes the JSON.
 """
+
 from __future__ import annotations
 
 __all__ = ["BenchSettings", "run_bench", "MODES", "FIGURES"]

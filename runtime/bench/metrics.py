@@ -12,6 +12,7 @@
 - step_time: seconds of one forward_extend of our model code (a decode or verify step);
   on CPU timed with the threads an engine worker gets (worker_cpu_threads, cpu_threads).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,7 @@ def theoretical_overlap_speedup(alpha: float, k: int, c: float) -> float:
     same k without overlap, both in units of a target verify: a plain round costs 1 + k·c; an
     overlapped one max(1, (k+1)·c), plus k·c of drafting afresh when its next window was not
     kept (it is with probability alpha^(k+1)). Both commit the same tokens a round."""
-    theoretical_speedup(alpha, k, c)          # the same argument checks
+    theoretical_speedup(alpha, k, c)  # the same argument checks
     kept = alpha ** (k + 1)
     return (1.0 + k * c) / (max(1.0, (k + 1) * c) + (1.0 - kept) * k * c)
 
@@ -50,7 +51,7 @@ def alpha_from_tokens_per_round(mean_tokens: float, k: int) -> float:
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if sum(mid ** i for i in range(k + 1)) < target:
+        if sum(mid**i for i in range(k + 1)) < target:
             lo = mid
         else:
             hi = mid
@@ -68,8 +69,7 @@ class DeviceClock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] \
-            if self.cuda else []
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else []
         self.host: list[float] = []
 
     def start(self) -> None:
@@ -128,7 +128,7 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     for key, (_, nbytes) in seen.items():
         names = owners[key]
         if all("embed_tokens" in n or n.endswith("wte.weight") for n in names):
-            continue      # untied input embedding: one row per token
+            continue  # untied input embedding: one row per token
         total += nbytes
     return total
 
@@ -141,23 +141,25 @@ def kv_bytes_per_position(model: torch.nn.Module) -> int:
         cache = getattr(module, "kv_cache", None)
         if cache is None or not hasattr(cache, "k_cache"):
             continue
-        heads_dim = cache.k_cache[0, :, 0]                                  # [Hkv, D]
+        heads_dim = cache.k_cache[0, :, 0]  # [Hkv, D]
         total += 2 * heads_dim.numel() * heads_dim.element_size()
         if cache.fp8:
             total += 2 * cache.k_scale[0, :, 0].numel() * cache.k_scale.element_size()
     return total
 
 
-def worker_cpu_threads(draft_device: torch.device, target_devices: list[torch.device]
-                       ) -> int | None:
+def worker_cpu_threads(
+    draft_device: torch.device, target_devices: list[torch.device]
+) -> int | None:
     """The torch threads each CPU worker of a spec engine with these devices gets (its equal
     share of the cores, runtime.worker.process); None when a device is not the CPU."""
     devices = [draft_device, *target_devices]
     if any(d.type != "cpu" for d in devices):
         return None
     workers = len(dict.fromkeys(str(d) for d in devices))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     return max(1, cores // workers)
 
 
@@ -174,8 +176,15 @@ def cpu_threads(device: torch.device, threads: int | None):
 
 
 @torch.inference_mode()
-def step_time(runner, device: torch.device, batch: int, tokens: int, position: int,
-              iters: int = 20, warmup: int = 3) -> float:
+def step_time(
+    runner,
+    device: torch.device,
+    batch: int,
+    tokens: int,
+    position: int,
+    iters: int = 20,
+    warmup: int = 3,
+) -> float:
     """Median seconds of one step of `tokens` tokens per row for `batch` rows through a
     runtime.models.runners.step_runner.StepRunner (the workers' path: static shapes, CUDA graphs on
     CUDA), written at cache position `position` (the cache must hold batch slots of

@@ -15,6 +15,7 @@ generated tokens and the wall time of the whole call (prefill and first token in
 - `hf-assisted` (HFAssisted): transformers assisted generation with the same draft,
   num_assistant_tokens = k, schedule "constant", no confidence early stop.
 """
+
 from __future__ import annotations
 
 import gc
@@ -35,11 +36,11 @@ class Skipped(Exception):
 
 @dataclass
 class Outcome:
-    tokens: int                          # generated tokens, all rows
-    wall_s: float                        # the whole generate call
+    tokens: int  # generated tokens, all rows
+    wall_s: float  # the whole generate call
     acceptance_rate: float | None = None  # accepted draft tokens / proposed draft tokens
     mean_accepted_tokens: float | None = None  # tokens committed per round (incl. the target's)
-    alpha: float | None = None           # per-token acceptance probability (see metrics)
+    alpha: float | None = None  # per-token acceptance probability (see metrics)
     rounds: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -76,16 +77,26 @@ class TandemTarget:
 
     name = "target"
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, max_batch: int,
-                 max_seq_len: int, max_step_len: int = 1, cuda_graphs: bool = True, tp=None,
-                 quantization: str | None = None):
+    def __init__(
+        self,
+        path: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_batch: int,
+        max_seq_len: int,
+        max_step_len: int = 1,
+        cuda_graphs: bool = True,
+        tp=None,
+        quantization: str | None = None,
+    ):
         from runtime.models import load_model
         from runtime.models.runners.step_runner import StepRunner
 
         self.device = device
         parallel = tp is not None and tp.enabled
-        self.model = load_model(path, dtype, device, tp, gather_logits=not parallel,
-                                quantization=quantization)
+        self.model = load_model(
+            path, dtype, device, tp, gather_logits=not parallel, quantization=quantization
+        )
         self.model.allocate_cache(max_batch, max_seq_len)
         self.runner = StepRunner(self.model, device, max_batch, max_step_len, cuda_graphs)
         self.argmax = lambda logits: logits.argmax(-1)
@@ -94,7 +105,7 @@ class TandemTarget:
 
             self.argmax = VocabParallel.of(self.model, tp.group).argmax
 
-    @torch.no_grad()   # not inference_mode: the step buffers are reused outside it
+    @torch.no_grad()  # not inference_mode: the step buffers are reused outside it
     def run(self, prompts: list[list[int]], new_tokens: int) -> Outcome:
         dev = self.device
         bsz, length = len(prompts), len(prompts[0])
@@ -105,31 +116,33 @@ class TandemTarget:
         ids = torch.tensor(prompts, dtype=torch.long, device=dev)
         slots = list(range(bsz))
         token = self.argmax(self.runner.prefill_last(ids, slots, [0] * bsz, [length] * bsz))
-        first.mark()                                  # the first token, without a sync
+        first.mark()  # the first token, without a sync
         out = [token]
-        for i in range(new_tokens - 1):   # decode steps: CUDA graphs, no host sync
+        for i in range(new_tokens - 1):  # decode steps: CUDA graphs, no host sync
             logits = self.runner.run(token[:, None], slots, [length + i] * bsz, [1] * bsz)
             token = self.argmax(logits[:, -1])
             out.append(token)
-        generated = torch.stack(out, 1).tolist()      # the host sync that ends the call
+        generated = torch.stack(out, 1).tolist()  # the host sync that ends the call
         wall = time.perf_counter() - start
-        return Outcome(tokens=sum(len(r) for r in generated), wall_s=wall,
-                       extra={"token_ids": generated,
-                              "time_to_first_token_s": [first.seconds()] * bsz})
+        return Outcome(
+            tokens=sum(len(r) for r in generated),
+            wall_s=wall,
+            extra={"token_ids": generated, "time_to_first_token_s": [first.seconds()] * bsz},
+        )
 
     def close(self) -> None:
         del self.model
         free_memory()
 
 
-def timed(mode, prompts: list[list[int]], new_tokens: int, warmup: int,
-          repeats: int) -> Outcome:
+def timed(mode, prompts: list[list[int]], new_tokens: int, warmup: int, repeats: int) -> Outcome:
     """`warmup` untimed calls, then the median of `repeats` timed ones."""
     return timed_side_by_side({"mode": mode}, prompts, new_tokens, warmup, repeats)["mode"]
 
 
-def timed_side_by_side(modes: dict, prompts: list[list[int]], new_tokens: int, warmup: int,
-                       repeats: int) -> dict[str, Outcome]:
+def timed_side_by_side(
+    modes: dict, prompts: list[list[int]], new_tokens: int, warmup: int, repeats: int
+) -> dict[str, Outcome]:
     """`timed` for modes loaded at once: each gets `warmup` untimed calls, then the timed
     calls take turns (A B, B A, A B, ...), so that a drifting host or a busy neighbour weighs
     on each alike; per mode the median of its `repeats` calls, and in its extra the
@@ -139,7 +152,7 @@ def timed_side_by_side(modes: dict, prompts: list[list[int]], new_tokens: int, w
             mode.run(prompts, new_tokens)
     runs: dict[str, list[Outcome]] = {name: [] for name in modes}
     for i in range(repeats):
-        for name in (list(modes) if i % 2 == 0 else list(modes)[::-1]):
+        for name in list(modes) if i % 2 == 0 else list(modes)[::-1]:
             runs[name].append(modes[name].run(prompts, new_tokens))
     medians = {}
     for name, outs in runs.items():
@@ -170,34 +183,39 @@ class TandemSpec:
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> Outcome:
         start = time.perf_counter()
-        outs = self.engine.generate(prompt_token_ids=[list(p) for p in prompts],
-                                    max_new_tokens=new_tokens, temperature=0.0)
+        outs = self.engine.generate(
+            prompt_token_ids=[list(p) for p in prompts], max_new_tokens=new_tokens, temperature=0.0
+        )
         wall = time.perf_counter() - start
         outs = outs if isinstance(outs, list) else [outs]
         rounds = sum(o.stats.get("rounds", 0) for o in outs)
         tokens = sum(len(o.token_ids) for o in outs)
         kept = tested = drafting = 0
         proposed_weighted = 0.0
-        for o in outs:   # rounds that drafted (a target-only round tests no draft token)
+        for o in outs:  # rounds that drafted (a target-only round tests no draft token)
             r = o.stats.get("rounds", 0) - o.stats.get("target_only_rounds", 0)
             kept += sum(o.stats.get("accepted_per_position", ()))
             tested += o.stats.get("tested_draft_tokens", 0)
             proposed_weighted += o.stats.get("acceptance_rate", 0.0) * r
             drafting += r
-        alpha = kept / tested if tested else None   # kept / tested draft tokens, exactly
-        mat = sum(o.stats.get("mean_accepted_tokens", 0.0) * o.stats.get("rounds", 0)
-                  for o in outs)
-        return Outcome(tokens=tokens, wall_s=wall,
-                       acceptance_rate=proposed_weighted / drafting if drafting else None,
-                       mean_accepted_tokens=mat / rounds if rounds else None,
-                       alpha=alpha, rounds=rounds,
-                       extra={"token_ids": [list(o.token_ids) for o in outs],
-                              "overlap_share": sum(o.stats.get("overlapped_rounds", 0)
-                                                   for o in outs) / rounds if rounds else 0.0,
-                              "server_tokens_per_s": [o.stats.get("tokens_per_s")
-                                                      for o in outs],
-                              "time_to_first_token_s": [o.stats.get("time_to_first_token_s")
-                                                        for o in outs]})
+        alpha = kept / tested if tested else None  # kept / tested draft tokens, exactly
+        mat = sum(o.stats.get("mean_accepted_tokens", 0.0) * o.stats.get("rounds", 0) for o in outs)
+        return Outcome(
+            tokens=tokens,
+            wall_s=wall,
+            acceptance_rate=proposed_weighted / drafting if drafting else None,
+            mean_accepted_tokens=mat / rounds if rounds else None,
+            alpha=alpha,
+            rounds=rounds,
+            extra={
+                "token_ids": [list(o.token_ids) for o in outs],
+                "overlap_share": sum(o.stats.get("overlapped_rounds", 0) for o in outs) / rounds
+                if rounds
+                else 0.0,
+                "server_tokens_per_s": [o.stats.get("tokens_per_s") for o in outs],
+                "time_to_first_token_s": [o.stats.get("time_to_first_token_s") for o in outs],
+            },
+        )
 
     def server_stats(self) -> dict:
         return self.engine.stats()
@@ -214,10 +232,13 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device):
     p = Path(path)
     kwargs = {"gguf_file": p.name} if p.is_file() else {}
     directory = str(p.parent if p.is_file() else p)
-    try:   # straight onto the GPU where transformers can
+    try:  # straight onto the GPU where transformers can
         model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=dtype, **kwargs,
-            **({"device_map": str(device)} if device.type == "cuda" else {}))
+            directory,
+            dtype=dtype,
+            **kwargs,
+            **({"device_map": str(device)} if device.type == "cuda" else {}),
+        )
     except (ImportError, ValueError):
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
     model = model.to(device).eval()
@@ -242,14 +263,22 @@ def _hf_inputs(prompts: list[list[int]], device: torch.device) -> dict:
 class HFGenerate:
     """transformers generate of the target: eager (dynamic cache) or static cache + compile."""
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device,
-                 compiled: bool = False, compile_on_cpu: bool = False):
+    def __init__(
+        self,
+        path: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        compiled: bool = False,
+        compile_on_cpu: bool = False,
+    ):
         self.name = "hf-compiled" if compiled else "hf"
         self.device, self.compiled = device, compiled
         if compiled:
             if device.type == "cpu" and not compile_on_cpu:
-                raise Skipped("torch.compile on CPU takes about a minute per batch size and "
-                              "has no CUDA graphs (pass --compile-on-cpu to run it anyway)")
+                raise Skipped(
+                    "torch.compile on CPU takes about a minute per batch size and "
+                    "has no CUDA graphs (pass --compile-on-cpu to run it anyway)"
+                )
             try:
                 from transformers import CompileConfig
             except ImportError as exc:
@@ -271,12 +300,13 @@ class HFGenerate:
         sync(self.device)
         start = time.perf_counter()
         out = self.model.generate(**inputs, max_new_tokens=new_tokens)
-        generated = out[:, inputs["input_ids"].shape[1]:].tolist()
+        generated = out[:, inputs["input_ids"].shape[1] :].tolist()
         wall = time.perf_counter() - start
         extra = {"token_ids": generated}
         if self.compiled:
-            extra["compiled"] = bool(getattr(self.model, "_compiled_call", None)) or \
-                _compiled_graphs() > before
+            extra["compiled"] = (
+                bool(getattr(self.model, "_compiled_call", None)) or _compiled_graphs() > before
+            )
         return Outcome(tokens=sum(len(r) for r in generated), wall_s=wall, extra=extra)
 
     def close(self) -> None:
@@ -326,17 +356,24 @@ class HFAssisted:
 
     name = "hf-assisted"
 
-    def __init__(self, target: str, draft: str, dtype: torch.dtype, device: torch.device,
-                 draft_device: torch.device, draft_len: int | str):
+    def __init__(
+        self,
+        target: str,
+        draft: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        draft_device: torch.device,
+        draft_len: int | str,
+    ):
         self.device = device
         self.model = load_hf(target, dtype, device)
         self.draft = load_hf(draft, dtype, draft_device)
         gen = self.draft.generation_config
-        if draft_len == "auto":        # transformers' own adaptive draft length
+        if draft_len == "auto":  # transformers' own adaptive draft length
             gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = 4, "heuristic"
         else:
             gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = draft_len, "constant"
-        gen.assistant_confidence_threshold = 0.0   # no early stop: always k candidates
+        gen.assistant_confidence_threshold = 0.0  # no early stop: always k candidates
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], new_tokens: int) -> Outcome:
@@ -346,9 +383,10 @@ class HFAssisted:
         with _RoundRecorder() as rec:
             sync(self.device)
             start = time.perf_counter()
-            out = self.model.generate(**inputs, assistant_model=self.draft,
-                                      max_new_tokens=new_tokens)
-            generated = out[:, inputs["input_ids"].shape[1]:].tolist()
+            out = self.model.generate(
+                **inputs, assistant_model=self.draft, max_new_tokens=new_tokens
+            )
+            generated = out[:, inputs["input_ids"].shape[1] :].tolist()
             wall = time.perf_counter() - start
         tokens = sum(len(r) for r in generated)
         result = Outcome(tokens=tokens, wall_s=wall, extra={"token_ids": generated})

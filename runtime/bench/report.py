@@ -1,4 +1,5 @@
 """The benchmark's output: one row per (mode, batch size), a printed table, the JSON file."""
+
 from __future__ import annotations
 
 import datetime
@@ -6,13 +7,22 @@ import json
 import os
 import platform
 
-FIGURES = ("tokens_per_s", "speedup_over_target", "acceptance_rate", "mean_accepted_tokens",
-           "c", "theoretical_speedup", "efficiency", "roofline_fraction",
-           "decode_roofline_fraction")
+FIGURES = (
+    "tokens_per_s",
+    "speedup_over_target",
+    "acceptance_rate",
+    "mean_accepted_tokens",
+    "c",
+    "theoretical_speedup",
+    "efficiency",
+    "roofline_fraction",
+    "decode_roofline_fraction",
+)
 
 
-def row(mode: str, batch_size: int, status: str = "ok", reason: str | None = None,
-        **values) -> dict:
+def row(
+    mode: str, batch_size: int, status: str = "ok", reason: str | None = None, **values
+) -> dict:
     """A result row: every figure is present, None where it does not apply to the mode."""
     out = {"mode": mode, "batch_size": batch_size, "status": status, "reason": reason}
     out.update(dict.fromkeys(FIGURES))
@@ -35,8 +45,12 @@ def _cpu_name() -> str:
 def hardware(device_type: str, device_index: int | None) -> dict:
     import torch
 
-    info = {"device_type": device_type, "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-            "platform": platform.platform()}
+    info = {
+        "device_type": device_type,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }
     if device_type == "cuda":
         index = device_index or 0
         info["device"] = torch.cuda.get_device_name(index)
@@ -51,8 +65,11 @@ def versions() -> dict:
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def now() -> str:
@@ -80,21 +97,44 @@ def _ratio(value) -> str:
 def table(rows: list[dict]) -> str:
     """Markdown table of the rows (skipped/failed rows carry their reason). `speed-up` is the
     row's tokens/s over the `target` row's at the same batch size."""
-    head = ["mode", "batch", "tokens/s", "speed-up", "acceptance", "tokens/round", "alpha", "c",
-            "theoretical", "efficiency", "roofline", "decode roofline", "ttft ms", "note"]
+    head = [
+        "mode",
+        "batch",
+        "tokens/s",
+        "speed-up",
+        "acceptance",
+        "tokens/round",
+        "alpha",
+        "c",
+        "theoretical",
+        "efficiency",
+        "roofline",
+        "decode roofline",
+        "ttft ms",
+        "note",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] != "ok":
             note = f"{r['status']}: {r['reason']}"
         else:
             note = r.get("note") or ""
-        cells = [r["mode"], str(r["batch_size"]), _fmt(r["tokens_per_s"], 1),
-                 _ratio(r.get("speedup_over_target")), _fmt(r["acceptance_rate"]),
-                 _fmt(r["mean_accepted_tokens"]),
-                 _fmt(r.get("alpha")), _fmt(r["c"], 3), _fmt(r["theoretical_speedup"]),
-                 _fmt(r["efficiency"]), _fmt(r["roofline_fraction"], 3),
-                 _fmt(r["decode_roofline_fraction"], 3), _ms(r.get("time_to_first_token_s")),
-                 note]
+        cells = [
+            r["mode"],
+            str(r["batch_size"]),
+            _fmt(r["tokens_per_s"], 1),
+            _ratio(r.get("speedup_over_target")),
+            _fmt(r["acceptance_rate"]),
+            _fmt(r["mean_accepted_tokens"]),
+            _fmt(r.get("alpha")),
+            _fmt(r["c"], 3),
+            _fmt(r["theoretical_speedup"]),
+            _fmt(r["efficiency"]),
+            _fmt(r["roofline_fraction"], 3),
+            _fmt(r["decode_roofline_fraction"], 3),
+            _ms(r.get("time_to_first_token_s")),
+            note,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

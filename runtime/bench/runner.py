@@ -7,6 +7,7 @@ frees its models before the next loads. Every mode gets `warmup` untimed calls o
 shape before `repeats` timed ones (the median is kept). settings.py resolves the settings
 into the pair and the Engine config (prefix caching off unless asked for: it says why).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -17,17 +18,34 @@ from dataclasses import asdict
 import torch
 
 from runtime.bench import metrics
-from runtime.bench.modes import (MODES, HFAssisted, HFGenerate, Outcome, Skipped, TandemSpec,
-                                 free_memory, timed_side_by_side, worker_backends)
-from runtime.bench.settings import (BenchSettings, Setup, _engine_device,  # noqa: F401
-                                    _kmax, _torch_device, resolve)
-from runtime.bench.tp_target import TargetJob, measure, run_tensor_parallel
+from runtime.bench.modes import (
+    MODES,
+    HFAssisted,
+    HFGenerate,
+    Outcome,
+    Skipped,
+    TandemSpec,
+    free_memory,
+    timed_side_by_side,
+    worker_backends,
+)
 from runtime.bench.report import hardware, now, row, versions
+from runtime.bench.settings import (  # noqa: F401
+    BenchSettings,
+    Setup,
+    _engine_device,
+    _kmax,
+    _torch_device,
+    resolve,
+)
+from runtime.bench.tp_target import TargetJob, measure, run_tensor_parallel
 
-C_SOURCE = ("in-process: median time of one draft decode step (1 token per row) / one target "
-            "verify step (k+1 tokens per row), both through the workers' StepRunner (CUDA "
-            "graphs unless --no-cuda-graphs) on their configured devices (on CPU with the "
-            "threads each engine worker gets), at cache position prompt_len + new_tokens / 2")
+C_SOURCE = (
+    "in-process: median time of one draft decode step (1 token per row) / one target "
+    "verify step (k+1 tokens per row), both through the workers' StepRunner (CUDA "
+    "graphs unless --no-cuda-graphs) on their configured devices (on CPU with the "
+    "threads each engine worker gets), at cache position prompt_len + new_tokens / 2"
+)
 
 
 def make_prompts(target: str, s: BenchSettings) -> list[list[int]]:
@@ -42,10 +60,19 @@ def make_prompts(target: str, s: BenchSettings) -> list[list[int]]:
 
 def _ok_row(name: str, bsz: int, out: Outcome, **values) -> dict:
     extra = {k: v for k, v in out.extra.items() if k != "token_ids"}
-    return row(name, bsz, tokens_per_s=out.tokens_per_s, acceptance_rate=out.acceptance_rate,
-               mean_accepted_tokens=out.mean_accepted_tokens, alpha=out.alpha,
-               rounds=out.rounds, generated_tokens=out.tokens, wall_s=out.wall_s,
-               **extra, **values)
+    return row(
+        name,
+        bsz,
+        tokens_per_s=out.tokens_per_s,
+        acceptance_rate=out.acceptance_rate,
+        mean_accepted_tokens=out.mean_accepted_tokens,
+        alpha=out.alpha,
+        rounds=out.rounds,
+        generated_tokens=out.tokens,
+        wall_s=out.wall_s,
+        **extra,
+        **values,
+    )
 
 
 def _decode_efficiency(r: dict, base: dict | None) -> None:
@@ -84,8 +111,9 @@ class Bench:
             self.rows += [row(name, b, "skipped", str(exc)) for b in self.s.batch_sizes]
         except Exception as exc:  # noqa: BLE001 - reported in the table, exit code 1
             traceback.print_exc()
-            self.rows += [row(name, b, "failed", f"{type(exc).__name__}: {exc}")
-                          for b in self.s.batch_sizes]
+            self.rows += [
+                row(name, b, "failed", f"{type(exc).__name__}: {exc}") for b in self.s.batch_sizes
+            ]
         return None
 
     def _modes(self, factories: dict) -> None:
@@ -105,22 +133,25 @@ class Bench:
     def _batch(self, loaded: dict, bsz: int) -> None:
         self.progress(f"{', '.join(loaded)}: batch {bsz}")
         try:
-            outs = timed_side_by_side(loaded, self.prompts[:bsz], self.s.new_tokens,
-                                      self.s.warmup, self.s.repeats)
+            outs = timed_side_by_side(
+                loaded, self.prompts[:bsz], self.s.new_tokens, self.s.warmup, self.s.repeats
+            )
         except Skipped as exc:
             self.rows += [row(name, bsz, "skipped", str(exc)) for name in loaded]
             return
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
-            self.rows += [row(name, bsz, "failed", f"{type(exc).__name__}: {exc}")
-                          for name in loaded]
+            self.rows += [
+                row(name, bsz, "failed", f"{type(exc).__name__}: {exc}") for name in loaded
+            ]
             return
         for name, out in outs.items():
             self.tokens[(name, bsz)] = out.extra.get("token_ids")
             self.rows.append(_ok_row(name, bsz, out))
             if name == "spec":
-                self.info.setdefault("spec_server_stats", {})[str(bsz)] = \
-                    loaded[name].server_stats()
+                self.info.setdefault("spec_server_stats", {})[str(bsz)] = loaded[
+                    name
+                ].server_stats()
 
     # -- the target phase: target mode, bandwidth, step costs ---------------------------------
     def _in_process(self, st: Setup) -> None:
@@ -130,18 +161,26 @@ class Bench:
         self.progress("measuring the copy bandwidth")
         self.info["copy_bandwidth_bytes_per_s"] = metrics.copy_bandwidth(st.target_device)
         job = TargetJob(
-            path=st.target, dtype=str(st.target_dtype).removeprefix("torch."),
+            path=st.target,
+            dtype=str(st.target_dtype).removeprefix("torch."),
             quantization=st.target_quantization,
             devices=[str(d) if d.type == "cuda" else "cpu" for d in st.target_devices],
             max_batch=max(self.s.batch_sizes),
-            cache_len=self.s.prompt_len + self.s.new_tokens + kmax + 1, max_step_len=kmax + 1,
-            cuda_graphs=self.s.cuda_graphs, prompts=self.prompts,
-            batch_sizes=self.s.batch_sizes, new_tokens=self.s.new_tokens,
-            warmup=self.s.warmup, repeats=self.s.repeats, run_target="target" in self.s.modes,
+            cache_len=self.s.prompt_len + self.s.new_tokens + kmax + 1,
+            max_step_len=kmax + 1,
+            cuda_graphs=self.s.cuda_graphs,
+            prompts=self.prompts,
+            batch_sizes=self.s.batch_sizes,
+            new_tokens=self.s.new_tokens,
+            warmup=self.s.warmup,
+            repeats=self.s.repeats,
+            run_target="target" in self.s.modes,
             verify_ks=(list(range(1, kmax + 1)) if st.draft_len == "auto" else [kmax])
-            if {"spec", "spec-sequential"} & set(self.s.modes) else [],
+            if {"spec", "spec-sequential"} & set(self.s.modes)
+            else [],
             position=self.s.prompt_len + self.s.new_tokens // 2,
-            cpu_threads=metrics.worker_cpu_threads(st.draft_device, st.target_devices))
+            cpu_threads=metrics.worker_cpu_threads(st.draft_device, st.target_devices),
+        )
         where = f"on {st.target_tp} TP ranks" if st.target_tp > 1 else "in-process"
         self.progress(f"target phase {where}: loading")
         try:
@@ -173,20 +212,22 @@ class Bench:
 
         self.progress("measuring the draft step cost (c)")
         try:
-            draft = load_model(st.draft, st.draft_dtype, st.draft_device,
-                               quantization=st.draft_quantization)
+            draft = load_model(
+                st.draft, st.draft_dtype, st.draft_device, quantization=st.draft_quantization
+            )
             draft.allocate_cache(job.max_batch, job.cache_len)
             runner = StepRunner(draft, st.draft_device, job.max_batch, 1, self.s.cuda_graphs)
             for bsz in self.s.batch_sizes:
                 steps = target_steps[str(bsz)]
                 with metrics.cpu_threads(st.draft_device, job.cpu_threads):
-                    draft_step_s = metrics.step_time(runner, st.draft_device, bsz, 1,
-                                                     job.position)
+                    draft_step_s = metrics.step_time(runner, st.draft_device, bsz, 1, job.position)
                 self.step_costs[bsz] = {
                     "draft_step_s": draft_step_s,
                     "target_decode_step_s": steps["target_decode_step_s"],
-                    "target_verify_step_s": {int(k): v for k, v in
-                                             steps["target_verify_step_s"].items()}}
+                    "target_verify_step_s": {
+                        int(k): v for k, v in steps["target_verify_step_s"].items()
+                    },
+                }
             del draft, runner
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
@@ -195,8 +236,9 @@ class Bench:
 
     # -- derived figures ----------------------------------------------------------------------
     def _derive(self, st: Setup) -> None:
-        target = {r["batch_size"]: r for r in self.rows if r["mode"] == "target"
-                  and r["status"] == "ok"}
+        target = {
+            r["batch_size"]: r for r in self.rows if r["mode"] == "target" and r["status"] == "ok"
+        }
         bw = self.info.get("copy_bandwidth_bytes_per_s")
         wbytes = self.info.get("target_weight_bytes")
         for r in self.rows:
@@ -206,12 +248,15 @@ class Bench:
             ref = self.tokens.get(("target", bsz))
             if r["mode"] != "target" and ref is not None:
                 r["tokens_equal_target"] = self.tokens.get((r["mode"], bsz)) == ref
-            if r["mode"].startswith("hf") and (st.target_quantization or
-                                               st.draft_quantization):
+            if r["mode"].startswith("hf") and (st.target_quantization or st.draft_quantization):
                 r["note"] = f"{str(st.target_dtype).removeprefix('torch.')} weights, not FP8"
             base = target.get(bsz)
-            if r["mode"] != "target" and base is not None and base["tokens_per_s"] \
-                    and r["tokens_per_s"]:
+            if (
+                r["mode"] != "target"
+                and base is not None
+                and base["tokens_per_s"]
+                and r["tokens_per_s"]
+            ):
                 r["speedup_over_target"] = r["tokens_per_s"] / base["tokens_per_s"]
             if r["mode"] == "target" and bw and wbytes:
                 seconds_per_step = r["wall_s"] / (r["generated_tokens"] / bsz)
@@ -238,8 +283,11 @@ class Bench:
     def _overlap_figures(self, st: Setup) -> None:
         """On each `spec` row that has a `spec-sequential` one beside it: overlap on / off
         (measured, and by the model at the row's alpha, k and c)."""
-        sequential = {r["batch_size"]: r for r in self.rows if r["mode"] == "spec-sequential"
-                      and r["status"] == "ok" and r["tokens_per_s"]}
+        sequential = {
+            r["batch_size"]: r
+            for r in self.rows
+            if r["mode"] == "spec-sequential" and r["status"] == "ok" and r["tokens_per_s"]
+        }
         for r in self.rows:
             off = sequential.get(r["batch_size"])
             if r["mode"] != "spec" or r["status"] != "ok" or off is None:
@@ -248,24 +296,32 @@ class Bench:
             note = f"overlap {r['overlap_speedup']:.2f}x off"
             if st.draft_len != "auto" and r.get("alpha") is not None and r.get("c"):
                 r["theoretical_overlap_speedup"] = metrics.theoretical_overlap_speedup(
-                    r["alpha"], int(st.draft_len), r["c"])
+                    r["alpha"], int(st.draft_len), r["c"]
+                )
                 note += f" (model {r['theoretical_overlap_speedup']:.2f}x)"
             r["note"] = "; ".join(filter(None, (r.get("note"), note)))
 
     def _spec_figures(self, r: dict, st: Setup, costs: dict) -> None:
-        r.update(draft_step_s=costs["draft_step_s"],
-                 target_decode_step_s=costs["target_decode_step_s"])
+        r.update(
+            draft_step_s=costs["draft_step_s"], target_decode_step_s=costs["target_decode_step_s"]
+        )
         verify = costs["target_verify_step_s"]
         alpha = r.get("alpha")
         if alpha is None and r.get("mean_accepted_tokens") and st.draft_len != "auto":
-            alpha = metrics.alpha_from_tokens_per_round(r["mean_accepted_tokens"],
-                                                        int(st.draft_len))
+            alpha = metrics.alpha_from_tokens_per_round(
+                r["mean_accepted_tokens"], int(st.draft_len)
+            )
             r["alpha"] = alpha
         if alpha is None:
             return
         # auto: the best fixed k at this alpha (what choosing k each round can at most reach)
-        best = max(((metrics.theoretical_speedup(alpha, k, costs["draft_step_s"] / v), k)
-                    for k, v in verify.items()), key=lambda x: x[0])
+        best = max(
+            (
+                (metrics.theoretical_speedup(alpha, k, costs["draft_step_s"] / v), k)
+                for k, v in verify.items()
+            ),
+            key=lambda x: x[0],
+        )
         r["theoretical_speedup"], k = best
         r["c"] = costs["draft_step_s"] / verify[k]
         r["target_verify_step_s"] = verify[k]
@@ -285,17 +341,36 @@ class Bench:
             with worker_backends():
                 self._in_process(st)
             # overlap on and off side by side: both engines up, their calls taking turns
-            self._modes({"spec": lambda: TandemSpec(st.engine_config),
-                         "spec-sequential": lambda: TandemSpec(st.engine_config,
-                                                               overlap=False)})
-            self._modes({"hf": lambda: HFGenerate(st.target, st.target_dtype,
-                                                  st.target_device)})
-            self._modes({"hf-compiled": lambda: HFGenerate(
-                st.target, st.target_dtype, st.target_device, compiled=True,
-                compile_on_cpu=s.compile_on_cpu)})
-            self._modes({"hf-assisted": lambda: HFAssisted(
-                st.target, st.draft, st.target_dtype, st.target_device, st.draft_device,
-                st.draft_len)})
+            self._modes(
+                {
+                    "spec": lambda: TandemSpec(st.engine_config),
+                    "spec-sequential": lambda: TandemSpec(st.engine_config, overlap=False),
+                }
+            )
+            self._modes({"hf": lambda: HFGenerate(st.target, st.target_dtype, st.target_device)})
+            self._modes(
+                {
+                    "hf-compiled": lambda: HFGenerate(
+                        st.target,
+                        st.target_dtype,
+                        st.target_device,
+                        compiled=True,
+                        compile_on_cpu=s.compile_on_cpu,
+                    )
+                }
+            )
+            self._modes(
+                {
+                    "hf-assisted": lambda: HFAssisted(
+                        st.target,
+                        st.draft,
+                        st.target_dtype,
+                        st.target_device,
+                        st.draft_device,
+                        st.draft_len,
+                    )
+                }
+            )
         finally:
             if st.cleanup:
                 shutil.rmtree(st.cleanup, ignore_errors=True)
@@ -303,15 +378,24 @@ class Bench:
         self.rows.sort(key=lambda r: (r["batch_size"], order[r["mode"]]))
         self._derive(st)
         settings = asdict(s)
-        settings.update(draft=st.draft if not st.cleanup else None,
-                        target=st.target if not st.cleanup else None,
-                        draft_len=st.draft_len, dtype=str(st.target_dtype).split(".")[-1],
-                        device=str(st.target_device), engine_config=st.engine_config)
+        settings.update(
+            draft=st.draft if not st.cleanup else None,
+            target=st.target if not st.cleanup else None,
+            draft_len=st.draft_len,
+            dtype=str(st.target_dtype).split(".")[-1],
+            device=str(st.target_device),
+            engine_config=st.engine_config,
+        )
         if st.cleanup:
-            settings["engine_config"] = None   # its model paths were temporary
-        return {"settings": settings, "date": now(),
-                "hardware": hardware(st.target_device.type, st.target_device.index),
-                "versions": versions(), **self.info, "results": self.rows}
+            settings["engine_config"] = None  # its model paths were temporary
+        return {
+            "settings": settings,
+            "date": now(),
+            "hardware": hardware(st.target_device.type, st.target_device.index),
+            "versions": versions(),
+            **self.info,
+            "results": self.rows,
+        }
 
 
 def run_bench(settings: BenchSettings) -> dict:

@@ -7,6 +7,7 @@ with the paged cache's prefix caching on every call after the first would find i
 prompt cached and skip its prefill: `prefix_caching` is off in the Engine config unless asked
 for, which keeps its figures comparable with those of commits before the paged cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ log = logging.getLogger("tandem.bench")
 KV_CACHE_DTYPES = ("auto", "fp8")
 try:
     from runtime.config.schema import MAX_AUTO_DRAFT_LEN
-except ImportError:   # pragma: no cover - older config without draft_len: auto
+except ImportError:  # pragma: no cover - older config without draft_len: auto
     MAX_AUTO_DRAFT_LEN = 8
 
 
@@ -36,26 +37,26 @@ class BenchSettings:
     synthetic: str | None = "tiny"
     draft_layers: int = 2
     eps: float = 0.02
-    device: str | None = None          # synthetic only; default cuda:0 if available, else cpu
+    device: str | None = None  # synthetic only; default cuda:0 if available, else cpu
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     prompt_len: int = 128
     new_tokens: int = 256
-    draft_len: int | str | None = None   # None: the config's, or 4 for --synthetic
+    draft_len: int | str | None = None  # None: the config's, or 4 for --synthetic
     modes: list[str] = field(default_factory=lambda: list(MODES))
-    dtype: str | None = None           # None: the config's, or bfloat16 on CUDA / float32 on CPU
-    quantization: str | None = None    # fp8: draft and target (tandem modes); None: the config's
+    dtype: str | None = None  # None: the config's, or bfloat16 on CUDA / float32 on CPU
+    quantization: str | None = None  # fp8: draft and target (tandem modes); None: the config's
     seed: int = 0
     warmup: int = 1
     repeats: int = 1
-    synthetic_dir: str | None = None   # keep (and reuse) the synthetic pair here
-    target_tp: int = 1                 # synthetic only: target on this many devices from
-                                       # --device on, the draft on the first of them
+    synthetic_dir: str | None = None  # keep (and reuse) the synthetic pair here
+    target_tp: int = 1  # synthetic only: target on this many devices from
+    # --device on, the draft on the first of them
     compile_on_cpu: bool = False
-    cuda_graphs: bool = True           # tandem's decode/verify steps as CUDA graphs (on CUDA)
-    prefix_caching: bool = False       # runtime.prefix_caching of the spec modes' Engine
-    max_seq_len: int | None = None     # None: prompt + new tokens + room (or the config's)
-    kv_cache_tokens: int | None = None   # None: the config's, or the Engine's default
-    kv_cache_dtype: str | None = None    # auto | fp8; None: the config's, or auto
+    cuda_graphs: bool = True  # tandem's decode/verify steps as CUDA graphs (on CUDA)
+    prefix_caching: bool = False  # runtime.prefix_caching of the spec modes' Engine
+    max_seq_len: int | None = None  # None: prompt + new tokens + room (or the config's)
+    kv_cache_tokens: int | None = None  # None: the config's, or the Engine's default
+    kv_cache_dtype: str | None = None  # auto | fp8; None: the config's, or auto
 
     def check(self) -> None:
         if (self.config is None) == (self.synthetic is None):
@@ -67,14 +68,18 @@ class BenchSettings:
             raise ValueError("--batch-sizes: need integers >= 1")
         if self.prompt_len < 1 or self.new_tokens < 1:
             raise ValueError("--prompt-len and --new-tokens must be >= 1")
-        if self.draft_len is not None and self.draft_len != "auto" and \
-                (not isinstance(self.draft_len, int) or self.draft_len < 1):
+        if (
+            self.draft_len is not None
+            and self.draft_len != "auto"
+            and (not isinstance(self.draft_len, int) or self.draft_len < 1)
+        ):
             raise ValueError("--draft-len: an integer >= 1 or 'auto'")
         if self.warmup < 0 or self.repeats < 1:
             raise ValueError("--warmup must be >= 0 and --repeats >= 1")
         if self.config is not None and (self.device is not None or self.target_tp != 1):
-            raise ValueError("--device and --target-tp apply to --synthetic; a CONFIG names "
-                             "its devices")
+            raise ValueError(
+                "--device and --target-tp apply to --synthetic; a CONFIG names its devices"
+            )
         if self.target_tp < 1:
             raise ValueError("--target-tp must be >= 1")
         self.check_kv()
@@ -82,8 +87,10 @@ class BenchSettings:
     def check_kv(self) -> None:
         """The KV cache settings (the Engine's config checks the pool against max_seq_len)."""
         if self.max_seq_len is not None and self.max_seq_len < self.prompt_len + self.new_tokens:
-            raise ValueError(f"--max-seq-len {self.max_seq_len} cannot hold --prompt-len "
-                             f"{self.prompt_len} + --new-tokens {self.new_tokens}")
+            raise ValueError(
+                f"--max-seq-len {self.max_seq_len} cannot hold --prompt-len "
+                f"{self.prompt_len} + --new-tokens {self.new_tokens}"
+            )
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError("--kv-cache-tokens must be >= 1")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -93,6 +100,7 @@ class BenchSettings:
 @dataclass
 class Setup:
     """What the modes run on, resolved from a config or a synthetic shape."""
+
     draft: str
     target: str
     draft_device: torch.device
@@ -102,7 +110,7 @@ class Setup:
     engine_config: dict
     draft_len: int | str
     cleanup: str | None = None
-    draft_quantization: str | None = None     # tandem's modes only; transformers stays float
+    draft_quantization: str | None = None  # tandem's modes only; transformers stays float
     target_quantization: str | None = None
 
     @property
@@ -172,14 +180,22 @@ def _resolve_config(s: BenchSettings) -> Setup:
     d["speculation"]["draft_len"] = k
     rt = d["runtime"]
     rt["max_batch_size"] = max(rt["max_batch_size"], max(s.batch_sizes))
-    rt["max_seq_len"] = s.max_seq_len if s.max_seq_len is not None else \
-        max(rt["max_seq_len"], _seq_len(s, k))
+    rt["max_seq_len"] = (
+        s.max_seq_len if s.max_seq_len is not None else max(rt["max_seq_len"], _seq_len(s, k))
+    )
     rt.update(cuda_graphs=s.cuda_graphs, **kv_runtime(s))
-    return Setup(cfg.draft.model, cfg.target.model, cfg.draft.devices[0].torch_device,
-                 [dev.torch_device for dev in cfg.target.devices],
-                 getattr(torch, d["draft"]["dtype"]), getattr(torch, d["target"]["dtype"]),
-                 d, k, draft_quantization=d["draft"].get("quantization"),
-                 target_quantization=d["target"].get("quantization"))
+    return Setup(
+        cfg.draft.model,
+        cfg.target.model,
+        cfg.draft.devices[0].torch_device,
+        [dev.torch_device for dev in cfg.target.devices],
+        getattr(torch, d["draft"]["dtype"]),
+        getattr(torch, d["target"]["dtype"]),
+        d,
+        k,
+        draft_quantization=d["draft"].get("quantization"),
+        target_quantization=d["target"].get("quantization"),
+    )
 
 
 def _resolve_synthetic(s: BenchSettings) -> Setup:
@@ -189,30 +205,70 @@ def _resolve_synthetic(s: BenchSettings) -> Setup:
     max_seq_len = _seq_len(s, k)
     # transformers needs weight files; tandem alone draws the weights where it loads them
     draft, target, cleanup = synthetic_pair(
-        s.synthetic, s.draft_layers, s.eps, s.seed, dtype_name, device,
-        materialize=any(m.startswith("hf") for m in s.modes), synthetic_dir=s.synthetic_dir,
-        context=max_seq_len)
-    targets = [device] + [torch.device(device.type, (device.index or 0) + i)
-                          for i in range(1, s.target_tp)]
+        s.synthetic,
+        s.draft_layers,
+        s.eps,
+        s.seed,
+        dtype_name,
+        device,
+        materialize=any(m.startswith("hf") for m in s.modes),
+        synthetic_dir=s.synthetic_dir,
+        context=max_seq_len,
+    )
+    targets = [device] + [
+        torch.device(device.type, (device.index or 0) + i) for i in range(1, s.target_tp)
+    ]
     quant = {"quantization": s.quantization} if s.quantization else {}
-    config = {"draft": {"model": draft, "devices": [_engine_device(device)],
-                        "dtype": dtype_name, **quant},
-              "target": {"model": target, "devices": [_engine_device(d) for d in targets],
-                         "dtype": dtype_name, **quant},
-              "speculation": {"draft_len": k, "acceptance": "tokens"},
-              "runtime": {"max_batch_size": max(s.batch_sizes), "cuda_graphs": s.cuda_graphs,
-                          "max_seq_len": max_seq_len, "startup_timeout_s": 3600,
-                          "kv_cache_tokens": _pool_tokens(s, k, max_seq_len),
-                          **kv_runtime(s)}}
+    config = {
+        "draft": {
+            "model": draft,
+            "devices": [_engine_device(device)],
+            "dtype": dtype_name,
+            **quant,
+        },
+        "target": {
+            "model": target,
+            "devices": [_engine_device(d) for d in targets],
+            "dtype": dtype_name,
+            **quant,
+        },
+        "speculation": {"draft_len": k, "acceptance": "tokens"},
+        "runtime": {
+            "max_batch_size": max(s.batch_sizes),
+            "cuda_graphs": s.cuda_graphs,
+            "max_seq_len": max_seq_len,
+            "startup_timeout_s": 3600,
+            "kv_cache_tokens": _pool_tokens(s, k, max_seq_len),
+            **kv_runtime(s),
+        },
+    }
     dtype = getattr(torch, dtype_name)
-    return Setup(draft, target, device, targets, dtype, dtype, config, k, cleanup,
-                 s.quantization, s.quantization)
+    return Setup(
+        draft,
+        target,
+        device,
+        targets,
+        dtype,
+        dtype,
+        config,
+        k,
+        cleanup,
+        s.quantization,
+        s.quantization,
+    )
 
 
-def synthetic_pair(shape: str, draft_layers: int, eps: float, seed: int, dtype_name: str,
-                   device: torch.device, materialize: bool = False,
-                   synthetic_dir: str | None = None, context: int | None = None
-                   ) -> tuple[str, str, str | None]:
+def synthetic_pair(
+    shape: str,
+    draft_layers: int,
+    eps: float,
+    seed: int,
+    dtype_name: str,
+    device: torch.device,
+    materialize: bool = False,
+    synthetic_dir: str | None = None,
+    context: int | None = None,
+) -> tuple[str, str, str | None]:
     """(draft, target, cleanup): a synthetic pair (runtime.models.loading.synthetic), kept
     in and reused from `synthetic_dir` when given, else built in a temporary directory that
     `cleanup` names (delete it when done). The pair's context (max_position_embeddings) is
@@ -221,8 +277,10 @@ def synthetic_pair(shape: str, draft_layers: int, eps: float, seed: int, dtype_n
     ctx = context if context is not None and context > SYNTHETIC_CONTEXT else None
     cleanup = None
     if synthetic_dir:
-        root = f"{synthetic_dir}/{shape}-k{draft_layers}-eps{eps:g}-{dtype_name}-seed{seed}-" \
-               f"{device.type}{'' if materialize else '-recipe'}{f'-ctx{ctx}' if ctx else ''}"
+        root = (
+            f"{synthetic_dir}/{shape}-k{draft_layers}-eps{eps:g}-{dtype_name}-seed{seed}-"
+            f"{device.type}{'' if materialize else '-recipe'}{f'-ctx{ctx}' if ctx else ''}"
+        )
     else:
         root = cleanup = tempfile.mkdtemp(prefix="tandem-bench-")
     if os.path.isfile(f"{root}/done"):
@@ -233,9 +291,16 @@ def synthetic_pair(shape: str, draft_layers: int, eps: float, seed: int, dtype_n
     print(f"bench: building the synthetic {shape} pair in {root}", file=sys.stderr, flush=True)
     try:
         # the random numbers are drawn on the GPU when there is one (much faster)
-        draft, target = build_pair(root, shape, draft_layers, eps, seed,
-                                   getattr(torch, dtype_name), gen_device=device,
-                                   materialize=materialize)
+        draft, target = build_pair(
+            root,
+            shape,
+            draft_layers,
+            eps,
+            seed,
+            getattr(torch, dtype_name),
+            gen_device=device,
+            materialize=materialize,
+        )
         for path in (draft, target) if ctx else ():
             _set_context(path, ctx)
     except BaseException:

@@ -7,6 +7,7 @@ per rank (spawn; NCCL on CUDA, gloo on CPU), each runs `measure` on its shard, r
 the report back as JSON; a rank that dies or a phase that overruns `timeout_s` ends it with an
 error, and no rank is left running.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -27,7 +28,7 @@ from runtime.bench.modes import TandemTarget, timed, worker_backends
 class TargetJob:
     path: str
     dtype: str
-    devices: list[str]           # one per TP rank
+    devices: list[str]  # one per TP rank
     max_batch: int
     cache_len: int
     max_step_len: int
@@ -37,12 +38,12 @@ class TargetJob:
     new_tokens: int
     warmup: int
     repeats: int
-    run_target: bool             # the `target` mode (else only the step costs)
-    verify_ks: list[int]         # verify steps to time (k + 1 tokens); empty: no step costs
-    position: int                # cache position of the timed steps
+    run_target: bool  # the `target` mode (else only the step costs)
+    verify_ks: list[int]  # verify steps to time (k + 1 tokens); empty: no step costs
+    position: int  # cache position of the timed steps
     timeout_s: float = 3600.0
-    quantization: str | None = None   # the target's (fp8: quantized on load)
-    cpu_threads: int | None = None    # CPU step costs: the threads an engine worker gets
+    quantization: str | None = None  # the target's (fp8: quantized on load)
+    cpu_threads: int | None = None  # CPU step costs: the threads an engine worker gets
 
 
 def _step_costs(holder: TandemTarget, device: torch.device, job: TargetJob) -> dict:
@@ -54,30 +55,47 @@ def _timed_steps(holder: TandemTarget, device: torch.device, job: TargetJob) -> 
     costs = {}
     for bsz in job.batch_sizes:
         costs[str(bsz)] = {
-            "target_decode_step_s": metrics.step_time(holder.runner, device, bsz, 1,
-                                                      job.position),
-            "target_verify_step_s": {str(k): metrics.step_time(holder.runner, device, bsz,
-                                                               k + 1, job.position)
-                                     for k in job.verify_ks}}
+            "target_decode_step_s": metrics.step_time(holder.runner, device, bsz, 1, job.position),
+            "target_verify_step_s": {
+                str(k): metrics.step_time(holder.runner, device, bsz, k + 1, job.position)
+                for k in job.verify_ks
+            },
+        }
     return costs
 
 
 def measure(job: TargetJob, tp=None) -> dict:
-    """{"weight_bytes", "kv_position_bytes": this rank's, "target": {batch: Outcome fields or error text},
+    """{"weight_bytes", "kv_position_bytes": this rank's, "target": {batch: Outcome fields or error
+    text},
     "steps": {batch: step costs} or error text}; batch keys are strings (JSON)."""
     rank = 0 if tp is None else tp.rank
     device = torch.device(job.devices[rank])
     parallel = tp is not None and tp.enabled
-    holder = TandemTarget(job.path, getattr(torch, job.dtype), device, job.max_batch,
-                          job.cache_len, job.max_step_len, job.cuda_graphs, tp,
-                          quantization=job.quantization)
+    holder = TandemTarget(
+        job.path,
+        getattr(torch, job.dtype),
+        device,
+        job.max_batch,
+        job.cache_len,
+        job.max_step_len,
+        job.cuda_graphs,
+        tp,
+        quantization=job.quantization,
+    )
     try:
-        report = {"weight_bytes": metrics.weight_bytes_per_step(holder.model),
-                  "kv_position_bytes": metrics.kv_bytes_per_position(holder.model),
-                  "target": {}, "steps": {}}
+        report = {
+            "weight_bytes": metrics.weight_bytes_per_step(holder.model),
+            "kv_position_bytes": metrics.kv_bytes_per_position(holder.model),
+            "target": {},
+            "steps": {},
+        }
         for bsz in job.batch_sizes if job.run_target else ():
-            report["target"][str(bsz)] = _reported(parallel, lambda: asdict(timed(
-                holder, job.prompts[:bsz], job.new_tokens, job.warmup, job.repeats)))
+            report["target"][str(bsz)] = _reported(
+                parallel,
+                lambda bsz=bsz: asdict(
+                    timed(holder, job.prompts[:bsz], job.new_tokens, job.warmup, job.repeats)
+                ),
+            )
         if job.verify_ks:
             report["steps"] = _reported(parallel, lambda: _step_costs(holder, device, job))
         return report
@@ -90,7 +108,7 @@ def _reported(parallel: bool, measurement):
     raised instead: the other ranks cannot go on alone."""
     try:
         return measurement()
-    except Exception as exc:  # noqa: BLE001 - reported in the table
+    except Exception as exc:
         if parallel:
             raise
         traceback.print_exc()
@@ -106,9 +124,13 @@ def _rank_main(rank: int, job_json: str, init_file: str, conn) -> None:
     size, device = len(job.devices), torch.device(job.devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"file://{init_file}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=job.timeout_s))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=job.timeout_s),
+    )
     try:
         with worker_backends(), torch.no_grad():
             report = measure(job, TPInfo(dist.group.WORLD, rank, size))
@@ -125,11 +147,13 @@ def run_tensor_parallel(job: TargetJob) -> dict:
     ctx = multiprocessing.get_context("spawn")
     fd, init_file = tempfile.mkstemp(prefix="tandem-bench-tp-")
     os.close(fd)
-    os.unlink(init_file)      # the file store creates it
+    os.unlink(init_file)  # the file store creates it
     receiver, sender = ctx.Pipe(duplex=False)
     payload = json.dumps(asdict(job))
-    procs = [ctx.Process(target=_rank_main, args=(r, payload, init_file, sender))
-             for r in range(len(job.devices))]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, payload, init_file, sender))
+        for r in range(len(job.devices))
+    ]
     for p in procs:
         p.start()
     try:
@@ -148,12 +172,17 @@ def _await_report(receiver, procs, deadline: float) -> dict:
     while True:
         if receiver.poll(1.0):
             return json.loads(receiver.recv_bytes())
-        failed = [(r, p.exitcode) for r, p in enumerate(procs)
-                  if p.exitcode is not None and p.exitcode != 0]
+        failed = [
+            (r, p.exitcode)
+            for r, p in enumerate(procs)
+            if p.exitcode is not None and p.exitcode != 0
+        ]
         if failed:
             rank, code = failed[0]
-            raise RuntimeError(f"tensor-parallel target rank {rank} exited with status {code} "
-                               f"(its traceback is above)")
+            raise RuntimeError(
+                f"tensor-parallel target rank {rank} exited with status {code} "
+                f"(its traceback is above)"
+            )
         if all(p.exitcode == 0 for p in procs):
             raise RuntimeError("the tensor-parallel target ranks exited without a report")
         if time.monotonic() > deadline:

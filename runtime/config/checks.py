@@ -1,6 +1,7 @@
 """Checks of a parsed TandemConfig that look beyond its own values: one backend per run,
 CUDA devices that exist, model files (vocabularies, TP head shapes) and server
 authentication. Each raises ConfigError naming the key."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,6 @@ from runtime.config.schema import ModelConfig, ServerConfig, TandemConfig
 from runtime.config.vocab import check_vocab
 from runtime.errors import ConfigError
 from runtime.models.arch.model_args import check_tp_shape
-
 
 
 def model_lists(cfg: TandemConfig) -> tuple[tuple[str, ModelConfig], ...]:
@@ -29,10 +29,13 @@ def check_backend(cfg: TandemConfig) -> None:
     first_key, first = pairs[0]
     for key, device in pairs:
         if device.kind != first.kind:
-            raise ConfigError(key, f"mixes {device.kind} and {first.kind} devices ({device} "
-                                   f"here, {first} in {first_key}); one backend per run: use "
-                                   f"only CUDA indices or only cpu:N slots in draft.devices "
-                                   f"and target.devices")
+            raise ConfigError(
+                key,
+                f"mixes {device.kind} and {first.kind} devices ({device} "
+                f"here, {first} in {first_key}); one backend per run: use "
+                f"only CUDA indices or only cpu:N slots in draft.devices "
+                f"and target.devices",
+            )
 
 
 def check_cuda(cfg: TandemConfig) -> None:
@@ -46,9 +49,12 @@ def check_cuda(cfg: TandemConfig) -> None:
     count = torch.cuda.device_count()
     for key, device in cuda:
         if device.index >= count:
-            raise ConfigError(key, f"device {device} does not exist: {count} CUDA device(s) "
-                                   f"visible (torch.cuda.device_count() == {count}); "
-                                   f"for CPU use cpu:N")
+            raise ConfigError(
+                key,
+                f"device {device} does not exist: {count} CUDA device(s) "
+                f"visible (torch.cuda.device_count() == {count}); "
+                f"for CPU use cpu:N",
+            )
 
 
 def check_files(cfg: TandemConfig) -> None:
@@ -83,8 +89,11 @@ def check_server_auth(server: ServerConfig, check_files: bool) -> None:
 
     if server.auth_key_file is None:
         if not auth.is_loopback(server.address):
-            raise ConfigError("server.address", f"{server.address} listens beyond loopback; "
-                              "that requires server.auth_key_file (a shared secret)")
+            raise ConfigError(
+                "server.address",
+                f"{server.address} listens beyond loopback; "
+                "that requires server.auth_key_file (a shared secret)",
+            )
         return
     if check_files:
         try:
@@ -108,21 +117,30 @@ def check_quantization(cfg: TandemConfig, infos: dict) -> None:
             continue
         reason = _fallback_reason(model.model, infos[name])
         if reason is not None and model.quantization is not None:
-            raise ConfigError(f"{name}.quantization", f"{model.quantization} needs tandem's "
-                              f"Llama-family implementation, but {model.model} runs on the "
-                              f"transformers fallback ({reason}); use null")
+            raise ConfigError(
+                f"{name}.quantization",
+                f"{model.quantization} needs tandem's "
+                f"Llama-family implementation, but {model.model} runs on the "
+                f"transformers fallback ({reason}); use null",
+            )
         if reason is None and isinstance(fmt, ValueError):
             raise ConfigError(f"{name}.model", str(fmt))
 
 
 def _fallback_reason(path: str, info) -> str | None:
-    """Why `path` would run on the transformers fallback, or None (runtime.models.loading.loader)."""
-    from runtime.models.arch.model_args import (FALLBACK_LACKS, SUPPORTED_MODEL_TYPES,
-                                                unsupported_reason)
+    """Why `path` would run on the transformers fallback, or None
+    (runtime.models.loading.loader)."""
+    from runtime.models.arch.model_args import (
+        FALLBACK_LACKS,
+        SUPPORTED_MODEL_TYPES,
+        unsupported_reason,
+    )
 
     if info.model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"model_type {info.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}; "
-                f"{FALLBACK_LACKS}")
+        return (
+            f"model_type {info.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}; "
+            f"{FALLBACK_LACKS}"
+        )
     if info.format != "hf":
         return None
     import transformers
@@ -145,11 +163,13 @@ def fit_context(cfg: TandemConfig, explicit: bool) -> TandemConfig:
         return cfg
     limit, name, path = min(limits)
     if explicit:
-        raise ConfigError("runtime.max_seq_len", f"{cfg.runtime.max_seq_len} exceeds the "
-                          f"{name} model's context: max_position_embeddings is {limit} "
-                          f"({path}); set runtime.max_seq_len to at most {limit}")
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime,
-                                                                max_seq_len=limit))
+        raise ConfigError(
+            "runtime.max_seq_len",
+            f"{cfg.runtime.max_seq_len} exceeds the "
+            f"{name} model's context: max_position_embeddings is {limit} "
+            f"({path}); set runtime.max_seq_len to at most {limit}",
+        )
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, max_seq_len=limit))
 
 
 def check_kv_memory(cfg: TandemConfig) -> None:
@@ -162,18 +182,24 @@ def check_kv_memory(cfg: TandemConfig) -> None:
 
     per_device: dict[Device, list[tuple[str, int, float | None]]] = {}
     for name, model in model_lists(cfg):
-        cuda = [device for device in model.devices   # this host's: node 0 or not named
-                if device.kind == "cuda" and not device.node]
+        cuda = [
+            device
+            for device in model.devices  # this host's: node 0 or not named
+            if device.kind == "cuda" and not device.node
+        ]
         need = kv_cache_bytes(cfg, model, inspect_checkpoint(model.model)) if cuda else None
         for device in cuda if need is not None else ():
             per_device.setdefault(device, []).append((name, need, model.kv_cache_memory))
     if not per_device:
         return
-    from runtime.models.runners.kv_budget import RESERVE   # imports torch: only with CUDA devices
+    from runtime.models.runners.kv_budget import RESERVE  # imports torch: only with CUDA devices
 
     rt = cfg.runtime
-    sizes = f"{rt.kv_cache_tokens} tokens (runtime.kv_cache_tokens)" if rt.kv_cache_tokens \
+    sizes = (
+        f"{rt.kv_cache_tokens} tokens (runtime.kv_cache_tokens)"
+        if rt.kv_cache_tokens
         else f"one request of {rt.max_seq_len} positions (runtime.max_seq_len)"
+    )
     for device, needs in sorted(per_device.items(), key=lambda item: item[0].index):
         memory = _nvml_memory(device.index)
         if memory is None:
@@ -181,20 +207,26 @@ def check_kv_memory(cfg: TandemConfig) -> None:
         free, total = memory
         for name, need, fraction in needs:
             if fraction is not None and need > fraction * total:
-                raise ConfigError(f"{name}.kv_cache_memory", f"the {name} KV cache needs at "
-                                  f"least {_size(need)} for {sizes}, but {fraction} of "
-                                  f"{device}'s {_size(total)} is {_size(fraction * total)}; "
-                                  f"lower runtime.kv_cache_tokens or runtime.max_seq_len, or "
-                                  f"raise {name}.kv_cache_memory")
+                raise ConfigError(
+                    f"{name}.kv_cache_memory",
+                    f"the {name} KV cache needs at "
+                    f"least {_size(need)} for {sizes}, but {fraction} of "
+                    f"{device}'s {_size(total)} is {_size(fraction * total)}; "
+                    f"lower runtime.kv_cache_tokens or runtime.max_seq_len, or "
+                    f"raise {name}.kv_cache_memory",
+                )
         shared = [(name, need) for name, need, fraction in needs if fraction is None]
         budget = free - RESERVE * total
         if shared and sum(need for _, need in shared) > budget:
             what = " + ".join(f"{name} {_size(need)}" for name, need in shared)
-            raise ConfigError("runtime.max_seq_len", f"the KV caches on {device} need at "
-                              f"least {what} for {sizes}, but {device} has {_size(free)} "
-                              f"free, {_size(max(budget, 0))} after a {RESERVE:.0%} reserve, "
-                              f"before any weights; lower runtime.kv_cache_tokens or "
-                              f"runtime.max_seq_len")
+            raise ConfigError(
+                "runtime.max_seq_len",
+                f"the KV caches on {device} need at "
+                f"least {what} for {sizes}, but {device} has {_size(free)} "
+                f"free, {_size(max(budget, 0))} after a {RESERVE:.0%} reserve, "
+                f"before any weights; lower runtime.kv_cache_tokens or "
+                f"runtime.max_seq_len",
+            )
 
 
 def _size(nbytes: float) -> str:
@@ -213,13 +245,13 @@ def kv_cache_bytes(cfg: TandemConfig, model: ModelConfig, info) -> int | None:
 
     if info.model_type not in SUPPORTED_MODEL_TYPES or not info.head_dim:
         return None
-    kv_heads = max(1, info.num_key_value_heads // model.tp_size)   # a TP shard's heads
+    kv_heads = max(1, info.num_key_value_heads // model.tp_size)  # a TP shard's heads
     rt = cfg.runtime
     blocks = blocks_for(rt.kv_cache_tokens or cfg.kv_seq_len, rt.kv_block_size)
     shape = KVCache.shape(blocks, rt.kv_block_size, kv_heads, info.head_dim)
     element = 4 if model.dtype == "float32" else 2
     if rt.kv_cache_dtype == "fp8":
-        element = 1 + 4 / info.head_dim   # e4m3, and a float32 scale per head_dim values
+        element = 1 + 4 / info.head_dim  # e4m3, and a float32 scale per head_dim values
     return int(2 * info.num_hidden_layers * math.prod(shape) * element)
 
 
@@ -244,8 +276,11 @@ def check_tp(cfg: TandemConfig, infos: dict) -> None:
         if model.tp_size > 1:
             # imported here: it imports torch, which a launch without TP need not wait for
             try:
-                check_tp_shape(f"{info.model_type} model {model.model!r}",
-                               info.num_attention_heads, info.num_key_value_heads,
-                               model.tp_size)
+                check_tp_shape(
+                    f"{info.model_type} model {model.model!r}",
+                    info.num_attention_heads,
+                    info.num_key_value_heads,
+                    model.tp_size,
+                )
             except ValueError as exc:
                 raise ConfigError(f"{name}.devices", str(exc)) from None

@@ -1,5 +1,6 @@
 """load_config: a YAML file or a dict -> a validated, frozen TandemConfig, before any process
 starts. See /work/shared/INTERFACE.md ("YAML config") for the schema."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ def _read_source(source: str | os.PathLike | dict) -> tuple[dict, str]:
     raise TypeError(f"load_config: source must be a path or a dict, got {type(source).__name__}")
 
 
-def load_config(source: str | os.PathLike | dict, *, check_files: bool = True,
-                check_devices: bool = True) -> TandemConfig:
+def load_config(
+    source: str | os.PathLike | dict, *, check_files: bool = True, check_devices: bool = True
+) -> TandemConfig:
     """Parse and validate a YAML file (relative paths resolve against its dir) or a dict
     (relative paths resolve against the cwd). Raises ConfigError naming the key.
 

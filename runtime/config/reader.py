@@ -1,5 +1,6 @@
 """Reading a config file: YAML with every mapping's keys unique (plain YAML keeps the last of
 a repeated key silently; a config must not)."""
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ def _unique_key_loader():
 def _check_unique_keys(node, prefix: str, seen_nodes: set) -> None:
     import yaml
 
-    if id(node) in seen_nodes:      # an alias of a node already checked
+    if id(node) in seen_nodes:  # an alias of a node already checked
         return
     seen_nodes.add(id(node))
     if isinstance(node, yaml.SequenceNode):
@@ -36,10 +37,14 @@ def _check_unique_keys(node, prefix: str, seen_nodes: set) -> None:
                 continue
             key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
             if key in lines:
-                where = f"twice on line {line}" if lines[key] == line else \
-                    f"lines {lines[key]} and {line}"
-                raise ConfigError(key, f"duplicate key ({where}); each key may appear once "
-                                       f"in a mapping")
+                where = (
+                    f"twice on line {line}"
+                    if lines[key] == line
+                    else f"lines {lines[key]} and {line}"
+                )
+                raise ConfigError(
+                    key, f"duplicate key ({where}); each key may appear once in a mapping"
+                )
             lines[key] = line
             _check_unique_keys(value_node, f"{key}.", seen_nodes)
 
@@ -59,6 +64,8 @@ def read_yaml(path: str) -> dict:
         raise ConfigError("<file>", f"cannot read {path} as YAML: {e}") from e
     if not isinstance(raw, dict):
         what = "empty" if raw is None else f"a {type(raw).__name__}"
-        raise ConfigError("<file>", f"top level of {path} must be a mapping "
-                                    f"(draft:, target:, ...), but it is {what}")
+        raise ConfigError(
+            "<file>",
+            f"top level of {path} must be a mapping (draft:, target:, ...), but it is {what}",
+        )
     return raw

@@ -1,21 +1,22 @@
 """The checks of single config values: each takes the value and its dotted key and returns
 the value (normalised) or raises ConfigError naming the key (runtime.config.schema)."""
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from runtime.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
-QUANTIZATIONS = ("fp8",)   # besides null: as stored (FP8 checkpoints are detected)
+QUANTIZATIONS = ("fp8",)  # besides null: as stored (FP8 checkpoints are detected)
 ACCEPTANCE_MODES = ("tokens", "logits")
 ADDRESS_SCHEMES = ("tcp://", "ipc://")
 
 
 def describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
-
 
 
 def draft_len_value(value: Any, key: str) -> int | str:
@@ -33,12 +34,14 @@ def int_at_least(low: int) -> Callable[[Any, str], int]:
         if value < low:
             raise ConfigError(key, f"must be >= {low}, got {value}")
         return value
+
     return check
 
 
 def optional_int_at_least(low: int) -> Callable[[Any, str], int | None]:
     def check(value: Any, key: str) -> int | None:
         return None if value is None else int_at_least(low)(value, key)
+
     return check
 
 
@@ -59,10 +62,14 @@ def boolean(value: Any, key: str) -> bool:
 def fraction(value: Any, key: str) -> float | None:
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or \
-            not (math.isfinite(value) and 0 < value <= 1):
-        raise ConfigError(key, f"must be a fraction of the device's memory in (0, 1], "
-                               f"got {describe(value)}")
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not (math.isfinite(value) and 0 < value <= 1)
+    ):
+        raise ConfigError(
+            key, f"must be a fraction of the device's memory in (0, 1], got {describe(value)}"
+        )
     return float(value)
 
 
@@ -71,13 +78,15 @@ def choice(*options: str) -> Callable[[Any, str], str]:
         if not isinstance(value, str) or value not in options:
             raise ConfigError(key, f"must be one of {', '.join(options)}; got {describe(value)}")
         return value
+
     return check
 
 
 def zmq_address(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value.startswith(ADDRESS_SCHEMES):
-        raise ConfigError(key, f"must be a ZeroMQ address starting with tcp:// or ipc://, "
-                               f"got {describe(value)}")
+        raise ConfigError(
+            key, f"must be a ZeroMQ address starting with tcp:// or ipc://, got {describe(value)}"
+        )
     return value
 
 
@@ -91,8 +100,11 @@ def quantization_mode(value: Any, key: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or value not in QUANTIZATIONS:
-        raise ConfigError(key, f"must be null (as stored; FP8 checkpoints are detected) or "
-                               f"one of {', '.join(QUANTIZATIONS)}; got {describe(value)}")
+        raise ConfigError(
+            key,
+            f"must be null (as stored; FP8 checkpoints are detected) or "
+            f"one of {', '.join(QUANTIZATIONS)}; got {describe(value)}",
+        )
     return value
 
 

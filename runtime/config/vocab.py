@@ -19,6 +19,7 @@ is accepted when both speak one tokenizer, decided from tokenizer files:
 - the tokenizer's size (len(tokenizer): its vocabulary and added tokens) must fit in both
   embeddings; the draft then proposes only ids below it.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,22 +36,28 @@ def check_vocab(cfg: TandemConfig, draft_vocab: int, target_vocab: int) -> int |
     naming the key."""
     if cross_tokenizer(cfg):
         if cfg.speculation.acceptance != "tokens":
-            raise ConfigError("speculation.acceptance", f"the draft {cfg.draft.model} has a "
-                              f"different tokenizer from the target's ({_where(cfg)}): "
-                              f"drafting across tokenizers needs `acceptance: tokens`, not "
-                              f"{cfg.speculation.acceptance!r}")
+            raise ConfigError(
+                "speculation.acceptance",
+                f"the draft {cfg.draft.model} has a "
+                f"different tokenizer from the target's ({_where(cfg)}): "
+                f"drafting across tokenizers needs `acceptance: tokens`, not "
+                f"{cfg.speculation.acceptance!r}",
+            )
         return None
     if draft_vocab == target_vocab:
         return None
     key, tokenizer = _tokenizer_in_use(cfg)
     tokenizer = tokenizer if tokenizer is not None else _load(cfg.draft.model, "draft.model")
     if tokenizer is None:
-        raise ConfigError("draft.model", f"vocab mismatch: draft {cfg.draft.model} has "
-                          f"vocab_size {draft_vocab} but target {cfg.target.model} has "
-                          f"vocab_size {target_vocab}, and no tokenizer shows that they "
-                          f"share one (neither checkpoint has tokenizer files); set "
-                          f"`tokenizer` to the one both use, or use a draft of vocab_size "
-                          f"{target_vocab}")
+        raise ConfigError(
+            "draft.model",
+            f"vocab mismatch: draft {cfg.draft.model} has "
+            f"vocab_size {draft_vocab} but target {cfg.target.model} has "
+            f"vocab_size {target_vocab}, and no tokenizer shows that they "
+            f"share one (neither checkpoint has tokenizer files); set "
+            f"`tokenizer` to the one both use, or use a draft of vocab_size "
+            f"{target_vocab}",
+        )
     return _fits(len(tokenizer), key or "draft.model", draft_vocab, target_vocab)
 
 
@@ -91,7 +98,7 @@ def propose_limit(cfg: TandemConfig, draft_vocab: int, target_vocab: int) -> int
     _, tokenizer = _tokenizer_in_use(cfg)
     if tokenizer is None:
         tokenizer = _load(cfg.draft.model, "draft.model")
-    if tokenizer is None:   # load_config(check_files=False) let it through: be safe
+    if tokenizer is None:  # load_config(check_files=False) let it through: be safe
         return min(draft_vocab, target_vocab)
     return min(len(tokenizer), draft_vocab, target_vocab)
 
@@ -125,8 +132,11 @@ def _fits(size: int, key: str, draft_vocab: int, target_vocab: int) -> int:
     smaller = min(draft_vocab, target_vocab)
     if size > smaller:
         which = "draft" if draft_vocab < target_vocab else "target"
-        raise ConfigError(key, f"the tokenizer has {size} tokens but the {which}'s "
-                          f"embedding only {smaller} rows (draft vocab_size {draft_vocab}, "
-                          f"target vocab_size {target_vocab}); both must cover the "
-                          f"tokenizer")
+        raise ConfigError(
+            key,
+            f"the tokenizer has {size} tokens but the {which}'s "
+            f"embedding only {smaller} rows (draft vocab_size {draft_vocab}, "
+            f"target vocab_size {target_vocab}); both must cover the "
+            f"tokenizer",
+        )
     return size

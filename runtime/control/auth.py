@@ -3,6 +3,7 @@ file. Required whenever a socket listens beyond loopback (a non-loopback `server
 TANDEM_CONTROL_HOST for the workers' control plane); optional otherwise for clients. The
 workers' control plane is always authenticated: without a key file, rank 0 makes a random key
 per launch (launch_key) and hands it to the workers over torch.distributed."""
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,7 @@ def host_of(address: str) -> str | None:
     """The host of a tcp:// ZeroMQ address (None for ipc://, which is local by nature)."""
     if not address.startswith("tcp://"):
         return None
-    host = address[len("tcp://"):].rsplit(":", 1)[0]
+    host = address[len("tcp://") :].rsplit(":", 1)[0]
     return host.strip("[]")
 
 
@@ -52,8 +53,10 @@ def load_key(path: str) -> bytes:
     except OSError as exc:
         raise AuthError(f"cannot read key file {path}: {exc.strerror}") from None
     if len(key) < MIN_KEY_BYTES:
-        raise AuthError(f"key file {path} holds {len(key)} bytes; use at least "
-                        f"{MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64 > {path}`)")
+        raise AuthError(
+            f"key file {path} holds {len(key)} bytes; use at least "
+            f"{MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | base64 > {path}`)"
+        )
     if os.stat(path).st_mode & 0o077:
         raise AuthError(f"key file {path} is readable by others; chmod 600 it")
     return key
@@ -103,5 +106,7 @@ def use_control_key(key: bytes) -> None:
 def check_control_bind(address: str) -> None:
     """A control plane beyond loopback must be authenticated."""
     if not is_loopback(address) and control_key() is None:
-        raise AuthError(f"control sockets at {address} would listen beyond loopback; set "
-                        f"{CONTROL_KEY_ENV} to a shared key file on every rank")
+        raise AuthError(
+            f"control sockets at {address} would listen beyond loopback; set "
+            f"{CONTROL_KEY_ENV} to a shared key file on every rank"
+        )

@@ -2,13 +2,22 @@
 replies as typed records over the control plane's messages (runtime.control.protocol): a
 command is a message (to_msg / from_msg), a reply the `result` map of a "done" message, tagged
 "kind" with its schema here (to_map / from_map). Every field is always sent."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from runtime.control.protocol import (FLOAT, LIST, MAP, STR, ProtocolError, check,
-                                      check_fields, int_list)
+from runtime.control.protocol import (
+    FLOAT,
+    LIST,
+    MAP,
+    STR,
+    ProtocolError,
+    check,
+    check_fields,
+    int_list,
+)
 
 
 def check_sampling(params) -> dict:
@@ -17,8 +26,12 @@ def check_sampling(params) -> dict:
     if not isinstance(params, dict):
         raise ProtocolError("prefill.params: expected maps")
     try:
-        out = {"temperature": float(params["temperature"]), "top_k": int(params["top_k"] or 0),
-               "top_p": float(params["top_p"]), "seed": int(params["seed"])}
+        out = {
+            "temperature": float(params["temperature"]),
+            "top_k": int(params["top_k"] or 0),
+            "top_p": float(params["top_p"]),
+            "seed": int(params["seed"]),
+        }
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"prefill.params: {exc}") from None
     if out["temperature"] < 0 or out["top_k"] < 0 or not 0 < out["top_p"] <= 1:
@@ -26,8 +39,9 @@ def check_sampling(params) -> dict:
     return out
 
 
-def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict], list[int],
-                                      list[list[int]], list[bool]]:
+def check_prefill(
+    msg: dict,
+) -> tuple[list[list[int]], list[dict], list[int], list[list[int]], list[bool]]:
     """(tokens, sampling params, cached positions, block tables, final) of a prefill message,
     one of each per slot (no tables: an empty list; no cached positions: zeros; no final:
     all final)."""
@@ -42,21 +56,30 @@ def check_prefill(msg: dict) -> tuple[list[list[int]], list[dict], list[int],
         raise ProtocolError("prefill: slots, prompts, params, cached, final differ in length")
     if tables and len(tables) != len(prompts):
         raise ProtocolError("prefill: slots and tables differ in length")
-    if any(c < 0 for c in cached) or any(not p or (not f and len(p) < 2)
-                                         for p, f in zip(prompts, final)):
-        raise ProtocolError("prefill.cached must be >= 0 and each slot's tokens non-empty "
-                            "(a chunk: at least 2)")
+    if any(c < 0 for c in cached) or any(
+        not p or (not f and len(p) < 2) for p, f in zip(prompts, final)
+    ):
+        raise ProtocolError(
+            "prefill.cached must be >= 0 and each slot's tokens non-empty (a chunk: at least 2)"
+        )
     return prompts, params, cached, tables, final
 
 
-TARGET_LEADER = "target_leader"     # reports the round's verdict
-WORKER = "worker"                   # any other rank: its time only
-DRAFT_LEADER = "draft_leader"       # reports a cross-tokenizer draft's proposals
+TARGET_LEADER = "target_leader"  # reports the round's verdict
+WORKER = "worker"  # any other rank: its time only
+DRAFT_LEADER = "draft_leader"  # reports a cross-tokenizer draft's proposals
 REPLIES: dict[str, dict[str, Any]] = {
-    "ack": {},                      # a release done (a prefill replies as a round: first tokens)
+    "ack": {},  # a release done (a prefill replies as a round: first tokens)
     # cached: per slot, the positions every shard of the rank caches committed KV for
-    "round": {"role": STR, "worker_s": FLOAT, "timing": MAP, "tokens": LIST, "accepted": LIST,
-              "overlapped": LIST, "cached": LIST},
+    "round": {
+        "role": STR,
+        "worker_s": FLOAT,
+        "timing": MAP,
+        "tokens": LIST,
+        "accepted": LIST,
+        "overlapped": LIST,
+        "cached": LIST,
+    },
 }
 
 
@@ -72,17 +95,23 @@ class RoundCommand:
     """orchestrator -> every worker: one round of `slots`. k drafts per slot (0: a
     target-only round of `steps` decode steps); next_k: the next round's k, announced so
     that the workers start on it ahead (runtime.worker.round.work_ahead)."""
+
     TYPE: ClassVar[str] = "round"
     slots: list[int]
     k: int
     next_k: int
     steps: int = 1
-    tables: list[list[int]] = field(default_factory=list)   # per slot: blocks to append
+    tables: list[list[int]] = field(default_factory=list)  # per slot: blocks to append
 
     def to_msg(self) -> dict:
-        return {"type": self.TYPE, "slots": list(self.slots), "k": self.k,
-                "steps": self.steps, "next_k": self.next_k,
-                "tables": [list(t) for t in self.tables]}
+        return {
+            "type": self.TYPE,
+            "slots": list(self.slots),
+            "k": self.k,
+            "steps": self.steps,
+            "next_k": self.next_k,
+            "tables": [list(t) for t in self.tables],
+        }
 
     @classmethod
     def from_msg(cls, msg: dict) -> RoundCommand:
@@ -100,13 +129,14 @@ class PrefillCommand:
     holds each one's tokens from position `cached` on (the positions before are in the
     blocks of its table: prefix hits, earlier chunks), `final` whether they end its prompt
     (the target then picks its first output token) or are a chunk of it."""
+
     TYPE: ClassVar[str] = "prefill"
     slots: list[int]
     prompts: list[list[int]]
     params: list[dict]
-    cached: list[int] = field(default_factory=list)         # default: none cached
-    tables: list[list[int]] = field(default_factory=list)   # default: none sent
-    final: list[bool] = field(default_factory=list)         # default: all final
+    cached: list[int] = field(default_factory=list)  # default: none cached
+    tables: list[list[int]] = field(default_factory=list)  # default: none sent
+    final: list[bool] = field(default_factory=list)  # default: all final
 
     def __post_init__(self):
         if not self.cached:
@@ -115,21 +145,27 @@ class PrefillCommand:
             object.__setattr__(self, "final", [True] * len(self.slots))
 
     def to_msg(self) -> dict:
-        return {"type": self.TYPE, "slots": list(self.slots), "prompts": list(self.prompts),
-                "params": list(self.params), "cached": list(self.cached),
-                "tables": [list(t) for t in self.tables], "final": list(self.final)}
+        return {
+            "type": self.TYPE,
+            "slots": list(self.slots),
+            "prompts": list(self.prompts),
+            "params": list(self.params),
+            "cached": list(self.cached),
+            "tables": [list(t) for t in self.tables],
+            "final": list(self.final),
+        }
 
     @classmethod
     def from_msg(cls, msg: dict) -> PrefillCommand:
         msg = _command(msg, cls.TYPE)
         prompts, params, cached, tables, final = check_prefill(msg)
-        return cls(int_list(msg["slots"], "prefill.slots"), prompts, params, cached, tables,
-                   final)
+        return cls(int_list(msg["slots"], "prefill.slots"), prompts, params, cached, tables, final)
 
 
 @dataclass(frozen=True)
 class ReleaseCommand:
     """orchestrator -> every worker: these slots' sequences are over."""
+
     TYPE: ClassVar[str] = "release"
     slots: list[int]
 
@@ -147,6 +183,7 @@ class CrossDraftCommand:
     committed sequence becomes its first keep[i] cached tokens and tokens[i] (its own ids,
     re-tokenised from the committed text; keep 0: a new sequence, sampled with params[i]);
     then it proposes k tokens, which its leader reports (runtime.serving.cross_round)."""
+
     TYPE: ClassVar[str] = "draft_cross"
     slots: list[int]
     k: int
@@ -155,9 +192,14 @@ class CrossDraftCommand:
     params: list[dict]
 
     def to_msg(self) -> dict:
-        return {"type": self.TYPE, "slots": list(self.slots), "k": self.k,
-                "keep": list(self.keep), "tokens": [list(t) for t in self.tokens],
-                "params": list(self.params)}
+        return {
+            "type": self.TYPE,
+            "slots": list(self.slots),
+            "k": self.k,
+            "keep": list(self.keep),
+            "tokens": [list(t) for t in self.tokens],
+            "params": list(self.params),
+        }
 
     @classmethod
     def from_msg(cls, msg: dict) -> CrossDraftCommand:
@@ -177,15 +219,19 @@ class CrossDraftCommand:
 class CrossVerifyCommand:
     """orchestrator -> every worker, a draft with another tokenizer: the target verifies
     `proposals` (its own ids, any number per slot) under `tokens` acceptance and commits."""
+
     TYPE: ClassVar[str] = "verify_cross"
     slots: list[int]
     proposals: list[list[int]]
-    tables: list[list[int]] = field(default_factory=list)   # per slot: blocks to append
+    tables: list[list[int]] = field(default_factory=list)  # per slot: blocks to append
 
     def to_msg(self) -> dict:
-        return {"type": self.TYPE, "slots": list(self.slots),
-                "proposals": [list(p) for p in self.proposals],
-                "tables": [list(t) for t in self.tables]}
+        return {
+            "type": self.TYPE,
+            "slots": list(self.slots),
+            "proposals": [list(p) for p in self.proposals],
+            "tables": [list(t) for t in self.tables],
+        }
 
     @classmethod
     def from_msg(cls, msg: dict) -> CrossVerifyCommand:
@@ -198,11 +244,20 @@ class CrossVerifyCommand:
         return cls(slots, proposals, tables)
 
 
-def command(msg: dict) -> (RoundCommand | PrefillCommand | ReleaseCommand | CrossDraftCommand
-                           | CrossVerifyCommand):
+def command(
+    msg: dict,
+) -> RoundCommand | PrefillCommand | ReleaseCommand | CrossDraftCommand | CrossVerifyCommand:
     """The typed step command in a message (ProtocolError for any other)."""
-    kinds = {c.TYPE: c for c in (RoundCommand, PrefillCommand, ReleaseCommand,
-                                 CrossDraftCommand, CrossVerifyCommand)}
+    kinds = {
+        c.TYPE: c
+        for c in (
+            RoundCommand,
+            PrefillCommand,
+            ReleaseCommand,
+            CrossDraftCommand,
+            CrossVerifyCommand,
+        )
+    }
     kind = msg.get("type") if isinstance(msg, dict) else None
     if kind not in kinds:
         raise ProtocolError(f"not a step command: {kind!r}")
@@ -220,6 +275,7 @@ def _reply(result: Any, kind: str) -> dict:
 @dataclass(frozen=True)
 class StepAck:
     """A worker's reply to a prefill or a release."""
+
     KIND: ClassVar[str] = "ack"
 
     def to_map(self) -> dict:
@@ -237,6 +293,7 @@ class RoundReply:
     target leader (role TARGET_LEADER) also the verdict per slot: the committed tokens, the
     drafts accepted, and (overlapped rounds) whether its window was drafted during the last
     verify. Other workers (role WORKER) send empty lists."""
+
     KIND: ClassVar[str] = "round"
     role: str
     worker_s: float
@@ -244,17 +301,23 @@ class RoundReply:
     tokens: list[list[int]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     overlapped: list[bool] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)   # per slot (every rank reports it)
+    cached: list[int] = field(default_factory=list)  # per slot (every rank reports it)
 
     @property
     def reports(self) -> bool:
         return self.role in (TARGET_LEADER, DRAFT_LEADER)
 
     def to_map(self) -> dict:
-        return {"kind": self.KIND, "role": self.role, "worker_s": float(self.worker_s),
-                "timing": dict(self.timing), "tokens": [list(t) for t in self.tokens],
-                "accepted": list(self.accepted), "overlapped": list(self.overlapped),
-                "cached": list(self.cached)}
+        return {
+            "kind": self.KIND,
+            "role": self.role,
+            "worker_s": float(self.worker_s),
+            "timing": dict(self.timing),
+            "tokens": [list(t) for t in self.tokens],
+            "accepted": list(self.accepted),
+            "overlapped": list(self.overlapped),
+            "cached": list(self.cached),
+        }
 
     @classmethod
     def from_map(cls, result: Any) -> RoundReply:
@@ -266,13 +329,22 @@ class RoundReply:
         overlapped = m["overlapped"]
         if not all(isinstance(v, bool) for v in overlapped):
             raise ProtocolError("round reply.overlapped: expected a list of booleans")
-        if not all(isinstance(k, str) and isinstance(v, FLOAT) and not isinstance(v, bool)
-                   for k, v in m["timing"].items()):
+        if not all(
+            isinstance(k, str) and isinstance(v, FLOAT) and not isinstance(v, bool)
+            for k, v in m["timing"].items()
+        ):
             raise ProtocolError("round reply.timing: expected phase -> seconds")
         if len(tokens) != len(accepted) or overlapped and len(overlapped) != len(tokens):
             raise ProtocolError("round reply: tokens, accepted, overlapped differ in length")
         if m["role"] == WORKER and tokens:
             raise ProtocolError("round reply: only the target leader reports tokens")
         cached = int_list(m["cached"], "round reply.cached")
-        return cls(m["role"], float(m["worker_s"]), dict(m["timing"]), tokens, accepted,
-                   list(overlapped), cached)
+        return cls(
+            m["role"],
+            float(m["worker_s"]),
+            dict(m["timing"]),
+            tokens,
+            accepted,
+            list(overlapped),
+            cached,
+        )

@@ -19,23 +19,23 @@ run up to a turn late, which its users' limits allow for; the Beacon's turn also
 workers' heartbeats for the pool (`after_beat`), so that an idle orchestrator's main thread
 need not wake for them.
 """
+
 from __future__ import annotations
 
 import hmac
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
 from runtime.control import auth, protocol
 
-
 # errors of a socket whose context was terminated while its thread ran (an error exit tears
 # the process down without waiting for the heartbeat threads): end the thread quietly
 _ENDING = (zmq.ETERM, zmq.ENOTSOCK)
-IDLE_AFTER_PERIODS = 2.0   # no work for this many periods: the process is idle
-IDLE_PERIODS = 2.5         # ... and beats every this many periods
+IDLE_AFTER_PERIODS = 2.0  # no work for this many periods: the process is idle
+IDLE_PERIODS = 2.5  # ... and beats every this many periods
 
 
 def pace(period_s: float, active_at: float) -> float:
@@ -46,19 +46,24 @@ def pace(period_s: float, active_at: float) -> float:
 
 
 class Beacon:
-    def __init__(self, context: zmq.Context, bind: str, period_s: float,
-                 key: bytes | None = None, after_beat: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        context: zmq.Context,
+        bind: str,
+        period_s: float,
+        key: bytes | None = None,
+        after_beat: Callable[[], None] | None = None,
+    ):
         self.period_s = period_s
         self.beat = auth.sign(b"beat", key)
-        self._after_beat = after_beat     # run on this thread after each beat (the pool's
-                                          # look at the workers' heartbeats)
+        self._after_beat = after_beat  # run on this thread after each beat (the pool's
+        # look at the workers' heartbeats)
         self.active_at = time.monotonic()  # the orchestrator's last work (set by the pool)
         self._stop = threading.Event()
         self._bound = threading.Event()
         self.address = ""
         self._context = context
-        self._thread = threading.Thread(target=self._run, args=(bind,), name="beacon",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(bind,), name="beacon", daemon=True)
         self._thread.start()
         self._bound.wait(10)
 
@@ -77,7 +82,7 @@ class Beacon:
                     pass
                 if self._after_beat is not None:
                     self._after_beat()
-        except zmq.ZMQError as e:   # the context terminated under us: the process is ending
+        except zmq.ZMQError as e:  # the context terminated under us: the process is ending
             if e.errno not in _ENDING:
                 raise
         finally:
@@ -89,16 +94,16 @@ class Beacon:
 
 
 class Pulse:
-    def __init__(self, context: zmq.Context, rank: int, control: str, beacon: str,
-                 period_s: float):
+    def __init__(self, context: zmq.Context, rank: int, control: str, beacon: str, period_s: float):
         self.rank = rank
         self.period_s = period_s
         self._last_beat = time.monotonic()
         self.active_at = time.monotonic()  # the worker's last step (set by its main thread)
         self._stop = threading.Event()
         self._context = context
-        self._thread = threading.Thread(target=self._run, args=(control, beacon),
-                                        name="pulse", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(control, beacon), name="pulse", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -116,14 +121,15 @@ class Pulse:
         sub.setsockopt(zmq.RCVHWM, 16)
         sub.connect(beacon)
         key = auth.control_key()
-        frames = {}                          # next_s -> the encoded heartbeat saying it
+        frames = {}  # next_s -> the encoded heartbeat saying it
         beat = auth.sign(b"beat", key)
         try:
             while True:
                 wait_s = pace(self.period_s, self.active_at)
                 if wait_s not in frames:
                     frames[wait_s] = protocol.encode(
-                        {"type": "heartbeat", "rank": self.rank, "next_s": wait_s}, key)
+                        {"type": "heartbeat", "rank": self.rank, "next_s": wait_s}, key
+                    )
                 try:
                     out.send(frames[wait_s], zmq.NOBLOCK)
                 except zmq.Again:
@@ -132,7 +138,7 @@ class Pulse:
                     self._last_beat = time.monotonic()
                 if self._stop.wait(wait_s):
                     break
-        except zmq.ZMQError as e:   # as in Beacon._run
+        except zmq.ZMQError as e:  # as in Beacon._run
             if e.errno not in _ENDING:
                 raise
         finally:

@@ -13,6 +13,7 @@ peer") and report that error; the pool then names the rank that died without a w
 cause (a child that exited, a rank on this host whose process is gone, or one whose
 heartbeats stopped), not the peer.
 """
+
 from __future__ import annotations
 
 import collections
@@ -21,32 +22,38 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 import zmq
 
 from runtime.control import auth, protocol
-from runtime.errors import EngineDeadError
 from runtime.control.heartbeat import Beacon
 from runtime.control.procwatch import ProcessWatch, proc_stat
+from runtime.errors import EngineDeadError
 
 log = logging.getLogger("tandem.pool")
 
 # After a rank reports an error, wait at most this long for the process that caused it
 # (a peer that died without a word) to show up before reporting the error as it is.
 ATTRIBUTION_GRACE_S = 0.5
-MAX_DRAIN = 10000   # frames read per drain (the socket's receive high-water mark)
-DROP_LOG_S = 5.0    # at most one warning about dropped frames per this many seconds
-PULSE_READ_SHARE = 0.25   # an idle pool reads the heartbeats every this share of dead_after_s
+MAX_DRAIN = 10000  # frames read per drain (the socket's receive high-water mark)
+DROP_LOG_S = 5.0  # at most one warning about dropped frames per this many seconds
+PULSE_READ_SHARE = 0.25  # an idle pool reads the heartbeats every this share of dead_after_s
 
-Liveness = Callable[..., "str | None"]   # liveness(exclude=ranks) -> why a rank is gone
+Liveness = Callable[..., "str | None"]  # liveness(exclude=ranks) -> why a rank is gone
 
 
 class WorkerPool:
-    def __init__(self, worker_ranks: tuple[int, ...], context: zmq.Context,
-                 bind: str = "tcp://127.0.0.1", heartbeat_s: float = 1.0,
-                 dead_after_s: float = 30.0,
-                 liveness: Liveness | None = None, key: bytes | None = None):
+    def __init__(
+        self,
+        worker_ranks: tuple[int, ...],
+        context: zmq.Context,
+        bind: str = "tcp://127.0.0.1",
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 30.0,
+        liveness: Liveness | None = None,
+        key: bytes | None = None,
+    ):
         self.ranks = tuple(worker_ranks)
         auth.check_control_bind(bind)
         # HMAC of every frame: the launch's key, else the key file's (if any)
@@ -58,33 +65,33 @@ class WorkerPool:
         self.sock.setsockopt(zmq.RCVHWM, MAX_DRAIN)
         port = self.sock.bind_to_random_port(bind)
         self.address = f"{bind}:{port}"
-        self.pulses = context.socket(zmq.ROUTER)      # the Pulse threads' heartbeats
+        self.pulses = context.socket(zmq.ROUTER)  # the Pulse threads' heartbeats
         self.pulses.setsockopt(zmq.LINGER, 0)
         self.pulses.setsockopt(zmq.RCVHWM, MAX_DRAIN)
         self.pulses.setsockopt(zmq.MAXMSGSIZE, 4096)
         self.pulse_address = f"{bind}:{self.pulses.bind_to_random_port(bind)}"
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
-        self.liveness = liveness          # returns a message when a child process has died
+        self.liveness = liveness  # returns a message when a child process has died
         now = time.monotonic()
         self.last_seen = {r: now for r in self.ranks}
-        self.promised = {r: heartbeat_s for r in self.ranks}   # rank -> its next heartbeat's
-                                                               # delay, as it said last
+        self.promised = {r: heartbeat_s for r in self.ranks}  # rank -> its next heartbeat's
+        # delay, as it said last
         self.step = 0
         self.dead: str | None = None
-        self.processes: dict[int, tuple[str, int]] = {}   # rank -> (host, pid), from hello
-        self.kv_blocks = 0               # the KV pool's blocks, from ready (await_ready)
-        self.shares_blocks = False       # every model reads through block tables
-        self.failures: dict[int, str] = {}                # rank -> the error it reported
-        self.usage_failures: set[int] = set()             # ... of kind "usage" (the config's)
+        self.processes: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), from hello
+        self.kv_blocks = 0  # the KV pool's blocks, from ready (await_ready)
+        self.shares_blocks = False  # every model reads through block tables
+        self.failures: dict[int, str] = {}  # rank -> the error it reported
+        self.usage_failures: set[int] = set()  # ... of kind "usage" (the config's)
         self._failed_at: float | None = None
-        self._inbox: collections.deque[dict] = collections.deque()   # drained, not yet used
-        self._drops, self._drop_logged = 0, -DROP_LOG_S                # dropped frames
-        self.dropped_total = 0           # every frame dropped (the metric reads it)
-        self._poller = zmq.Poller()                  # the socket and the local workers' pidfds
+        self._inbox: collections.deque[dict] = collections.deque()  # drained, not yet used
+        self._drops, self._drop_logged = 0, -DROP_LOG_S  # dropped frames
+        self.dropped_total = 0  # every frame dropped (the metric reads it)
+        self._poller = zmq.Poller()  # the socket and the local workers' pidfds
         self._poller.register(self.sock, zmq.POLLIN)
-        self._watch = ProcessWatch(self._poller)     # the workers on this host
-        self._pulse_lock = threading.Lock()         # the pulse socket: two threads read it
+        self._watch = ProcessWatch(self._poller)  # the workers on this host
+        self._pulse_lock = threading.Lock()  # the pulse socket: two threads read it
         self._pulses_read = now
         self.beacon = Beacon(context, bind, heartbeat_s, self.key, after_beat=self._on_beat)
 
@@ -138,8 +145,7 @@ class WorkerPool:
         self.dropped_total += 1
         now = time.monotonic()
         if now - self._drop_logged >= DROP_LOG_S:
-            more = f" (and {self._drops - 1} more since the last report)" \
-                if self._drops > 1 else ""
+            more = f" (and {self._drops - 1} more since the last report)" if self._drops > 1 else ""
             log.warning("dropped %s%s", what, more)
             self._drops, self._drop_logged = 0, now
 
@@ -207,7 +213,7 @@ class WorkerPool:
         """A rank reported an error: check_alive (next, once the queue is drained) dies
         naming the rank that caused it if one is gone, else gives the cause
         ATTRIBUTION_GRACE_S to show."""
-        log.info("rank %s reported an error: %s", rank, message)   # reported by _die
+        log.info("rank %s reported an error: %s", rank, message)  # reported by _die
         self.failures.setdefault(rank, message)
         if self._failed_at is None:
             self._failed_at = time.monotonic()
@@ -283,13 +289,17 @@ class WorkerPool:
         failure), with its exit status when it is our child."""
         cause = self._gone(exclude=self.failures)
         if self.failures:
-            self._die(f"{cause}; {self._failure_summary()}" if cause else
-                      self._failure_summary())
+            self._die(f"{cause}; {self._failure_summary()}" if cause else self._failure_summary())
         rank, pid, _ = self._watch.ended[0]
         self._die(cause or f"rank {rank} (pid {pid}) exited")
 
-    def wait_for(self, kind: str, timeout_s: float, step: int | None = None,
-                 watch: Callable[[dict | None], None] | None = None) -> dict[int, dict]:
+    def wait_for(
+        self,
+        kind: str,
+        timeout_s: float,
+        step: int | None = None,
+        watch: Callable[[dict | None], None] | None = None,
+    ) -> dict[int, dict]:
         """Collect one `kind` message from every worker (matching `step` if given). `watch`
         sees every message meanwhile (e.g. the workers' startup progress, see
         runtime.control.progress), and None after each quiet poll of 100 ms."""
@@ -300,8 +310,10 @@ class WorkerPool:
             if time.monotonic() > deadline:
                 missing = sorted(set(self.ranks) - set(got))
                 cause = self._gone()
-                self._die((f"{cause}; " if cause else "") +
-                          f"ranks {missing} did not answer {kind!r} within {timeout_s:.0f} s")
+                self._die(
+                    (f"{cause}; " if cause else "")
+                    + f"ranks {missing} did not answer {kind!r} within {timeout_s:.0f} s"
+                )
             msg = self._poll_one(100)
             if watch is not None:
                 watch(msg)
@@ -318,11 +330,18 @@ class WorkerPool:
         self.processes = {rank: (m["host"], m["pid"]) for rank, m in hellos.items()}
         for rank, (host, pid) in sorted(self.processes.items()):
             self._watch.add(rank, host, pid)
-        self.send_all({"type": "init", "config": config, "heartbeat": self.beacon.address,
-                       "pulse": self.pulse_address})
+        self.send_all(
+            {
+                "type": "init",
+                "config": config,
+                "heartbeat": self.beacon.address,
+                "pulse": self.pulse_address,
+            }
+        )
 
-    def await_ready(self, timeout_s: float, watch: Callable[[dict | None], None] | None = None
-                    ) -> None:
+    def await_ready(
+        self, timeout_s: float, watch: Callable[[dict | None], None] | None = None
+    ) -> None:
         """Every worker's ready, with the KV pool they agreed on (the same number of blocks
         on every rank: runtime.worker.loading) and whether all their models share blocks."""
         readies = self.wait_for("ready", timeout_s, watch=watch).values()
@@ -335,7 +354,7 @@ class WorkerPool:
             raise EngineDeadError(self.dead)
         self.step += 1
         msg = dict(msg, step=self.step)
-        self.beacon.active_at = time.monotonic()   # beats at the working pace from its next
+        self.beacon.active_at = time.monotonic()  # beats at the working pace from its next
         self.send_all(msg)
         done = self.wait_for("done", timeout_s, step=self.step)
         return {rank: m["result"] for rank, m in done.items()}
@@ -352,8 +371,9 @@ class WorkerPool:
         # ... and no longer than until a heartbeat could be too old (the Beacon's thread keeps
         # the ages fresh meanwhile)
         oldest = min(self.last_seen.values(), default=time.monotonic())
-        timeout_ms = max(1, min(timeout_ms, int(1000 * (oldest + self.dead_after_s -
-                                                        time.monotonic())) + 1))
+        timeout_ms = max(
+            1, min(timeout_ms, int(1000 * (oldest + self.dead_after_s - time.monotonic())) + 1)
+        )
         ready: dict = {}
         if not self._inbox:
             for item in wake:
@@ -389,5 +409,5 @@ def _process_runs(pid: int) -> bool:
     """Whether process `pid` of this host is running (not gone, not a zombie)."""
     fields = proc_stat(pid)
     if not fields:
-        return not os.path.isdir("/proc/self")   # no procfs: cannot tell, assume it runs
+        return not os.path.isdir("/proc/self")  # no procfs: cannot tell, assume it runs
     return fields[0] not in ("Z", "X", "x")

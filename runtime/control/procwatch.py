@@ -2,6 +2,7 @@
 torchrun the workers are not the server's children, nor the server the client's): a pidfd
 per process (Linux 5.3+), polled together with zmq sockets. Elsewhere nothing is watched and
 heartbeats and silence limits still tell."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import select
 import socket
 import threading
 import time
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import zmq
 
@@ -36,7 +37,7 @@ def parent_pid(pid: int) -> int | None:
 class ProcessWatch:
     def __init__(self, poller: zmq.Poller):
         self.poller = poller
-        self.fds: dict[int, tuple[Hashable, int]] = {}       # pidfd -> (key, pid)
+        self.fds: dict[int, tuple[Hashable, int]] = {}  # pidfd -> (key, pid)
         # (key, pid, when seen), in order; ends seen in one poll share their time: which of
         # them came first cannot be told
         self.ended: list[tuple[Hashable, int, float]] = []
@@ -50,7 +51,7 @@ class ProcessWatch:
         except ProcessLookupError:
             self.ended.append((key, pid, time.monotonic()))
             return
-        except (AttributeError, OSError):     # no pidfd_open on this system
+        except (AttributeError, OSError):  # no pidfd_open on this system
             return
         self.fds[fd] = (key, pid)
         self.poller.register(fd, zmq.POLLIN)
@@ -93,26 +94,29 @@ def watch_parent(on_gone: Callable[[int], None], poll_s: float = PARENT_POLL_S) 
         return None
     try:
         fd: int | None = os.pidfd_open(ppid)
-    except (AttributeError, OSError):   # no pidfds (or the parent just ended: see below)
+    except (AttributeError, OSError):  # no pidfds (or the parent just ended: see below)
         fd = None
-    if os.getppid() != ppid:            # it ended before the pidfd could be opened
+    if os.getppid() != ppid:  # it ended before the pidfd could be opened
         if fd is not None:
             os.close(fd)
         fd = -1
-    threading.Thread(target=_await_parent, args=(ppid, fd, on_gone, poll_s),
-                     name="tandem-launcher-watch", daemon=True).start()
+    threading.Thread(
+        target=_await_parent,
+        args=(ppid, fd, on_gone, poll_s),
+        name="tandem-launcher-watch",
+        daemon=True,
+    ).start()
     return ppid
 
 
-def _await_parent(ppid: int, fd: int | None, on_gone: Callable[[int], None],
-                  poll_s: float) -> None:
+def _await_parent(ppid: int, fd: int | None, on_gone: Callable[[int], None], poll_s: float) -> None:
     if fd is not None and fd >= 0:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
-        while not poller.poll():        # readable (POLLIN) once the process has ended
+        while not poller.poll():  # readable (POLLIN) once the process has ended
             pass
         os.close(fd)
     elif fd is None:
-        while os.getppid() == ppid:     # reparented (to init or a subreaper) once it ends
+        while os.getppid() == ppid:  # reparented (to init or a subreaper) once it ends
             time.sleep(poll_s)
     on_gone(ppid)

@@ -15,6 +15,7 @@ it ends. A rank that makes no progress for SLOW_S seconds is named with what it 
 Phases are shown strictly one after another: a phase ends when every rank is past it (a
 rank that hosts draft and target loads both before it captures any graph).
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,22 +23,23 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Callable
+from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from parallel.topology import Topology
 
 log = logging.getLogger("tandem.progress")
 
-PHASES = ("weights", "graphs")          # the order every rank goes through, then ready
+PHASES = ("weights", "graphs")  # the order every rank goes through, then ready
 LABELS = {"weights": "loading weights", "graphs": "capturing CUDA graphs"}
 UNITS = {"weights": "tensors", "graphs": "graphs"}
-MIN_INTERVAL_S = 0.25   # a worker sends at most 4 progress messages a second
-SLOW_S = 10.0           # name a rank that has made no progress for this long
+MIN_INTERVAL_S = 0.25  # a worker sends at most 4 progress messages a second
+SLOW_S = 10.0  # name a rank that has made no progress for this long
 PREFIX = "tandem: "
 
-Progress = Callable[[int, int], None]   # progress(done, total) of one load or capture
+Progress = Callable[[int, int], None]  # progress(done, total) of one load or capture
 
 
 def _screen(stream: IO[str]) -> dict:
@@ -47,8 +49,10 @@ def _screen(stream: IO[str]) -> dict:
         size = os.get_terminal_size(stream.fileno())
     except (AttributeError, OSError, ValueError):
         size = os.terminal_size((0, 0))
-    return {"ncols": size.columns if size.columns > 0 else 80,
-            "nrows": size.lines if size.lines > 0 else 24}
+    return {
+        "ncols": size.columns if size.columns > 0 else 80,
+        "nrows": size.lines if size.lines > 0 else 24,
+    }
 
 
 class ProgressReporter:
@@ -56,9 +60,13 @@ class ProgressReporter:
     counts are the sums of its callbacks' latest (done, total), sent as one progress
     message at most every `min_interval_s`, and always when a callback reaches its total."""
 
-    def __init__(self, send: Callable[[dict], None], rank: int,
-                 min_interval_s: float = MIN_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        send: Callable[[dict], None],
+        rank: int,
+        min_interval_s: float = MIN_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._send, self.rank = send, rank
         self._interval, self._clock = min_interval_s, clock
         self._parts: dict[str, list[list[int]]] = {phase: [] for phase in PHASES}
@@ -73,6 +81,7 @@ class ProgressReporter:
         def report(done: int, total: int) -> None:
             part[0], part[1] = int(done), int(total)
             self._report(phase, final=done >= total)
+
         return report
 
     def _report(self, phase: str, final: bool) -> None:
@@ -80,12 +89,19 @@ class ProgressReporter:
         if not final and phase == self._sent_phase and now - self._sent_at < self._interval:
             return
         parts = self._parts[phase]
-        self._send({"type": "progress", "rank": self.rank, "phase": phase,
-                    "done": sum(p[0] for p in parts), "total": sum(p[1] for p in parts)})
+        self._send(
+            {
+                "type": "progress",
+                "rank": self.rank,
+                "phase": phase,
+                "done": sum(p[0] for p in parts),
+                "total": sum(p[1] for p in parts),
+            }
+        )
         self._sent_at, self._sent_phase = now, phase
 
 
-def rank_labels(topology: "Topology") -> dict[int, str]:
+def rank_labels(topology: Topology) -> dict[int, str]:
     """rank -> what it hosts and where, e.g. {2: "target TP 1/2, cuda:1"}."""
     sizes = {"draft": len(topology.draft_ranks), "target": len(topology.target_ranks)}
     labels = {}
@@ -102,7 +118,7 @@ def rank_labels(topology: "Topology") -> dict[int, str]:
 class _Rank:
     label: str
     changed_at: float
-    stage: int = -1           # index in PHASES of the latest phase reported; len(PHASES): ready
+    stage: int = -1  # index in PHASES of the latest phase reported; len(PHASES): ready
     done: dict[str, int] = field(default_factory=dict)
     total: dict[str, int] = field(default_factory=dict)
     noticed_at: float = -math.inf
@@ -113,21 +129,28 @@ class StartupDisplay:
     workers' ready (None after a quiet poll, so that slow ranks are noticed); `close` ends
     an open bar (startup failed). `bars`: tqdm bars, else plain lines."""
 
-    def __init__(self, labels: dict[int, str], *, bars: bool, stream: IO[str] | None = None,
-                 slow_s: float = SLOW_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        labels: dict[int, str],
+        *,
+        bars: bool,
+        stream: IO[str] | None = None,
+        slow_s: float = SLOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._clock, self._slow_s, self._bars = clock, slow_s, bars
         self._stream = stream
         self.started_at = clock()
         self._ranks = {rank: _Rank(label, self.started_at) for rank, label in labels.items()}
-        self._open: int | None = None     # index of the phase shown now
-        self._next = 0                    # the next phase that may open
+        self._open: int | None = None  # index of the phase shown now
+        self._next = 0  # the next phase that may open
         self._opened_at = self.started_at
         self._bar = None
         self._said_ready = False
-        self._watching = False            # observe called yet
+        self._watching = False  # observe called yet
 
     @classmethod
-    def for_stderr(cls, labels: dict[int, str], quiet: bool) -> "StartupDisplay":
+    def for_stderr(cls, labels: dict[int, str], quiet: bool) -> StartupDisplay:
         """Bars when stderr is a terminal and not `quiet`, else plain lines."""
         isatty = getattr(sys.stderr, "isatty", None)
         return cls(labels, bars=not quiet and bool(isatty and isatty()))
@@ -138,7 +161,7 @@ class StartupDisplay:
 
     # --- input ---------------------------------------------------------------------------
     def observe(self, msg: dict | None) -> None:
-        if not self._watching:     # the workers have their config now: silence counts from here
+        if not self._watching:  # the workers have their config now: silence counts from here
             self._watching = True
             for state in self._ranks.values():
                 state.changed_at = self._clock()
@@ -184,14 +207,15 @@ class StartupDisplay:
             if self._next >= len(PHASES):
                 if not self._said_ready and all(r.stage >= len(PHASES) for r in ranks):
                     self._said_ready = True
-                    self._line(f"ready: {self._workers()} in "
-                               f"{self._clock() - self.started_at:.1f} s")
+                    self._line(
+                        f"ready: {self._workers()} in {self._clock() - self.started_at:.1f} s"
+                    )
                 return
             phase = PHASES[self._next]
             if not any(r.stage >= self._next for r in ranks):
                 return
             if all(r.stage > self._next for r in ranks) and not self._sum(phase)[1]:
-                self._next += 1       # e.g. no CUDA graphs on CPU
+                self._next += 1  # e.g. no CUDA graphs on CPU
                 continue
             self._open, self._opened_at = self._next, self._clock()
             self._begin(phase)
@@ -210,9 +234,15 @@ class StartupDisplay:
         from tqdm import tqdm
 
         done, total = self._sum(phase)
-        self._bar = tqdm(total=total, initial=done, desc=f"{PREFIX}{LABELS[phase]}",
-                         unit=UNITS[phase].rstrip("s"), file=self.stream, leave=True,
-                         **_screen(self.stream))
+        self._bar = tqdm(
+            total=total,
+            initial=done,
+            desc=f"{PREFIX}{LABELS[phase]}",
+            unit=UNITS[phase].rstrip("s"),
+            file=self.stream,
+            leave=True,
+            **_screen(self.stream),
+        )
 
     def _update_bar(self) -> None:
         if self._bar is None:
@@ -230,8 +260,10 @@ class StartupDisplay:
             self._bar.close()
             self._bar = None
             return
-        self._line(f"{LABELS[phase]}: {done}/{total} {UNITS[phase]} in "
-                   f"{self._clock() - self._opened_at:.1f} s")
+        self._line(
+            f"{LABELS[phase]}: {done}/{total} {UNITS[phase]} in "
+            f"{self._clock() - self._opened_at:.1f} s"
+        )
 
     # --- slow ranks ----------------------------------------------------------------------
     def _notice_slow(self) -> None:
@@ -240,8 +272,11 @@ class StartupDisplay:
         now = self._clock()
         frontier = self._open if self._open is not None else len(PHASES) - 1
         for rank, state in sorted(self._ranks.items()):
-            if state.stage > frontier or now - state.changed_at < self._slow_s or \
-                    now - state.noticed_at < self._slow_s:
+            if (
+                state.stage > frontier
+                or now - state.changed_at < self._slow_s
+                or now - state.noticed_at < self._slow_s
+            ):
                 continue
             state.noticed_at = now
             silent = f"{now - state.changed_at:.0f} s"
@@ -249,8 +284,10 @@ class StartupDisplay:
                 doing = f"nothing reported for {silent} since it got its config"
             else:
                 phase = PHASES[state.stage]
-                doing = f"{LABELS[phase]} {state.done.get(phase, 0)}/" \
-                        f"{state.total.get(phase, 0)} {UNITS[phase]} (no progress for {silent})"
+                doing = (
+                    f"{LABELS[phase]} {state.done.get(phase, 0)}/"
+                    f"{state.total.get(phase, 0)} {UNITS[phase]} (no progress for {silent})"
+                )
             self._line(f"waiting for rank {rank} ({state.label}): {doing}")
 
     # --- output --------------------------------------------------------------------------
@@ -263,7 +300,7 @@ class StartupDisplay:
         try:
             self.stream.write(PREFIX + text + "\n")
             self.stream.flush()
-        except (OSError, ValueError):   # stderr closed: progress is no reason to fail
+        except (OSError, ValueError):  # stderr closed: progress is no reason to fail
             pass
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ Every message is a map with a string "type". `decode` refuses anything that is n
 shallow msgpack map of plain values, then checks it against the schema of its type; a message
 that fails raises `ProtocolError`, which callers log and drop.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,7 +46,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # kind "usage": the config asks for what the rank cannot do (a KV cache over its
     # budget): rank 0 reports it as a usage error, not as a crash
     "error": {"rank": INT, "step": INT, "message": STR, "kind": STR},
-    "heartbeat": {"rank": INT, "next_s": FLOAT},   # next_s: when the next one comes
+    "heartbeat": {"rank": INT, "next_s": FLOAT},  # next_s: when the next one comes
     # orchestrator -> worker
     # heartbeat: the Beacon's address (beats to listen to); pulse: where to send heartbeats
     "init": {"config": MAP, "heartbeat": STR, "pulse": STR},
@@ -53,29 +54,48 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # its table's blocks already: prefix hits, earlier chunks); tables: per slot, its KV
     # blocks (runtime.serving.block_manager); final: per slot, whether these tokens end its
     # prompt (the target then picks its first token) or a chunk of it (the last stays pending)
-    "prefill": {"step": INT, "slots": LIST, "prompts": LIST, "params": LIST, "cached": LIST,
-                "tables": LIST, "final": LIST},
+    "prefill": {
+        "step": INT,
+        "slots": LIST,
+        "prompts": LIST,
+        "params": LIST,
+        "cached": LIST,
+        "tables": LIST,
+        "final": LIST,
+    },
     # steps: k = 0 only; next_k: the next round's k, worked on ahead (runtime.worker.process)
     # (runtime.control.commands.RoundCommand sends every field; steps defaults to 1, next_k
     # to k)
     # tables: per slot, the blocks its table grows by before the round
-    "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT,
-              "tables": LIST},
+    "round": {"step": INT, "slots": LIST, "k": INT, "steps": INT, "next_k": INT, "tables": LIST},
     "release": {"step": INT, "slots": LIST},
     # a draft with another tokenizer (runtime.serving.cross_round): the draft's committed
     # tokens become keep cached ones and `tokens`, then it proposes k (its own ids) ...
-    "draft_cross": {"step": INT, "slots": LIST, "k": INT, "keep": LIST, "tokens": LIST,
-                    "params": LIST},
+    "draft_cross": {
+        "step": INT,
+        "slots": LIST,
+        "k": INT,
+        "keep": LIST,
+        "tokens": LIST,
+        "params": LIST,
+    },
     # ... which rank 0 maps to the target's ids: the target verifies and commits them
     "verify_cross": {"step": INT, "slots": LIST, "proposals": LIST, "tables": LIST},
     "shutdown": {},
     # client -> server
-    "generate": {"id": STR, "prompts": LIST, "prompt_ids": LIST, "params": MAP, "stream": BOOL,
-                 "chat": BOOL, "messages": LIST},   # messages: one chat, [{role, content}]
+    "generate": {
+        "id": STR,
+        "prompts": LIST,
+        "prompt_ids": LIST,
+        "params": MAP,
+        "stream": BOOL,
+        "chat": BOOL,
+        "messages": LIST,
+    },  # messages: one chat, [{role, content}]
     "cancel": {"id": STR},
     "ping": {"id": STR},
     "stats": {"id": STR},
-    "metrics": {"id": STR},          # -> metrics_reply: the Prometheus text exposition
+    "metrics": {"id": STR},  # -> metrics_reply: the Prometheus text exposition
     # server -> client
     "delta": {"id": STR, "index": INT, "token_ids": LIST, "text": STR},
     "final": {"id": STR, "outputs": LIST},
@@ -83,7 +103,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     # "dead" (the engine failed, or the server is shutting down)
     "failed": {"id": STR, "message": STR, "kind": STR},
     "pong": {"id": STR, "info": MAP},
-    "starting": {"id": STR},         # a ping's answer while the workers load
+    "starting": {"id": STR},  # a ping's answer while the workers load
     "stats_reply": {"id": STR, "stats": MAP},
     "metrics_reply": {"id": STR, "text": STR},
 }
@@ -102,7 +122,8 @@ class ProtocolError(ValueError):
 
 
 def encode(msg: dict, key: bytes | None = None) -> bytes:
-    """msgpack bytes of a checked message, HMAC-signed when a key is given (runtime.control.auth)."""
+    """msgpack bytes of a checked message, HMAC-signed when a key is given
+    (runtime.control.auth)."""
     check(msg)
     return auth.sign(msgpack.packb(msg, use_bin_type=True), key)
 
@@ -118,16 +139,22 @@ def decode(frame: bytes, key: bytes | None = None) -> dict:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         budget = _ContainerBudget()
-        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True,
-                                    max_buffer_size=MAX_MESSAGE_BYTES, ext_hook=_refuse_ext,
-                                    list_hook=budget, object_hook=budget)
+        unpacker = msgpack.Unpacker(
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_buffer_size=MAX_MESSAGE_BYTES,
+            ext_hook=_refuse_ext,
+            list_hook=budget,
+            object_hook=budget,
+        )
         unpacker.feed(frame)
         msg = unpacker.unpack()
         if unpacker.tell() != len(frame):
             raise ProtocolError("trailing bytes after the message")
     except ProtocolError:
         raise
-    except Exception as exc:  # msgpack raises several types for malformed input
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for malformed input
         raise ProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
     check(msg)
     return msg
@@ -144,8 +171,13 @@ def check(msg: Any) -> None:
     check_fields(kind, msg, schema, OPTIONAL.get(kind, set()), "type")
 
 
-def check_fields(kind: str, msg: dict, schema: dict[str, Any], optional: set[str] = frozenset(),
-                 tag: str = "type") -> None:
+def check_fields(
+    kind: str,
+    msg: dict,
+    schema: dict[str, Any],
+    optional: set[str] = frozenset(),
+    tag: str = "type",
+) -> None:
     """Every field of `schema` present (unless optional) with an allowed type, none other
     than `tag` (the field naming the record's kind)."""
     for field, types in schema.items():
@@ -157,8 +189,9 @@ def check_fields(kind: str, msg: dict, schema: dict[str, Any], optional: set[str
         if isinstance(value, bool) and types is not BOOL and bool not in _as_tuple(types):
             raise ProtocolError(f"{kind}.{field}: expected {_names(types)}, got bool")
         if not isinstance(value, types):
-            raise ProtocolError(f"{kind}.{field}: expected {_names(types)}, "
-                                f"got {type(value).__name__}")
+            raise ProtocolError(
+                f"{kind}.{field}: expected {_names(types)}, got {type(value).__name__}"
+            )
     extra = set(msg) - set(schema) - {tag}
     if extra:
         raise ProtocolError(f"{kind}: unknown fields {sorted(extra)}")
@@ -207,6 +240,7 @@ def _names(types) -> str:
 def int_list(value: Any, name: str) -> list[int]:
     """A list of ints (not bools) or ProtocolError naming the field."""
     if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         raise ProtocolError(f"{name}: expected a list of integers")
     return value

@@ -1,5 +1,6 @@
 """Signals that end a blocking wait at once: the idle server's poll and a worker's wait for
 the orchestrator's next message both include this pipe."""
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ class SignalWakeup:
         self.fds: tuple[int, ...] = ()
         self._previous = -1
 
-    def __enter__(self) -> "SignalWakeup":
+    def __enter__(self) -> SignalWakeup:
         if threading.current_thread() is not threading.main_thread():
             return self
         read_fd, write_fd = os.pipe()

@@ -1,6 +1,7 @@
 """A pipe that wakes a thread from its poll: a byte written to it makes the read end readable.
 The Client's I/O thread (runtime.api.client_io) and the server's client door
 (runtime.serving.client_door) are woken this way when another thread hands them work."""
+
 from __future__ import annotations
 
 import os
@@ -25,13 +26,13 @@ class Waker:
             try:
                 os.write(self._write_fd, b"w")
             except OSError:
-                pass   # the pipe is full: a wake is pending
+                pass  # the pipe is full: a wake is pending
 
     def drain(self) -> None:
         try:
             while os.read(self.read_fd, 4096):
                 pass
-        except OSError:   # BlockingIOError: drained
+        except OSError:  # BlockingIOError: drained
             pass
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ load_model(path, dtype, device, tp=None) -> CausalLM (see runtime.models.arch.ba
 Exports resolve lazily, so importing a light submodule (runtime.models.loading.checkpoint)
 does not import torch.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -23,8 +24,8 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from runtime.models.arch.base import CausalLM
-    from runtime.models.loading.hf_fallback import HFFallbackModel
     from runtime.models.arch.llama import LlamaForCausalLM
+    from runtime.models.loading.hf_fallback import HFFallbackModel
     from runtime.models.loading.loader import load_model
 
 

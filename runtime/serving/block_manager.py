@@ -15,6 +15,7 @@ Prefix index: a full block's key is a 128-bit digest of its parent's key and its
 chain: it names every token before it too). Only tokens that are committed *and* cached on
 every rank are indexed (`register`): a rejected draft token never is.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +23,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-ROOT = b""   # the parent key of a sequence's first block
+ROOT = b""  # the parent key of a sequence's first block
 
 
 def chain_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -36,6 +37,7 @@ def chain_key(parent: bytes, tokens: list[int]) -> bytes:
 class BlockTable:
     """One request's blocks in order (position p lives in blocks[p // block_size]) and the
     keys of its leading blocks that are indexed (len(keys) <= len(blocks))."""
+
     blocks: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
 
@@ -49,7 +51,7 @@ class BlockManager:
         self.refs = [0] * num_blocks
         self.key_of: list[bytes | None] = [None] * num_blocks
         self.index: dict[bytes, int] = {}
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() gives 0 first
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._cached: OrderedDict[int, None] = OrderedDict()
 
     # --- counts ------------------------------------------------------------------------------
@@ -74,7 +76,7 @@ class BlockManager:
             return []
         blocks, parent = [], ROOT
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            parent = chain_key(parent, tokens[start:start + self.block_size])
+            parent = chain_key(parent, tokens[start : start + self.block_size])
             block = self.index.get(parent)
             if block is None:
                 break
@@ -123,7 +125,7 @@ class BlockManager:
         parent = table.keys[-1] if table.keys else ROOT
         for i in range(len(table.keys), min(full, len(table.blocks))):
             start = i * self.block_size
-            parent = chain_key(parent, tokens[start:start + self.block_size])
+            parent = chain_key(parent, tokens[start : start + self.block_size])
             block = table.blocks[i]
             if parent not in self.index and self.key_of[block] is None:
                 self.index[parent] = block

@@ -9,6 +9,7 @@ outbox that this thread sends. ZeroMQ sockets are not thread-safe: only this thr
 the socket. The socket is bound when the door is made, before any worker starts, so a taken
 address is an error at once (launcher.session).
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,9 +23,9 @@ from runtime.control import protocol
 from runtime.control.waker import Waker
 
 log = logging.getLogger("tandem.server")
-POLL_MS = 1000           # the thread's longest wait; frames, replies and close() wake it
-FRAMES_PER_PASS = 1000   # client frames read before the outbox is sent again
-CLOSE_LINGER_MS = 500    # how long replies still queued at close get to leave
+POLL_MS = 1000  # the thread's longest wait; frames, replies and close() wake it
+FRAMES_PER_PASS = 1000  # client frames read before the outbox is sent again
+CLOSE_LINGER_MS = 500  # how long replies still queued at close get to leave
 
 
 class ClientDoor:
@@ -32,7 +33,7 @@ class ClientDoor:
         """Bind `address` (zmq.ZMQError when it is taken) and start the thread. `key`: the
         HMAC key every frame in and out is signed with (runtime.control.auth)."""
         self.key = key
-        self.info: dict | None = None   # the pong's facts; None: answer `starting`
+        self.info: dict | None = None  # the pong's facts; None: answer `starting`
         self.failure: str | None = None  # why the thread ended early (the loop raises it)
         sock = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
@@ -45,11 +46,11 @@ class ClientDoor:
             sock.close(0)
             raise
         self._sock = sock
-        self._inbox: deque[tuple[bytes, dict]] = deque()   # deques: thread-safe ends
+        self._inbox: deque[tuple[bytes, dict]] = deque()  # deques: thread-safe ends
         self._outbox: deque[tuple[bytes, dict]] = deque()
         self._to_door, self._to_loop = Waker(), Waker()
-        self._seen: dict[bytes, float] = {}   # client identity -> when last heard from
-        self._refusal: str | None = None   # once set: every request is failed with it
+        self._seen: dict[bytes, float] = {}  # client identity -> when last heard from
+        self._refusal: str | None = None  # once set: every request is failed with it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-clients", daemon=True)
         self._thread.start()
@@ -62,7 +63,7 @@ class ClientDoor:
 
     def take(self, limit: int) -> list[tuple[bytes, dict]]:
         """Up to `limit` waiting (identity, message) frames, oldest first."""
-        self._to_loop.drain()   # before taking: a frame queued after this wakes us again
+        self._to_loop.drain()  # before taking: a frame queued after this wakes us again
         frames = []
         while self._inbox and len(frames) < limit:
             frames.append(self._inbox.popleft())
@@ -118,7 +119,7 @@ class ClientDoor:
                 self._refuse_waiting()
             self._refuse_waiting()
             self._send_outbox()
-        except Exception as exc:  # noqa: BLE001 - the loop is told and fails every request
+        except Exception as exc:
             log.exception("the client door failed")
             self.failure = f"the server's client thread failed: {exc!r}"
             self._to_loop.wake()
@@ -129,8 +130,7 @@ class ClientDoor:
         while self._outbox:
             identity, msg = self._outbox.popleft()
             try:
-                self._sock.send_multipart([identity, protocol.encode(msg, self.key)],
-                                          zmq.NOBLOCK)
+                self._sock.send_multipart([identity, protocol.encode(msg, self.key)], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 log.warning("could not reply to a client: %s", exc)
 
@@ -140,8 +140,17 @@ class ClientDoor:
         while self._inbox:
             identity, msg = self._inbox.popleft()
             if msg["type"] != "cancel":
-                self._outbox.append((identity, {"type": "failed", "id": msg["id"],
-                                                "message": self._refusal, "kind": "dead"}))
+                self._outbox.append(
+                    (
+                        identity,
+                        {
+                            "type": "failed",
+                            "id": msg["id"],
+                            "message": self._refusal,
+                            "kind": "dead",
+                        },
+                    )
+                )
         self._send_outbox()
 
     def _read_frames(self) -> None:
@@ -171,7 +180,10 @@ class ClientDoor:
             self._inbox.append((identity, msg))
             return True
         info = self.info
-        pong = {"type": "starting", "id": msg["id"]} if info is None else \
-            {"type": "pong", "id": msg["id"], "info": info}
+        pong = (
+            {"type": "starting", "id": msg["id"]}
+            if info is None
+            else {"type": "pong", "id": msg["id"], "info": info}
+        )
         self._sock.send_multipart([identity, protocol.encode(pong, self.key)], zmq.NOBLOCK)
         return False

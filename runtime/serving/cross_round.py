@@ -12,6 +12,7 @@ A slot whose draft history would not fit the draft's cache (its own fixed tables
 config's kv_seq_len positions) proposes nothing (the target alone takes its next token).
 Drafting ahead and overlap are off for such pairs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,19 +24,21 @@ from runtime.speculation.retokenize import TextBridge, keep_length
 
 class RoundOutcome(NamedTuple):
     """What a round brought, per slot, and what it cost (runtime.serving.scheduler)."""
+
     tokens: list[list[int]]
     accepted: list[int]
     overlapped: list[bool]
     cached: list[int]
     cost: float
     steps: int
-    k: int                              # proposals verified per slot (the most)
+    k: int  # proposals verified per slot (the most)
 
 
 @dataclass
 class DraftView:
     """What rank 0 knows of one sequence's draft: its committed history (its own ids) and
     the tokens whose KV its cache holds (the history but its last, then proposals)."""
+
     seq: object
     admission: int
     history: list[int] = field(default_factory=list)
@@ -57,7 +60,7 @@ class CrossRounds:
         start = sched.metrics.round_begins()
         seqs = [sched.running[s] for s in slots]
         proposals = self._propose(sched, slots, seqs, k) if k > 0 else [[] for _ in slots]
-        proposals = [p[:self.max_k] for p in proposals]
+        proposals = [p[: self.max_k] for p in proposals]
         width = max(len(p) for p in proposals)
         command = commands.CrossVerifyCommand(slots, proposals, sched._grow(slots))
         results = sched.pool.command(command.to_msg(), sched.step_timeout_s)
@@ -66,8 +69,9 @@ class CrossRounds:
         verdict = _leader(replies)
         reports = [r.cached for r in replies if r.cached]
         cached = [min(c) for c in zip(*reports)] if reports else [0] * len(slots)
-        return RoundOutcome(verdict.tokens, verdict.accepted, [False] * len(slots), cached,
-                            cost, 1, width)
+        return RoundOutcome(
+            verdict.tokens, verdict.accepted, [False] * len(slots), cached, cost, 1, width
+        )
 
     def _propose(self, sched, slots: list[int], seqs: list, k: int) -> list[list[int]]:
         """The draft's k proposals per slot, mapped to target ids ([] for a slot that
@@ -78,17 +82,20 @@ class CrossRounds:
         out = [[] for _ in slots]
         if not rows:
             return out
-        keep = [keep_length(histories[i], views[i].fed) if views[i].history else 0
-                for i in rows]
+        keep = [keep_length(histories[i], views[i].fed) if views[i].history else 0 for i in rows]
         command = commands.CrossDraftCommand(
-            [slots[i] for i in rows], k, keep, [histories[i][n:] for i, n in zip(rows, keep)],
-            [seqs[i].worker_params() for i in rows])
+            [slots[i] for i in rows],
+            k,
+            keep,
+            [histories[i][n:] for i, n in zip(rows, keep)],
+            [seqs[i].worker_params() for i in rows],
+        )
         results = sched.pool.command(command.to_msg(), sched.step_timeout_s)
         drafts = _leader([commands.RoundReply.from_map(r) for r in results.values()]).tokens
         for i, row in zip(rows, drafts):
             view = views[i]
             view.history = histories[i]
-            view.fed = histories[i] + row[:k - 1]
+            view.fed = histories[i] + row[: k - 1]
             out[i] = self.bridge.to_target(seqs[i].tokens, histories[i], row)
         return out
 

@@ -3,11 +3,12 @@ tells this module what happened (a round began and ended, a prefill ran, tokens 
 committed, a sequence saw its first token or finished); what the server reports is derived
 here: the stats reply, and the Prometheus metrics (runtime/serving/prometheus.py) that
 `GET /metrics` and `tandem serve --metrics` expose."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from runtime.serving.prometheus import PrometheusMetrics
 
@@ -18,21 +19,21 @@ class ServingMetrics:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     rounds: int = 0
-    sequence_rounds: int = 0                # one sequence's part of one round
-    sequence_rounds_overlapped: int = 0     # ... whose window was drafted during the last verify
-    round_time: float = 0.0      # orchestrator's wall time of round commands
-    worker_time: float = 0.0     # slowest worker's own time inside those rounds
-    between_time: float = 0.0    # orchestrator time from one round's end to the next's start
+    sequence_rounds: int = 0  # one sequence's part of one round
+    sequence_rounds_overlapped: int = 0  # ... whose window was drafted during the last verify
+    round_time: float = 0.0  # orchestrator's wall time of round commands
+    worker_time: float = 0.0  # slowest worker's own time inside those rounds
+    between_time: float = 0.0  # orchestrator time from one round's end to the next's start
     betweens: int = 0
     prefill_time: float = 0.0
     prefills: int = 0
-    prefix_queries: int = 0      # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0         # ... found there
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # ... found there
     preemptions: int = 0
     timing: dict[str, list] = field(default_factory=dict)  # "rank<r>.<phase>" -> [s, rounds]
     started: float = field(default_factory=time.monotonic)
-    _last_round_end: float | None = None   # None: the next round follows no round directly
-    _round_from: float = 0.0               # where the running round's cost began
+    _last_round_end: float | None = None  # None: the next round follows no round directly
+    _round_from: float = 0.0  # where the running round's cost began
     prometheus: PrometheusMetrics = field(default_factory=PrometheusMetrics, repr=False)
 
     def round_begins(self) -> float:
@@ -69,10 +70,11 @@ class ServingMetrics:
         self.prometheus.prefilled(prompt_tokens)
         self.prefill_time += seconds
         self.prefills += 1
-        self._last_round_end = None   # the next round's cost must not include this prefill
+        self._last_round_end = None  # the next round's cost must not include this prefill
 
-    def committed(self, proposed: int, accepted: int, tokens: int,
-                  overlapped: bool = False) -> None:
+    def committed(
+        self, proposed: int, accepted: int, tokens: int, overlapped: bool = False
+    ) -> None:
         """A sequence's round outcome: k drafts proposed, `accepted` kept, `tokens` new;
         `overlapped`: its window was drafted during the last round's verify."""
         self.sequence_rounds += 1
@@ -109,8 +111,9 @@ class ServingMetrics:
         """A sequence ended (`seconds` after it arrived; None: cancelled while queued)."""
         self.prometheus.request_finished(reason, seconds)
 
-    def watch(self, running: Callable[[], int], queued: Callable[[], int],
-              max_draft_len: int) -> None:
+    def watch(
+        self, running: Callable[[], int], queued: Callable[[], int], max_draft_len: int
+    ) -> None:
         """Where the gauges read the running and queued counts when scraped."""
         self.prometheus.watch_load(running, queued, max_draft_len)
 
@@ -122,29 +125,42 @@ class ServingMetrics:
         """Mean seconds per round: the workers' own time, the control plane (command sent to
         last result received, less the workers' time) and the orchestrator between rounds."""
         rounds = max(self.rounds, 1)
-        return {"mean_worker_round_s": self.worker_time / rounds,
-                "mean_control_s": (self.round_time - self.worker_time) / rounds,
-                "mean_between_rounds_s": self.between_time / max(self.betweens, 1)}
+        return {
+            "mean_worker_round_s": self.worker_time / rounds,
+            "mean_control_s": (self.round_time - self.worker_time) / rounds,
+            "mean_between_rounds_s": self.between_time / max(self.betweens, 1),
+        }
 
     def profile(self) -> dict:
         """Mean seconds of each worker phase over the rounds that had it (drafted rounds
         and target-only rounds have different phases; empty unless profiling)."""
         return {k: seconds / rounds for k, (seconds, rounds) in sorted(self.timing.items())}
 
-    def snapshot(self, running: int, queued: int, kv_blocks_total: int = 0,
-                 kv_blocks_used: int = 0) -> dict:
+    def snapshot(
+        self, running: int, queued: int, kv_blocks_total: int = 0, kv_blocks_used: int = 0
+    ) -> dict:
         """The server's stats reply."""
         elapsed = time.monotonic() - self.started
         proposed = self.draft_tokens_proposed
-        return {"running": running, "queued": queued, "kv_blocks_total": kv_blocks_total,
-                "kv_blocks_used": kv_blocks_used,
-                "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries
-                if self.prefix_queries else 0.0, "num_preemptions": self.preemptions,
-                "tokens_generated": self.tokens_generated, "rounds": self.rounds,
-                "acceptance_rate": self.draft_tokens_accepted / proposed if proposed else 0.0,
-                "tokens_per_s": self.tokens_generated / elapsed if elapsed > 0 else 0.0,
-                "mean_round_s": self.round_time / self.rounds if self.rounds else 0.0,
-                "mean_prefill_s": self.prefill_time / self.prefills if self.prefills else 0.0,
-                "overlap_share": self.sequence_rounds_overlapped / self.sequence_rounds
-                if self.sequence_rounds else 0.0,
-                **self.overheads(), "profile": self.profile(), "uptime_s": elapsed}
+        return {
+            "running": running,
+            "queued": queued,
+            "kv_blocks_total": kv_blocks_total,
+            "kv_blocks_used": kv_blocks_used,
+            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries
+            if self.prefix_queries
+            else 0.0,
+            "num_preemptions": self.preemptions,
+            "tokens_generated": self.tokens_generated,
+            "rounds": self.rounds,
+            "acceptance_rate": self.draft_tokens_accepted / proposed if proposed else 0.0,
+            "tokens_per_s": self.tokens_generated / elapsed if elapsed > 0 else 0.0,
+            "mean_round_s": self.round_time / self.rounds if self.rounds else 0.0,
+            "mean_prefill_s": self.prefill_time / self.prefills if self.prefills else 0.0,
+            "overlap_share": self.sequence_rounds_overlapped / self.sequence_rounds
+            if self.sequence_rounds
+            else 0.0,
+            **self.overheads(),
+            "profile": self.profile(),
+            "uptime_s": elapsed,
+        }

@@ -10,6 +10,7 @@ Beacon's thread reads the heartbeats meanwhile: runtime.control.pool), at most I
 Every request ends with a terminal reply: `final`, or `failed` with a kind ("value",
 "cancelled" or "dead") and a message, whatever ended it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,10 +25,10 @@ from runtime.serving.orchestrator import Orchestrator
 from runtime.serving.scheduler import Event
 
 log = logging.getLogger("tandem.server")
-CLIENT_TIMEOUT_S = 10.0   # a client with requests in flight pings every second
+CLIENT_TIMEOUT_S = 10.0  # a client with requests in flight pings every second
 MAX_FRAMES_PER_TURN = 1000  # client frames handled between two scheduler steps
-IDLE_WAIT_S = 10.0        # longest idle wait: `stop` set by a thread, not a signal, is seen
-                          # this late (the owner watch of launcher.session signals instead)
+IDLE_WAIT_S = 10.0  # longest idle wait: `stop` set by a thread, not a signal, is seen
+# this late (the owner watch of launcher.session signals instead)
 
 
 @dataclass
@@ -38,15 +39,16 @@ class Pending:
 
 
 class Server:
-    def __init__(self, orch: Orchestrator, door: ClientDoor,
-                 client_timeout_s: float = CLIENT_TIMEOUT_S):
+    def __init__(
+        self, orch: Orchestrator, door: ClientDoor, client_timeout_s: float = CLIENT_TIMEOUT_S
+    ):
         """Serve the clients at `door` (bound already, answering `starting` until now)."""
         self.orch = orch
         self.door = door
         self.pending: dict[str, Pending] = {}
         self.client_timeout_s = client_timeout_s
         self._last_sweep = time.monotonic()
-        door.info = orch.info()   # from now on pings get a pong with the server's facts
+        door.info = orch.info()  # from now on pings get a pong with the server's facts
 
     def reply(self, identity: bytes, msg: dict) -> None:
         self.door.reply(identity, msg)
@@ -61,7 +63,7 @@ class Server:
             except EngineDeadError as exc:
                 self.fail_all(str(exc), "dead")
                 raise
-            except BaseException as exc:   # a bug must not leave a client waiting
+            except BaseException as exc:  # a bug must not leave a client waiting
                 self.fail_all(f"the server failed: {exc!r}", "dead")
                 raise
         self.fail_all("server shutting down", "dead")
@@ -71,8 +73,9 @@ class Server:
         answered `failed` with `message`."""
         self.door.refuse(message)
         for rid, pend in list(self.pending.items()):
-            self.reply(pend.identity, {"type": "failed", "id": rid, "message": message,
-                                       "kind": kind})
+            self.reply(
+                pend.identity, {"type": "failed", "id": rid, "message": message, "kind": kind}
+            )
         self.pending.clear()
 
     def turn(self, idle_ms: int, wakeup: SignalWakeup) -> None:
@@ -98,11 +101,14 @@ class Server:
             if msg["id"] in self.pending and self.pending[msg["id"]].identity == identity:
                 self.end(msg["id"], "the client cancelled the request", "cancelled")
         elif kind == "stats":
-            self.reply(identity, {"type": "stats_reply", "id": msg["id"],
-                                  "stats": self.orch.stats()})
+            self.reply(
+                identity, {"type": "stats_reply", "id": msg["id"], "stats": self.orch.stats()}
+            )
         elif kind == "metrics":
-            self.reply(identity, {"type": "metrics_reply", "id": msg["id"],
-                                  "text": self.orch.metrics_text()})
+            self.reply(
+                identity,
+                {"type": "metrics_reply", "id": msg["id"], "text": self.orch.metrics_text()},
+            )
         elif kind == "generate":
             self.admit(identity, msg)
         else:
@@ -113,12 +119,18 @@ class Server:
         try:
             if rid in self.pending:
                 raise ValueError(f"request id {rid!r} is already in use")
-            seqs = self.orch.make_sequences(rid, msg.get("prompts"), msg.get("prompt_ids"),
-                                            msg["params"], chat=msg.get("chat", False),
-                                            messages=msg.get("messages"))
+            seqs = self.orch.make_sequences(
+                rid,
+                msg.get("prompts"),
+                msg.get("prompt_ids"),
+                msg["params"],
+                chat=msg.get("chat", False),
+                messages=msg.get("messages"),
+            )
         except (ValueError, TypeError) as exc:
-            self.reply(identity, {"type": "failed", "id": rid, "message": str(exc),
-                                  "kind": "value"})
+            self.reply(
+                identity, {"type": "failed", "id": rid, "message": str(exc), "kind": "value"}
+            )
             return
         self.pending[rid] = Pending(identity, msg["stream"], seqs)
         self.orch.submit(seqs)
@@ -130,21 +142,36 @@ class Server:
             if pend is None:
                 continue
             if event.kind == "delta" and pend.stream and (event.token_ids or event.text):
-                self.reply(pend.identity, {"type": "delta", "id": seq.request_id,
-                                           "index": seq.index, "token_ids": event.token_ids,
-                                           "text": event.text})
-            if event.kind == "final" and all(s.finish_reason for s in pend.seqs) and \
-                    all(s.t_end is not None for s in pend.seqs):
+                self.reply(
+                    pend.identity,
+                    {
+                        "type": "delta",
+                        "id": seq.request_id,
+                        "index": seq.index,
+                        "token_ids": event.token_ids,
+                        "text": event.text,
+                    },
+                )
+            if (
+                event.kind == "final"
+                and all(s.finish_reason for s in pend.seqs)
+                and all(s.t_end is not None for s in pend.seqs)
+            ):
                 del self.pending[seq.request_id]
-                self.reply(pend.identity, {"type": "final", "id": seq.request_id,
-                                           "outputs": [s.output() for s in pend.seqs]})
+                self.reply(
+                    pend.identity,
+                    {
+                        "type": "final",
+                        "id": seq.request_id,
+                        "outputs": [s.output() for s in pend.seqs],
+                    },
+                )
 
     def end(self, rid: str, message: str, kind: str) -> None:
         """End a request before its final reply: the scheduler drops it, the client is told."""
         pend = self.pending.pop(rid)
         self.orch.cancel(rid)
-        self.reply(pend.identity, {"type": "failed", "id": rid, "message": message,
-                                   "kind": kind})
+        self.reply(pend.identity, {"type": "failed", "id": rid, "message": message, "kind": kind})
 
     def sweep_clients(self) -> None:
         """Cancel the requests of clients that stopped pinging (gone without a word). The
@@ -158,8 +185,12 @@ class Server:
             silent = now - (now if seen is None else seen)
             if silent > self.client_timeout_s:
                 log.warning("client silent for %.0f s; cancelling request %s", silent, rid)
-                self.end(rid, f"the client sent nothing for {silent:.0f} s (more than "
-                              f"{self.client_timeout_s:g} s): cancelled", "cancelled")
+                self.end(
+                    rid,
+                    f"the client sent nothing for {silent:.0f} s (more than "
+                    f"{self.client_timeout_s:g} s): cancelled",
+                    "cancelled",
+                )
         self.door.forget_before(now - 10 * self.client_timeout_s)
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ Text is re-decoded from all generated ids (correct across multi-byte characters 
 tokens); what is emitted never ends in an incomplete character and never runs past, or into
 the beginning of, a stop string.
 """
+
 from __future__ import annotations
 
 
@@ -13,7 +14,7 @@ class TextStream:
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.text = ""
-        self.emitted = 0          # characters of self.text already handed out
+        self.emitted = 0  # characters of self.text already handed out
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -53,7 +54,7 @@ class TextStream:
                 end -= 1
             end -= self._held_for_stop(self.text[:end])
         end = max(end, self.emitted)
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = end
         return out
 

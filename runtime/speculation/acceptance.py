@@ -11,6 +11,7 @@
 Shapes: B requests, k draft tokens, V vocabulary. Batched tensor code without host
 synchronisation; given the same uniforms the results do not depend on the batch composition.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ import torch
 from runtime.speculation.sampling import sample_from
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accept(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`acceptance: tokens` under greedy decoding.
 
     draft_tokens: [B, k] the draft's proposals d_1..d_k
@@ -31,13 +33,14 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor
     return accept_choices(draft_tokens, target_logits.argmax(dim=-1))
 
 
-def accept_choices(draft_tokens: torch.Tensor, target_choice: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_choices(
+    draft_tokens: torch.Tensor, target_choice: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance from the target's own choices [B, k+1] (e.g. a vocab-parallel
     argmax); same returns as greedy_accept."""
     k = draft_tokens.shape[1]
-    accepted = count_accepted(draft_tokens == target_choice[:, :k])      # [B]
-    next_token = target_choice.gather(1, accepted[:, None]).squeeze(1)   # [B]
+    accepted = count_accepted(draft_tokens == target_choice[:, :k])  # [B]
+    next_token = target_choice.gather(1, accepted[:, None]).squeeze(1)  # [B]
     return accepted, next_token
 
 
@@ -51,8 +54,9 @@ def count_accepted(accept: torch.Tensor) -> torch.Tensor:
     return accept.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
 
 
-def accept_tokens(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
-                  u_target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_tokens(
+    draft_tokens: torch.Tensor, target_probs: torch.Tensor, u_target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`acceptance: tokens` under sampling (lossless).
 
     The target samples t_i from p_i at every position; draft tokens are kept while d_i == t_i,
@@ -63,14 +67,15 @@ def accept_tokens(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     returns accepted [B] in 0..k and next_token [B]
     """
     k = draft_tokens.shape[1]
-    target_tokens = sample_from(target_probs, u_target)                       # [B, k+1]
-    accepted = count_accepted(draft_tokens == target_tokens[:, :k])            # [B]
-    next_token = target_tokens.gather(1, accepted[:, None]).squeeze(1)         # [B]
+    target_tokens = sample_from(target_probs, u_target)  # [B, k+1]
+    accepted = count_accepted(draft_tokens == target_tokens[:, :k])  # [B]
+    next_token = target_tokens.gather(1, accepted[:, None]).squeeze(1)  # [B]
     return accepted, next_token
 
 
-def rejection_test(p_draft: torch.Tensor, q_draft: torch.Tensor, u_accept: torch.Tensor
-                   ) -> torch.Tensor:
+def rejection_test(
+    p_draft: torch.Tensor, q_draft: torch.Tensor, u_accept: torch.Tensor
+) -> torch.Tensor:
     """Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); q_i(d_i) = 0 accepts.
 
     p_draft, q_draft, u_accept: [B, k] -> [B, k] bool. p >= q always accepts (u < 1).
@@ -83,13 +88,17 @@ def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
     p, q: [..., V] -> [..., V] float32 (or float64)
     """
-    r = (p - q).clamp(min=0)                                                   # [..., V]
-    total = r.sum(dim=-1, keepdim=True)                                        # [..., 1]
+    r = (p - q).clamp(min=0)  # [..., V]
+    total = r.sum(dim=-1, keepdim=True)  # [..., 1]
     return torch.where(total > 0, r / torch.where(total > 0, total, 1.0), p)
 
 
-def sample_correction(draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                      accepted: torch.Tensor, u_sample: torch.Tensor) -> torch.Tensor:
+def sample_correction(
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    accepted: torch.Tensor,
+    u_sample: torch.Tensor,
+) -> torch.Tensor:
     """The token after the accepted prefix: from norm(max(0, p_a - q_a)) after a rejection at a,
     from p_k (bonus) when all k were accepted.
 
@@ -97,21 +106,25 @@ def sample_correction(draft_probs: torch.Tensor, target_probs: torch.Tensor,
     returns [B] int64
     """
     B, k, V = draft_probs.shape
-    idx = accepted.view(B, 1, 1).expand(B, 1, V)                               # [B, 1, V]
-    p_a = target_probs.gather(1, idx)                                          # [B, 1, V]
+    idx = accepted.view(B, 1, 1).expand(B, 1, V)  # [B, 1, V]
+    p_a = target_probs.gather(1, idx)  # [B, 1, V]
     if k == 0:
         q_a = torch.zeros_like(p_a)
     else:
-        q_a = draft_probs.gather(1, idx.clamp(max=k - 1)).to(p_a.dtype)        # [B, 1, V]
-        q_a = torch.where((accepted < k).view(B, 1, 1), q_a, 0.0)            # bonus: q = 0
-    r = residual_probs(p_a.to(torch.float32), q_a.to(torch.float32))          # [B, 1, V]
-    u = u_sample.gather(1, accepted[:, None])                                  # [B, 1]
+        q_a = draft_probs.gather(1, idx.clamp(max=k - 1)).to(p_a.dtype)  # [B, 1, V]
+        q_a = torch.where((accepted < k).view(B, 1, 1), q_a, 0.0)  # bonus: q = 0
+    r = residual_probs(p_a.to(torch.float32), q_a.to(torch.float32))  # [B, 1, V]
+    u = u_sample.gather(1, accepted[:, None])  # [B, 1]
     return sample_from(r, u).squeeze(1)
 
 
-def accept_rejection(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
-                     target_probs: torch.Tensor, u_accept: torch.Tensor, u_sample: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_rejection(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`acceptance: logits`: modified rejection sampling; emitted tokens are distributed exactly
     as the target's sampling. With one-hot p and q it is greedy matching.
 
@@ -120,8 +133,8 @@ def accept_rejection(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     returns accepted [B] in 0..k and next_token [B]
     """
     k = draft_tokens.shape[1]
-    p_d = gather_token_probs(target_probs[:, :k], draft_tokens)                # [B, k]
-    q_d = gather_token_probs(draft_probs, draft_tokens)                        # [B, k]
-    accepted = count_accepted(rejection_test(p_d, q_d, u_accept))              # [B]
+    p_d = gather_token_probs(target_probs[:, :k], draft_tokens)  # [B, k]
+    q_d = gather_token_probs(draft_probs, draft_tokens)  # [B, k]
+    accepted = count_accepted(rejection_test(p_d, q_d, u_accept))  # [B]
     next_token = sample_correction(draft_probs, target_probs, accepted, u_sample)
     return accepted, next_token

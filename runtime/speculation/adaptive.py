@@ -32,21 +32,22 @@ around the choice stay measured; and, half-way between those, a round may run th
 promising k whose cost is only read off the line, when the line puts it within PLAUSIBLE of
 the best rate, so a step the line cannot see (a cheaper k far from the current one) is found.
 """
+
 from __future__ import annotations
 
 from collections import deque
 from statistics import median
 
 TARGET_ONLY_STEPS = 16  # decode steps of one target-only (k = 0) round
-WINDOW = 64            # recent rounds kept per batch-size bucket for the cost line
-EXPLORE_EVERY = 16     # one round in this many tries a neighbour of the best k
-DECAY = 0.98           # weight of the past in the pooled acceptance, per round
-POS_DECAY = 0.99       # weight of the past in a position's counts, per round reaching it
-PRIOR = 2.0            # pseudo-observations pulling a position's acceptance toward alpha
-PER_K = 8              # recent round costs kept per (bucket, k)
-MIN_COST_OBS = 3       # measured rounds at k needed to trust their median over the line
-MAX_COST_AGE = 512     # rounds after which a measured cost no longer counts as recent
-PLAUSIBLE = 0.8        # unmeasured k predicted within this share of the best get measured
+WINDOW = 64  # recent rounds kept per batch-size bucket for the cost line
+EXPLORE_EVERY = 16  # one round in this many tries a neighbour of the best k
+DECAY = 0.98  # weight of the past in the pooled acceptance, per round
+POS_DECAY = 0.99  # weight of the past in a position's counts, per round reaching it
+PRIOR = 2.0  # pseudo-observations pulling a position's acceptance toward alpha
+PER_K = 8  # recent round costs kept per (bucket, k)
+MIN_COST_OBS = 3  # measured rounds at k needed to trust their median over the line
+MAX_COST_AGE = 512  # rounds after which a measured cost no longer counts as recent
+PLAUSIBLE = 0.8  # unmeasured k predicted within this share of the best get measured
 
 
 def takes_bonus(greedy: bool, acceptance: str) -> bool:
@@ -89,8 +90,8 @@ class DraftLenController:
     def __init__(self, fixed: int | None, max_k: int, overlap: bool = False):
         self.fixed = fixed
         self.max_k = max_k
-        self.overlap = overlap      # sampled batches: a wholly accepted window, no bonus
-        self.accepted_w = 1.0       # pooled prior: alpha = 0.5
+        self.overlap = overlap  # sampled batches: a wholly accepted window, no bonus
+        self.accepted_w = 1.0  # pooled prior: alpha = 0.5
         self.reached_w = 2.0
         self.pos_accepted = [0.0] * max_k
         self.pos_reached = [0.0] * max_k
@@ -107,16 +108,17 @@ class DraftLenController:
     def position_acceptance(self) -> list[float]:
         """Conditional acceptance a_j for j = 1..max_k, shrunk toward the pooled alpha."""
         alpha = self.alpha
-        return [(acc + PRIOR * alpha) / (reached + PRIOR)
-                for acc, reached in zip(self.pos_accepted, self.pos_reached)]
+        return [
+            (acc + PRIOR * alpha) / (reached + PRIOR)
+            for acc, reached in zip(self.pos_accepted, self.pos_reached)
+        ]
 
     def _bucket(self, batch: int) -> int:
         return max(1, batch).bit_length()
 
     def _recent(self, bucket: int, k: int) -> list[float]:
         """Seconds of the recent rounds run at k in this bucket (k = 0: per step)."""
-        return [t for r, t in self.costs_at.get((bucket, k), ())
-                if self.rounds - r <= MAX_COST_AGE]
+        return [t for r, t in self.costs_at.get((bucket, k), ()) if self.rounds - r <= MAX_COST_AGE]
 
     def _fit(self, bucket: int, medians: list[tuple[int, float]]) -> tuple[float, float] | None:
         """(t_verify, t_draft) for this bucket: least squares through `medians`, the (k,
@@ -156,13 +158,13 @@ class DraftLenController:
             return self.fixed
         self.rounds += 1
         estimate = self.round_costs(batch)
-        if estimate is None:                     # new bucket: alternate a low and a high k
+        if estimate is None:  # new bucket: alternate a low and a high k
             self.last_k = 2 if self.rounds % 2 else min(self.max_k, 6)
             return self.last_k
         costs, measured = estimate
         accept = self.position_acceptance()
         expected = [1.0] + expected_tokens_by_position(accept)
-        if self.overlap and not bonus:   # no bonus when all k are kept: the window is held
+        if self.overlap and not bonus:  # no bonus when all k are kept: the window is held
             expected = [1.0] + [e - _reach(accept, k) for k, e in enumerate(expected[1:], 1)]
         rates = [e / t for e, t in zip(expected, costs)]
         self.last_k = self._explore(rates, measured)
@@ -172,14 +174,17 @@ class DraftLenController:
         """The k with the best rate, or on exploration rounds a k worth measuring
         (rates[k] for k = 0..max_k)."""
         best = rates.index(max(rates))
-        if self.rounds % EXPLORE_EVERY == 0:     # keep the neighbours' estimates fresh
-            return min(self.max_k, best + 1) if self.rounds % (2 * EXPLORE_EVERY) else \
-                max(0, best - 1)
+        if self.rounds % EXPLORE_EVERY == 0:  # keep the neighbours' estimates fresh
+            return (
+                min(self.max_k, best + 1) if self.rounds % (2 * EXPLORE_EVERY) else max(0, best - 1)
+            )
         if self.rounds % EXPLORE_EVERY == EXPLORE_EVERY // 2:
             # the line may misjudge k values far from those run lately: measure the most
             # promising unmeasured one, if the line says it is close to the best
-            rate, k = max(((r, k) for k, (r, m) in enumerate(zip(rates, measured))
-                           if not m), default=(0.0, best))
+            rate, k = max(
+                ((r, k) for k, (r, m) in enumerate(zip(rates, measured)) if not m),
+                default=(0.0, best),
+            )
             if rate >= PLAUSIBLE * rates[best]:
                 return k
         return best
@@ -192,21 +197,22 @@ class DraftLenController:
         bucket = self._bucket(len(accepted))
         if k == 0:
             self.costs_at.setdefault((bucket, 0), deque(maxlen=PER_K)).append(
-                (self.rounds, round_s / steps))
+                (self.rounds, round_s / steps)
+            )
             return
         self._observe_acceptance(k, accepted)
         self.costs.setdefault(bucket, deque(maxlen=WINDOW)).append((k, round_s))
-        self.costs_at.setdefault((bucket, k), deque(maxlen=PER_K)).append(
-            (self.rounds, round_s))
+        self.costs_at.setdefault((bucket, k), deque(maxlen=PER_K)).append((self.rounds, round_s))
 
     def _observe_acceptance(self, k: int, accepted: list[int]) -> None:
         """Update the pooled and per-position counts with one round's outcomes."""
-        reached = [min(a + 1, k) for a in accepted]       # drafts that were tested
+        reached = [min(a + 1, k) for a in accepted]  # drafts that were tested
         self.accepted_w = DECAY * self.accepted_w + sum(accepted)
         self.reached_w = DECAY * self.reached_w + sum(reached)
         for j in range(min(k, self.max_k)):
             n_reached = sum(1 for r in reached if r > j)
             if n_reached:
-                self.pos_accepted[j] = POS_DECAY * self.pos_accepted[j] + \
-                    sum(1 for a in accepted if a > j)
+                self.pos_accepted[j] = POS_DECAY * self.pos_accepted[j] + sum(
+                    1 for a in accepted if a > j
+                )
                 self.pos_reached[j] = POS_DECAY * self.pos_reached[j] + n_reached

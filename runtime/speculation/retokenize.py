@@ -15,11 +15,12 @@ None of this decides what is emitted: the target verifies the mapped proposals w
 `acceptance: tokens` (its own choice at every position), so a poor mapping only costs
 acceptance. `keep_length` says how much of the draft's cache survives a round.
 """
+
 from __future__ import annotations
 
 __all__ = ["TextBridge", "common_prefix", "keep_length"]
 
-WINDOW = 8   # tokens of context a proposal is decoded and re-encoded in
+WINDOW = 8  # tokens of context a proposal is decoded and re-encoded in
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -45,25 +46,26 @@ class TextBridge:
         text = self.target.decode(target_ids, skip_special_tokens=True)
         return list(self.draft.encode(text, add_special_tokens=False))
 
-    def to_target(self, target_ids: list[int], draft_ids: list[int], proposals: list[int]
-                  ) -> list[int]:
+    def to_target(
+        self, target_ids: list[int], draft_ids: list[int], proposals: list[int]
+    ) -> list[int]:
         """Target ids for the draft's proposals that follow draft_ids (the draft's ids of
         the committed target_ids); [] when their text merges into the last committed
         target token or is empty."""
         known = [i for i, t in enumerate(proposals) if not 0 <= t < len(self.draft)]
-        proposals = proposals[:known[0]] if known else proposals   # past the tokenizer: cut
-        context = draft_ids[-self.window:]
+        proposals = proposals[: known[0]] if known else proposals  # past the tokenizer: cut
+        context = draft_ids[-self.window :]
         before = self.draft.decode(context, skip_special_tokens=True)
         after = self.draft.decode(context + proposals, skip_special_tokens=True)
         if not after.startswith(before) or len(after) == len(before):
             return []
-        tail = target_ids[-self.window:]
+        tail = target_ids[-self.window :]
         # special tokens kept: the committed tail must encode back to itself
-        text = self.target.decode(tail) + after[len(before):]
+        text = self.target.decode(tail) + after[len(before) :]
         ids = list(self.target.encode(text, add_special_tokens=False))
-        if ids[:len(tail)] != tail:
+        if ids[: len(tail)] != tail:
             return []
-        return ids[len(tail):]
+        return ids[len(tail) :]
 
 
 def keep_length(new_history: list[int], fed: list[int]) -> int:

@@ -14,22 +14,24 @@ Keying by *absolute position* keeps speculative decoding exact: one round's outc
 only on the uniforms at positions up to its last emitted token, so the next round may use the
 numbers at later positions again as fresh ones.
 """
+
 from __future__ import annotations
 
 import torch
 
 # Streams used by the decoding loop (any int in [0, 2**16) works).
-STREAM_DRAFT = 0    # the draft's own samples
-STREAM_ACCEPT = 1   # rejection-sampling accept tests (`acceptance: logits`)
-STREAM_TARGET = 2   # the target's samples: corrections, bonus tokens, `acceptance: tokens`
+STREAM_DRAFT = 0  # the draft's own samples
+STREAM_ACCEPT = 1  # rejection-sampling accept tests (`acceptance: logits`)
+STREAM_TARGET = 2  # the target's samples: corrections, bonus tokens, `acceptance: tokens`
 
 _M32 = 0xFFFFFFFF
-_ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)   # Threefry-2x32 rotation constants
-_KS_PARITY = 0x1BD11BDA                        # Skein key-schedule parity constant
+_ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 rotation constants
+_KS_PARITY = 0x1BD11BDA  # Skein key-schedule parity constant
 
 
-def threefry2x32(k0: torch.Tensor, k1: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor,
-                 rounds: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+def threefry2x32(
+    k0: torch.Tensor, k1: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, rounds: int = 20
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Threefry-2x32 block: key (k0, k1), counter (c0, c1) -> two 32-bit words.
 
     All inputs are int64 tensors with values in [0, 2**32), broadcastable to a common shape;
@@ -43,27 +45,28 @@ def threefry2x32(k0: torch.Tensor, k1: torch.Tensor, c0: torch.Tensor, c1: torch
     for r in range(rounds):
         rot = _ROTATIONS[r % 8]
         x0.add_(x1).bitwise_and_(_M32)
-        high = (x1 << rot).bitwise_and_(_M32)       # x1 < 2**32, so x1 << 31 < 2**63
-        x1.bitwise_right_shift_(32 - rot).bitwise_or_(high).bitwise_xor_(x0)   # rotl ^ x0
-        if r % 4 == 3:                              # key injection after every 4 rounds
+        high = (x1 << rot).bitwise_and_(_M32)  # x1 < 2**32, so x1 << 31 < 2**63
+        x1.bitwise_right_shift_(32 - rot).bitwise_or_(high).bitwise_xor_(x0)  # rotl ^ x0
+        if r % 4 == 3:  # key injection after every 4 rounds
             s = r // 4 + 1
             x0.add_(ks[s % 3]).bitwise_and_(_M32)
             x1.add_(ks[(s + 1) % 3]).add_(s).bitwise_and_(_M32)
     return x0, x1
 
 
-def random_words(seed: torch.Tensor, position: torch.Tensor, stream: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def random_words(
+    seed: torch.Tensor, position: torch.Tensor, stream: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two independent 32-bit words (int64 tensors [B, n]) for each (seed, position, stream).
 
     seed: [B] int64 (any value; the full 64 bits are used as the key)
     position: [B, n] int64, 0 <= position < 2**48
     stream: int, 0 <= stream < 2**16
     """
-    if not 0 <= stream < 2 ** 16:
+    if not 0 <= stream < 2**16:
         raise ValueError(f"stream must be in [0, 2**16), got {stream}")
-    seed = seed.to(torch.int64)[:, None]                           # [B, 1]
-    position = position.to(torch.int64)                            # [B, n]
+    seed = seed.to(torch.int64)[:, None]  # [B, 1]
+    position = position.to(torch.int64)  # [B, n]
     k0 = seed & _M32
     k1 = (seed >> 32) & _M32
     c0 = position & _M32
@@ -71,8 +74,9 @@ def random_words(seed: torch.Tensor, position: torch.Tensor, stream: int
     return threefry2x32(k0, k1, c0, c1)
 
 
-def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int,
-            dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def uniform(
+    seed: torch.Tensor, position: torch.Tensor, stream: int, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """Uniforms in [0, 1) for each (seed, position, stream); a pure function of those three.
 
     seed: [B] int64 per-request seed
@@ -82,9 +86,9 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int,
             the default: inverse-CDF sampling then resolves probabilities far below 2**-24,
             which matters for large vocabularies) or float32 multiples of 2**-24; always < 1.
     """
-    x0, x1 = random_words(seed, position, stream)                 # [B, n] each
+    x0, x1 = random_words(seed, position, stream)  # [B, n] each
     if dtype == torch.float32:
-        return (x0 >> 8).to(torch.float32) * 2.0 ** -24
+        return (x0 >> 8).to(torch.float32) * 2.0**-24
     if dtype == torch.float64:
-        return ((x0 << 21) | (x1 >> 11)).to(torch.float64) * 2.0 ** -53
+        return ((x0 << 21) | (x1 >> 11)).to(torch.float64) * 2.0**-53
     raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")

@@ -10,13 +10,15 @@ Shapes: B requests, k draft tokens, V vocabulary. Everything is batched tensor c
 synchronisation, so it runs unchanged on CPU and CUDA. Given the same uniforms the results do not
 depend on the batch composition.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def _filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                        ) -> torch.Tensor:
+def _filter_top_k_top_p(
+    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Mask (-inf) what TopKLogitsWarper then TopPLogitsWarper would remove, row by row.
 
     scores: [B, n, V] float32 temperature-scaled logits
@@ -28,24 +30,29 @@ def _filter_top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     # higher index first, so a tie straddling the top-p boundary keeps the lower indices (as
     # argmax does); transformers' unstable torch.sort leaves that choice to the sort kernel.
     sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    sorted_scores, order = sorted_scores.flip(-1), order.flip(-1)              # [B, n, V]
-    k = torch.where(top_k > 0, top_k, V).clamp(1, V).to(torch.int64)            # [B]
-    kth = sorted_scores.gather(-1, (V - k).view(B, 1, 1).expand(B, n, 1))      # [B, n, 1]
-    remove = sorted_scores < kth                                               # [B, n, V]
+    sorted_scores, order = sorted_scores.flip(-1), order.flip(-1)  # [B, n, V]
+    k = torch.where(top_k > 0, top_k, V).clamp(1, V).to(torch.int64)  # [B]
+    kth = sorted_scores.gather(-1, (V - k).view(B, 1, 1).expand(B, n, 1))  # [B, n, 1]
+    remove = sorted_scores < kth  # [B, n, V]
     sorted_scores = sorted_scores.masked_fill(remove, float("-inf"))
-    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)                         # [B, n, V]
+    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # [B, n, V]
     # transformers compares with the Python float 1 - top_p, rounded to float32 by the kernel
     threshold = (1.0 - top_p.to(torch.float64)).to(torch.float32).view(B, 1, 1)
-    remove_p = cum <= threshold                                                # [B, n, V]
-    remove_p[..., -1] = False                                   # min_tokens_to_keep=1
+    remove_p = cum <= threshold  # [B, n, V]
+    remove_p[..., -1] = False  # min_tokens_to_keep=1
     remove_p &= (top_p < 1.0).view(B, 1, 1)
     remove |= remove_p
-    remove = remove.scatter(-1, order, remove)                                 # vocab order
+    remove = remove.scatter(-1, order, remove)  # vocab order
     return scores.masked_fill(remove, float("-inf"))
 
 
-def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-               top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+def warp_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    filtered: bool = True,
+) -> torch.Tensor:
     """Sampling distributions after temperature, top-k, top-p (transformers' warper order).
 
     logits: [B, n, V] raw logits, any float dtype (computed in float32)
@@ -56,19 +63,19 @@ def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     returns [B, n, V] float32 probabilities; greedy rows are the one-hot of the first argmax.
     """
     B, n, V = logits.shape
-    scores = logits.to(torch.float32)                                          # [B, n, V]
+    scores = logits.to(torch.float32)  # [B, n, V]
     greedy = (temperature <= 0).view(B, 1, 1)
-    t = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)      # [B]
+    t = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)  # [B]
     scores = scores / t.view(B, 1, 1)
     if filtered:
         scores = _filter_top_k_top_p(scores, top_k, top_p)
-    probs = scores.softmax(dim=-1)                                             # [B, n, V]
-    top1 = logits.argmax(dim=-1, keepdim=True)                                 # [B, n, 1]
-    one_hot = torch.zeros_like(probs).scatter_(-1, top1, 1.0)                  # [B, n, V]
+    probs = scores.softmax(dim=-1)  # [B, n, V]
+    top1 = logits.argmax(dim=-1, keepdim=True)  # [B, n, 1]
+    one_hot = torch.zeros_like(probs).scatter_(-1, top1, 1.0)  # [B, n, V]
     return torch.where(greedy, one_hot, probs)
 
 
-_CDF_UNIT = 2.0 ** 40    # fixed-point scale of the integer CDF
+_CDF_UNIT = 2.0**40  # fixed-point scale of the integer CDF
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -86,9 +93,9 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     CUDA scan can give a zero-probability token a one-ulp interval.
     """
     p = probs if probs.dtype == torch.float64 else probs.to(torch.float32)
-    cdf = (p * _CDF_UNIT).ceil_().to(torch.int64).cumsum_(dim=-1)            # [..., V]
-    total = cdf[..., -1:]                                                      # [..., 1]
+    cdf = (p * _CDF_UNIT).ceil_().to(torch.int64).cumsum_(dim=-1)  # [..., V]
+    total = cdf[..., -1:]  # [..., 1]
     x = (u.to(torch.float64).unsqueeze(-1) * total.to(torch.float64)).to(torch.int64)
-    x = torch.minimum(x, total - 1)                                            # [..., 1] < total
-    token = torch.searchsorted(cdf, x, right=True)                             # [..., 1]
+    x = torch.minimum(x, total - 1)  # [..., 1] < total
+    token = torch.searchsorted(cdf, x, right=True)  # [..., 1]
     return token.squeeze(-1).clamp(max=p.shape[-1] - 1)

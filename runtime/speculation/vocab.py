@@ -12,6 +12,7 @@ padding id; ids the draft's embedding lacks are clamped into it where the draft 
 
 Every size is known at load time: slicing and padding keep static shapes, no host sync.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,14 +23,16 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class DraftVocab:
-    propose: int     # the draft proposes ids < propose (<= embed and <= width)
-    width: int       # the target's vocab_size: the width of q
-    embed: int       # the draft's own vocab_size (its logits' width, its embedding's rows)
+    propose: int  # the draft proposes ids < propose (<= embed and <= width)
+    width: int  # the target's vocab_size: the width of q
+    embed: int  # the draft's own vocab_size (its logits' width, its embedding's rows)
 
     def __post_init__(self) -> None:
         if not 0 < self.propose <= min(self.width, self.embed):
-            raise ValueError(f"DraftVocab: propose {self.propose} must be in "
-                             f"(0, min(width {self.width}, embed {self.embed})]")
+            raise ValueError(
+                f"DraftVocab: propose {self.propose} must be in "
+                f"(0, min(width {self.width}, embed {self.embed})]"
+            )
 
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits [..., embed] -> [..., propose]: the ids it may propose."""

@@ -8,6 +8,7 @@ hands out the rows of a batch. A slot never given a table (a shard driven direct
 tests do) has its fixed one, runtime.models.arch.cache.slot_block_table, when the pool holds
 every slot's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,20 +16,28 @@ import torch
 from runtime.models.arch.cache import slot_block_table
 from runtime.models.runners.hostcopy import to_device
 
-MEMO = 256   # slot lists whose tables are kept on the device (rounds repeat their slots)
+MEMO = 256  # slot lists whose tables are kept on the device (rounds repeat their slots)
 
 
 class SlotTables:
-    def __init__(self, num_slots: int, blocks_per_seq: int, num_blocks: int,
-                 block_size: int, device: torch.device):
+    def __init__(
+        self,
+        num_slots: int,
+        blocks_per_seq: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ):
         self.width, self.num_blocks, self.block_size = blocks_per_seq, num_blocks, block_size
         self.device = device
         fixed = num_blocks >= num_slots * blocks_per_seq
-        self._default = (lambda s: slot_block_table([s], blocks_per_seq)[0]) if fixed else \
-            (lambda s: [])
+        self._default = (
+            (lambda s: slot_block_table([s], blocks_per_seq)[0]) if fixed else (lambda s: [])
+        )
         self.host = [self._default(s) for s in range(num_slots)]
-        self.all = torch.full((num_slots, blocks_per_seq), num_blocks, dtype=torch.int32,
-                              device=device)                                  # [S, M]
+        self.all = torch.full(
+            (num_slots, blocks_per_seq), num_blocks, dtype=torch.int32, device=device
+        )  # [S, M]
         self._memo: dict[tuple[int, ...], torch.Tensor] = {}
         self._write([(s, 0, t) for s, t in enumerate(self.host) if t])
 
@@ -81,12 +90,14 @@ class SlotTables:
         if not 0 <= slot < len(self.host):
             raise ValueError(f"slot {slot} out of range 0..{len(self.host) - 1}")
         if at + len(blocks) > self.width:
-            raise ValueError(f"slot {slot}: a table of {at + len(blocks)} blocks exceeds "
-                             f"{self.width}")
+            raise ValueError(
+                f"slot {slot}: a table of {at + len(blocks)} blocks exceeds {self.width}"
+            )
         bad = [b for b in blocks if not 0 <= b < self.num_blocks]
         if bad:
-            raise ValueError(f"slot {slot}: KV blocks {bad[:4]} out of range "
-                             f"0..{self.num_blocks - 1}")
+            raise ValueError(
+                f"slot {slot}: KV blocks {bad[:4]} out of range 0..{self.num_blocks - 1}"
+            )
 
     def _write(self, changes: list[tuple[int, int, list[int]]]) -> None:
         """(slot, first column, blocks) entries into the device table, one copy for all."""
@@ -96,6 +107,5 @@ class SlotTables:
         rows = [s for s, at, blocks in changes for _ in blocks]
         cols = [at + i for s, at, blocks in changes for i in range(len(blocks))]
         values = [b for _, _, blocks in changes for b in blocks]
-        index = to_device([rows, cols], torch.long, self.device)                 # [2, n]
-        self.all.index_put_((index[0], index[1]),
-                            to_device(values, torch.int32, self.device))
+        index = to_device([rows, cols], torch.long, self.device)  # [2, n]
+        self.all.index_put_((index[0], index[1]), to_device(values, torch.int32, self.device))

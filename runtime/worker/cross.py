@@ -11,6 +11,7 @@ one round (runtime.serving.cross_round holds the text mapping on rank 0).
 The draft never reads the target's ids, nor the target the draft's: the two share no block
 tables (the draft keeps its fixed ones) and no bridge transfer of proposals.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,14 @@ import time
 import torch
 
 from parallel.transfer import bridge_broadcast
-from runtime.control.commands import (DRAFT_LEADER, TARGET_LEADER, WORKER, CrossDraftCommand,
-                                      CrossVerifyCommand, RoundReply)
+from runtime.control.commands import (
+    DRAFT_LEADER,
+    TARGET_LEADER,
+    WORKER,
+    CrossDraftCommand,
+    CrossVerifyCommand,
+    RoundReply,
+)
 from runtime.models.runners.hostcopy import to_device
 from runtime.worker.round import RoundParts
 
@@ -30,7 +37,7 @@ def draft_cross(parts: RoundParts, cmd: CrossDraftCommand) -> RoundReply:
     start, rows = time.perf_counter(), []
     if parts.draft is not None:
         parts.draft.resync(cmd.slots, cmd.keep, cmd.tokens, cmd.params)
-        tokens, _ = parts.draft.propose(cmd.slots, cmd.k)                 # [B, k]
+        tokens, _ = parts.draft.propose(cmd.slots, cmd.k)  # [B, k]
         rows = tokens.tolist()
     worker_s = time.perf_counter() - start
     if parts.rank != parts.draft_leader:
@@ -42,7 +49,7 @@ def verify_cross(parts: RoundParts, cmd: CrossVerifyCommand) -> RoundReply:
     """The target verifies cmd.proposals and commits; the target leader reports the
     committed tokens per slot ([accepted proposals] + [its own next token])."""
     start, batch, dev = time.perf_counter(), len(cmd.slots), parts.device
-    verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)             # [B, 2]
+    verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)  # [B, 2]
     if parts.target is not None:
         parts.target.grow(cmd.slots, cmd.tables)
         verdict = _verify_ragged(parts.target, cmd.slots, cmd.proposals)
@@ -64,10 +71,10 @@ def _verify_ragged(target, slots: list[int], proposals: list[list[int]]) -> torc
     its padding at L_i: t_{L_i} is that pad, and the row keeps L_i proposals and takes it."""
     dev, width = target.device, max((len(p) for p in proposals), default=0)
     padded = to_device([p + [0] * (width - len(p)) for p in proposals], torch.long, dev)
-    padded = padded.reshape(len(slots), width)                             # [B, k]
-    accepted, next_token = target.verify(slots, padded)                   # [B], [B]
-    lengths = to_device([len(p) for p in proposals], torch.long, dev)     # [B]
+    padded = padded.reshape(len(slots), width)  # [B, k]
+    accepted, next_token = target.verify(slots, padded)  # [B], [B]
+    lengths = to_device([len(p) for p in proposals], torch.long, dev)  # [B]
     past = accepted > lengths
-    pad = torch.cat([padded, torch.zeros_like(lengths)[:, None]], 1)      # [B, k+1]
+    pad = torch.cat([padded, torch.zeros_like(lengths)[:, None]], 1)  # [B, k+1]
     next_token = torch.where(past, pad.gather(1, lengths[:, None])[:, 0], next_token)
     return torch.stack([torch.minimum(accepted, lengths), next_token], dim=1)

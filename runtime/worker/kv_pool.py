@@ -14,6 +14,7 @@ bridge group, which spans every worker):
 A pool that cannot hold one request of max_seq_len (TandemConfig.kv_seq_len) is the config's
 problem: a MemoryError naming the keys, which rank 0 reports as a usage error.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,12 @@ class PoolTooSmallElsewhere(Exception):
     rank 0; this one only waits to be shut down (runtime.worker.process)."""
 
 
-def pool_blocks(config: TandemConfig, models: dict[str, object], device: torch.device,
-                bridge: dist.ProcessGroup | None) -> int:
+def pool_blocks(
+    config: TandemConfig,
+    models: dict[str, object],
+    device: torch.device,
+    bridge: dist.ProcessGroup | None,
+) -> int:
     """The pool's blocks on every rank. models: key ("draft"/"target") -> this rank's
     model of it. Collective over `bridge` (every worker calls it). A pool too small for one
     request: MemoryError on the workers whose budget made it so (naming the key), and
@@ -48,9 +53,11 @@ def pool_blocks(config: TandemConfig, models: dict[str, object], device: torch.d
         return agreed
     if local >= per_request:
         raise PoolTooSmallElsewhere(f"another worker's KV budget holds {agreed} blocks")
-    raise MemoryError(f"{owner} KV cache needs {per_request} blocks of {rt.kv_block_size} "
-                      f"tokens for one request of runtime.max_seq_len {rt.max_seq_len}, but "
-                      f"{why} holds {local}: raise it, or lower runtime.max_seq_len")
+    raise MemoryError(
+        f"{owner} KV cache needs {per_request} blocks of {rt.kv_block_size} "
+        f"tokens for one request of runtime.max_seq_len {rt.max_seq_len}, but "
+        f"{why} holds {local}: raise it, or lower runtime.max_seq_len"
+    )
 
 
 def step_bytes(config: TandemConfig, model) -> int:
@@ -64,16 +71,19 @@ def step_bytes(config: TandemConfig, model) -> int:
     return 4 * rows * getattr(model, "vocab_size", 0) * 4 + long_chunk_bytes(model)
 
 
-def local_blocks(config: TandemConfig, models: dict[str, object], device: torch.device,
-                 per_request: int) -> tuple[int, str, str]:
+def local_blocks(
+    config: TandemConfig, models: dict[str, object], device: torch.device, per_request: int
+) -> tuple[int, str, str]:
     """(blocks this worker can hold, the model whose budget limits them, what limits them:
     for the error message)."""
     rt = config.runtime
-    costs = {key: block_bytes(model, rt.kv_block_size, rt.kv_cache_dtype)
-             for key, model in models.items()}
+    costs = {
+        key: block_bytes(model, rt.kv_block_size, rt.kv_cache_dtype)
+        for key, model in models.items()
+    }
     costs = {key: cost for key, cost in costs.items() if cost is not None}
     first = next(iter(models), "target")
-    if not costs:   # transformers fallback models keep a cache per slot
+    if not costs:  # transformers fallback models keep a cache per slot
         return rt.max_batch_size * per_request, first, "the transformers fallback's slots"
     free, total = device_memory(device)
     budget = free - RESERVE * total - sum(step_bytes(config, model) for model in models.values())
@@ -81,23 +91,31 @@ def local_blocks(config: TandemConfig, models: dict[str, object], device: torch.
     for key, cost in costs.items():
         share = getattr(config, key).kv_cache_memory
         if share is not None:
-            limits.append((int(share * total // cost), key,
-                           f"{key}.kv_cache_memory {share} of {total / GIB:.1f} GiB"))
+            limits.append(
+                (
+                    int(share * total // cost),
+                    key,
+                    f"{key}.kv_cache_memory {share} of {total / GIB:.1f} GiB",
+                )
+            )
             budget -= share * total
     shared = [key for key in costs if getattr(config, key).kv_cache_memory is None]
     if shared:
-        limits.append((max(0, int(budget // sum(costs[key] for key in shared))), shared[0],
-                       f"the {max(budget, 0) / GIB:.2f} GiB free on {device} after the "
-                       f"weights and a {RESERVE:.0%} reserve (set {shared[0]}.kv_cache_memory "
-                       f"to choose)"))
+        limits.append(
+            (
+                max(0, int(budget // sum(costs[key] for key in shared))),
+                shared[0],
+                f"the {max(budget, 0) / GIB:.2f} GiB free on {device} after the "
+                f"weights and a {RESERVE:.0%} reserve (set {shared[0]}.kv_cache_memory "
+                f"to choose)",
+            )
+        )
     fits, owner, why = min(limits)
     if rt.kv_cache_tokens is not None:
         want = blocks_for(rt.kv_cache_tokens, rt.kv_block_size)
         if want > fits:
-            return fits, owner, f"runtime.kv_cache_tokens {rt.kv_cache_tokens} does not " \
-                                f"fit: {why}"
+            return fits, owner, f"runtime.kv_cache_tokens {rt.kv_cache_tokens} does not fit: {why}"
         return want, owner, f"runtime.kv_cache_tokens {rt.kv_cache_tokens}"
     if device.type == "cpu":
-        limits.append((rt.max_batch_size * per_request, first,
-                       "runtime.max_batch_size requests"))
+        limits.append((rt.max_batch_size * per_request, first, "runtime.max_batch_size requests"))
     return min(limits)

@@ -30,6 +30,7 @@ This module decides which rows keep what; the shards change their states (DraftS
 draft_window, take_window, commit_kept; TargetShard: verify_with_last, commit_held), and a
 next window is a slot_state.Extension like any work done ahead.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ def window_len(next_k: int, bonus: bool) -> int:
     return next_k + 1 if bonus and next_k > 0 else next_k
 
 
-def take_drafts(draft: DraftShard, slots: list[int], k: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None, list[bool]]:
+def take_drafts(
+    draft: DraftShard, slots: list[int], k: int
+) -> tuple[torch.Tensor, torch.Tensor | None, list[bool]]:
     """This round's drafts: tokens [B, k] and q [B, k, V] (None when greedy): the windows
     drafted during the last round where the slot was kept, proposals for the others (made
     ahead while control travelled, or now); and which slots had a window (ready)."""
@@ -71,9 +73,14 @@ def take_drafts(draft: DraftShard, slots: list[int], k: int
             probs = None if rest_probs is None else rest_probs[i]
         rows_t.append(tokens)
         rows_q.append(None if greedy else probs)
-    probs = None if greedy else torch.stack(
-        [q if q is not None else _one_hot(t, draft) for q, t in zip(rows_q, rows_t)])
-    return torch.stack(rows_t), probs, ready                            # [B, k], [B, k, V]
+    probs = (
+        None
+        if greedy
+        else torch.stack(
+            [q if q is not None else _one_hot(t, draft) for q, t in zip(rows_q, rows_t)]
+        )
+    )
+    return torch.stack(rows_t), probs, ready  # [B, k], [B, k, V]
 
 
 def _one_hot(tokens: torch.Tensor, draft: DraftShard) -> torch.Tensor:
@@ -81,10 +88,16 @@ def _one_hot(tokens: torch.Tensor, draft: DraftShard) -> torch.Tensor:
     return torch.nn.functional.one_hot(tokens, draft.q_width).to(torch.float32)
 
 
-def commit_draft(draft: DraftShard, slots: list[int], drafts: list[list[int]],
-                 accepted: list[int], next_tokens: list[int], held: list[bool],
-                 window: tuple[torch.Tensor, torch.Tensor | None] | None, bonus: bool
-                 ) -> None:
+def commit_draft(
+    draft: DraftShard,
+    slots: list[int],
+    drafts: list[list[int]],
+    accepted: list[int],
+    next_tokens: list[int],
+    held: list[bool],
+    window: tuple[torch.Tensor, torch.Tensor | None] | None,
+    bonus: bool,
+) -> None:
     """The verdict on the draft. Kept slots keep their next window: with the target's bonus
     token (greedy) those that had all k accepted and guessed it as w_1 (they commit k + 1 and
     keep w_2..), else the held rows (they commit k). The others commit as in a plain round
@@ -92,18 +105,25 @@ def commit_draft(draft: DraftShard, slots: list[int], drafts: list[list[int]],
     kept = held
     if bonus and window is not None:
         firsts = window[0][:, 0].tolist()
-        kept = [a == len(d) and w == n
-                for d, a, n, w in zip(drafts, accepted, next_tokens, firsts)]
+        kept = [a == len(d) and w == n for d, a, n, w in zip(drafts, accepted, next_tokens, firsts)]
     plain = [i for i, keep in enumerate(kept) if not keep]
     if plain:
-        draft.commit([slots[i] for i in plain], [drafts[i] for i in plain],
-                     [accepted[i] for i in plain], [next_tokens[i] for i in plain])
-    skip = 1 if bonus else 0                # the bonus token: w_1, now committed
+        draft.commit(
+            [slots[i] for i in plain],
+            [drafts[i] for i in plain],
+            [accepted[i] for i in plain],
+            [next_tokens[i] for i in plain],
+        )
+    skip = 1 if bonus else 0  # the bonus token: w_1, now committed
     for i, slot in enumerate(slots):
         if not kept[i]:
             continue
         last = next_tokens[i] if bonus else drafts[i][-1]
         tokens, probs = window if window is not None else (None, None)
-        draft.commit_kept(slot, len(drafts[i]) + skip, last,
-                          None if tokens is None else tokens[i, skip:],
-                          None if probs is None else probs[i, skip:])
+        draft.commit_kept(
+            slot,
+            len(drafts[i]) + skip,
+            last,
+            None if tokens is None else tokens[i, skip:],
+            None if probs is None else probs[i, skip:],
+        )

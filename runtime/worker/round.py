@@ -12,6 +12,7 @@ the draft and the target groups over the bridge group (NCCL on GPU, gloo on CPU)
 
 The worker process (runtime.worker.process) only dispatches commands here.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,8 @@ from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.adaptive import takes_bonus
 from runtime.worker import overlap
 from runtime.worker.shards import DraftShard
-from runtime.worker.target_shard import TargetShard
 from runtime.worker.stepclock import StepClock
+from runtime.worker.target_shard import TargetShard
 
 DECODE_AHEAD_STEPS = 1  # target-only steps queued ahead: one outlasts a control round trip
 
@@ -34,16 +35,17 @@ DECODE_AHEAD_STEPS = 1  # target-only steps queued ahead: one outlasts a control
 @dataclass
 class RoundParts:
     """What a round touches on this rank."""
-    draft: DraftShard | None            # this rank's draft shard, if it hosts one
-    target: TargetShard | None          # this rank's target shard, if it hosts one
-    bridge: "torch.distributed.ProcessGroup | None"   # every worker (None: one worker)
-    draft_leader: int                   # global rank that sends the draft tokens
-    target_leader: int                  # global rank that sends the verdict and reports it
+
+    draft: DraftShard | None  # this rank's draft shard, if it hosts one
+    target: TargetShard | None  # this rank's target shard, if it hosts one
+    bridge: torch.distributed.ProcessGroup | None  # every worker (None: one worker)
+    draft_leader: int  # global rank that sends the draft tokens
+    target_leader: int  # global rank that sends the verdict and reports it
     rank: int
     device: torch.device
-    acceptance: str                     # tokens | logits
-    profile: bool = False               # time each phase (TANDEM_PROFILE=1)
-    overlap: bool = False               # draft the next window while the target verifies
+    acceptance: str  # tokens | logits
+    profile: bool = False  # time each phase (TANDEM_PROFILE=1)
+    overlap: bool = False  # draft the next window while the target verifies
 
     @property
     def reports(self) -> bool:
@@ -54,8 +56,9 @@ class RoundParts:
 class NextWork:
     """The round after this one, as the orchestrator announced it (its next_k): what to
     start on once this round's result has left (see work_ahead)."""
+
     slots: list[int]
-    k: int                              # 0: a target-only round
+    k: int  # 0: a target-only round
 
 
 def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
@@ -67,8 +70,8 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
     shard = parts.target or parts.draft
     need_q = parts.acceptance == "logits" and not shard.sampling(slots).greedy
     # 1. draft: k proposals per slot (drafted ahead while the last verdict travelled, or now)
-    draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)    # [B, k]
-    draft_probs = None                                                     # [B, k, V] q
+    draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)  # [B, k]
+    draft_probs = None  # [B, k, V] q
     if parts.draft is not None:
         ahead = parts.draft.take_ahead(slots, k)
         draft_tokens, draft_probs = ahead or parts.draft.propose(slots, k)
@@ -82,10 +85,11 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
         bridge_broadcast(draft_probs, parts.draft_leader, parts.bridge)
     clock.lap("draft_probs_transfer_s")
     # 3. target: one forward over pending + k drafts; accept a prefix, add one token of its own
-    verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)         # [B, 2]
+    verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)  # [B, 2]
     if parts.target is not None:
-        accepted, next_token = parts.target.verify(slots, draft_tokens,
-                                                   draft_probs if need_q else None)
+        accepted, next_token = parts.target.verify(
+            slots, draft_tokens, draft_probs if need_q else None
+        )
         verdict = torch.stack([accepted, next_token], dim=1)
     clock.lap("verify_s")
     # 4. target -> draft; 5. both commit
@@ -98,8 +102,7 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
     return _result(parts, start, clock, tokens, accepted)
 
 
-def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: int
-                         ) -> RoundReply:
+def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: int) -> RoundReply:
     """A round of overlapped speculation (runtime.worker.overlap): the draft's ranks and the
     target's are disjoint, and while the target verifies this window the draft drafts the
     next one as if this one will be kept. Greedy or `tokens` acceptance: the target takes its
@@ -110,32 +113,34 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     batch, dev, draft, target = len(slots), parts.device, parts.draft, parts.target
     greedy = (target or draft).sampling(slots).greedy
-    bonus = takes_bonus(greedy, parts.acceptance)               # else held logits
+    bonus = takes_bonus(greedy, parts.acceptance)  # else held logits
     need_q = parts.acceptance == "logits" and not greedy
     # 1. draft: this window (drafted during the last round where the slot was kept)
-    sent = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)   # [B, k] drafts, [B] ready
-    draft_probs = None                                                     # [B, k, V] q
+    sent = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)  # [B, k] drafts, [B] ready
+    draft_probs = None  # [B, k, V] q
     if draft is not None:
         draft_tokens, draft_probs, ready = overlap.take_drafts(draft, slots, k)
         sent = torch.cat([draft_tokens, to_device([[int(r)] for r in ready], torch.long, dev)], 1)
     clock.lap("draft_s")
     # 2. draft -> target
     bridge_broadcast(sent, parts.draft_leader, parts.bridge)
-    draft_tokens, ready = sent[:, :k], sent[:, k]                          # [B, k], [B]
+    draft_tokens, ready = sent[:, :k], sent[:, k]  # [B, k], [B]
     if need_q:
         if draft_probs is None:
             draft_probs = torch.zeros(batch, k, _q_width(parts), device=dev)
         bridge_broadcast(draft_probs, parts.draft_leader, parts.bridge)
     clock.lap("draft_transfer_s")
     # 3. at once: the target verifies, the draft drafts the next window
-    verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)         # [B, 2]
+    verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)  # [B, 2]
     window = last_logits = None
     if draft is not None and next_k > 0:
-        window = draft.draft_window(slots, draft_tokens, draft_probs,
-                                    overlap.window_len(next_k, bonus))
+        window = draft.draft_window(
+            slots, draft_tokens, draft_probs, overlap.window_len(next_k, bonus)
+        )
     if target is not None:
         accepted, next_token, last_logits = target.verify_with_last(
-            slots, draft_tokens, draft_probs if need_q else None)
+            slots, draft_tokens, draft_probs if need_q else None
+        )
         verdict = torch.stack([accepted, next_token], dim=1)
     clock.lap("verify_or_next_window_s")
     # 4. target -> draft; 5. both commit: kept slots keep the next window (draft), held ones
@@ -143,12 +148,12 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     drafts, accepted, next_tokens = _verdict_to_all(parts, draft_tokens, verdict, clock)
     held = overlap.held_rows(accepted, k, next_k, bonus)
     if draft is not None:
-        overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, held, window,
-                             bonus)
+        overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, held, window, bonus)
     if target is not None:
         target.commit_held(slots, accepted, next_tokens, held, last_logits)
-    tokens = [d[:a] if hold else d[:a] + [n]
-              for d, a, n, hold in zip(drafts, accepted, next_tokens, held)]
+    tokens = [
+        d[:a] if hold else d[:a] + [n] for d, a, n, hold in zip(drafts, accepted, next_tokens, held)
+    ]
     # per slot: was its window drafted during the last verify
     return _result(parts, start, clock, tokens, accepted, [bool(r) for r in ready.tolist()])
 
@@ -160,10 +165,10 @@ def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> Round
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     tokens = torch.zeros(len(slots), steps, dtype=torch.long, device=parts.device)
     if parts.target is not None:
-        tokens = parts.target.decode(slots, steps)                        # [B, steps]
+        tokens = parts.target.decode(slots, steps)  # [B, steps]
     clock.lap("decode_s")
     bridge_broadcast(tokens, parts.target_leader, parts.bridge)
-    rows = tokens.tolist()                                                # the one sync
+    rows = tokens.tolist()  # the one sync
     clock.lap("tokens_transfer_s")
     for shard in (parts.draft, parts.target):
         if shard is not None:
@@ -171,8 +176,15 @@ def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> Round
     return _result(parts, start, clock, rows, [0] * len(slots))
 
 
-def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], params: list[dict],
-            cached: list[int], tables: list[list[int]], final: list[bool]) -> RoundReply:
+def prefill(
+    parts: RoundParts,
+    slots: list[int],
+    prompts: list[list[int]],
+    params: list[dict],
+    cached: list[int],
+    tables: list[list[int]],
+    final: list[bool],
+) -> RoundReply:
     """Start or go on with these sequences' prompts (each slot's tokens from position
     cached[i] on) on both models: where they are a chunk of the prompt (not `final`) both
     cache all the tokens but the last; where they end it both cache all of them, the target
@@ -182,9 +194,9 @@ def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], param
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     ends = [i for i, f in enumerate(final) if f]
     chunks = [i for i, f in enumerate(final) if not f]
-    first = torch.zeros(len(ends), 1, dtype=torch.long, device=parts.device)     # [F, 1]
+    first = torch.zeros(len(ends), 1, dtype=torch.long, device=parts.device)  # [F, 1]
     draft = parts.draft if parts.draft is not None and not parts.draft.cross else None
-    if draft is not None:   # (a draft with another tokenizer starts at its first round)
+    if draft is not None:  # (a draft with another tokenizer starts at its first round)
         if chunks:
             draft.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
         if ends:
@@ -193,13 +205,12 @@ def prefill(parts: RoundParts, slots: list[int], prompts: list[list[int]], param
         if chunks:
             parts.target.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
         if ends:
-            first = parts.target.prefill_first(*_rows(ends, slots, prompts, params, cached,
-                                                       tables))
+            first = parts.target.prefill_first(*_rows(ends, slots, prompts, params, cached, tables))
     clock.lap("prefill_s")
     rows: list[list[int]] = []
     if ends:
         bridge_broadcast(first, parts.target_leader, parts.bridge)
-        rows = first.tolist()                                             # the one sync
+        rows = first.tolist()  # the one sync
         for shard in (draft, parts.target):
             if shard is not None:
                 shard.append_decoded([slots[i] for i in ends], rows)
@@ -223,20 +234,26 @@ def _rows(index: list[int], *columns: list | None) -> list[list | None]:
     return [[column[i] for i in index] if column else None for column in columns]
 
 
-def _verdict_to_all(parts: RoundParts, draft_tokens: torch.Tensor, verdict: torch.Tensor,
-                    clock: StepClock) -> tuple[list[list[int]], list[int], list[int]]:
+def _verdict_to_all(
+    parts: RoundParts, draft_tokens: torch.Tensor, verdict: torch.Tensor, clock: StepClock
+) -> tuple[list[list[int]], list[int], list[int]]:
     """The target leader's verdict [B, 2] (accepted, next token) to every worker, then the
     round's one host sync: (drafts, accepted, next tokens) per slot on the host."""
     bridge_broadcast(verdict, parts.target_leader, parts.bridge)
     clock.lap("verdict_transfer_s")
     k = draft_tokens.shape[1]
-    rows = torch.cat([draft_tokens, verdict], dim=1).tolist()             # [B, k+2]
-    return ([row[:k] for row in rows], [row[k] for row in rows],
-            [row[k + 1] for row in rows])
+    rows = torch.cat([draft_tokens, verdict], dim=1).tolist()  # [B, k+2]
+    return ([row[:k] for row in rows], [row[k] for row in rows], [row[k + 1] for row in rows])
 
 
-def _result(parts: RoundParts, start: float, clock: StepClock, tokens: list[list[int]],
-            accepted: list[int], overlapped: list[bool] | None = None) -> RoundReply:
+def _result(
+    parts: RoundParts,
+    start: float,
+    clock: StepClock,
+    tokens: list[list[int]],
+    accepted: list[int],
+    overlapped: list[bool] | None = None,
+) -> RoundReply:
     """The worker's reply: its own time (and phases when profiling); the committed tokens,
     accepted counts (and overlapped flags) from the target leader only."""
     timing = clock.laps if parts.profile else {}
@@ -268,7 +285,7 @@ def work_ahead(parts: RoundParts, nxt: NextWork) -> Exception | None:
     if shard is None:
         return None
     try:
-        if nxt.k > 0:   # slots with a next window (overlap) have their drafts already
+        if nxt.k > 0:  # slots with a next window (overlap) have their drafts already
             slots = [s for s in nxt.slots if s not in parts.draft.windows]
             if slots:
                 parts.draft.propose_ahead(slots, nxt.k)

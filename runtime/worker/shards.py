@@ -1,14 +1,15 @@
 """A model shard on a worker: its model, its step runner and its slots' speculation state
 (runtime.worker.slot_state: the shard's SlotBook is the only writer of lengths and pending
 tokens, and work done ahead of its round is an Extension record)."""
+
 from __future__ import annotations
 
 import torch
 
-from runtime.speculation.choose import BatchSampling, draft_choose
-from runtime.speculation.vocab import DraftVocab
 from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
+from runtime.speculation.choose import BatchSampling, draft_choose
+from runtime.speculation.vocab import DraftVocab
 from runtime.worker.block_tables import SlotTables
 from runtime.worker.slot_state import GREEDY, Extension, SlotBook, SlotState
 
@@ -16,12 +17,22 @@ __all__ = ["GREEDY", "SlotState", "ModelShard", "DraftShard"]
 
 
 class ModelShard:
-    refeeds_last = False     # the draft keeps a token pending (slot_state.SlotBook)
+    refeeds_last = False  # the draft keeps a token pending (slot_state.SlotBook)
 
-    def __init__(self, model, device: torch.device, num_slots: int, max_seq_len: int,
-                 acceptance: str = "tokens", max_step_len: int = 2, cuda_graphs: bool = True,
-                 prefill_graphs: bool | None = None, block_size: int = 16,
-                 num_blocks: int | None = None, kv_dtype: str = "auto"):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        num_slots: int,
+        max_seq_len: int,
+        acceptance: str = "tokens",
+        max_step_len: int = 2,
+        cuda_graphs: bool = True,
+        prefill_graphs: bool | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_dtype: str = "auto",
+    ):
         """max_step_len: the most tokens a decode/verify step appends per slot (draft_len + 1
         for the target); such steps run at static shapes (CUDA graphs on CUDA). Prompts run
         in static chunks too unless prefill_graphs is False. block_size: positions per KV
@@ -36,33 +47,42 @@ class ModelShard:
         # per slot, what an overlapped round carries to the next (runtime.worker.overlap):
         # the draft's next window, the target's held logits; gone with the slot's sequence
         self.carried: dict[int, object] = {}
-        self.tables: SlotTables | None = None   # None: a model with its own cache
+        self.tables: SlotTables | None = None  # None: a model with its own cache
         if hasattr(model, "forward_static"):
             model.allocate_cache(num_slots, max_seq_len, block_size, num_blocks, kv_dtype)
-            self.tables = SlotTables(num_slots, model.blocks_per_seq, model.num_blocks,
-                                     block_size, device)
+            self.tables = SlotTables(
+                num_slots, model.blocks_per_seq, model.num_blocks, block_size, device
+            )
         else:
             model.allocate_cache(num_slots, max_seq_len)
-        self.runner = StepRunner(model, device, num_slots, max_step_len, cuda_graphs,
-                                 prefill_graphs)
+        self.runner = StepRunner(
+            model, device, num_slots, max_step_len, cuda_graphs, prefill_graphs
+        )
 
-    def forward_rows(self, slots: list[int], rows: list[list[int]], logits: bool = True
-                     ) -> torch.Tensor | None:
+    def forward_rows(
+        self, slots: list[int], rows: list[list[int]], logits: bool = True
+    ) -> torch.Tensor | None:
         """Append ragged `rows` to each slot's cache; returns logits [B, T, V] (None with
         logits=False: prompts, whose KV is all that is kept)."""
         width = max(len(r) for r in rows)
         ids = to_device([r + [0] * (width - len(r)) for r in rows], torch.long, self.device)
         return self._step(slots, ids, [len(r) for r in rows], logits)
 
-    def _step(self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None,
-              logits: bool | str = True) -> torch.Tensor | None:
+    def _step(
+        self,
+        slots: list[int],
+        ids: torch.Tensor,
+        n_valid: list[int] | None = None,
+        logits: bool | str = True,
+    ) -> torch.Tensor | None:
         """ids [B, T] on the device, appended at each slot's cache_len; logits [B, T, V]
         (None when not wanted: StepRunner.prefill; "last": each row's at its last valid
         token [B, V], StepRunner.prefill_last)."""
         if n_valid is None:
             n_valid = [ids.shape[1]] * len(slots)
-        starts = self.slots.append(slots, n_valid,
-                                   None if self.tables is None else self.tables.capacity)
+        starts = self.slots.append(
+            slots, n_valid, None if self.tables is None else self.tables.capacity
+        )
         rows = slots if self.tables is None else self.tables.rows(slots)
         if logits == "last":
             return self.runner.prefill_last(ids, rows, starts, n_valid)
@@ -77,9 +97,15 @@ class ModelShard:
         """[B] sequence index of the next token to decide."""
         return to_device([self.slots[s].committed for s in slots], torch.long, self.device)
 
-    def prefill(self, slots: list[int], prompts: list[list[int]],
-                params: list[dict] | None = None, cached: list[int] | None = None,
-                tables: list[list[int]] | None = None, through: bool = False) -> None:
+    def prefill(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        params: list[dict] | None = None,
+        cached: list[int] | None = None,
+        tables: list[list[int]] | None = None,
+        through: bool = False,
+    ) -> None:
         """Cache every token but the last, which stays pending. prompts: per slot, its
         tokens from position cached[i] on (default 0: whole prompts; the positions before
         are in its table's blocks already: prefix hits, earlier chunks); tables: the slots'
@@ -87,13 +113,22 @@ class ModelShard:
         first output token the target picks: the draft's cache then holds the whole prompt,
         and that token alone is pending once committed)."""
         self._start(slots, prompts, params, cached, tables)
-        rows = [(s, p if through else p[:-1]) for s, p in zip(slots, prompts)
-                if len(p) > (0 if through else 1)]
+        rows = [
+            (s, p if through else p[:-1])
+            for s, p in zip(slots, prompts)
+            if len(p) > (0 if through else 1)
+        ]
         if rows:
             self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
 
-    def _start(self, slots: list[int], prompts: list[list[int]], params: list[dict] | None,
-               cached: list[int] | None, tables: list[list[int]] | None) -> list[int]:
+    def _start(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        params: list[dict] | None,
+        cached: list[int] | None,
+        tables: list[list[int]] | None,
+    ) -> list[int]:
         """New sequences in these slots (their tables, prompts, sampling); the cached
         positions per slot."""
         params = params or [GREEDY] * len(slots)
@@ -101,8 +136,10 @@ class ModelShard:
         if tables and self.tables is not None:
             self.tables.set(slots, tables)
         elif any(cached) and self.tables is None:
-            raise ValueError("cached positions need the paged KV cache (a model with its own "
-                             "cache prefills whole prompts)")
+            raise ValueError(
+                "cached positions need the paged KV cache (a model with its own "
+                "cache prefills whole prompts)"
+            )
         for slot, prompt, sampling, done in zip(slots, prompts, params, cached):
             self.slots.start(slot, prompt, sampling, done)
             self.carried.pop(slot, None)
@@ -154,10 +191,11 @@ class DraftShard(ModelShard):
     refeeds_last = True
     ahead: Extension | None = None
     vocab: DraftVocab | None = None
-    cross = False           # another tokenizer: own fixed block tables, synced from text
+    cross = False  # another tokenizer: own fixed block tables, synced from text
 
-    def resync(self, slots: list[int], keep: list[int], tokens: list[list[int]],
-               params: list[dict]) -> None:
+    def resync(
+        self, slots: list[int], keep: list[int], tokens: list[list[int]], params: list[dict]
+    ) -> None:
         """A draft with another tokenizer (cross): each slot's sequence becomes its first
         keep[i] cached positions and tokens[i] (keep 0: a new sequence, sampled with
         params[i]); all but the last token are fed, the last stays pending."""
@@ -175,8 +213,13 @@ class DraftShard(ModelShard):
         """The width of the q it sends: the target's vocab_size."""
         return self.model.vocab_size if self.vocab is None else self.vocab.width
 
-    def _step(self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None,
-              logits: bool | str = True) -> torch.Tensor | None:
+    def _step(
+        self,
+        slots: list[int],
+        ids: torch.Tensor,
+        n_valid: list[int] | None = None,
+        logits: bool | str = True,
+    ) -> torch.Tensor | None:
         if self.vocab is not None:
             ids = self.vocab.inputs(ids)
         return super()._step(slots, ids, n_valid, logits)
@@ -190,14 +233,15 @@ class DraftShard(ModelShard):
         marks = self.slots.mark(slots)
         try:
             tokens, probs = self.propose(slots, k)
-        except ValueError:     # a slot's cache is full: this round will not happen
+        except ValueError:  # a slot's cache is full: this round will not happen
             return
         finally:
-            self.slots.rollback(slots, marks)    # the work is the record's; states stay
+            self.slots.rollback(slots, marks)  # the work is the record's; states stay
         self.ahead = Extension(slots, tokens, probs, marks)
 
-    def take_ahead(self, slots: list[int], k: int
-                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def take_ahead(
+        self, slots: list[int], k: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The proposals made ahead for exactly these slots: their first k, or all of them
         continued to k; None for other slots."""
         ahead, self.ahead = self.ahead, None
@@ -207,45 +251,60 @@ class DraftShard(ModelShard):
         tokens, probs = ahead.tokens, ahead.probs
         if k <= tokens.shape[1]:
             return tokens[:, :k], None if probs is None else probs[:, :k]
-        return self._continue(slots, list(tokens.unbind(1)),
-                              [] if probs is None else list(probs.unbind(1)), k,
-                              self.sampling(slots), self.committed_index(slots))
+        return self._continue(
+            slots,
+            list(tokens.unbind(1)),
+            [] if probs is None else list(probs.unbind(1)),
+            k,
+            self.sampling(slots),
+            self.committed_index(slots),
+        )
 
     def drop_ahead(self) -> None:
         self.ahead = None
 
-    def propose(self, slots: list[int], k: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, slots: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode k tokens per slot: tokens [B, k] on the device and, when sampling, the
         distributions q [B, k, V] they were drawn from."""
         pending = [self.slots[s].pending for s in slots]
-        logits = self.forward_rows(slots, pending)                       # [B, T, V]
+        logits = self.forward_rows(slots, pending)  # [B, T, V]
         if all(len(p) == 1 for p in pending):
-            logits = logits[:, 0]                                         # [B, V]
+            logits = logits[:, 0]  # [B, V]
         else:
             last = to_device([len(p) - 1 for p in pending], torch.long, self.device)
             logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
-        sampling, index = self.sampling(slots), self.committed_index(slots)   # index [B]
+        sampling, index = self.sampling(slots), self.committed_index(slots)  # index [B]
         token, q = draft_choose(logits, sampling, index, self.acceptance, self.vocab)
         return self._continue(slots, [token], [] if q is None else [q], k, sampling, index)
 
-    def _continue(self, slots: list[int], tokens: list[torch.Tensor],
-                  probs: list[torch.Tensor], k: int, sampling: BatchSampling,
-                  index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _continue(
+        self,
+        slots: list[int],
+        tokens: list[torch.Tensor],
+        probs: list[torch.Tensor],
+        k: int,
+        sampling: BatchSampling,
+        index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode from the proposals so far (tokens [B] each, their q [B, V] when sampling)
         until there are k: tokens [B, k], q [B, k, V] or None. index [B]: sequence index of
         each row's first proposal."""
         for i in range(len(tokens), k):
-            logits = self._step(slots, tokens[-1][:, None])[:, -1]        # [B, V]
+            logits = self._step(slots, tokens[-1][:, None])[:, -1]  # [B, V]
             token, q = draft_choose(logits, sampling, index + i, self.acceptance, self.vocab)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
-        q_all = torch.stack(probs, dim=1) if probs else None              # [B, k, V]
-        return torch.stack(tokens, dim=1), q_all                          # [B, k]
+        q_all = torch.stack(probs, dim=1) if probs else None  # [B, k, V]
+        return torch.stack(tokens, dim=1), q_all  # [B, k]
 
-    def commit(self, slots: list[int], draft_tokens: list[list[int]], accepted: list[int],
-               next_tokens: list[int]) -> None:
+    def commit(
+        self,
+        slots: list[int],
+        draft_tokens: list[list[int]],
+        accepted: list[int],
+        next_tokens: list[int],
+    ) -> None:
         """The verdict of a round that proposed draft_tokens. The cache keeps the accepted
         drafts among the first k - 1 (the k-th is fed with the next proposal)."""
         k = len(draft_tokens[0])
@@ -253,31 +312,45 @@ class DraftShard(ModelShard):
             self.slots.commit(slot, a + 1, min(a, k - 1), drafts[:a][-1:] + [nxt])
 
     # --- overlap (runtime.worker.overlap): next windows ----------------------------------
-    def draft_window(self, slots: list[int], tokens: torch.Tensor,
-                     probs: torch.Tensor | None, count: int
-                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def draft_window(
+        self, slots: list[int], tokens: torch.Tensor, probs: torch.Tensor | None, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """While the target verifies tokens [B, k]: decode on as if all are kept, `count`
         more per slot (tokens [B, count], q or None). None when a slot's cache has no room
         (the slots then hold this round's proposals only)."""
         k, marks = tokens.shape[1], self.slots.mark(slots)
         try:
-            more, more_q = self._continue(slots, list(tokens.unbind(1)),
-                                          [] if probs is None else list(probs.unbind(1)),
-                                          k + count, self.sampling(slots),
-                                          self.committed_index(slots))
-        except ValueError:          # past the cache: this slot is about to finish anyway
+            more, more_q = self._continue(
+                slots,
+                list(tokens.unbind(1)),
+                [] if probs is None else list(probs.unbind(1)),
+                k + count,
+                self.sampling(slots),
+                self.committed_index(slots),
+            )
+        except ValueError:  # past the cache: this slot is about to finish anyway
             self.slots.rollback(slots, marks)
             return None
         return more[:, k:], None if more_q is None else more_q[:, k:]
 
-    def commit_kept(self, slot: int, added: int, last: int, window: torch.Tensor | None,
-                    window_probs: torch.Tensor | None) -> None:
+    def commit_kept(
+        self,
+        slot: int,
+        added: int,
+        last: int,
+        window: torch.Tensor | None,
+        window_probs: torch.Tensor | None,
+    ) -> None:
         """A slot whose window was kept: `added` proposals committed as drafted, `last` the
         final one; the proposals drafted past them ([m], q [m, V]) are its next window."""
         self.slots.commit(slot, added, added, [last])
         if window is not None:
-            self.windows[slot] = Extension([slot], window[None], None if window_probs is None
-                                           else window_probs[None], self.slots.mark([slot]))
+            self.windows[slot] = Extension(
+                [slot],
+                window[None],
+                None if window_probs is None else window_probs[None],
+                self.slots.mark([slot]),
+            )
 
     def has_window(self, slot: int, k: int) -> bool:
         """Whether the slot's next window holds at least k proposals."""

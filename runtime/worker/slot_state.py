@@ -18,6 +18,7 @@ slots' states as they were (`SlotBook.rollback` to the marks: the one rollback, 
 a full cache cut short); the round that takes it extends the slots' caches over what it takes
 (`SlotBook.take`); a round it does not fit forgets it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class SlotState:
 
 class Mark(NamedTuple):
     """A slot's state at one moment (SlotBook.mark)."""
+
     committed: int
     cache_len: int
     pending: tuple[int, ...]
@@ -48,10 +50,11 @@ class Extension:
     """Proposals worked out past the committed tokens of `slots` before their round asked for
     them. Fed to the caches, all but the last: each slot's cache held its pending tokens and
     the first n - 1 proposals (positions past its cache_len now, untouched until taken)."""
+
     slots: list[int]
-    tokens: torch.Tensor                # [B, n] on the device
-    probs: torch.Tensor | None          # [B, n, V] q when sampling, else None
-    marks: list[Mark]                   # where each slot stood when it was made
+    tokens: torch.Tensor  # [B, n] on the device
+    probs: torch.Tensor | None  # [B, n, V] q when sampling, else None
+    marks: list[Mark]  # where each slot stood when it was made
 
     @property
     def length(self) -> int:
@@ -90,8 +93,9 @@ class SlotBook:
         self.check(slot)
         if cached < 0 or not tokens:
             raise ValueError(f"slot {slot}: {cached} cached positions and {len(tokens)} tokens")
-        self.states[slot] = SlotState(cached + len(tokens), cached, [tokens[-1]],
-                                      {key: sampling[key] for key in GREEDY})
+        self.states[slot] = SlotState(
+            cached + len(tokens), cached, [tokens[-1]], {key: sampling[key] for key in GREEDY}
+        )
 
     def rewind(self, slot: int, keep: int, tokens: list[int]) -> None:
         """The sequence is now its first `keep` cached positions and `tokens` (a draft with
@@ -99,8 +103,10 @@ class SlotBook:
         others are to be fed (append) as a prefill's are. keep 0 needs start."""
         state = self.check(slot)
         if not 0 < keep <= state.cache_len or not tokens:
-            raise ValueError(f"slot {slot}: keeps {keep} of {state.cache_len} cached "
-                             f"positions with {len(tokens)} tokens")
+            raise ValueError(
+                f"slot {slot}: keeps {keep} of {state.cache_len} cached "
+                f"positions with {len(tokens)} tokens"
+            )
         state.cache_len, state.committed, state.pending = keep, keep + len(tokens), [tokens[-1]]
 
     def reset(self, slot: int) -> None:
@@ -116,8 +122,10 @@ class SlotBook:
             if start + n > self.max_seq_len:
                 raise ValueError(f"slot {slot}: sequence exceeds max_seq_len {self.max_seq_len}")
             if capacity is not None and start + n > capacity(slot):
-                raise ValueError(f"slot {slot}: positions {start}..{start + n - 1} lie past "
-                                 f"its KV blocks ({capacity(slot)} positions)")
+                raise ValueError(
+                    f"slot {slot}: positions {start}..{start + n - 1} lie past "
+                    f"its KV blocks ({capacity(slot)} positions)"
+                )
         for slot, n in zip(slots, counts):
             self.states[slot].cache_len += n
         return starts
@@ -129,7 +137,7 @@ class SlotBook:
         least every token not cached (a draft's also its last). Proposals fed past the
         committed ones are dropped: a length update."""
         state = self.states[slot]
-        base = state.committed - len(state.pending)           # cached before the round
+        base = state.committed - len(state.pending)  # cached before the round
         valid = base + min(state.cache_len - base, len(state.pending) + cached)
         state.committed += added
         uncached = state.committed - valid
@@ -137,16 +145,19 @@ class SlotBook:
             uncached, valid = 1, valid - 1
         known = state.pending + tail
         if uncached > len(known):
-            raise ValueError(f"slot {slot}: commit leaves {uncached} tokens uncached, "
-                             f"knows {len(known)}")
-        state.pending = known[len(known) - uncached:]
+            raise ValueError(
+                f"slot {slot}: commit leaves {uncached} tokens uncached, knows {len(known)}"
+            )
+        state.pending = known[len(known) - uncached :]
         state.cache_len = valid
 
     # --- work ahead --------------------------------------------------------------------------
     def mark(self, slots: list[int]) -> list[Mark]:
         """Where these slots stand: what work ahead starts from and rollback returns to."""
-        return [Mark(self.states[s].committed, self.states[s].cache_len,
-                     tuple(self.states[s].pending)) for s in slots]
+        return [
+            Mark(self.states[s].committed, self.states[s].cache_len, tuple(self.states[s].pending))
+            for s in slots
+        ]
 
     def rollback(self, slots: list[int], marks: list[Mark]) -> None:
         """Back to the marks (taken by mark, the states committing nothing since): whatever

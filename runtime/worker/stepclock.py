@@ -1,4 +1,5 @@
 """Per-phase wall times of a worker's round, for TANDEM_PROFILE=1."""
+
 from __future__ import annotations
 
 import time

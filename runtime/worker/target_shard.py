@@ -1,13 +1,14 @@
 """The target's model shard on a worker (runtime.worker.shards.ModelShard): verification of
 the draft's proposals, the first token of a prompt, target-only decode steps and their work
 ahead, and the held logits of overlapped rounds."""
+
 from __future__ import annotations
 
 import torch
 
+from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.acceptance import accept_choices
 from runtime.speculation.choose import BatchSampling, target_verify
-from runtime.models.runners.hostcopy import to_device
 from runtime.worker.shards import ModelShard
 from runtime.worker.slot_state import Extension
 
@@ -18,7 +19,7 @@ class TargetShard(ModelShard):
     numbers per position cross the group); sampled batches gather the full distribution.
     Work ahead: the next target-only round's first decode steps (`decode_ahead`)."""
 
-    vocab_parallel = None   # parallel.vocab.VocabParallel, or None when logits are full
+    vocab_parallel = None  # parallel.vocab.VocabParallel, or None when logits are full
     ahead: Extension | None = None
 
     @property
@@ -27,61 +28,77 @@ class TargetShard(ModelShard):
         (the slot then has no pending token; runtime.worker.overlap)."""
         return self.carried
 
-    def verify(self, slots: list[int], draft_tokens: torch.Tensor,
-               draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self, slots: list[int], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over pending + k draft tokens; returns (accepted [B], next_token [B])."""
         accepted, next_token, _ = self.verify_with_last(slots, draft_tokens, draft_probs)
         return accepted, next_token
 
-    def verify_with_last(self, slots: list[int], draft_tokens: torch.Tensor,
-                         draft_probs: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def verify_with_last(
+        self, slots: list[int], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """verify, and the logits at each slot's last position [B, V(local)] (held if the
         slot is kept). Slots that hold the logits of their first draft's position (kept
         last round) run over the k drafts alone."""
         held = [s in self.held for s in slots]
-        pending = to_device([self.slots[s].pending or [0] for s in slots], torch.long,
-                            self.device)
+        pending = to_device([self.slots[s].pending or [0] for s in slots], torch.long, self.device)
         if not any(held):
             logits = self._step(slots, torch.cat([pending, draft_tokens], dim=1))  # [B, k+1, V]
         else:
             logits = self._step_held(slots, draft_tokens, pending, held)
-        accepted, next_token = self._choose(draft_tokens, logits, self.sampling(slots),
-                                            self.committed_index(slots), draft_probs)
+        accepted, next_token = self._choose(
+            draft_tokens, logits, self.sampling(slots), self.committed_index(slots), draft_probs
+        )
         return accepted, next_token, logits[:, draft_tokens.shape[1]]
 
-    def _step_held(self, slots: list[int], draft_tokens: torch.Tensor, pending: torch.Tensor,
-                   held: list[bool]) -> torch.Tensor:
+    def _step_held(
+        self, slots: list[int], draft_tokens: torch.Tensor, pending: torch.Tensor, held: list[bool]
+    ) -> torch.Tensor:
         """The verify forward when some slots hold their first position's logits: those feed
         their k drafts alone and take the held logits first. Logits [B, k+1, V(local)]."""
         bsz, k = draft_tokens.shape
         pad = torch.zeros(bsz, 1, dtype=torch.long, device=self.device)
-        is_held = torch.tensor(held, device=self.device)[:, None]              # [B, 1]
-        ids = torch.where(is_held, torch.cat([draft_tokens, pad], 1),
-                          torch.cat([pending, draft_tokens], 1))               # [B, k+1]
-        new = self._step(slots, ids, [k if h else k + 1 for h in held])        # [B, k+1, V]
-        first = torch.stack([self.held[s] if h else new[i, 0]
-                             for i, (s, h) in enumerate(zip(slots, held))])    # [B, V]
-        shifted = torch.cat([first[:, None], new[:, :k]], dim=1)               # [B, k+1, V]
+        is_held = torch.tensor(held, device=self.device)[:, None]  # [B, 1]
+        ids = torch.where(
+            is_held, torch.cat([draft_tokens, pad], 1), torch.cat([pending, draft_tokens], 1)
+        )  # [B, k+1]
+        new = self._step(slots, ids, [k if h else k + 1 for h in held])  # [B, k+1, V]
+        first = torch.stack(
+            [self.held[s] if h else new[i, 0] for i, (s, h) in enumerate(zip(slots, held))]
+        )  # [B, V]
+        shifted = torch.cat([first[:, None], new[:, :k]], dim=1)  # [B, k+1, V]
         return torch.where(is_held[:, :, None], shifted, new)
 
-    def _choose(self, draft_tokens: torch.Tensor, logits: torch.Tensor,
-                sampling: BatchSampling, first_index: torch.Tensor,
-                draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(
+        self,
+        draft_tokens: torch.Tensor,
+        logits: torch.Tensor,
+        sampling: BatchSampling,
+        first_index: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(accepted [B], next_token [B]) from the target's logits [B, k+1, V(local)]."""
         if self.vocab_parallel is not None:
             if sampling.greedy:
                 return accept_choices(draft_tokens, self.vocab_parallel.argmax(logits))
-            logits = self.vocab_parallel.gather(logits)                   # [B, k+1, V]
-        return target_verify(draft_tokens, logits, sampling, first_index, self.acceptance,
-                             draft_probs)
+            logits = self.vocab_parallel.gather(logits)  # [B, k+1, V]
+        return target_verify(
+            draft_tokens, logits, sampling, first_index, self.acceptance, draft_probs
+        )
 
     def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:
         for slot, a, nxt in zip(slots, accepted, next_tokens):
             self.slots.commit(slot, a + 1, a, [nxt])
 
-    def commit_held(self, slots: list[int], accepted: list[int], next_tokens: list[int],
-                    held: list[bool], last_logits: torch.Tensor) -> None:
+    def commit_held(
+        self,
+        slots: list[int],
+        accepted: list[int],
+        next_tokens: list[int],
+        held: list[bool],
+        last_logits: torch.Tensor,
+    ) -> None:
         """An overlapped round's verdict: held slots commit their k drafts and hold the last
         position's logits [B, V(local)] (no pending token); the others commit as in a plain
         round (bonus token included)."""
@@ -89,13 +106,18 @@ class TargetShard(ModelShard):
             self.held.pop(slot, None)
             if held[i]:
                 self.slots.commit(slot, accepted[i], accepted[i], [])
-                self.held[slot] = last_logits[i].clone()   # the step's output is reused
+                self.held[slot] = last_logits[i].clone()  # the step's output is reused
             else:
                 self.commit([slot], [accepted[i]], [next_tokens[i]])
 
-    def prefill_first(self, slots: list[int], prompts: list[list[int]],
-                      params: list[dict] | None = None, cached: list[int] | None = None,
-                      tables: list[list[int]] | None = None) -> torch.Tensor:
+    def prefill_first(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        params: list[dict] | None = None,
+        cached: list[int] | None = None,
+        tables: list[list[int]] | None = None,
+    ) -> torch.Tensor:
         """Start these sequences and feed all their tokens (prompts: from position
         cached[i] on, as ModelShard.prefill), the last too: each one's first output token
         [B, 1] on the device, the target's choice at the index after the prompt (what a
@@ -105,14 +127,15 @@ class TargetShard(ModelShard):
         rows = prompts
         width = max(len(r) for r in rows)
         ids = to_device([r + [0] * (width - len(r)) for r in rows], torch.long, self.device)
-        logits = self._step(slots, ids, [len(r) for r in rows], logits="last")   # [B, V]
+        logits = self._step(slots, ids, [len(r) for r in rows], logits="last")  # [B, V]
         return self._pick(logits[:, None], self.sampling(slots), self.committed_index(slots))
 
-    def _pick(self, logits: torch.Tensor, sampling: BatchSampling, index: torch.Tensor
-              ) -> torch.Tensor:
+    def _pick(
+        self, logits: torch.Tensor, sampling: BatchSampling, index: torch.Tensor
+    ) -> torch.Tensor:
         """The target's token at sequence index `index` [B] from its logits [B, 1, V(local)]
         with no drafts to test: [B, 1]."""
-        if sampling.greedy:   # what _choose takes with no drafts, in one kernel
+        if sampling.greedy:  # what _choose takes with no drafts, in one kernel
             if self.vocab_parallel is not None:
                 return self.vocab_parallel.argmax(logits)
             return logits.argmax(dim=-1)
@@ -128,22 +151,23 @@ class TargetShard(ModelShard):
         pending = [self.slots[s].pending for s in slots]
         if any(len(p) != 1 for p in pending):
             raise RuntimeError("target-only decode needs exactly one pending token per slot")
-        done = self._take_ahead(slots, steps)                             # [B, m], m <= steps
+        done = self._take_ahead(slots, steps)  # [B, m], m <= steps
         token = to_device(pending, torch.long, self.device) if done is None else done[:, -1:]
         tokens = [] if done is None else [done]
         first = done.shape[1] if done is not None else 0
         if first < steps:
             tokens += self._decode_steps(slots, token, first, steps - first)
-        return torch.cat(tokens, dim=1)                                   # [B, steps]
+        return torch.cat(tokens, dim=1)  # [B, steps]
 
-    def _decode_steps(self, slots: list[int], token: torch.Tensor, done: int, steps: int
-                      ) -> list[torch.Tensor]:
+    def _decode_steps(
+        self, slots: list[int], token: torch.Tensor, done: int, steps: int
+    ) -> list[torch.Tensor]:
         """`steps` more decode steps after `done` of them, feeding token [B, 1] first."""
         sampling, first = self.sampling(slots), self.committed_index(slots) + done
         tokens = []
         for i in range(steps):
-            logits = self._step(slots, token)                             # [B, 1, V(local)]
-            token = self._pick(logits, sampling, first + i)               # [B, 1]
+            logits = self._step(slots, token)  # [B, 1, V(local)]
+            token = self._pick(logits, sampling, first + i)  # [B, 1]
             tokens.append(token)
         return tokens
 
@@ -159,7 +183,7 @@ class TargetShard(ModelShard):
         except (ValueError, RuntimeError):  # a full cache, no single pending token: not now
             return
         finally:
-            self.slots.rollback(slots, marks)    # the work is the record's; states stay
+            self.slots.rollback(slots, marks)  # the work is the record's; states stay
         self.ahead = Extension(slots, tokens, None, marks)
 
     def _take_ahead(self, slots: list[int], steps: int) -> torch.Tensor | None:

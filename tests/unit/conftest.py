@@ -1,4 +1,5 @@
 """Fixtures shared by the unit tests (no processes)."""
+
 import pytest
 
 from tests.checkpoints import build_checkpoint

@@ -2,6 +2,7 @@
 and the report's settings: prefix caching off unless --prefix-caching, --max-seq-len,
 --kv-cache-tokens, --kv-cache-dtype; no model is loaded (a synthetic recipe pair is a
 config and a recipe file)."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,18 +25,36 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def _synthetic(tmp_path, **values) -> BenchSettings:
-    return BenchSettings(synthetic="tiny", device="cpu", modes=["spec"], prompt_len=8,
-                         new_tokens=8, synthetic_dir=str(tmp_path), **values)
+    return BenchSettings(
+        synthetic="tiny",
+        device="cpu",
+        modes=["spec"],
+        prompt_len=8,
+        new_tokens=8,
+        synthetic_dir=str(tmp_path),
+        **values,
+    )
 
 
 def test_flags_default_to_prefix_caching_off():
     args = _parse("--synthetic", "tiny")
     assert args.prefix_caching is False
     assert (args.max_seq_len, args.kv_cache_tokens, args.kv_cache_dtype) == (None,) * 3
-    args = _parse("--prefix-caching", "--max-seq-len", "512", "--kv-cache-tokens", "4096",
-                  "--kv-cache-dtype", "fp8")
-    assert (args.prefix_caching, args.max_seq_len, args.kv_cache_tokens,
-            args.kv_cache_dtype) == (True, 512, 4096, "fp8")
+    args = _parse(
+        "--prefix-caching",
+        "--max-seq-len",
+        "512",
+        "--kv-cache-tokens",
+        "4096",
+        "--kv-cache-dtype",
+        "fp8",
+    )
+    assert (args.prefix_caching, args.max_seq_len, args.kv_cache_tokens, args.kv_cache_dtype) == (
+        True,
+        512,
+        4096,
+        "fp8",
+    )
     for bad in (["--kv-cache-dtype", "int8"], ["--max-seq-len", "0"]):
         with pytest.raises(SystemExit):
             _parse(*bad)
@@ -53,14 +72,29 @@ def test_synthetic_defaults(tmp_path):
 
 
 def test_synthetic_kv_settings_reach_a_valid_engine_config(tmp_path):
-    st = resolve(_synthetic(tmp_path, prefix_caching=True, max_seq_len=512,
-                            kv_cache_tokens=2048, kv_cache_dtype="fp8"))
+    st = resolve(
+        _synthetic(
+            tmp_path,
+            prefix_caching=True,
+            max_seq_len=512,
+            kv_cache_tokens=2048,
+            kv_cache_dtype="fp8",
+        )
+    )
     rt = st.engine_config["runtime"]
-    assert (rt["prefix_caching"], rt["max_seq_len"], rt["kv_cache_tokens"],
-            rt["kv_cache_dtype"]) == (True, 512, 2048, "fp8")
+    assert (
+        rt["prefix_caching"],
+        rt["max_seq_len"],
+        rt["kv_cache_tokens"],
+        rt["kv_cache_dtype"],
+    ) == (True, 512, 2048, "fp8")
     cfg = load_config(st.engine_config, check_devices=False).runtime
-    assert (cfg.prefix_caching, cfg.max_seq_len, cfg.kv_cache_tokens,
-            cfg.kv_cache_dtype) == (True, 512, 2048, "fp8")
+    assert (cfg.prefix_caching, cfg.max_seq_len, cfg.kv_cache_tokens, cfg.kv_cache_dtype) == (
+        True,
+        512,
+        2048,
+        "fp8",
+    )
 
 
 def test_max_seq_len_beyond_the_synthetic_context(tmp_path):
@@ -79,17 +113,31 @@ def test_config_run(tmp_path):
     from runtime.models.loading.synthetic import build_pair
 
     draft, target = build_pair(tmp_path, "tiny", 2, materialize=False)
-    path = launch.write_config(tmp_path / "c.yaml", draft, target, max_seq_len=1024,
-                               kv_cache_dtype="fp8")
-    rt = resolve(BenchSettings(config=path, synthetic=None, prompt_len=8,
-                               new_tokens=8)).engine_config["runtime"]
-    assert (rt["prefix_caching"], rt["max_seq_len"], rt["kv_cache_dtype"]) == \
-        (False, 1024, "fp8")
-    rt = resolve(BenchSettings(config=path, synthetic=None, prompt_len=8, new_tokens=8,
-                               prefix_caching=True, max_seq_len=64, kv_cache_tokens=512,
-                               kv_cache_dtype="auto")).engine_config["runtime"]
-    assert (rt["prefix_caching"], rt["max_seq_len"], rt["kv_cache_tokens"],
-            rt["kv_cache_dtype"]) == (True, 64, 512, "auto")
+    path = launch.write_config(
+        tmp_path / "c.yaml", draft, target, max_seq_len=1024, kv_cache_dtype="fp8"
+    )
+    rt = resolve(
+        BenchSettings(config=path, synthetic=None, prompt_len=8, new_tokens=8)
+    ).engine_config["runtime"]
+    assert (rt["prefix_caching"], rt["max_seq_len"], rt["kv_cache_dtype"]) == (False, 1024, "fp8")
+    rt = resolve(
+        BenchSettings(
+            config=path,
+            synthetic=None,
+            prompt_len=8,
+            new_tokens=8,
+            prefix_caching=True,
+            max_seq_len=64,
+            kv_cache_tokens=512,
+            kv_cache_dtype="auto",
+        )
+    ).engine_config["runtime"]
+    assert (
+        rt["prefix_caching"],
+        rt["max_seq_len"],
+        rt["kv_cache_tokens"],
+        rt["kv_cache_dtype"],
+    ) == (True, 64, 512, "auto")
 
 
 def test_check_rejects_a_max_seq_len_too_short():
@@ -109,4 +157,5 @@ def test_kv_bytes_per_position_counts_every_layers_keys_and_values(llama_path, k
     model.allocate_cache(2, 64, kv_dtype=kv_dtype)
     args = model.args
     assert kv_bytes_per_position(model) == args.n_layers * KVCache.position_bytes(
-        args.n_kv_heads, args.head_dim, torch.float32, kv_dtype)
+        args.n_kv_heads, args.head_dim, torch.float32, kv_dtype
+    )

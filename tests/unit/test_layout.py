@@ -1,6 +1,7 @@
 """The layout's rules (README, Architecture): a few modules at runtime/'s root, a package per
 role, models/ in rooms by role, parallel/ generic (it imports nothing from runtime/), and no
 import circle anywhere in the product (imports inside functions included)."""
+
 from __future__ import annotations
 
 import ast
@@ -43,7 +44,7 @@ def test_models_live_in_rooms_by_role():
     assert rooms == MODEL_ROOMS
     for room in rooms:
         modules = list((models / room).rglob("*.py"))
-        assert len(modules) <= 16, f"models/{room} holds {len(modules)} modules"   # 15 + __init__
+        assert len(modules) <= 16, f"models/{room} holds {len(modules)} modules"  # 15 + __init__
 
 
 def _module_graph() -> dict[str, set[str]]:

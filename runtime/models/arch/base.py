@@ -1,4 +1,5 @@
 """The interface every model behind a worker implements, and its argument checks."""
+
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
@@ -12,8 +13,13 @@ class CausalLM(Protocol):
 
     def allocate_cache(self, num_slots: int, max_seq_len: int) -> None: ...
 
-    def forward_extend(self, input_ids: torch.Tensor, rows: torch.Tensor,
-                       start_pos: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    def forward_extend(
+        self,
+        input_ids: torch.Tensor,
+        rows: torch.Tensor,
+        start_pos: torch.Tensor,
+        n_valid: torch.Tensor,
+    ) -> torch.Tensor:
         """input_ids [B, T] right-padded, start_pos/n_valid [B] -> logits [B, T, V]. rows:
         the rows' block tables [B, M] (paged models: LlamaForCausalLM; slots [B] stand for
         their fixed tables, cache.slot_block_table), or slots [B] (the transformers
@@ -27,9 +33,14 @@ class CausalLM(Protocol):
     def free_slot(self, slot: int) -> None: ...
 
 
-def check_extend_args(input_ids: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
-                      n_valid: torch.Tensor, num_slots: int | None,
-                      max_seq_len: int | None) -> int:
+def check_extend_args(
+    input_ids: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    n_valid: torch.Tensor,
+    num_slots: int | None,
+    max_seq_len: int | None,
+) -> int:
     """Validate forward_extend arguments with one host sync; return max(start_pos + n_valid).
     `slots` [B] in 0..num_slots-1, or block tables [B, M] in 0..num_slots-1 (num_slots then
     counts blocks); max_seq_len: the most positions a row may hold.
@@ -41,14 +52,21 @@ def check_extend_args(input_ids: torch.Tensor, slots: torch.Tensor, start_pos: t
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     bsz, seq = input_ids.shape
     for name, t in (("slots", slots), ("start_pos", start_pos), ("n_valid", n_valid)):
-        if tuple(t.shape[:1 if t is slots else None]) != (bsz,):
+        if tuple(t.shape[: 1 if t is slots else None]) != (bsz,):
             raise ValueError(f"{name} must have shape [{bsz}], got {tuple(t.shape)}")
     if bsz == 0:
         raise ValueError("empty batch")
     end = start_pos + n_valid
     kv_len, min_start, min_n, max_n, min_slot, max_slot = torch.stack(
-        [end.max(), start_pos.min(), n_valid.min(), n_valid.max(), slots.min().long(),
-         slots.max().long()]).tolist()
+        [
+            end.max(),
+            start_pos.min(),
+            n_valid.min(),
+            n_valid.max(),
+            slots.min().long(),
+            slots.max().long(),
+        ]
+    ).tolist()
     if min_slot < 0 or max_slot >= num_slots:
         what = "block" if slots.dim() == 2 else "slot"
         raise ValueError(f"{what} out of range 0..{num_slots - 1}: {slots.tolist()}")
@@ -57,7 +75,9 @@ def check_extend_args(input_ids: torch.Tensor, slots: torch.Tensor, start_pos: t
     if min_n < 0 or max_n > seq:
         raise ValueError(f"n_valid must be in 0..{seq}: {n_valid.tolist()}")
     if kv_len > max_seq_len:
-        raise ValueError(f"position {kv_len - 1} exceeds the KV cache (max_seq_len "
-                         f"{max_seq_len}): start_pos {start_pos.tolist()}, "
-                         f"n_valid {n_valid.tolist()}")
+        raise ValueError(
+            f"position {kv_len - 1} exceeds the KV cache (max_seq_len "
+            f"{max_seq_len}): start_pos {start_pos.tolist()}, "
+            f"n_valid {n_valid.tolist()}"
+        )
     return int(kv_len)

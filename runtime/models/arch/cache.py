@@ -8,15 +8,16 @@ the rows' lengths and builds their tables (runtime.worker: today a fixed table p
 positions >= start_pos of a row are simply overwritten by the next forward_extend before
 any query can attend to them.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import nn
 
-KV_DTYPES = ("auto", "fp8")   # runtime.kv_cache_dtype: the activation dtype, or e4m3 + scales
+KV_DTYPES = ("auto", "fp8")  # runtime.kv_cache_dtype: the activation dtype, or e4m3 + scales
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -58,9 +59,16 @@ class KVCache(nn.Module):
     e4m3.float() * scale. Half the bytes of bf16 K/V plus 8 bytes a position and KV head.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | None = None,
-                 kv_dtype: str = "auto"):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        kv_dtype: str = "auto",
+    ):
         super().__init__()
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
@@ -69,11 +77,11 @@ class KVCache(nn.Module):
         shape = self.shape(num_blocks, block_size, n_kv_heads, head_dim)
         store = torch.float8_e4m3fn if self.fp8 else dtype
         for name in ("k_cache", "v_cache"):
-            self.register_buffer(name, torch.zeros(shape, dtype=store, device=device),
-                                 persistent=False)
-        for name in ("k_scale", "v_scale"):   # None unless fp8
-            scale = torch.zeros(shape[:3], dtype=torch.float32, device=device) if self.fp8 \
-                else None
+            self.register_buffer(
+                name, torch.zeros(shape, dtype=store, device=device), persistent=False
+            )
+        for name in ("k_scale", "v_scale"):  # None unless fp8
+            scale = torch.zeros(shape[:3], dtype=torch.float32, device=device) if self.fp8 else None
             self.register_buffer(name, scale, persistent=False)
 
     @property
@@ -88,8 +96,9 @@ class KVCache(nn.Module):
         return (self.k_scale, self.v_scale) if self.fp8 else ()
 
     @staticmethod
-    def position_bytes(n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       kv_dtype: str = "auto") -> int:
+    def position_bytes(
+        n_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: str = "auto"
+    ) -> int:
         """Bytes one position costs in one layer: K and V of every KV head, in `dtype`
         ("auto") or e4m3 plus their two float32 scales ("fp8")."""
         if kv_dtype == "fp8":
@@ -104,25 +113,30 @@ class KVCache(nn.Module):
         return self.num_blocks
 
     @staticmethod
-    def shape(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int
-              ) -> tuple[int, int, int, int]:
+    def shape(
+        num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int
+    ) -> tuple[int, int, int, int]:
         """Shape of k_cache and of v_cache (the scratch block included)."""
         return (num_blocks + 1, n_kv_heads, block_size, head_dim)
 
-    def read(self, batch: "ExtendBatch") -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, batch: ExtendBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """This batch's keys and values [B, Hkv, L, D] in `dtype`, L = kv_len: each row's
         first ceil(L / block_size) blocks gathered in table order (a copy; an FP8 cache's
         dequantized in float32: e4m3 * scale). (Writing is fused with RoPE:
         runtime.models.arch.fused.rotary_write, rotary_write_kv8.)"""
         n = blocks_for(batch.kv_len, self.block_size)
-        table = batch.block_table[:, :n].long()                             # [B, n]
+        table = batch.block_table[:, :n].long()  # [B, n]
         if not self.fp8:
-            return tuple(_rows_of(cache, table, batch.kv_len)
-                         for cache in (self.k_cache, self.v_cache))
-        return tuple((_rows_of(cache, table, batch.kv_len).float()
-                      * _rows_of(scale[..., None], table, batch.kv_len)).to(self.dtype)
-                     for cache, scale in ((self.k_cache, self.k_scale),
-                                          (self.v_cache, self.v_scale)))
+            return tuple(
+                _rows_of(cache, table, batch.kv_len) for cache in (self.k_cache, self.v_cache)
+            )
+        return tuple(
+            (
+                _rows_of(cache, table, batch.kv_len).float()
+                * _rows_of(scale[..., None], table, batch.kv_len)
+            ).to(self.dtype)
+            for cache, scale in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale))
+        )
 
 
 def _rows_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -130,7 +144,7 @@ def _rows_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Ten
     [N+1, H, BS, 1])."""
     bsz, n = table.shape
     _, heads, block, dim = cache.shape
-    blocks = cache[table]                                                   # [B, n, H, BS, D]
+    blocks = cache[table]  # [B, n, H, BS, D]
     rows = blocks.permute(0, 2, 1, 3, 4).reshape(bsz, heads, n * block, dim)
     return rows[:, :, :length]
 
@@ -138,32 +152,46 @@ def _rows_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Ten
 @dataclass
 class ExtendBatch:
     """Layout of one forward_extend call, computed once and shared by every layer."""
+
     block_table: torch.Tensor  # [B, M] int32 block of each row's logical block
-    positions: torch.Tensor    # [B, T] absolute position of each token
-    valid: torch.Tensor        # [B, T] bool, t < n_valid[b]
+    positions: torch.Tensor  # [B, T] absolute position of each token
+    valid: torch.Tensor  # [B, T] bool, t < n_valid[b]
     write_blocks: torch.Tensor  # [B*T] block of each token (the scratch block for padding)
     write_offsets: torch.Tensor  # [B*T] offset of each token in its block
-    kv_len: int                # attend over positions [0, kv_len)
+    kv_len: int  # attend over positions [0, kv_len)
     block_size: int
-    _derived: dict = field(default_factory=dict, repr=False)   # masks, int32 rows: built once
+    _derived: dict = field(default_factory=dict, repr=False)  # masks, int32 rows: built once
 
     @classmethod
-    def build(cls, block_table: torch.Tensor, start_pos: torch.Tensor, n_valid: torch.Tensor,
-              seq_len: int, kv_len: int, block_size: int, scratch: int) -> "ExtendBatch":
+    def build(
+        cls,
+        block_table: torch.Tensor,
+        start_pos: torch.Tensor,
+        n_valid: torch.Tensor,
+        seq_len: int,
+        kv_len: int,
+        block_size: int,
+        scratch: int,
+    ) -> ExtendBatch:
         """block_table [B, M] int32; start_pos, n_valid [B]; scratch: the pool's scratch
         block (KVCache.scratch). No host sync: a padding token's block is looked up at a
         clamped index and replaced by the scratch block."""
-        block_table = block_table.contiguous()      # the kernels step rows by stride(0)
-        offsets = torch.arange(seq_len, device=start_pos.device)           # [T]
-        positions = start_pos[:, None] + offsets[None, :]                  # [B, T]
-        valid = offsets[None, :] < n_valid[:, None]                        # [B, T]
+        block_table = block_table.contiguous()  # the kernels step rows by stride(0)
+        offsets = torch.arange(seq_len, device=start_pos.device)  # [T]
+        positions = start_pos[:, None] + offsets[None, :]  # [B, T]
+        valid = offsets[None, :] < n_valid[:, None]  # [B, T]
         logical = (positions // block_size).clamp(max=block_table.shape[1] - 1)
-        blocks = block_table.long().gather(1, logical)                     # [B, T]
+        blocks = block_table.long().gather(1, logical)  # [B, T]
         write_blocks = torch.where(valid, blocks, torch.full_like(blocks, scratch))
-        return cls(block_table=block_table, positions=positions, valid=valid,
-                   write_blocks=write_blocks.flatten(),
-                   write_offsets=(positions % block_size).flatten(),
-                   kv_len=kv_len, block_size=block_size)
+        return cls(
+            block_table=block_table,
+            positions=positions,
+            valid=valid,
+            write_blocks=write_blocks.flatten(),
+            write_offsets=(positions % block_size).flatten(),
+            kv_len=kv_len,
+            block_size=block_size,
+        )
 
     @property
     def capacity(self) -> int:
@@ -174,8 +202,10 @@ class ExtendBatch:
         """(positions, valid) as contiguous int32 [B, T]: what the Triton attention kernel
         reads, converted once per call for all the layers (two kernels fewer per layer)."""
         if "int32" not in self._derived:
-            self._derived["int32"] = (self.positions.to(torch.int32).contiguous(),
-                                      self.valid.to(torch.int32).contiguous())
+            self._derived["int32"] = (
+                self.positions.to(torch.int32).contiguous(),
+                self.valid.to(torch.int32).contiguous(),
+            )
         return self._derived["int32"]
 
     def mask(self, window: int | None = None) -> torch.Tensor:
@@ -183,11 +213,11 @@ class ExtendBatch:
         positions ending at the query (transformers: kv > q - window)."""
         if window not in self._derived:
             kv_pos = torch.arange(self.kv_len, device=self.positions.device)  # [L]
-            q_pos = self.positions[:, :, None]                                # [B, T, 1]
-            allowed = kv_pos[None, None, :] <= q_pos                          # [B, T, L]
+            q_pos = self.positions[:, :, None]  # [B, T, 1]
+            allowed = kv_pos[None, None, :] <= q_pos  # [B, T, L]
             if window is not None:
                 allowed = allowed & (kv_pos[None, None, :] > q_pos - window)
             # padding queries see position 0 so that no softmax row is empty (no NaN)
             allowed = allowed | (~self.valid[:, :, None] & (kv_pos == 0)[None, None, :])
-            self._derived[window] = allowed[:, None]                         # [B, 1, T, L]
+            self._derived[window] = allowed[:, None]  # [B, 1, T, L]
         return self._derived[window]

@@ -13,6 +13,7 @@ On the fused FP8 path (runtime.models.arch.quant.FUSE_FP8) a column-parallel lin
 GEMM output to the next kernel like FP8Linear; a row-parallel one rescales first (its own
 kernel, as unfused), because the all-reduce must sum rescaled partial products.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,14 +41,17 @@ class FP8RowParallelLinear(FP8Mixin, RowParallelLinear):
     def forward_fp8(self, x: FP8Act) -> torch.Tensor:
         """The partial GEMM on a quantized input [M, in shard], rescaled, all-reduced, plus
         the bias: [M, out] in x.dtype, the same operations as forward."""
-        out = fused.fp8_rescale(fp8_gemm_raw(x.data, self.weight), x.scale,
-                                self.weight_scale, None, x.dtype)
+        out = fused.fp8_rescale(
+            fp8_gemm_raw(x.data, self.weight), x.scale, self.weight_scale, None, x.dtype
+        )
         out = all_reduce(out, self.group)
         return out if self.bias is None else out + self.bias
 
 
-FP8_TP_CLASSES = {ColumnParallelLinear: FP8ColumnParallelLinear,
-                  RowParallelLinear: FP8RowParallelLinear}
+FP8_TP_CLASSES = {
+    ColumnParallelLinear: FP8ColumnParallelLinear,
+    RowParallelLinear: FP8RowParallelLinear,
+}
 
 
 def fp8_class(cls: type) -> type:
@@ -70,4 +74,5 @@ def to_fp8(linear: nn.Linear) -> None:
     linear.__class__ = fp8_class(type(linear))
     linear.weight_scale = nn.Parameter(
         torch.empty(linear.out_features, dtype=torch.float32, device=linear.weight.device),
-        requires_grad=False)
+        requires_grad=False,
+    )

@@ -9,6 +9,7 @@ shape seen is compiled static (the batch-1 decode step gets kernels specialised 
 dimension seen to change is then compiled dynamic, so a handful of kernels serve every batch
 size, step length and KV length while the feature dimensions stay static (vectorised).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,9 @@ def unit_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return (h * (1.0 + weight.float())).to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): a residual add and the next norm in one pass."""
     s = x + delta
     return s, rms_norm(s, weight, eps)
@@ -57,23 +59,34 @@ def stack_heads(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     return q.reshape(bsz, n_kv, n_heads // n_kv * seq, dim)
 
 
-def write_cache(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                x: torch.Tensor) -> None:
+def write_cache(
+    cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor
+) -> None:
     """cache [N+1, Hkv, BS, D][block, :, offset] = x [B, T, Hkv, D] for every token, in place
     (see runtime.models.arch.cache.ExtendBatch: padding tokens go to the scratch block). The
     write indexes the cache tensor itself, not a transposed view of it: through a view,
     inductor (torch 2.11, CUDA) copied the whole cache out and back in for every write."""
-    heads = torch.arange(cache.shape[1], device=cache.device)                 # [Hkv]
-    cache.index_put_((blocks[:, None], heads[None, :], offsets[:, None]),
-                     x.flatten(0, 1).to(cache.dtype))                       # [B*T, Hkv, D]
+    heads = torch.arange(cache.shape[1], device=cache.device)  # [Hkv]
+    cache.index_put_(
+        (blocks[:, None], heads[None, :], offsets[:, None]), x.flatten(0, 1).to(cache.dtype)
+    )  # [B*T, Hkv, D]
 
 
-def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def rotary_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
     """RoPE (transformers' rotate_half) of q [B, T, H, D] and k [B, T, Hkv, D] with cos, sin
     [B, T, D]; the rotated k and v [B, T, Hkv, D] are written to the block pools at (blocks,
-    offsets) [B*T] (ExtendBatch.write_blocks / write_offsets), and q is returned with its heads stacked for attention
+    offsets) [B*T] (ExtendBatch.write_blocks / write_offsets), and q is returned with its heads
+    stacked for attention
     [B, Hkv, r*T, D] (stack_heads). Compiled, the rotations, the layout change and both
     cache writes are a kernel or two (in place: torch.compile keeps the cache mutations)."""
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
@@ -94,8 +107,9 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float,
-                   softcap: float | None = None) -> torch.Tensor:
+def masked_softmax(
+    scores: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None = None
+) -> torch.Tensor:
     """softmax(scores * scale) over the last axis where mask allows, in float32, cast back;
     softcap c (Gemma 2): the scaled scores become c * tanh(s / c) before the mask."""
     s = scores.float() * scale
@@ -104,11 +118,10 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float,
     return s.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(scores.dtype)
 
 
-FP8_MAX = 448.0   # torch.finfo(torch.float8_e4m3fn).max
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
-def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
-                   ) -> torch.Tensor:
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[out, in] e4m3 weight times its [out] float32 scales, computed in float32, in dtype
     (runtime.models.arch.quant: the weight-only GEMM's input)."""
     return (weight.to(torch.float32) * scale[:, None]).to(dtype)
@@ -122,8 +135,13 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (h / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def fp8_rescale(out: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def fp8_rescale(
+    out: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """An unscaled FP8 GEMM's [M, N] float32 output times its row (token) scales [M, 1] and
     column (channel) scales [N], plus the bias, in dtype."""
     out = out * x_scale * w_scale
@@ -144,17 +162,23 @@ _rms_norm, _add_rms_norm, _rotary_write, _silu_mul = rms_norm, add_rms_norm, rot
 _quantize, _rescale = fp8_quantize_rows, fp8_rescale
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> rms_norm(x) quantized per token for the next FP8 GEMM: ([M, K] e4m3,
     [M, 1] float32). The first layer's input norm."""
     return _quantize(_rms_norm(x, weight, eps))
 
 
-def add_rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                     x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_rms_norm_fp8(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] + delta -> (x + delta [M, K], its rms_norm quantized: [M, K] e4m3, [M, 1]).
     delta [M, K] is in x.dtype, or with x_scale [M, 1] and w_scale [K] given, the raw float32
     output of the previous unscaled FP8 GEMM (o_proj, down_proj), rescaled (+ bias) and cast
@@ -165,36 +189,64 @@ def add_rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return (s, *_quantize(_rms_norm(s, weight, eps)))
 
 
-def rescale_add_rms_norm(x: torch.Tensor, raw: torch.Tensor, x_scale: torch.Tensor,
-                         w_scale: torch.Tensor, bias: torch.Tensor | None,
-                         weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rescale_add_rms_norm(
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm(x [M, K], raw [M, K] rescaled and cast to x.dtype): the last down_proj's
     epilogue folded into the final norm (whose consumer, the LM head, stays float)."""
     return _add_rms_norm(x, _rescale(raw, x_scale, w_scale, bias, x.dtype), weight, eps)
 
 
-def silu_mul_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_fp8(
+    raw: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The raw gate_up GEMM output [M, 2I] float32 -> rescaled (+ bias) and cast to dtype,
     silu(gate) * up in dtype, quantized per token for down_proj: ([M, I] e4m3, [M, 1])."""
     return _quantize(_silu_mul(_rescale(raw, x_scale, w_scale, bias, dtype)))
 
 
-def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                     bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int, n_kv: int,
-                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
-                     ) -> torch.Tensor:
+def rotary_write_fp8(
+    raw: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    n_heads: int,
+    n_kv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
     """rotary_write of the raw q/k/v GEMM output [B*T, (H + 2 Hkv) D] float32, rescaled
     (+ bias) and cast to dtype first: the qkv epilogue folded into RoPE and the cache writes.
     cos, sin [B, T, D]; returns q [B, Hkv, r*T, D] like rotary_write."""
     bsz, seq, dim = cos.shape
     qkv = _rescale(raw, x_scale, w_scale, bias, dtype).view(bsz, seq, -1)
     q, k, v = qkv.split([n_heads * dim, n_kv * dim, n_kv * dim], dim=-1)
-    return _rotary_write(q.view(bsz, seq, n_heads, dim), k.view(bsz, seq, n_kv, dim),
-                         v.view(bsz, seq, n_kv, dim), cos, sin, k_cache, v_cache, blocks,
-                         offsets)
+    return _rotary_write(
+        q.view(bsz, seq, n_heads, dim),
+        k.view(bsz, seq, n_kv, dim),
+        v.view(bsz, seq, n_kv, dim),
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        blocks,
+        offsets,
+    )
 
 
 def fp8_quantize_heads(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +259,7 @@ def fp8_quantize_heads(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # e4m3 with a float32 scale per position and KV head. The writes below are rotary_write and
 # rotary_write_fp8 with each head's row quantized on its way into the pools.
 
-KV_AMAX_FLOOR = 1e-12   # the smallest amax a KV scale is taken of: an all-zero row stores 0s
+KV_AMAX_FLOOR = 1e-12  # the smallest amax a KV scale is taken of: an all-zero row stores 0s
 
 
 def fp8_quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,22 +270,36 @@ def fp8_quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (h / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def write_cache_kv8(cache: torch.Tensor, scales: torch.Tensor, blocks: torch.Tensor,
-                    offsets: torch.Tensor, x: torch.Tensor) -> None:
+def write_cache_kv8(
+    cache: torch.Tensor,
+    scales: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    x: torch.Tensor,
+) -> None:
     """write_cache into an FP8 pool: x [B, T, Hkv, D] quantized per (token, head)
     (fp8_quantize_kv), e4m3 into cache [N+1, Hkv, BS, D] and the scales into scales
     [N+1, Hkv, BS] at (blocks, offsets) [B*T]."""
-    heads = torch.arange(cache.shape[1], device=cache.device)                 # [Hkv]
-    data, scale = fp8_quantize_kv(x.flatten(0, 1))                  # [B*T, Hkv, D], [B*T, Hkv]
+    heads = torch.arange(cache.shape[1], device=cache.device)  # [Hkv]
+    data, scale = fp8_quantize_kv(x.flatten(0, 1))  # [B*T, Hkv, D], [B*T, Hkv]
     at = (blocks[:, None], heads[None, :], offsets[:, None])
     cache.index_put_(at, data)
     scales.index_put_(at, scale)
 
 
-def rotary_write_kv8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     blocks: torch.Tensor, offsets: torch.Tensor, k_scale: torch.Tensor,
-                     v_scale: torch.Tensor) -> torch.Tensor:
+def rotary_write_kv8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> torch.Tensor:
     """rotary_write into FP8 pools: k rotated (rounded to q's dtype) and v quantized per
     (token, head) into k_cache / v_cache [N+1, Hkv, BS, D] e4m3 and k_scale / v_scale
     [N+1, Hkv, BS] float32 -> q [B, Hkv, r*T, D] like rotary_write."""
@@ -243,40 +309,85 @@ def rotary_write_kv8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     return stack_heads(_rotate(q, cos, sin), k.shape[2])
 
 
-_rotary_write_kv8 = rotary_write_kv8   # the eager one (compile_kernels swaps the public name)
+_rotary_write_kv8 = rotary_write_kv8  # the eager one (compile_kernels swaps the public name)
 
 
-def rotary_write_fp8_kv8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                         bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int,
-                         n_kv: int, cos: torch.Tensor, sin: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                         offsets: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor
-                         ) -> torch.Tensor:
+def rotary_write_fp8_kv8(
+    raw: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    n_heads: int,
+    n_kv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> torch.Tensor:
     """rotary_write_fp8 (the raw qkv GEMM output [B*T, (H + 2 Hkv) D] float32, rescaled and
     cast to dtype) into FP8 pools, as rotary_write_kv8 -> q [B, Hkv, r*T, D]."""
     bsz, seq, dim = cos.shape
     qkv = _rescale(raw, x_scale, w_scale, bias, dtype).view(bsz, seq, -1)
     q, k, v = qkv.split([n_heads * dim, n_kv * dim, n_kv * dim], dim=-1)
-    return _rotary_write_kv8(q.view(bsz, seq, n_heads, dim), k.view(bsz, seq, n_kv, dim),
-                             v.view(bsz, seq, n_kv, dim), cos, sin, k_cache, v_cache, blocks,
-                             offsets, k_scale, v_scale)
+    return _rotary_write_kv8(
+        q.view(bsz, seq, n_heads, dim),
+        k.view(bsz, seq, n_kv, dim),
+        v.view(bsz, seq, n_kv, dim),
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        blocks,
+        offsets,
+        k_scale,
+        v_scale,
+    )
 
 
-_EAGER = {fn.__name__: fn for fn in (rms_norm, add_rms_norm, rotary_write, silu_mul,
-                                      masked_softmax, unit_offset_rms_norm, gelu_tanh_mul,
-                                      fp8_dequantize, fp8_quantize_rows,
-                                      fp8_rescale, rms_norm_fp8, add_rms_norm_fp8,
-                                      rescale_add_rms_norm, silu_mul_fp8, rotary_write_fp8,
-                                      fp8_quantize_heads, rotary_write_kv8,
-                                      rotary_write_fp8_kv8)}
+_EAGER = {
+    fn.__name__: fn
+    for fn in (
+        rms_norm,
+        add_rms_norm,
+        rotary_write,
+        silu_mul,
+        masked_softmax,
+        unit_offset_rms_norm,
+        gelu_tanh_mul,
+        fp8_dequantize,
+        fp8_quantize_rows,
+        fp8_rescale,
+        rms_norm_fp8,
+        add_rms_norm_fp8,
+        rescale_add_rms_norm,
+        silu_mul_fp8,
+        rotary_write_fp8,
+        fp8_quantize_heads,
+        rotary_write_kv8,
+        rotary_write_fp8_kv8,
+    )
+}
 # inductor options per function: the FP8 neighbours keep eager's bf16/fp16 roundings (by
 # default inductor elides a downcast-upcast pair between two fused ops, and contracts
 # multiply-adds), so fused and unfused sequences round at the same points
 _PRECISE = {"emulate_precision_casts": True}
-_OPTIONS = {name: _PRECISE for name in ("rms_norm_fp8", "add_rms_norm_fp8",
-                                        "rescale_add_rms_norm", "silu_mul_fp8",
-                                        "rotary_write_fp8", "fp8_quantize_heads",
-                                        "rotary_write_fp8_kv8")}
+_OPTIONS = {
+    name: _PRECISE
+    for name in (
+        "rms_norm_fp8",
+        "add_rms_norm_fp8",
+        "rescale_add_rms_norm",
+        "silu_mul_fp8",
+        "rotary_write_fp8",
+        "fp8_quantize_heads",
+        "rotary_write_fp8_kv8",
+    )
+}
 _compiled = False
 
 
@@ -310,8 +421,10 @@ def _inductor_pdl(device: torch.device) -> None:
     """Set inductor's PDL switch by pdl_supported, unless TORCHINDUCTOR_ENABLE_PDL (its own
     variable) is set or this torch has no such switch."""
     import torch._inductor.config as inductor_config
-    if "TORCHINDUCTOR_ENABLE_PDL" not in os.environ and hasattr(inductor_config.triton,
-                                                                 "enable_pdl"):
+
+    if "TORCHINDUCTOR_ENABLE_PDL" not in os.environ and hasattr(
+        inductor_config.triton, "enable_pdl"
+    ):
         inductor_config.triton.enable_pdl = pdl_supported(device)
 
 
@@ -325,15 +438,20 @@ def compile_kernels(device: torch.device) -> bool:
     try:
         _inductor_pdl(device)
         _check_compiler(device)
-        for name in ("recompile_limit", "cache_size_limit"):   # shapes: see the docstring
+        for name in ("recompile_limit", "cache_size_limit"):  # shapes: see the docstring
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
-        globals().update({name: torch.compile(fn, fullgraph=True, options=_OPTIONS.get(name))
-                          for name, fn in _EAGER.items()})
+        globals().update(
+            {
+                name: torch.compile(fn, fullgraph=True, options=_OPTIONS.get(name))
+                for name, fn in _EAGER.items()
+            }
+        )
     except Exception as exc:  # noqa: BLE001 - fall back to eager, say why
         globals().update(_EAGER)
-        log.warning("torch.compile failed, decoder pieces stay eager: %s: %s",
-                    type(exc).__name__, exc)
+        log.warning(
+            "torch.compile failed, decoder pieces stay eager: %s: %s", type(exc).__name__, exc
+        )
         return False
     _compiled = True
     return True

@@ -3,6 +3,7 @@ families that differ from it as data (model_args: QK_NORM, POST_NORMS, GEMMA, ..
 OLMo 2, Phi-3 (its fused qkv_proj / gate_up_proj are split on load: loading.fused_tensors),
 Gemma 2 and Gemma 3 text (four (1 + w) norms a layer, GeGLU, scaled embeddings, per-layer
 attention scale / soft-cap, a RoPE table per layer type, final logit soft-capping)."""
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.gate_up: RowStack | None = None   # set by fuse_projections
-        self.gelu = args.activation == "gelu_tanh"   # Gemma's GeGLU, else SwiGLU
+        self.gate_up: RowStack | None = None  # set by fuse_projections
+        self.gelu = args.activation == "gelu_tanh"  # Gemma's GeGLU, else SwiGLU
 
     def fuse_projections(self) -> None:
         """One [2I, hidden] GEMM for gate and up (float or FP8); their weights become views."""
@@ -42,14 +43,14 @@ class MLP(nn.Module):
         # x [B, T, hidden] -> [B, T, hidden]; or the fused FP8 path (fp8_fused): x the FP8Act
         # of [M, hidden] -> down_proj's FP8Out [M, hidden] (or rescaled [M, hidden] under TP)
         if isinstance(x, FP8Act):
-            gate_up = self.gate_up.forward_fp8(x)                          # raw [M, 2I]
-            a8, a_scale = fused.silu_mul_fp8(*gate_up, x.dtype)            # [M, I], [M, 1]
+            gate_up = self.gate_up.forward_fp8(x)  # raw [M, 2I]
+            a8, a_scale = fused.silu_mul_fp8(*gate_up, x.dtype)  # [M, I], [M, 1]
             return self.down_proj.forward_fp8(FP8Act(a8, a_scale, x.dtype))
         if self.gate_up is None:
             gate = self.gate_proj(x)
             act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
             return self.down_proj(act * self.up_proj(x))
-        gate_up = self.gate_up(x).flatten(0, 1)                            # [B*T, 2I]
+        gate_up = self.gate_up(x).flatten(0, 1)  # [B*T, 2I]
         act = fused.gelu_tanh_mul(gate_up) if self.gelu else fused.silu_mul(gate_up)
         return self.down_proj(act.view(*x.shape[:2], -1))
 
@@ -64,14 +65,20 @@ class DecoderLayer(nn.Module):
         h, eps, norm = args.hidden_size, args.rms_norm_eps, GemmaRMSNorm if args.gemma else RMSNorm
         if not args.post_norms:
             self.input_layernorm = norm(h, eps)
-        if args.post_norms or args.gemma:   # OLMo 2 (no input norm), Gemma: MLP output normed
+        if args.post_norms or args.gemma:  # OLMo 2 (no input norm), Gemma: MLP output normed
             self.post_feedforward_layernorm = norm(h, eps)
         if args.gemma:
             self.pre_feedforward_layernorm = norm(h, eps)
         self.post_attention_layernorm = norm(h, eps)
 
-    def forward(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ExtendBatch) -> tuple[torch.Tensor, Delta]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: Delta,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ExtendBatch,
+    ) -> tuple[torch.Tensor, Delta]:
         """x [B, T, hidden] the residual stream without `delta`, the previous layer's MLP
         output (None for the first layer): adding it is fused into this layer's input norm.
         Returns (residual stream, this layer's MLP output), likewise not yet added.
@@ -90,9 +97,14 @@ class DecoderLayer(nn.Module):
         x, h = add_then_norm(x, attn, self.post_attention_layernorm, mlp_fp8)
         return x, self.mlp(h)
 
-    def _forward_post_norms(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor,
-                            sin: torch.Tensor, batch: ExtendBatch
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_post_norms(
+        self,
+        x: torch.Tensor,
+        delta: Delta,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ExtendBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """OLMo 2: x + norm(attn(x)), then + norm(mlp(.)) (returned as the delta). Its norms
         follow the GEMMs, so it takes no fused FP8 path (FP8 linears quantize on their own)."""
         if delta is not None:
@@ -100,9 +112,14 @@ class DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, batch))
         return x, self.post_feedforward_layernorm(self.mlp(x))
 
-    def _forward_gemma(self, x: torch.Tensor, delta: Delta, cos: torch.Tensor,
-                       sin: torch.Tensor, batch: ExtendBatch
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_gemma(
+        self,
+        x: torch.Tensor,
+        delta: Delta,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ExtendBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gemma 2 / 3: x + post_attn(attn(input(x))), then + post_ff(mlp(pre_ff(.)))
         (returned as the delta). Norms sit on both sides of each GEMM block, so it takes no
         fused FP8 path (FP8 linears quantize on their own)."""
@@ -116,8 +133,9 @@ class DecoderLayer(nn.Module):
 Delta = torch.Tensor | FP8Out | None
 
 
-def add_then_norm(x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor | FP8Act]:
+def add_then_norm(
+    x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | FP8Act]:
     """(x + delta, norm(x + delta)) in one fused kernel; x and norm(x) when delta is None.
     x [B, T, hidden]; delta [B, T, hidden] or [M, hidden] in x.dtype, or an FP8 GEMM's raw
     output (FP8Out: its rescale is folded in). quantize: the norm comes back quantized for
@@ -128,7 +146,7 @@ def add_then_norm(x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: bool =
         return x, norm(x)
     if quantize:
         return _add_then_norm_fp8(x, delta, norm)
-    rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon   # [M, hidden]
+    rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon  # [M, hidden]
     if delta is None:
         return x, norm(x)
     if isinstance(delta, FP8Out):
@@ -138,14 +156,14 @@ def add_then_norm(x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: bool =
     return s.view(x.shape), h.view(x.shape)
 
 
-def _add_then_norm_fp8(x: torch.Tensor, delta: Delta, norm: RMSNorm
-                       ) -> tuple[torch.Tensor, FP8Act]:
-    rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon   # [M, hidden]
+def _add_then_norm_fp8(x: torch.Tensor, delta: Delta, norm: RMSNorm) -> tuple[torch.Tensor, FP8Act]:
+    rows, weight, eps = x.flatten(0, 1), norm.weight, norm.variance_epsilon  # [M, hidden]
     if delta is None:
         return x, FP8Act(*fused.rms_norm_fp8(rows, weight, eps), x.dtype)
     if isinstance(delta, FP8Out):
-        s, h8, h_scale = fused.add_rms_norm_fp8(rows, delta.raw, weight, eps, delta.x_scale,
-                                                delta.w_scale, delta.bias)
+        s, h8, h_scale = fused.add_rms_norm_fp8(
+            rows, delta.raw, weight, eps, delta.x_scale, delta.w_scale, delta.bias
+        )
     else:
         s, h8, h_scale = fused.add_rms_norm_fp8(rows, delta.reshape(rows.shape), weight, eps)
     return s.view(x.shape), FP8Act(h8, h_scale, x.dtype)
@@ -156,17 +174,26 @@ class LlamaModel(nn.Module):
         super().__init__()
         # an uninitialised weight: the loader fills it (nn.Embedding's own normal_ init would,
         # on the meta device, import torch._dynamo: 1.5 s of every worker's start)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
-                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            args.vocab_size,
+            args.hidden_size,
+            _weight=torch.empty(args.vocab_size, args.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
         self.norm = (GemmaRMSNorm if args.gemma else RMSNorm)(args.hidden_size, args.rms_norm_eps)
         # Gemma: embeddings times sqrt(hidden_size) rounded to the embedding's dtype
-        self.embed_scale = args.hidden_size ** 0.5 if args.gemma else None
+        self.embed_scale = args.hidden_size**0.5 if args.gemma else None
 
-    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ExtendBatch, tables: dict | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ExtendBatch,
+        tables: dict | None = None,
+    ) -> torch.Tensor:
         """tables: layer type -> (cos, sin) for layers with a RoPE table of their own."""
-        x, delta = self.embed_tokens(input_ids), None                      # [B, T, hidden]
+        x, delta = self.embed_tokens(input_ids), None  # [B, T, hidden]
         if self.embed_scale is not None:
             # a Python float equal to transformers' float32 scale cast to x's dtype
             x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype).item()
@@ -177,7 +204,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Our CausalLM. Build from ModelArgs (see runtime.models.loading.loader.load_model for weights)."""
+    """Our CausalLM. Build from ModelArgs (see runtime.models.loading.loader.load_model for
+    weights)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -188,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self._build_rope(args)
         self.num_slots: int | None = None
         self.max_seq_len: int | None = None
-        self.block_size, self.blocks_per_seq, self.num_blocks = 16, 0, 0   # allocate_cache
+        self.block_size, self.blocks_per_seq, self.num_blocks = 16, 0, 0  # allocate_cache
         self.tie_weights()
 
     def _build_rope(self, args: ModelArgs) -> None:
@@ -216,61 +244,80 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
-    def allocate_cache(self, num_slots: int, max_seq_len: int, block_size: int = 16,
-                       num_blocks: int | None = None, kv_dtype: str = "auto") -> None:
+    def allocate_cache(
+        self,
+        num_slots: int,
+        max_seq_len: int,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_dtype: str = "auto",
+    ) -> None:
         """Block pools of `num_blocks` blocks of block_size positions, the same in every
         layer; a block table is blocks_per_seq = ceil(max_seq_len / block_size) wide.
         num_blocks defaults to num_slots x blocks_per_seq (every slot's fixed table,
         cache.slot_block_table, fits). kv_dtype: "auto" (the activation dtype) or "fp8"
         (e4m3 with scales, runtime.kv_cache_dtype)."""
         if num_slots < 1 or max_seq_len < 1 or block_size < 1:
-            raise ValueError(f"need num_slots, max_seq_len, block_size >= 1, got "
-                             f"{num_slots}, {max_seq_len}, {block_size}")
+            raise ValueError(
+                f"need num_slots, max_seq_len, block_size >= 1, got "
+                f"{num_slots}, {max_seq_len}, {block_size}"
+            )
         if self.rope_exact_until is not None and max_seq_len > self.rope_exact_until:
-            raise ValueError(f"max_seq_len {max_seq_len} exceeds {self.rope_exact_until}, the "
-                             f"length up to which this length-dependent RoPE is supported")
+            raise ValueError(
+                f"max_seq_len {max_seq_len} exceeds {self.rope_exact_until}, the "
+                f"length up to which this length-dependent RoPE is supported"
+            )
         self.blocks_per_seq = blocks_for(max_seq_len, block_size)
         self.num_blocks = num_slots * self.blocks_per_seq if num_blocks is None else num_blocks
         if self.num_blocks < 1:
             raise ValueError(f"need num_blocks >= 1, got {self.num_blocks}")
-        norm = self.model.norm.weight   # the activation dtype (FP8 weights have another)
+        norm = self.model.norm.weight  # the activation dtype (FP8 weights have another)
         for layer in self.model.layers:
-            layer.self_attn.allocate_cache(self.num_blocks, block_size, norm.dtype, norm.device,
-                                           kv_dtype=kv_dtype)
+            layer.self_attn.allocate_cache(
+                self.num_blocks, block_size, norm.dtype, norm.device, kv_dtype=kv_dtype
+            )
         self.num_slots, self.max_seq_len, self.block_size = num_slots, max_seq_len, block_size
 
     def free_slot(self, slot: int) -> None:
         """Nothing to do: the caller owns lengths and stale positions are never attended."""
 
-    def forward(self, input_ids: torch.Tensor, rows, start_pos: torch.Tensor,
-                n_valid: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, rows, start_pos: torch.Tensor, n_valid: torch.Tensor
+    ) -> torch.Tensor:
         """input_ids [B, T]; rows: block tables [B, M] (or slots [B]: their fixed tables,
         cache.slot_block_table); start_pos, n_valid [B] -> logits [B, T, V]."""
         if self.max_seq_len is None:
             raise RuntimeError("allocate_cache() must be called before forward_extend()")
-        start_pos, n_valid = (torch.as_tensor(t).to(input_ids.device, torch.long)
-                              for t in (start_pos, n_valid))
+        start_pos, n_valid = (
+            torch.as_tensor(t).to(input_ids.device, torch.long) for t in (start_pos, n_valid)
+        )
         rows = torch.as_tensor(rows).to(input_ids.device)
-        if rows.dim() == 1:   # slots: checked as slots, then their fixed tables
-            kv_len = check_extend_args(input_ids, rows, start_pos, n_valid, self.num_slots,
-                                       self.max_seq_len)
+        if rows.dim() == 1:  # slots: checked as slots, then their fixed tables
+            kv_len = check_extend_args(
+                input_ids, rows, start_pos, n_valid, self.num_slots, self.max_seq_len
+            )
         else:
             limit = min(self.max_seq_len, rows.shape[1] * self.block_size)
-            kv_len = check_extend_args(input_ids, rows, start_pos, n_valid, self.num_blocks,
-                                       limit)
+            kv_len = check_extend_args(input_ids, rows, start_pos, n_valid, self.num_blocks, limit)
         table = as_block_table(rows, self.blocks_per_seq, input_ids.device)
         return self.forward_static(input_ids, table, start_pos, n_valid, kv_len)
 
-    def forward_static(self, input_ids: torch.Tensor, block_table: torch.Tensor,
-                       start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int
-                       ) -> torch.Tensor:
+    def forward_static(
+        self,
+        input_ids: torch.Tensor,
+        block_table: torch.Tensor,
+        start_pos: torch.Tensor,
+        n_valid: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
         """forward without checks or host synchronisation: the caller guarantees the
         arguments are valid (block_table [B, M] int32 with contiguous rows) and
         kv_len >= max(start_pos + n_valid). Shapes depend only on input_ids.shape,
         block_table.shape and kv_len, so a CUDA graph can capture it
         (runtime.models.runners.step_runner) and replay it for any table."""
-        return self.logits(self.hidden_static(input_ids, block_table, start_pos, n_valid,
-                                              kv_len))                     # [B, T, V]
+        return self.logits(
+            self.hidden_static(input_ids, block_table, start_pos, n_valid, kv_len)
+        )  # [B, T, V]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head of hidden states [..., hidden] -> [..., V] (V local when the head is
@@ -280,21 +327,34 @@ class LlamaForCausalLM(nn.Module):
         cap = self.args.final_softcap
         return out if cap is None else torch.tanh(out / cap) * cap
 
-    def hidden_static(self, input_ids: torch.Tensor, block_table: torch.Tensor,
-                      start_pos: torch.Tensor, n_valid: torch.Tensor, kv_len: int
-                      ) -> torch.Tensor:
+    def hidden_static(
+        self,
+        input_ids: torch.Tensor,
+        block_table: torch.Tensor,
+        start_pos: torch.Tensor,
+        n_valid: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
         """forward_static without the LM head: the final norm's output [B, T, hidden] (a
         long prompt's chunks need logits at one position at most: PrefillRunner)."""
-        batch = ExtendBatch.build(block_table, start_pos, n_valid, input_ids.shape[1], kv_len,
-                                  self.block_size, self.num_blocks)
+        batch = ExtendBatch.build(
+            block_table,
+            start_pos,
+            n_valid,
+            input_ids.shape[1],
+            kv_len,
+            self.block_size,
+            self.num_blocks,
+        )
         input_ids = torch.where(batch.valid, input_ids, torch.zeros_like(input_ids))  # any pad
         dtype = self.model.norm.weight.dtype
-        cos, sin = self.rotary_emb(batch.positions, dtype)                 # [B, T, D]
+        cos, sin = self.rotary_emb(batch.positions, dtype)  # [B, T, D]
         tables = {t: emb(batch.positions, dtype) for t, emb in self.rotary_by_type.items()}
-        return self.model(input_ids, cos, sin, batch, tables)              # [B, T, hidden]
+        return self.model(input_ids, cos, sin, batch, tables)  # [B, T, hidden]
 
     @torch.no_grad()
-    def forward_extend(self, input_ids: torch.Tensor, rows, start_pos: torch.Tensor,
-                       n_valid: torch.Tensor) -> torch.Tensor:
+    def forward_extend(
+        self, input_ids: torch.Tensor, rows, start_pos: torch.Tensor, n_valid: torch.Tensor
+    ) -> torch.Tensor:
         """See runtime.models.arch.base.CausalLM.forward_extend (rows: block tables)."""
         return self(input_ids, rows, start_pos, n_valid)

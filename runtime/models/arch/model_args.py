@@ -4,17 +4,28 @@ Both config styles are understood: transformers 5 (`rope_parameters`) and transf
 (`rope_theta` + `rope_scaling`). The transformers config object itself is kept, because the
 non-default RoPE initialisers of transformers (llama3, yarn, linear, ...) take it as input.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text",
-                         "gemma2")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gemma3_text",
+    "gemma2",
+)
 
 # what a model loses on the transformers fallback (runtime.models.loading.hf_fallback)
-FALLBACK_LACKS = ("it runs on the slower transformers fallback: no tensor parallelism, paged "
-                  "KV cache or prefix caching, CUDA graphs or FP8 GEMMs")
+FALLBACK_LACKS = (
+    "it runs on the slower transformers fallback: no tensor parallelism, paged "
+    "KV cache or prefix caching, CUDA graphs or FP8 GEMMs"
+)
 
 # Where a family differs from Llama, as data (ModelArgs.from_hf_config reads them):
 # q/k RMSNorm before RoPE, over each head ("head": Qwen3) or the whole projection ("full":
@@ -50,8 +61,11 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params = dict(params)
-    if "rope_type" not in params and "type" not in params and any(
-            isinstance(v, dict) for v in params.values()):
+    if (
+        "rope_type" not in params
+        and "type" not in params
+        and any(isinstance(v, dict) for v in params.values())
+    ):
         raise NotImplementedError("per-layer-type rope_parameters are not supported")
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -74,8 +88,7 @@ def unsupported_reason(config: Any) -> str | None:
             return str(exc)
         if rope["rope_type"] != "default" and rope["rope_type"] not in _rope_init_functions():
             return f"unknown rope_type {rope['rope_type']!r}"
-        partial = rope.get("partial_rotary_factor",
-                           getattr(config, "partial_rotary_factor", 1.0))
+        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         if partial not in (None, 1.0):
             return f"partial_rotary_factor {partial} (only 1.0)"
     return None
@@ -136,18 +149,18 @@ class ModelArgs:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     layer_windows: tuple[int | None, ...] = ()
-    qk_norm: str | None = None      # QK_NORM: "head", "full" or None
-    post_norms: bool = False        # POST_NORMS
-    gemma: bool = False             # GEMMA: (1 + w) norms, four a layer, scaled embeddings
-    activation: str = "silu"        # ACTIVATIONS' values: "silu" or "gelu_tanh"
-    attn_scale: float | None = None    # None: head_dim ** -0.5
+    qk_norm: str | None = None  # QK_NORM: "head", "full" or None
+    post_norms: bool = False  # POST_NORMS
+    gemma: bool = False  # GEMMA: (1 + w) norms, four a layer, scaled embeddings
+    activation: str = "silu"  # ACTIVATIONS' values: "silu" or "gelu_tanh"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None  # ATTN_SOFTCAP: s = c * tanh(s / c) before the mask
     final_softcap: float | None = None  # the LM head's output likewise
-    layer_rope: tuple[str, ...] = ()   # per layer: its rope_layer_types entry; () one table
+    layer_rope: tuple[str, ...] = ()  # per layer: its rope_layer_types entry; () one table
     hf_config: Any = field(default=None, repr=False)  # for transformers' RoPE initialisers
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ModelArgs":
+    def from_hf_config(cls, config: Any) -> ModelArgs:
         reason = unsupported_reason(config)
         if reason is not None:
             raise NotImplementedError(f"unsupported config: {reason}")
@@ -166,7 +179,7 @@ class ModelArgs:
             n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=always_bias or attention_bias,   # Qwen2 always has q/k/v bias
+            qkv_bias=always_bias or attention_bias,  # Qwen2 always has q/k/v bias
             o_bias=attention_bias and not always_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -184,19 +197,27 @@ def _gemma_args(config: Any) -> dict:
         return {}
     cap = config.attn_logit_softcapping if config.model_type in ATTN_SOFTCAP else None
     per_type = rope_layer_types(config)
-    return dict(gemma=True, activation=ACTIVATIONS[activation(config)],
-                attn_scale=config.query_pre_attn_scalar ** -0.5, attn_softcap=cap or None,
-                final_softcap=getattr(config, "final_logit_softcapping", None) or None,
-                layer_rope=tuple(config.layer_types) if per_type else ())
+    return dict(
+        gemma=True,
+        activation=ACTIVATIONS[activation(config)],
+        attn_scale=config.query_pre_attn_scalar**-0.5,
+        attn_softcap=cap or None,
+        final_softcap=getattr(config, "final_logit_softcapping", None) or None,
+        layer_rope=tuple(config.layer_types) if per_type else (),
+    )
 
 
 def check_tp_shape(name: str, n_heads: int, n_kv: int, size: int) -> None:
     """ValueError unless the attention heads of model `name` split over `size` ranks: query
     heads must divide; KV heads must divide or be replicated evenly (size % n_kv == 0)."""
     if n_heads % size:
-        raise ValueError(f"cannot shard {name} over {size} ranks: num_attention_heads "
-                         f"{n_heads} is not divisible by the tensor-parallel size {size}")
+        raise ValueError(
+            f"cannot shard {name} over {size} ranks: num_attention_heads "
+            f"{n_heads} is not divisible by the tensor-parallel size {size}"
+        )
     if n_kv % size and size % n_kv:
-        raise ValueError(f"cannot shard {name} over {size} ranks: num_key_value_heads {n_kv} "
-                         f"is neither divisible by the tensor-parallel size {size} nor a "
-                         f"divisor of it")
+        raise ValueError(
+            f"cannot shard {name} over {size} ranks: num_key_value_heads {n_kv} "
+            f"is neither divisible by the tensor-parallel size {size} nor a "
+            f"divisor of it"
+        )

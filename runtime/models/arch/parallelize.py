@@ -1,7 +1,8 @@
 """The Llama-family model's tensor-parallel plan: Megatron-style, applied from outside it.
 
 `apply_tp(model, tp)` (cf. gpt-fast's `apply_tp(model)`, torchtitan's `apply_tp(model, mesh)`)
-takes a LlamaForCausalLM built on the meta device (runtime.models.loading.loader.build_model), before
+takes a LlamaForCausalLM built on the meta device (runtime.models.loading.loader.build_model),
+before
 its weights are loaded, and swaps its layers for the generic tensor-parallel ones of
 parallel.layers (this plan lives beside the model, as torchtitan's parallelize.py does):
 
@@ -30,6 +31,7 @@ whose RMS sums the squares over the group (one small all-reduce each).
 The loader reads, per parameter, only the slice listed in `model.tp_shards`. Collectives run
 over the explicitly passed group (parallel.mappings); nothing is global. Inference only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +40,13 @@ import torch
 from torch import nn
 
 from parallel.groups import TPInfo
-from parallel.layers import (ColumnParallelLinear, ParallelLMHead, ParallelRMSNorm,
-                             RowParallelLinear, VocabParallelEmbedding)
+from parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    ParallelRMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from runtime.models.arch.llama import LlamaForCausalLM
 from runtime.models.arch.model_args import ModelArgs, check_tp_shape
 
@@ -49,13 +56,14 @@ __all__ = ["TPPlan", "apply_tp", "plan_tp"]
 @dataclass(frozen=True)
 class TPPlan:
     """Which slice of each dimension one rank holds. Ranges are [start, stop)."""
+
     rank: int
     size: int
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
-    kv_replicas: int             # ranks holding each KV head (1 when the KV heads are split)
+    kv_replicas: int  # ranks holding each KV head (1 when the KV heads are split)
     intermediate: tuple[int, int]
-    vocab: tuple[int, int]       # in the padded vocab; stop may exceed vocab_size
+    vocab: tuple[int, int]  # in the padded vocab; stop may exceed vocab_size
     padded_vocab: int
 
     @property
@@ -69,7 +77,8 @@ class TPPlan:
 
 def _model_name(args: ModelArgs) -> str:
     path = getattr(args.hf_config, "name_or_path", None) or getattr(
-        args.hf_config, "_name_or_path", None)
+        args.hf_config, "_name_or_path", None
+    )
     return f"{args.model_type} model {path!r}" if path else f"{args.model_type} model"
 
 
@@ -80,12 +89,12 @@ def plan_tp(args: ModelArgs, rank: int, size: int) -> TPPlan:
     n_heads, n_kv = args.n_heads, args.n_kv_heads
     check_tp_shape(_model_name(args), n_heads, n_kv, size)
     heads = n_heads // size
-    group = n_heads // n_kv                       # query heads per KV head
+    group = n_heads // n_kv  # query heads per KV head
     if n_kv % size == 0:
         replicas = 1
         kv_local = n_kv // size
         kv_start = rank * kv_local
-    else:                                         # size > n_kv: replicate each KV head
+    else:  # size > n_kv: replicate each KV head
         replicas = size // n_kv
         kv_local = 1
         kv_start = rank // replicas
@@ -96,7 +105,8 @@ def plan_tp(args: ModelArgs, rank: int, size: int) -> TPPlan:
     inter = args.intermediate_size
     per_vocab = -(-args.vocab_size // size)
     return TPPlan(
-        rank=rank, size=size,
+        rank=rank,
+        size=size,
         q_heads=(q_start, q_start + heads),
         kv_heads=(kv_start, kv_start + kv_local),
         kv_replicas=replicas,
@@ -107,9 +117,10 @@ def plan_tp(args: ModelArgs, rank: int, size: int) -> TPPlan:
 
 
 def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool = True) -> None:
-    """Shard `model` (on the meta device, weights not yet loaded) for rank tp.rank of tp.size,
-    in place. No-op for tp None or size 1. Then load with runtime.models.loading.loader.load_weights,
-    which reads only this rank's slices. See the module docstring.
+    """Shard `model` (on the meta device, weights not yet loaded) for rank tp.rank of
+    tp.size, in place. No-op for tp None or size 1. Then load with
+    runtime.models.loading.loader.load_weights, which reads only this rank's slices. See the
+    module docstring.
 
     Sets on the model: `tp` (the TPInfo), `tp_plan` (TPPlan: this rank's head / feature /
     vocab ranges) and `tp_shards` (parameter name -> Shard of the checkpoint tensor)."""
@@ -118,8 +129,10 @@ def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool 
     if getattr(model, "tp", None) is not None:
         raise RuntimeError("apply_tp was already applied to this model")
     if any(not p.is_meta for p in model.parameters()):
-        raise ValueError("apply_tp shards a model built on the meta device "
-                         "(runtime.models.loading.loader.build_model) before its weights are loaded")
+        raise ValueError(
+            "apply_tp shards a model built on the meta device "
+            "(runtime.models.loading.loader.build_model) before its weights are loaded"
+        )
     tp.check_group()
     args, group = model.args, tp.group
     plan = plan_tp(args, tp.rank, tp.size)
@@ -142,23 +155,29 @@ def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool 
         mlp.down_proj = _row(mlp.down_proj, i0, i1, group, meta)
     v0, v1 = plan.vocab
     model.model.embed_tokens = VocabParallelEmbedding(
-        v0, v1, args.vocab_size, args.hidden_size, group, device=meta)
-    model.lm_head = ParallelLMHead(args.hidden_size, v0, v1, args.vocab_size, group,
-                                   gather_logits=gather_logits, device=meta)
-    model.tie_weights()                 # tied: lm_head shares the embedding's vocab shard
+        v0, v1, args.vocab_size, args.hidden_size, group, device=meta
+    )
+    model.lm_head = ParallelLMHead(
+        args.hidden_size, v0, v1, args.vocab_size, group, gather_logits=gather_logits, device=meta
+    )
+    model.tie_weights()  # tied: lm_head shares the embedding's vocab shard
     model.tp_shards = {
         f"{module_name}.{param}": shard
-        for module_name, module in model.named_modules() if hasattr(module, "shards")
-        for param, shard in module.shards().items()}
+        for module_name, module in model.named_modules()
+        if hasattr(module, "shards")
+        for param, shard in module.shards().items()
+    }
     model.tp = tp
     model.tp_plan = plan
 
 
 def _column(linear: nn.Linear, start: int, stop: int, device) -> ColumnParallelLinear:
-    return ColumnParallelLinear(linear.in_features, start, stop, linear.bias is not None,
-                                device=device)
+    return ColumnParallelLinear(
+        linear.in_features, start, stop, linear.bias is not None, device=device
+    )
 
 
 def _row(linear: nn.Linear, start: int, stop: int, group, device) -> RowParallelLinear:
-    return RowParallelLinear(start, stop, linear.out_features, linear.bias is not None, group,
-                             device=device)
+    return RowParallelLinear(
+        start, stop, linear.out_features, linear.bias is not None, group, device=device
+    )

@@ -29,9 +29,11 @@ apply (`FP8Out`), and the next elementwise kernel applies them (fused.add_rms_no
 silu_mul_fp8, rotary_write_fp8): the same sequence of operations, in fewer kernels. A row-
 parallel (TP) linear rescales before its all-reduce, which must sum rescaled outputs.
 
-fp8_linears.to_fp8 turns an nn.Linear (or one of parallel.layers' TP linears) built on the meta device
+fp8_linears.to_fp8 turns an nn.Linear (or one of parallel.layers' TP linears) built on the meta
+device
 into its FP8 class before loading; `stack_rows` fuses q/k/v and gate/up into one GEMM.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,11 +46,11 @@ from torch import nn
 from runtime.models.arch import fused
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)     # 448
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # the linears of a decoder layer that run in FP8; embeddings, norms and the LM head stay float
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FP8_GEMM = True   # False: the weight-only path everywhere (examples/gpu/fp8_check.py compares)
-GEMM_ALIGN = 16   # torch._scaled_mm needs K and N to be multiples of 16
+FP8_GEMM = True  # False: the weight-only path everywhere (examples/gpu/fp8_check.py compares)
+GEMM_ALIGN = 16  # torch._scaled_mm needs K and N to be multiples of 16
 # False: the FP8 GEMM path with its own quantize / rescale kernels (the reference tests and
 # examples/gpu/fp8_check.py compare the fused path with)
 FUSE_FP8 = True
@@ -58,42 +60,45 @@ EMULATE_FP8_GEMM = False
 
 class FP8Act(NamedTuple):
     """An activation quantized per token for an FP8 GEMM (fused.fp8_quantize_rows' output)."""
-    data: torch.Tensor     # [M, K] e4m3
-    scale: torch.Tensor    # [M, 1] float32
-    dtype: torch.dtype     # the float activation's dtype: that of the GEMM's rescaled output
+
+    data: torch.Tensor  # [M, K] e4m3
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the float activation's dtype: that of the GEMM's rescaled output
 
 
 class FP8Out(NamedTuple):
     """An unscaled FP8 GEMM's output, its scales (and bias) not yet applied: the consumer's
     fused kernel applies them as fused.fp8_rescale does (out * x_scale * w_scale + bias)."""
-    raw: torch.Tensor                # [M, N] float32
-    x_scale: torch.Tensor            # [M, 1] the activation's per-token scales
-    w_scale: torch.Tensor            # [N] the weight's per-channel scales
-    bias: torch.Tensor | None        # [N]
+
+    raw: torch.Tensor  # [M, N] float32
+    x_scale: torch.Tensor  # [M, 1] the activation's per-token scales
+    w_scale: torch.Tensor  # [N] the weight's per-channel scales
+    bias: torch.Tensor | None  # [N]
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] float -> ([out, in] e4m3, [out] float32 scale): scale = amax / 448 of each
     output row (1.0 for an all-zero row), values weight / scale cast round-to-nearest."""
     w = weight.float()
-    amax = w.abs().amax(dim=1)                                            # [out]
+    amax = w.abs().amax(dim=1)  # [out]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """[out, in] e4m3 and [out] scale -> the weight the FP8 layer computes with, in dtype
     (float32: bit for bit what the weight-only GEMM uses)."""
     return fused.fp8_dequantize(weight, scale, dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fp8_tensor_cores(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _one(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
 
@@ -101,14 +106,17 @@ def _one(device: torch.device) -> torch.Tensor:
 def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether fp8_linear(x, weight, ...) runs an FP8 GEMM (else weight-only). Host-side
     facts only (no device read), so the choice is the same in eager and CUDA-graph steps."""
-    if not (FP8_GEMM and weight.shape[0] % GEMM_ALIGN == 0
-            and weight.shape[1] % GEMM_ALIGN == 0):
+    if not (FP8_GEMM and weight.shape[0] % GEMM_ALIGN == 0 and weight.shape[1] % GEMM_ALIGN == 0):
         return False
     if EMULATE_FP8_GEMM:
         return True
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and _fp8_tensor_cores(x.device.index if x.device.index is not None
-                                  else torch.cuda.current_device()))
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and _fp8_tensor_cores(
+            x.device.index if x.device.index is not None else torch.cuda.current_device()
+        )
+    )
 
 
 def fp8_gemm_raw(x8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -121,15 +129,16 @@ def fp8_gemm_raw(x8: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch._scaled_mm(x8, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., in] @ (weight [out, in] e4m3 * scale [out])^T + bias -> [..., out] in x.dtype.
     See the module docstring for the two paths."""
     if not uses_fp8_gemm(x, weight):
         return F.linear(x, fused.fp8_dequantize(weight, scale, x.dtype), bias)
-    rows = x.reshape(-1, x.shape[-1])                                     # [M, in]
-    x8, x_scale = fused.fp8_quantize_rows(rows)                           # [M, in], [M, 1]
-    out = fp8_gemm_raw(x8, weight)                                        # [M, out] float32
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    x8, x_scale = fused.fp8_quantize_rows(rows)  # [M, in], [M, 1]
+    out = fp8_gemm_raw(x8, weight)  # [M, out] float32
     out = fused.fp8_rescale(out, x_scale, scale, bias, x.dtype)
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -139,8 +148,11 @@ def fuses_fp8(x: torch.Tensor, *linears) -> bool:
     quantize / rescale steps folded into its elementwise kernels: FUSE_FP8, all FP8, and all
     on the FP8 GEMM path for activations like x. Host-side facts only (see uses_fp8_gemm)."""
     return FUSE_FP8 and all(
-        lin is not None and (lin.fp8 if isinstance(lin, RowStack) else is_fp8(lin))
-        and uses_fp8_gemm(x, lin.weight) for lin in linears)
+        lin is not None
+        and (lin.fp8 if isinstance(lin, RowStack) else is_fp8(lin))
+        and uses_fp8_gemm(x, lin.weight)
+        for lin in linears
+    )
 
 
 class FP8Mixin:
@@ -186,7 +198,7 @@ class RowStack:
 
     def __init__(self, *linears: nn.Linear):
         self.fp8 = is_fp8(linears[0])
-        self.weight = _stack(linears, "weight")                           # [sum out, in]
+        self.weight = _stack(linears, "weight")  # [sum out, in]
         self.bias = _stack(linears, "bias") if linears[0].bias is not None else None
         self.scale = _stack(linears, "weight_scale") if self.fp8 else None
 

@@ -10,6 +10,7 @@ The model code asks `enabled()` at call time; the step runner turns the kernels 
 CUDA-graph fast path (`enable`); without them (no Triton, or eager runs) attention takes the
 fused-torch path.
 """
+
 from __future__ import annotations
 
 import os

@@ -3,7 +3,8 @@
 The eager reference is runtime.models.arch.attention.grouped_attention over the rows that
 KVCache.read gathers and ExtendBatch.mask. Keys and values are read through each row's
 block table (runtime.models.arch.cache): position p at block table[b, p // BS], offset
-p % BS; the BLOCK_N positions of an inner step look their block ids up in one vector load. This kernel differs in what it needs from the
+p % BS; the BLOCK_N positions of an inner step look their block ids up in one vector load. This
+kernel differs in what it needs from the
 host: nothing. Each row's attended length comes from the device (its query positions), so
 a CUDA graph serves every KV length: no attended length padded to a bucket, no mask tensor.
 
@@ -22,6 +23,7 @@ o_proj, in the same launch: runtime.models.arch.fused.fp8_quantize_rows of the [
 output rounded to q's dtype, i.e. fused.fp8_quantize_heads of the plain output (see
 slot_attention for how exact).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,11 +42,11 @@ from runtime.models.kernels.rope import NewTokens, new_rows, write_new_kv
 # H200, 8b decode at batch 1: 10.8 us a call with 64-position chunks, 13.5 with 256); many rows
 # fill the GPU anyway and spend less on the combine with long chunks (batch 16, 5 tokens:
 # 31 us with 256, 51 with 64). CHUNK fixes one length (tests, lab/gpu/kernel_bench.py --chunks).
-CHUNK = 0              # 0: by the number of programs
+CHUNK = 0  # 0: by the number of programs
 CHUNK_LONG, CHUNK_SHORT = 256, 64
-FEW_PROGRAMS = 64      # rows x KV heads at most for CHUNK_SHORT
-BLOCK_N = 32           # KV positions per inner step
-MAX_CHUNKS = 64        # chunks per row at most: longer caches get longer chunks
+FEW_PROGRAMS = 64  # rows x KV heads at most for CHUNK_SHORT
+BLOCK_N = 32  # KV positions per inner step
+MAX_CHUNKS = 64  # chunks per row at most: longer caches get longer chunks
 # RoPE and the new tokens' KV write inside the partial kernel (slot_attention of NewTokens)
 # instead of the separate rope kernel, for steps of at least FOLD_ROPE_MIN_SEQ tokens a row:
 # measured on an H200 (lab/h200_lab.sh fold-ab, 8b, GPU time a step), a 5-token
@@ -55,20 +57,71 @@ FOLD_ROPE_MIN_SEQ = 2
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
-                    o_ptr, m_ptr, l_ptr,
-                    stride_qb, stride_qh, stride_qm, stride_tb,
-                    stride_kb, stride_kh, stride_kl,
-                    stride_ob, stride_oh, stride_oc, stride_om,
-                    T, M, scale, window, chunk, softcap,
-                    nq_ptr, nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr,
-                    stride_nqt, stride_nqh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-                    stride_ct, stride_xs, R, KV_COL, V_COL,
-                    ks_ptr, vs_ptr, stride_sb, stride_sh, stride_sl,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    D: tl.constexpr, T_POW2: tl.constexpr, BS: tl.constexpr,
-                    IEEE: tl.constexpr, ROPE: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    ACT: tl.constexpr, KV8: tl.constexpr, SOFTCAP: tl.constexpr):
+def _partial_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    pos_ptr,
+    valid_ptr,
+    o_ptr,
+    m_ptr,
+    l_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_tb,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_ob,
+    stride_oh,
+    stride_oc,
+    stride_om,
+    T,
+    M,
+    scale,
+    window,
+    chunk,
+    softcap,
+    nq_ptr,
+    nk_ptr,
+    nv_ptr,
+    cos_ptr,
+    sin_ptr,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    stride_nqt,
+    stride_nqh,
+    stride_nkt,
+    stride_nkh,
+    stride_nvt,
+    stride_nvh,
+    stride_ct,
+    stride_xs,
+    R,
+    KV_COL,
+    V_COL,
+    ks_ptr,
+    vs_ptr,
+    stride_sb,
+    stride_sh,
+    stride_sl,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    T_POW2: tl.constexpr,
+    BS: tl.constexpr,
+    IEEE: tl.constexpr,
+    ROPE: tl.constexpr,
+    RAW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    KV8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """SOFTCAP: scaled scores capped at softcap * tanh(s / softcap) (Gemma 2).
     KV8: e4m3 pools with per-position scales (ks_ptr, vs_ptr: kernels.fp8_kv), cast to
     ACT and scaled in float32: K's scales multiply the scores, V's the probabilities.
@@ -79,11 +132,11 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
     own stores). Every new position lies in exactly one live chunk, so each is written once."""
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = c * chunk
-    length = row_length(pos_ptr, valid_ptr, b, T, T_POW2)                # row's KV length
+    length = row_length(pos_ptr, valid_ptr, b, T, T_POW2)  # row's KV length
     if start >= length:
-        return                         # a dead chunk: stores nothing, the combine skips it
+        return  # a dead chunk: stores nothing, the combine skips it
     stop = tl.minimum(start + chunk, length)
-    table_row = table_ptr + b * stride_tb              # the row's block table
+    table_row = table_ptr + b * stride_tb  # the row's block table
     head_base = h.to(tl.int64) * stride_kh
     # the first step's block ids, loaded before anything else, and each next step's a step
     # ahead (in the loop): the K/V loads depend on them. Measured on an H200 (bf16, 8b heads,
@@ -92,13 +145,13 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
     # cost 1.05-1.13x (decode) and up to 1.42x (verify).
     first = start + tl.arange(0, BLOCK_N)
     blk_next = tl.load(table_row + first // BS, mask=first < stop, other=0)
-    rows = tl.arange(0, BLOCK_M)                   # stacked query rows: head j // T, token j % T
+    rows = tl.arange(0, BLOCK_M)  # stacked query rows: head j // T, token j % T
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < M
     t = rows % T
-    q_pos = tl.load(pos_ptr + b * T + t, mask=row_ok, other=-1)            # [BLOCK_M]
+    q_pos = tl.load(pos_ptr + b * T + t, mask=row_ok, other=-1)  # [BLOCK_M]
     q_valid = tl.load(valid_ptr + b * T + t, mask=row_ok, other=0) != 0
-    q_pos = tl.where(q_valid, q_pos, -1)               # padding queries attend nothing
+    q_pos = tl.where(q_valid, q_pos, -1)  # padding queries attend nothing
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -107,30 +160,91 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
         # rope._rope_write_kernel stores them
         tok = b * T + t
         head = h * R + rows // T
-        q = new_rows(nq_ptr + tok[:, None] * stride_nqt + head[:, None] * stride_nqh,
-                     head[:, None] * D, tok, row_ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr,
-                     bias_ptr, stride_ct, stride_xs, True, D, RAW, HAS_BIAS, ACT).to(ACT)
-        write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr,
-                     v_ptr, pos_ptr, valid_ptr, table_row, head_base, b, h, T, start, stop,
-                     stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs,
-                     stride_kb, stride_kl, KV_COL, V_COL, ks_ptr, vs_ptr, h * stride_sh,
-                     stride_sb, stride_sl, BLOCK_D, D, T_POW2, BS, RAW, HAS_BIAS, ACT, KV8)
-        tl.debug_barrier()             # this program's cache stores before its loads
+        q = new_rows(
+            nq_ptr + tok[:, None] * stride_nqt + head[:, None] * stride_nqh,
+            head[:, None] * D,
+            tok,
+            row_ok,
+            dims,
+            cos_ptr,
+            sin_ptr,
+            xs_ptr,
+            ws_ptr,
+            bias_ptr,
+            stride_ct,
+            stride_xs,
+            True,
+            D,
+            RAW,
+            HAS_BIAS,
+            ACT,
+        ).to(ACT)
+        write_new_kv(
+            nk_ptr,
+            nv_ptr,
+            cos_ptr,
+            sin_ptr,
+            xs_ptr,
+            ws_ptr,
+            bias_ptr,
+            k_ptr,
+            v_ptr,
+            pos_ptr,
+            valid_ptr,
+            table_row,
+            head_base,
+            b,
+            h,
+            T,
+            start,
+            stop,
+            stride_nkt,
+            stride_nkh,
+            stride_nvt,
+            stride_nvh,
+            stride_ct,
+            stride_xs,
+            stride_kb,
+            stride_kl,
+            KV_COL,
+            V_COL,
+            ks_ptr,
+            vs_ptr,
+            h * stride_sh,
+            stride_sb,
+            stride_sl,
+            BLOCK_D,
+            D,
+            T_POW2,
+            BS,
+            RAW,
+            HAS_BIAS,
+            ACT,
+            KV8,
+        )
+        tl.debug_barrier()  # this program's cache stores before its loads
     else:
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm
-                    + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
+        q = tl.load(
+            q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + dims[None, :],
+            mask=row_ok[:, None] & (dims[None, :] < D),
+            other=0.0,
+        )
     for n0 in range(start, stop, BLOCK_N):
-        kv = n0 + tl.arange(0, BLOCK_N)                                     # [BLOCK_N]
+        kv = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         kv_ok = kv < stop
-        blk = blk_next.to(tl.int64)                                         # [BLOCK_N]
-        ahead = kv + BLOCK_N           # the next step's ids, a step ahead (hides their latency)
+        blk = blk_next.to(tl.int64)  # [BLOCK_N]
+        ahead = kv + BLOCK_N  # the next step's ids, a step ahead (hides their latency)
         blk_next = tl.load(table_row + ahead // BS, mask=ahead < stop, other=0)
-        offs = (head_base + blk[:, None] * stride_kb + (kv % BS)[:, None].to(tl.int64)
-                * stride_kl + dims[None, :])
+        offs = (
+            head_base
+            + blk[:, None] * stride_kb
+            + (kv % BS)[:, None].to(tl.int64) * stride_kl
+            + dims[None, :]
+        )
         ld_mask = kv_ok[:, None] & (dims[None, :] < D)
-        k = tl.load(k_ptr + offs, mask=ld_mask, other=0.0)                 # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + offs, mask=ld_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + offs, mask=ld_mask, other=0.0)
-        if KV8:                        # exact casts; the scales [BLOCK_N] applied below
+        if KV8:  # exact casts; the scales [BLOCK_N] applied below
             s_offs = h * stride_sh + blk * stride_sb + (kv % BS).to(tl.int64) * stride_sl
             k_sc = tl.load(ks_ptr + s_offs, mask=kv_ok, other=0.0)
             v_sc = tl.load(vs_ptr + s_offs, mask=kv_ok, other=0.0)
@@ -141,7 +255,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
             s = tl.dot(q, tl.trans(k))
         if KV8:
             s = s * k_sc[None, :]
-        s = s * scale                                                        # [BLOCK_M, BLOCK_N]
+        s = s * scale  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
             s = soft_cap(s, softcap)
         allowed = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
@@ -153,7 +267,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV8:
-            p = p * v_sc[None, :]      # (P * v_scale) @ e4m3(V): P @ dequantized V
+            p = p * v_sc[None, :]  # (P * v_scale) @ e4m3(V): P @ dequantized V
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -161,8 +275,11 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr,
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     base = b * stride_ob + h * stride_oh + c * stride_oc
-    tl.store(o_ptr + base + rows[:, None] * stride_om + dims[None, :], acc,
-             mask=row_ok[:, None] & (dims[None, :] < D))
+    tl.store(
+        o_ptr + base + rows[:, None] * stride_om + dims[None, :],
+        acc,
+        mask=row_ok[:, None] & (dims[None, :] < D),
+    )
     ml = (b * tl.num_programs(1) + h) * tl.num_programs(2) * BLOCK_M + c * BLOCK_M + rows
     tl.store(m_ptr + ml, m_i, mask=row_ok)
     tl.store(l_ptr + ml, l_i, mask=row_ok)
@@ -183,11 +300,21 @@ def chunks(cache_len: int, programs: int) -> tuple[int, int]:
     return chunk, -(-cache_len // chunk)
 
 
-def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              table: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor, seq: int,
-              window: int | None, chunk: int, n_chunks: int, kv_scales: tuple = (),
-              scale: float | None = None, softcap: float | None = None
-              ) -> tuple[torch.Tensor, ...]:
+def _partials(
+    q: torch.Tensor | NewTokens,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    pos: torch.Tensor,
+    ok: torch.Tensor,
+    seq: int,
+    window: int | None,
+    chunk: int,
+    n_chunks: int,
+    kv_scales: tuple = (),
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, ...]:
     """_partial_kernel over grid (B, Hkv, chunks of the cache) -> (o [B, Hkv, C, BLOCK_M, D],
     m and l [B, Hkv, C, BLOCK_M]) float32, written for the live chunks only. q: the stacked
     queries, or the step's NewTokens (the kernel rotates them and writes the new KV);
@@ -200,24 +327,54 @@ def _partials(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch
     l_part = torch.empty_like(m_part)
     rope = isinstance(q, NewTokens)
     if rope:
-        new, stacked = q, (k_cache, 0, 0, 0)           # no stacked q: placeholders
+        new, stacked = q, (k_cache, 0, 0, 0)  # no stacked q: placeholders
         dtype = new.dtype
     else:
         new, stacked = _placeholder_tokens(q), (q, q.stride(0), q.stride(1), q.stride(2))
         dtype = q.dtype
     _partial_kernel[(bsz, n_kv, n_chunks)](
-        stacked[0], k_cache, v_cache, table, pos, ok, o_part, m_part, l_part, *stacked[1:],
+        stacked[0],
+        k_cache,
+        v_cache,
+        table,
+        pos,
+        ok,
+        o_part,
+        m_part,
+        l_part,
+        *stacked[1:],
         table.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        seq, rows, 1.0 / math.sqrt(dim) if scale is None else scale, window or 0, chunk,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        o_part.stride(3),
+        seq,
+        rows,
+        1.0 / math.sqrt(dim) if scale is None else scale,
+        window or 0,
+        chunk,
         softcap or 1.0,
-        *new.pointers(), *new.strides(), *new.columns(), *scale_args(kv_scales, k_cache),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
-        T_POW2=max(2, triton.next_power_of_2(seq)), BS=k_cache.shape[2],
+        *new.pointers(),
+        *new.strides(),
+        *new.columns(),
+        *scale_args(kv_scales, k_cache),
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        D=dim,
+        T_POW2=max(2, triton.next_power_of_2(seq)),
+        BS=k_cache.shape[2],
         IEEE=dtype == torch.float32,
-        ROPE=rope, RAW=new.raw, HAS_BIAS=new.has_bias, ACT=_ROUND[dtype], KV8=bool(kv_scales),
-        SOFTCAP=softcap is not None)
+        ROPE=rope,
+        RAW=new.raw,
+        HAS_BIAS=new.has_bias,
+        ACT=_ROUND[dtype],
+        KV8=bool(kv_scales),
+        SOFTCAP=softcap is not None,
+    )
     return o_part, m_part, l_part
 
 
@@ -231,7 +388,7 @@ def _query_shape(q: torch.Tensor | NewTokens) -> tuple[int, int, int, int]:
 
 def _placeholder_tokens(q: torch.Tensor) -> NewTokens:
     """NewTokens the kernel does not read (ROPE off): q's own pointer, one head per KV head."""
-    flat = q[:, :, 0]                                  # [B, Hkv, D]
+    flat = q[:, :, 0]  # [B, Hkv, D]
     return NewTokens(flat, flat, flat, flat[:, 0], flat[:, 0], q.dtype, 1)
 
 
@@ -241,12 +398,21 @@ def fits_head_dim(dim: int) -> bool:
     return dim >= 16 and dim & (dim - 1) == 0
 
 
-def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   block_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                   seq: int, window: int | None = None, *, quantize: bool = False,
-                   kv_scales: tuple[torch.Tensor, ...] = (), scale: float | None = None,
-                   softcap: float | None = None
-                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def slot_attention(
+    q: torch.Tensor | NewTokens,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    seq: int,
+    window: int | None = None,
+    *,
+    quantize: bool = False,
+    kv_scales: tuple[torch.Tensor, ...] = (),
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of the new tokens over the paged KV cache, their own keys included.
 
     q [B, Hkv, r*T, D] (query heads stacked per KV head, fused.stack_heads), rotated and with
@@ -274,29 +440,38 @@ def slot_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: 
     if not isinstance(q, NewTokens):
         q = q.contiguous()
     elif not fits_head_dim(dim):
-        raise ValueError(f"slot_attention: head_dim {dim} must be a power of two >= 16 for "
-                         "the step's q/k/v before RoPE")
+        raise ValueError(
+            f"slot_attention: head_dim {dim} must be a power of two >= 16 for "
+            "the step's q/k/v before RoPE"
+        )
     check_pools(k_cache, kv_scales)
     dtype = q.dtype
-    pos, ok = (t if t.dtype == torch.int32 and t.is_contiguous()
-               else t.to(torch.int32).contiguous() for t in (positions, valid))
+    pos, ok = (
+        t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+        for t in (positions, valid)
+    )
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     chunk, n_chunks = chunks(capacity(table, k_cache), bsz * n_kv)
-    parts = _partials(q, k_cache, v_cache, table, pos, ok, seq, window, chunk, n_chunks,
-                      kv_scales, scale, softcap)
+    parts = _partials(
+        q, k_cache, v_cache, table, pos, ok, seq, window, chunk, n_chunks, kv_scales, scale, softcap
+    )
     o_part = parts[0]
     block_m = o_part.shape[3]
-    meta = dict(BLOCK_M=block_m, BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),
-                BLOCK_D=max(16, triton.next_power_of_2(dim)), D=dim,
-                T_POW2=max(2, triton.next_power_of_2(seq)))
+    meta = dict(
+        BLOCK_M=block_m,
+        BLOCK_C=max(2, triton.next_power_of_2(n_chunks)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        D=dim,
+        T_POW2=max(2, triton.next_power_of_2(seq)),
+    )
     strides = [o_part.stride(i) for i in range(4)]
     if quantize:
         return combine_fp8(parts, pos, ok, strides, seq, n_rep, chunk, dtype, meta)
     return combine(parts, pos, ok, strides, seq, n_rep, chunk, dtype, meta)
 
 
-FUSED_FP8_CHUNKS = 8    # quantize in the combine while a row has at most this many chunks
-FUSED_FP8_TOKENS = 16   # or the step this many tokens
+FUSED_FP8_CHUNKS = 8  # quantize in the combine while a row has at most this many chunks
+FUSED_FP8_TOKENS = 16  # or the step this many tokens
 
 
 def capacity(block_table: torch.Tensor, k_cache: torch.Tensor) -> int:
@@ -313,4 +488,3 @@ def fp8_combine_pays(q: torch.Tensor, cache_len: int, seq: int) -> bool:
     bsz, n_kv = _query_shape(q)[:2]
     n_chunks = chunks(cache_len, bsz * n_kv)[1]
     return n_chunks <= FUSED_FP8_CHUNKS or bsz * seq >= FUSED_FP8_TOKENS
-

@@ -9,6 +9,7 @@ eager path's. The reader (kernels.attention's partial kernel) loads the e4m3 val
 them to the queries' dtype (exact: every e4m3 value is a bf16 / fp16 value) and applies the
 scales in float32: K's to the scores, V's to the probabilities before the P @ V product.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,10 @@ def scale_args(scales: tuple[torch.Tensor, ...], k_cache: torch.Tensor) -> tuple
         return k_cache, k_cache, 0, 0, 0
     k_scale, v_scale = scales
     if k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:3]:
-        raise ValueError(f"KV scales {tuple(k_scale.shape)} / {tuple(v_scale.shape)} must "
-                         f"match the pool {tuple(k_cache.shape)} and each other's strides")
+        raise ValueError(
+            f"KV scales {tuple(k_scale.shape)} / {tuple(v_scale.shape)} must "
+            f"match the pool {tuple(k_cache.shape)} and each other's strides"
+        )
     return k_scale, v_scale, *k_scale.stride()
 
 
@@ -53,5 +56,7 @@ def check_pools(k_cache: torch.Tensor, scales: tuple[torch.Tensor, ...]) -> None
     float pools with none."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8 != bool(scales) or (scales and len(scales) != 2):
-        raise ValueError(f"a {k_cache.dtype} KV pool needs "
-                         f"{'(k_scale, v_scale)' if fp8 else 'no scales'}, got {len(scales)}")
+        raise ValueError(
+            f"a {k_cache.dtype} KV pool needs "
+            f"{'(k_scale, v_scale)' if fp8 else 'no scales'}, got {len(scales)}"
+        )

@@ -36,10 +36,10 @@ with the explicit mask. Under the interpreter, bf16 dots take float32 operands (
 Eager reference (tests/unit/models/test_prefill_attention.py):
 runtime.models.arch.attention.grouped_attention(q, *KVCache.read(batch), batch.mask(window), T).
 """
+
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -55,13 +55,18 @@ from runtime.models.kernels.fp8_kv import check_pools, scale_args
 # warps less. D 64: 128x64, 4 warps, 3 stages 290-298 at 2k chunks (128x128 / 8 warps 233-253).
 # D 256 (H 16 / Hkv 8, 8k prompt): 128x32, 8 warps, 2 stages 204-269 (64x32 / 4 warps 184-256).
 # float32 queries (tests; twice the shared memory a tile): float32_config of these.
-CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3),
-           128: (128, 128, 8, 3), 256: (128, 32, 8, 2)}
+CONFIGS = {
+    16: (128, 64, 4, 3),
+    32: (128, 64, 4, 3),
+    64: (128, 64, 4, 3),
+    128: (128, 128, 8, 3),
+    256: (128, 32, 8, 2),
+}
 # A grid of at most one program a multiprocessor (one row's 512-token chunk: 128 programs for
 # 32 heads) runs one CTA an SM: D 64's 4 warps then left it latency-bound (151-158 TFLOP/s at
 # 32k / 512 against 195-212 with these 8 warps).
 FEW_CONFIGS = {64: (128, 128, 8, 3)}
-INTERPRET_CONFIG = (16, 16, 4, 1)      # under TRITON_INTERPRET=1: small blocks, fast tests
+INTERPRET_CONFIG = (16, 16, 4, 1)  # under TRITON_INTERPRET=1: small blocks, fast tests
 LOG2E = 1.4426950408889634
 _ACT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -76,17 +81,45 @@ def soft_cap(s, cap):
 
 
 @triton.jit
-def _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, head_base, s_head,
-          n0, hi, q_pos, window, qk_scale, softcap, dims,
-          stride_kb, stride_kl, stride_sb, stride_sl,
-          MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-          D: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr,
-          KV8: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+def _step(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_row,
+    head_base,
+    s_head,
+    n0,
+    hi,
+    q_pos,
+    window,
+    qk_scale,
+    softcap,
+    dims,
+    stride_kb,
+    stride_kl,
+    stride_sb,
+    stride_sl,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    IEEE: tl.constexpr,
+    ACT: tl.constexpr,
+    KV8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """One BLOCK_N step of the online softmax over KV positions n0 ..; MASKED: causal,
     window and the row's length (hi) applied, else every position is seen by every row.
     UPCAST: bf16 operands converted to float32 for IEEE dots (the interpreter's bf16 dot
     multiplies the raw bits), P rounded to bf16 first as the GPU's dot would take it."""
-    kv = n0 + tl.arange(0, BLOCK_N)                                         # [BLOCK_N]
+    kv = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if MASKED:
         kv_ok = kv < hi
         blk = tl.load(table_row + kv // BS, mask=kv_ok, other=0).to(tl.int64)
@@ -95,7 +128,7 @@ def _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, head_base, 
     offs = head_base + blk[:, None] * stride_kb + (kv % BS)[:, None] * stride_kl + dims[None, :]
     if MASKED:
         ld = kv_ok[:, None] & (dims[None, :] < D)
-        k = tl.load(k_ptr + offs, mask=ld, other=0.0)                      # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + offs, mask=ld, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + offs, mask=ld, other=0.0)
     elif D == BLOCK_D:
         k = tl.load(k_ptr + offs)
@@ -103,7 +136,7 @@ def _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, head_base, 
     else:
         k = tl.load(k_ptr + offs, mask=dims[None, :] < D, other=0.0)
         v = tl.load(v_ptr + offs, mask=dims[None, :] < D, other=0.0)
-    if KV8:                            # exact casts; the scales [BLOCK_N] applied below
+    if KV8:  # exact casts; the scales [BLOCK_N] applied below
         s_offs = s_head + blk * stride_sb + (kv % BS) * stride_sl
         if MASKED:
             k_sc = tl.load(ks_ptr + s_offs, mask=kv_ok, other=0.0)
@@ -117,19 +150,19 @@ def _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, head_base, 
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        s = tl.dot(q, tl.trans(k))                                          # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
     if KV8:
         s = s * (k_sc * qk_scale)[None, :]
     else:
-        s = s * qk_scale                                  # log2 units: exp2 below
-    if SOFTCAP:                        # softcap in log2 units too: c * LOG2E
+        s = s * qk_scale  # log2 units: exp2 below
+    if SOFTCAP:  # softcap in log2 units too: c * LOG2E
         s = soft_cap(s, softcap)
     if MASKED:
         allowed = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         allowed = allowed & ((window <= 0) | (kv[None, :] > q_pos[:, None] - window))
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # a row that sees nothing yet
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
     else:
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = m_new
@@ -137,7 +170,7 @@ def _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, head_base, 
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if KV8:
-        p = p * v_sc[None, :]          # (P * v_scale) @ e4m3(V): P @ dequantized V
+        p = p * v_sc[None, :]  # (P * v_scale) @ e4m3(V): P @ dequantized V
     p = p.to(ACT)
     if UPCAST:
         p = p.to(tl.float32)
@@ -149,38 +182,75 @@ def _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, head_base, 
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr, o_ptr,
-                    ks_ptr, vs_ptr, stride_sb, stride_sh, stride_sl,
-                    stride_qb, stride_qh, stride_qm, stride_tb,
-                    stride_kb, stride_kh, stride_kl,
-                    stride_ob, stride_ot, stride_oh,
-                    T, R, qk_scale, window, softcap,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    D: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
-                    ACT: tl.constexpr, KV8: tl.constexpr, UPCAST: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
-    head = tl.program_id(0)                                   # query head = KV head * R + g
-    mb = tl.num_programs(1) - 1 - tl.program_id(1)            # the last query blocks first
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    pos_ptr,
+    valid_ptr,
+    o_ptr,
+    ks_ptr,
+    vs_ptr,
+    stride_sb,
+    stride_sh,
+    stride_sl,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_tb,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    T,
+    R,
+    qk_scale,
+    window,
+    softcap,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    IEEE: tl.constexpr,
+    ACT: tl.constexpr,
+    KV8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    head = tl.program_id(0)  # query head = KV head * R + g
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)  # the last query blocks first
     b = tl.program_id(2).to(tl.int64)
     kv_head, g = head // R, head % R
-    t = mb * BLOCK_M + tl.arange(0, BLOCK_M)                  # the block's query tokens
+    t = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # the block's query tokens
     dims = tl.arange(0, BLOCK_D)
     t_ok = t < T
     q_pos = tl.load(pos_ptr + b * T + t, mask=t_ok, other=0)
     q_ok = (tl.load(valid_ptr + b * T + t, mask=t_ok, other=0) != 0) & t_ok
-    q_pos = tl.where(q_ok, q_pos, -1)                         # padding queries see nothing
-    hi = tl.max(q_pos, axis=0) + 1                            # KV positions [0, hi): 0 if none
-    first = tl.min(tl.where(q_ok, q_pos, hi), axis=0)         # the block's first valid query
+    q_pos = tl.where(q_ok, q_pos, -1)  # padding queries see nothing
+    hi = tl.max(q_pos, axis=0) + 1  # KV positions [0, hi): 0 if none
+    first = tl.min(tl.where(q_ok, q_pos, hi), axis=0)  # the block's first valid query
     # unmasked steps: n0 .. n0 + BLOCK_N - 1 <= first, and (window) n0 > last - window
     full_hi = (first + 1) // BLOCK_N * BLOCK_N
     windowed = window > 0
     lo = tl.where(windowed, tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
-    full_lo = tl.where(windowed, tl.minimum(
-        tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N) * BLOCK_N, hi), 0)
+    full_lo = tl.where(
+        windowed, tl.minimum(tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N) * BLOCK_N, hi), 0
+    )
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     q_mask = t_ok[:, None] & (dims[None, :] < D)
-    q = tl.load(q_ptr + b * stride_qb + kv_head * stride_qh
-                + (g * T + t)[:, None] * stride_qm + dims[None, :], mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr
+        + b * stride_qb
+        + kv_head * stride_qh
+        + (g * T + t)[:, None] * stride_qm
+        + dims[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     table_row = table_ptr + b * stride_tb
@@ -189,26 +259,123 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, valid_ptr, o_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(lo, full_lo, BLOCK_N):                    # the window's lower edge
-        acc, m_i, l_i = _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row,
-                              head_base, s_head, n0, hi, q_pos, window, qk_scale, softcap, dims,
-                              stride_kb, stride_kl, stride_sb, stride_sl, True,
-                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST, SOFTCAP)
-    for n0 in range(full_lo, full_hi, BLOCK_N):               # seen whole by every query
-        acc, m_i, l_i = _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row,
-                              head_base, s_head, n0, hi, q_pos, window, qk_scale, softcap, dims,
-                              stride_kb, stride_kl, stride_sb, stride_sl, False,
-                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST, SOFTCAP)
-    for n0 in range(full_hi, hi, BLOCK_N):                    # the diagonal
-        acc, m_i, l_i = _step(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row,
-                              head_base, s_head, n0, hi, q_pos, window, qk_scale, softcap, dims,
-                              stride_kb, stride_kl, stride_sb, stride_sl, True,
-                              BLOCK_N, BLOCK_D, D, BS, IEEE, ACT, KV8, UPCAST, SOFTCAP)
+    for n0 in range(lo, full_lo, BLOCK_N):  # the window's lower edge
+        acc, m_i, l_i = _step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            table_row,
+            head_base,
+            s_head,
+            n0,
+            hi,
+            q_pos,
+            window,
+            qk_scale,
+            softcap,
+            dims,
+            stride_kb,
+            stride_kl,
+            stride_sb,
+            stride_sl,
+            True,
+            BLOCK_N,
+            BLOCK_D,
+            D,
+            BS,
+            IEEE,
+            ACT,
+            KV8,
+            UPCAST,
+            SOFTCAP,
+        )
+    for n0 in range(full_lo, full_hi, BLOCK_N):  # seen whole by every query
+        acc, m_i, l_i = _step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            table_row,
+            head_base,
+            s_head,
+            n0,
+            hi,
+            q_pos,
+            window,
+            qk_scale,
+            softcap,
+            dims,
+            stride_kb,
+            stride_kl,
+            stride_sb,
+            stride_sl,
+            False,
+            BLOCK_N,
+            BLOCK_D,
+            D,
+            BS,
+            IEEE,
+            ACT,
+            KV8,
+            UPCAST,
+            SOFTCAP,
+        )
+    for n0 in range(full_hi, hi, BLOCK_N):  # the diagonal
+        acc, m_i, l_i = _step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            table_row,
+            head_base,
+            s_head,
+            n0,
+            hi,
+            q_pos,
+            window,
+            qk_scale,
+            softcap,
+            dims,
+            stride_kb,
+            stride_kl,
+            stride_sb,
+            stride_sl,
+            True,
+            BLOCK_N,
+            BLOCK_D,
+            D,
+            BS,
+            IEEE,
+            ACT,
+            KV8,
+            UPCAST,
+            SOFTCAP,
+        )
     # padding queries (l = 0, or garbage from the unmasked steps) write zeros, never NaN
     out = acc / tl.where(q_ok & (l_i > 0), l_i, 1.0)[:, None]
     out = tl.where(q_ok[:, None], out, 0.0)
-    tl.store(o_ptr + b * stride_ob + t[:, None].to(tl.int64) * stride_ot + head * stride_oh
-             + dims[None, :], out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(
+        o_ptr
+        + b * stride_ob
+        + t[:, None].to(tl.int64) * stride_ot
+        + head * stride_oh
+        + dims[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
 def interpreting() -> bool:
@@ -220,7 +387,7 @@ def block_d(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -256,16 +423,28 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, kv_scales: tuple = ()) -> bool:
         return False
     dim = q.shape[3]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    return (0 < dim <= 256 and k_cache.shape[3] == dim and k_cache.shape[1] == q.shape[1]
-            and (k_cache.dtype == q.dtype or fp8) and fp8 == bool(kv_scales)
-            and q.device == k_cache.device)
+    return (
+        0 < dim <= 256
+        and k_cache.shape[3] == dim
+        and k_cache.shape[1] == q.shape[1]
+        and (k_cache.dtype == q.dtype or fp8)
+        and fp8 == bool(kv_scales)
+        and q.device == k_cache.device
+    )
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                      window: int | None = None, kv_scales: tuple[torch.Tensor, ...] = (),
-                      scale: float | None = None, softcap: float | None = None
-                      ) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    window: int | None = None,
+    kv_scales: tuple[torch.Tensor, ...] = (),
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """A prefill chunk's attention over the paged cache -> [B, T, H, D] in q's dtype.
 
     q [B, Hkv, r*T, D]: the chunk's rotated queries, the r query heads of each KV head
@@ -279,8 +458,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     D ** -0.5); softcap c: the scaled scores become c * tanh(s / c) before the mask (Gemma 2).
     Padding queries give zeros. `fits` says which shapes it takes."""
     if not fits(q, k_cache, kv_scales):
-        raise ValueError(f"prefill_attention: q {tuple(q.shape)} {q.dtype} over a "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype} pool, {len(kv_scales)} scales")
+        raise ValueError(
+            f"prefill_attention: q {tuple(q.shape)} {q.dtype} over a "
+            f"{tuple(k_cache.shape)} {k_cache.dtype} pool, {len(kv_scales)} scales"
+        )
     check_pools(k_cache, kv_scales)
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("prefill_attention: the K and V pools must share shape and strides")
@@ -288,23 +469,52 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     seq = positions.shape[1]
     n_rep = rows // seq
     q = q.contiguous()
-    pos, ok = (x if x.dtype == torch.int32 and x.is_contiguous()
-               else x.to(torch.int32).contiguous() for x in (positions, valid))
-    table = block_table.to(torch.int32).contiguous()          # no copy for ExtendBatch's
+    pos, ok = (
+        x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
+        for x in (positions, valid)
+    )
+    table = block_table.to(torch.int32).contiguous()  # no copy for ExtendBatch's
     out = torch.empty(bsz, seq, n_kv * n_rep, dim, dtype=q.dtype, device=q.device)
     block_m, block_n, warps, stages = config(dim, q.device, programs(q, seq))
     if q.dtype == torch.float32 and q.device.type == "cuda":
         block_m, block_n, warps, stages = float32_config((block_m, block_n, warps, stages))
-    upcast = q.dtype == torch.bfloat16 and q.device.type != "cuda"     # the interpreter
+    upcast = q.dtype == torch.bfloat16 and q.device.type != "cuda"  # the interpreter
     grid = (n_kv * n_rep, triton.cdiv(seq, block_m), bsz)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, table, pos, ok, out, *scale_args(kv_scales, k_cache),
-        q.stride(0), q.stride(1), q.stride(2), table.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        seq, n_rep, LOG2E * (dim ** -0.5 if scale is None else scale), window or 0,
+        q,
+        k_cache,
+        v_cache,
+        table,
+        pos,
+        ok,
+        out,
+        *scale_args(kv_scales, k_cache),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        seq,
+        n_rep,
+        LOG2E * (dim**-0.5 if scale is None else scale),
+        window or 0,
         LOG2E * (softcap or 1.0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(dim), D=dim, BS=k_cache.shape[2],
-        IEEE=q.dtype == torch.float32 or upcast, ACT=_ACT[q.dtype], KV8=bool(kv_scales),
-        UPCAST=upcast, SOFTCAP=softcap is not None, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d(dim),
+        D=dim,
+        BS=k_cache.shape[2],
+        IEEE=q.dtype == torch.float32 or upcast,
+        ACT=_ACT[q.dtype],
+        KV8=bool(kv_scales),
+        UPCAST=upcast,
+        SOFTCAP=softcap is not None,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out

@@ -20,6 +20,7 @@ Steps of several tokens a row skip this kernel: runtime.models.kernels.attention
 kernel rotates and writes the step's NewTokens itself, through new_rows / write_new_kv here
 (the same arithmetic).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -32,8 +33,9 @@ from runtime.models.kernels.fp8_kv import check_pools, kv_quantize, kv_scale, sc
 
 
 @triton.jit
-def _load_masked(src, col, mask, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACT: tl.constexpr):
+def _load_masked(
+    src, col, mask, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr
+):
     """Elements at src in float32 (src / col: the elements' pointers and, RAW, their columns
     of a raw FP8 GEMM output; any shape; masked elements read 0). RAW: times the token's
     scale xs (broadcast) and the columns' scales (+ bias), rounded to the activation dtype ACT
@@ -48,8 +50,21 @@ def _load_masked(src, col, mask, xs, ws_ptr, b_ptr, RAW: tl.constexpr, HAS_BIAS:
 
 
 @triton.jit
-def rotated(src, col, dims, mask, cos, sin, xs, ws_ptr, b_ptr, HALF: tl.constexpr,
-            RAW: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+def rotated(
+    src,
+    col,
+    dims,
+    mask,
+    cos,
+    sin,
+    xs,
+    ws_ptr,
+    b_ptr,
+    HALF: tl.constexpr,
+    RAW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+):
     """RoPE of a tile of heads, float32: src / col the pointers / raw columns of each row's
     element 0 ([R, 1]), dims [1, D], cos / sin [R, D] float32. The same arithmetic as
     _rope_write_kernel (lo * cos - hi * sin, hi * cos + lo * sin), the halves read twice
@@ -62,9 +77,25 @@ def rotated(src, col, dims, mask, cos, sin, xs, ws_ptr, b_ptr, HALF: tl.constexp
 
 
 @triton.jit
-def new_rows(src, col, tok, ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct,
-             stride_xs, ROTATE: tl.constexpr, D: tl.constexpr, RAW: tl.constexpr,
-             HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+def new_rows(
+    src,
+    col,
+    tok,
+    ok,
+    dims,
+    cos_ptr,
+    sin_ptr,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    stride_ct,
+    stride_xs,
+    ROTATE: tl.constexpr,
+    D: tl.constexpr,
+    RAW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+):
     """Rows of the step's new q / k (ROTATE) or v (runtime.models.kernels.attention's partial
     kernel reads them through these two): src / col [R, 1] each row's element 0 and
     raw column, tok [R] its token, ok [R]; float32 [R, BLOCK_D], masked rows 0."""
@@ -76,20 +107,70 @@ def new_rows(src, col, tok, ok, dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr
         at = tok[:, None] * stride_ct + dims[None, :]
         cos = tl.load(cos_ptr + at, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        return rotated(src, col, dims[None, :], mask, cos, sin, xs, ws_ptr, bias_ptr, D // 2,
-                       RAW, HAS_BIAS, ACT)
-    return _load_masked(src + dims[None, :], col + dims[None, :], mask, xs, ws_ptr, bias_ptr,
-                        RAW, HAS_BIAS, ACT)
+        return rotated(
+            src,
+            col,
+            dims[None, :],
+            mask,
+            cos,
+            sin,
+            xs,
+            ws_ptr,
+            bias_ptr,
+            D // 2,
+            RAW,
+            HAS_BIAS,
+            ACT,
+        )
+    return _load_masked(
+        src + dims[None, :], col + dims[None, :], mask, xs, ws_ptr, bias_ptr, RAW, HAS_BIAS, ACT
+    )
 
 
 @triton.jit
-def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_ptr, v_ptr,
-                 pos_ptr, valid_ptr, table_row, head_base, b, h, T, start, stop, stride_nkt,
-                 stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_xs, stride_kb,
-                 stride_kl, KV_COL, V_COL, ks_ptr, vs_ptr, s_head, stride_sb, stride_sl,
-                 BLOCK_D: tl.constexpr, D: tl.constexpr, T_POW2: tl.constexpr,
-                 BS: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACT: tl.constexpr, KV8: tl.constexpr):
+def write_new_kv(
+    nk_ptr,
+    nv_ptr,
+    cos_ptr,
+    sin_ptr,
+    xs_ptr,
+    ws_ptr,
+    bias_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    valid_ptr,
+    table_row,
+    head_base,
+    b,
+    h,
+    T,
+    start,
+    stop,
+    stride_nkt,
+    stride_nkh,
+    stride_nvt,
+    stride_nvh,
+    stride_ct,
+    stride_xs,
+    stride_kb,
+    stride_kl,
+    KV_COL,
+    V_COL,
+    ks_ptr,
+    vs_ptr,
+    s_head,
+    stride_sb,
+    stride_sl,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+    T_POW2: tl.constexpr,
+    BS: tl.constexpr,
+    RAW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    KV8: tl.constexpr,
+):
     """KV head h of row b's valid new tokens at positions in [start, stop): k rotated, v as
     is, stored to the block pools through the row's block table (table_row: its first
     entry): block table_row[pos // BS], offset pos % BS, head_base = the head's offset.
@@ -101,19 +182,55 @@ def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_p
     ok = (ts < T) & (tl.load(valid_ptr + b * T + ts, mask=ts < T, other=0) != 0)
     ok = ok & (pos >= start) & (pos < stop)
     tok = b * T + ts
-    k = new_rows(nk_ptr + tok[:, None] * stride_nkt + h * stride_nkh, KV_COL + h * D, tok, ok,
-                 dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, True,
-                 D, RAW, HAS_BIAS, ACT)
-    v = new_rows(nv_ptr + tok[:, None] * stride_nvt + h * stride_nvh, V_COL + h * D, tok, ok,
-                 dims, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, stride_ct, stride_xs, False,
-                 D, RAW, HAS_BIAS, ACT)
+    k = new_rows(
+        nk_ptr + tok[:, None] * stride_nkt + h * stride_nkh,
+        KV_COL + h * D,
+        tok,
+        ok,
+        dims,
+        cos_ptr,
+        sin_ptr,
+        xs_ptr,
+        ws_ptr,
+        bias_ptr,
+        stride_ct,
+        stride_xs,
+        True,
+        D,
+        RAW,
+        HAS_BIAS,
+        ACT,
+    )
+    v = new_rows(
+        nv_ptr + tok[:, None] * stride_nvt + h * stride_nvh,
+        V_COL + h * D,
+        tok,
+        ok,
+        dims,
+        cos_ptr,
+        sin_ptr,
+        xs_ptr,
+        ws_ptr,
+        bias_ptr,
+        stride_ct,
+        stride_xs,
+        False,
+        D,
+        RAW,
+        HAS_BIAS,
+        ACT,
+    )
     blk = tl.load(table_row + pos // BS, mask=ok, other=0).to(tl.int64)
-    at = (head_base + blk[:, None] * stride_kb + (pos % BS)[:, None].to(tl.int64) * stride_kl
-          + dims[None, :])
+    at = (
+        head_base
+        + blk[:, None] * stride_kb
+        + (pos % BS)[:, None].to(tl.int64) * stride_kl
+        + dims[None, :]
+    )
     mask = ok[:, None] & (dims[None, :] < D)
     if KV8:
-        s_at = s_head + blk * stride_sb + (pos % BS).to(tl.int64) * stride_sl       # [T_POW2]
-        k = k.to(ACT).to(tl.float32)                   # v: ACT values already
+        s_at = s_head + blk * stride_sb + (pos % BS).to(tl.int64) * stride_sl  # [T_POW2]
+        k = k.to(ACT).to(tl.float32)  # v: ACT values already
         k_sc = kv_scale(tl.max(tl.abs(k), axis=1))
         v_sc = kv_scale(tl.max(tl.abs(v), axis=1))
         tl.store(k_ptr + at, kv_quantize(k, k_sc[:, None]), mask=mask)
@@ -126,15 +243,53 @@ def write_new_kv(nk_ptr, nv_ptr, cos_ptr, sin_ptr, xs_ptr, ws_ptr, bias_ptr, k_p
 
 
 @triton.jit
-def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                       blocks_ptr, offs_ptr, out_ptr, xs_ptr, ws_ptr, b_ptr,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                       stride_ct, stride_cs, stride_ch, stride_cl,
-                       stride_ob, stride_oh, stride_om, stride_blk, stride_off, stride_xs,
-                       T, H, R, KV_COL, V_COL, ks_ptr, vs_ptr, stride_sb, stride_sh, stride_sl,
-                       D: tl.constexpr, HALF: tl.constexpr, RAW: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, KV8: tl.constexpr):
-    tok, head = tl.program_id(0), tl.program_id(1)      # tok = b * T + t; head < H: a q head
+def _rope_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    kc_ptr,
+    vc_ptr,
+    blocks_ptr,
+    offs_ptr,
+    out_ptr,
+    xs_ptr,
+    ws_ptr,
+    b_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_cs,
+    stride_ch,
+    stride_cl,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_blk,
+    stride_off,
+    stride_xs,
+    T,
+    H,
+    R,
+    KV_COL,
+    V_COL,
+    ks_ptr,
+    vs_ptr,
+    stride_sb,
+    stride_sh,
+    stride_sl,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    RAW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    KV8: tl.constexpr,
+):
+    tok, head = tl.program_id(0), tl.program_id(1)  # tok = b * T + t; head < H: a q head
     act = out_ptr.dtype.element_ty
     dims = tl.arange(0, HALF)
     cs = tok * stride_ct
@@ -149,11 +304,12 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         src, col = q_ptr + tok * stride_qt + head * stride_qh, head * D
     else:
         src, col = k_ptr + tok * stride_kt + (head - H) * stride_kh, KV_COL + (head - H) * D
-    whole = dims < HALF                                  # every element: one head's half
+    whole = dims < HALF  # every element: one head's half
     lo = _load_masked(src + dims, col + dims, whole, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, act)
-    hi = _load_masked(src + HALF + dims, col + HALF + dims, whole, xs, ws_ptr, b_ptr, RAW,
-                      HAS_BIAS, act)
-    rot_lo = lo * cos_lo - hi * sin_lo                   # rotate_half: (-hi, lo)
+    hi = _load_masked(
+        src + HALF + dims, col + HALF + dims, whole, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, act
+    )
+    rot_lo = lo * cos_lo - hi * sin_lo  # rotate_half: (-hi, lo)
     rot_hi = hi * cos_hi + lo * sin_hi
     if head < H:
         b, t = tok // T, tok % T
@@ -167,24 +323,62 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         at = blk * stride_cs + kv * stride_ch + off * stride_cl
         full = tl.arange(0, D)
         if KV8:
-            _write_kv8(rot_lo.to(act).to(tl.float32), rot_hi.to(act).to(tl.float32),
-                       v_ptr + tok * stride_vt + kv * stride_vh, V_COL + kv * D, xs, ws_ptr,
-                       b_ptr, kc_ptr + at, vc_ptr + at,
-                       blk * stride_sb + kv * stride_sh + off * stride_sl, ks_ptr, vs_ptr,
-                       D, HALF, RAW, HAS_BIAS, act)
+            _write_kv8(
+                rot_lo.to(act).to(tl.float32),
+                rot_hi.to(act).to(tl.float32),
+                v_ptr + tok * stride_vt + kv * stride_vh,
+                V_COL + kv * D,
+                xs,
+                ws_ptr,
+                b_ptr,
+                kc_ptr + at,
+                vc_ptr + at,
+                blk * stride_sb + kv * stride_sh + off * stride_sl,
+                ks_ptr,
+                vs_ptr,
+                D,
+                HALF,
+                RAW,
+                HAS_BIAS,
+                act,
+            )
         else:
             tl.store(kc_ptr + at + dims, rot_lo.to(kc_ptr.dtype.element_ty))
             tl.store(kc_ptr + at + HALF + dims, rot_hi.to(kc_ptr.dtype.element_ty))
-            v = _load_masked(v_ptr + tok * stride_vt + kv * stride_vh + full,
-                             V_COL + kv * D + full, full < D, xs, ws_ptr, b_ptr, RAW, HAS_BIAS,
-                             act)
+            v = _load_masked(
+                v_ptr + tok * stride_vt + kv * stride_vh + full,
+                V_COL + kv * D + full,
+                full < D,
+                xs,
+                ws_ptr,
+                b_ptr,
+                RAW,
+                HAS_BIAS,
+                act,
+            )
             tl.store(vc_ptr + at + full, v.to(vc_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _write_kv8(k_lo, k_hi, v_src, v_col, xs, ws_ptr, b_ptr, kc, vc, s_at, ks_ptr, vs_ptr,
-               D: tl.constexpr, HALF: tl.constexpr, RAW: tl.constexpr, HAS_BIAS: tl.constexpr,
-               ACT: tl.constexpr):
+def _write_kv8(
+    k_lo,
+    k_hi,
+    v_src,
+    v_col,
+    xs,
+    ws_ptr,
+    b_ptr,
+    kc,
+    vc,
+    s_at,
+    ks_ptr,
+    vs_ptr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    RAW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+):
     """One token's KV head into e4m3 pools: the rotated key's halves k_lo, k_hi [HALF]
     (ACT values, float32) and its value (v_src / v_col: element 0's pointer / raw column),
     each quantized with one scale (fp8_kv) at kc / vc, the scales at s_at of ks / vs."""
@@ -193,8 +387,7 @@ def _write_kv8(k_lo, k_hi, v_src, v_col, xs, ws_ptr, b_ptr, kc, vc, s_at, ks_ptr
     tl.store(kc + dims, kv_quantize(k_lo, k_sc))
     tl.store(kc + HALF + dims, kv_quantize(k_hi, k_sc))
     tl.store(ks_ptr + s_at, k_sc)
-    v = _load_masked(v_src + full, v_col + full, full < D, xs, ws_ptr, b_ptr, RAW, HAS_BIAS,
-                     ACT)
+    v = _load_masked(v_src + full, v_col + full, full < D, xs, ws_ptr, b_ptr, RAW, HAS_BIAS, ACT)
     v_sc = kv_scale(tl.max(tl.abs(v), axis=0))
     tl.store(vc + full, kv_quantize(v, v_sc))
     tl.store(vs_ptr + s_at, v_sc)
@@ -205,14 +398,15 @@ class NewTokens(NamedTuple):
     [B*T, Hkv, D] (views: last axis contiguous), cos, sin [B*T, D]; on the fused FP8 path
     slices of the qkv GEMM's raw float32 output with its scales (x_scale [B*T, 1], w_scale
     and bias over the output's columns: raw=True), the activation dtype `dtype` either way."""
+
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     dtype: torch.dtype
-    seq: int                                   # T
-    scales: tuple | None = None                # (x_scale, w_scale, bias or None)
+    seq: int  # T
+    scales: tuple | None = None  # (x_scale, w_scale, bias or None)
 
     @property
     def raw(self) -> bool:
@@ -221,14 +415,30 @@ class NewTokens(NamedTuple):
     def pointers(self) -> tuple:
         """q, k, v, cos, sin, x_scale, w_scale, bias (placeholders where not raw)."""
         x_scale, w_scale, bias = self.scales if self.raw else (self.q, self.q, None)
-        return (self.q, self.k, self.v, self.cos, self.sin, x_scale, w_scale,
-                bias if bias is not None else w_scale)
+        return (
+            self.q,
+            self.k,
+            self.v,
+            self.cos,
+            self.sin,
+            x_scale,
+            w_scale,
+            bias if bias is not None else w_scale,
+        )
 
     def strides(self) -> tuple:
         """q, k, v token and head strides, cos's token stride, x_scale's."""
         x_scale = self.scales[0] if self.raw else self.q
-        return (self.q.stride(0), self.q.stride(1), self.k.stride(0), self.k.stride(1),
-                self.v.stride(0), self.v.stride(1), self.cos.stride(0), x_scale.stride(0))
+        return (
+            self.q.stride(0),
+            self.q.stride(1),
+            self.k.stride(0),
+            self.k.stride(1),
+            self.v.stride(0),
+            self.v.stride(1),
+            self.cos.stride(0),
+            x_scale.stride(0),
+        )
 
     def columns(self) -> tuple:
         """R (query heads per KV head) and where k and v start in a raw output's columns."""
@@ -240,54 +450,93 @@ class NewTokens(NamedTuple):
         return self.raw and self.scales[2] is not None
 
 
-def new_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> NewTokens:
+def new_tokens(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> NewTokens:
     """NewTokens of q [B, T, H, D], k, v [B, T, Hkv, D], cos, sin [B, T, D] (`fits`)."""
     bsz, seq, _, dim = q.shape
-    flat = (t.flatten(0, 1) for t in (q, k, v))        # [B*T, heads, D]: views (fits)
-    return NewTokens(*flat, cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim),
-                     q.dtype, seq)
+    flat = (t.flatten(0, 1) for t in (q, k, v))  # [B*T, heads, D]: views (fits)
+    return NewTokens(*flat, cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim), q.dtype, seq)
 
 
-def new_tokens_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                   bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int, n_kv: int,
-                   cos: torch.Tensor, sin: torch.Tensor) -> NewTokens:
+def new_tokens_fp8(
+    raw: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    n_heads: int,
+    n_kv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> NewTokens:
     """NewTokens of the raw qkv GEMM output [B*T, (H + 2 Hkv) D] float32 (`fits_fp8`)."""
     bsz, seq, dim = cos.shape
     qkv = raw.view(bsz * seq, -1, dim)
     q, k, v = qkv.split([n_heads, n_kv, n_kv], dim=1)
-    return NewTokens(q, k, v, cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim),
-                     dtype, seq, (x_scale, w_scale, bias))
+    return NewTokens(
+        q,
+        k,
+        v,
+        cos.reshape(bsz * seq, dim),
+        sin.reshape(bsz * seq, dim),
+        dtype,
+        seq,
+        (x_scale, w_scale, bias),
+    )
 
 
-def rotary_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 blocks: torch.Tensor, offsets: torch.Tensor, *scales: torch.Tensor
-                 ) -> torch.Tensor:
+def rotary_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    *scales: torch.Tensor,
+) -> torch.Tensor:
     """fused.rotary_write in one kernel: q [B, T, H, D], k, v [B, T, Hkv, D] (last axis
     contiguous), cos, sin [B, T, D]; blocks, offsets [B*T] (where each token's k and v go in
     the pools) -> q rotated, [B, Hkv, r*T, D]. scales: an FP8 cache's k_scale, v_scale
     [N+1, Hkv, BS] (e4m3 pools: fused.rotary_write_kv8), none for float pools.
     D must be a power of two (else the caller keeps fused.rotary_write: `fits`)."""
     if not fits(q, k, v, cos, sin):
-        raise ValueError(f"rotary_write kernel: head_dim {q.shape[-1]} and last-axis strides "
-                         f"must fit (q {tuple(q.shape)}, k {tuple(k.shape)})")
+        raise ValueError(
+            f"rotary_write kernel: head_dim {q.shape[-1]} and last-axis strides "
+            f"must fit (q {tuple(q.shape)}, k {tuple(k.shape)})"
+        )
     return _launch(new_tokens(q, k, v, cos, sin), k_cache, v_cache, blocks, offsets, scales)
 
 
-def rotary_write_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                     bias: torch.Tensor | None, dtype: torch.dtype, n_heads: int, n_kv: int,
-                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                     *scales: torch.Tensor) -> torch.Tensor:
+def rotary_write_fp8(
+    raw: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    n_heads: int,
+    n_kv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    *scales: torch.Tensor,
+) -> torch.Tensor:
     """fused.rotary_write_fp8 in one kernel: the raw qkv GEMM output [B*T, (H + 2 Hkv) D]
     float32 with its token scales x_scale [B*T, 1], channel scales w_scale [(H + 2 Hkv) D]
     (and bias) -> q [B, Hkv, r*T, D] in dtype, k and v written to the caches (scales: as
     rotary_write; fused.rotary_write_fp8_kv8). `fits_fp8` says whether it takes these (else
     the caller keeps fused.rotary_write_fp8)."""
     if not fits_fp8(raw, x_scale, w_scale, bias, cos.shape[-1], cos, sin):
-        raise ValueError(f"rotary_write_fp8 kernel: head_dim {cos.shape[-1]} and the raw "
-                         f"output {tuple(raw.shape)} / scales must fit")
+        raise ValueError(
+            f"rotary_write_fp8 kernel: head_dim {cos.shape[-1]} and the raw "
+            f"output {tuple(raw.shape)} / scales must fit"
+        )
     new = new_tokens_fp8(raw, x_scale, w_scale, bias, dtype, n_heads, n_kv, cos, sin)
     return _launch(new, k_cache, v_cache, blocks, offsets, scales)
 
@@ -296,20 +545,50 @@ def _launch(new: NewTokens, k_cache, v_cache, blocks, offsets, scales=()) -> tor
     check_pools(k_cache, scales)
     tokens, n_heads, dim = new.q.shape
     n_kv, seq = new.k.shape[1], new.seq
-    out = torch.empty(tokens // seq, n_kv, n_heads // n_kv * seq, dim, dtype=new.dtype,
-                      device=new.q.device)
+    out = torch.empty(
+        tokens // seq, n_kv, n_heads // n_kv * seq, dim, dtype=new.dtype, device=new.q.device
+    )
     (q, k, v, cos, sin, x_scale, w_scale, bias), strides = new.pointers(), new.strides()
     _rope_write_kernel[(tokens, n_heads + n_kv)](
-        q, k, v, cos, sin, k_cache, v_cache, blocks, offsets, out, x_scale, w_scale, bias,
-        *strides[:7], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), blocks.stride(0), offsets.stride(0),
-        strides[7], seq, n_heads, *new.columns(), *scale_args(scales, k_cache),
-        D=dim, HALF=dim // 2, RAW=new.raw, HAS_BIAS=new.has_bias, KV8=bool(scales))
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        blocks,
+        offsets,
+        out,
+        x_scale,
+        w_scale,
+        bias,
+        *strides[:7],
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        blocks.stride(0),
+        offsets.stride(0),
+        strides[7],
+        seq,
+        n_heads,
+        *new.columns(),
+        *scale_args(scales, k_cache),
+        D=dim,
+        HALF=dim // 2,
+        RAW=new.raw,
+        HAS_BIAS=new.has_bias,
+        KV8=bool(scales),
+    )
     return out
 
 
-def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> bool:
+def fits(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
     """Whether the kernel takes these: a power-of-two head_dim, unit last-axis strides, and
     token axes that flatten to one stride (a view: no copy; a [B, 1, ...] decode step always
     does, whatever stride its size-1 axis reports)."""
@@ -318,18 +597,32 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
         return False
     if cos.stride() != sin.stride():
         return False
-    return all(t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
-               for t in (q, k, v, cos, sin))
+    return all(
+        t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+        for t in (q, k, v, cos, sin)
+    )
 
 
-def fits_fp8(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def fits_fp8(
+    raw: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> bool:
     """Whether rotary_write_fp8 takes these: a contiguous raw output [B*T, N] and [N] scales
     (and bias), x_scale [B*T, 1], and cos / sin as `fits` wants them."""
     cols = [t for t in (w_scale, bias) if t is not None]
-    if not (raw.dim() == 2 and raw.is_contiguous() and x_scale.shape == (raw.shape[0], 1)
-            and raw.shape[0] == cos.shape[0] * cos.shape[1] and raw.shape[1] % dim == 0
-            and all(t.shape == (raw.shape[1],) and t.is_contiguous() for t in cols)):
+    if not (
+        raw.dim() == 2
+        and raw.is_contiguous()
+        and x_scale.shape == (raw.shape[0], 1)
+        and raw.shape[0] == cos.shape[0] * cos.shape[1]
+        and raw.shape[1] % dim == 0
+        and all(t.shape == (raw.shape[1],) and t.is_contiguous() for t in cols)
+    ):
         return False
     dims = raw.view(*cos.shape[:2], -1, dim)
     return fits(dims, dims, dims, cos, sin)

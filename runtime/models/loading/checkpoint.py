@@ -4,6 +4,7 @@
 metadata of a `.gguf` file through the `gguf` package's GGUFReader. GGUF results are cached per
 (path, size, mtime), because GGUFReader parses the whole tokenizer vocabulary (seconds).
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,19 +18,19 @@ __all__ = ["CheckpointInfo", "inspect_checkpoint", "is_gguf_path"]
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    path: str                      # absolute path of the HF dir or the .gguf file
-    format: str                    # 'hf' | 'gguf'
+    path: str  # absolute path of the HF dir or the .gguf file
+    format: str  # 'hf' | 'gguf'
     vocab_size: int
-    architecture: str              # HF: architectures[0], e.g. 'LlamaForCausalLM'; GGUF: 'llama'
-    model_type: str                # 'llama', 'qwen2', 'mistral', ...
+    architecture: str  # HF: architectures[0], e.g. 'LlamaForCausalLM'; GGUF: 'llama'
+    model_type: str  # 'llama', 'qwen2', 'mistral', ...
     eos_token_ids: tuple[int, ...]
     num_attention_heads: int
     num_key_value_heads: int
     num_hidden_layers: int
     hidden_size: int
     # what the runtime's config checks need (None: the checkpoint does not say)
-    head_dim: int | None = None                  # per attention head (K and V)
-    max_position_embeddings: int | None = None   # the context it was trained for
+    head_dim: int | None = None  # per attention head (K and V)
+    max_position_embeddings: int | None = None  # the context it was trained for
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
@@ -50,7 +51,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         if not os.path.isfile(config_file):
             raise FileNotFoundError(
                 f"checkpoint dir {path} has no config.json (expected a HF checkpoint dir "
-                f"with config.json + safetensors, or a .gguf file)")
+                f"with config.json + safetensors, or a .gguf file)"
+            )
         return _inspect_hf(path)
     stat = os.stat(path)
     return _inspect_gguf_cached(path, stat.st_size, stat.st_mtime_ns)
@@ -88,7 +90,8 @@ def _eos_tuple(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
     if isinstance(value, (list, tuple)) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         return tuple(value)
     return None
 
@@ -125,14 +128,19 @@ def _inspect_hf(path: str) -> CheckpointInfo:
     heads = _hf_int(config, "num_attention_heads", path)
     hidden = _hf_int(config, "hidden_size", path)
     return CheckpointInfo(
-        path=path, format="hf", vocab_size=vocab,
-        architecture=architecture, model_type=str(model_type), eos_token_ids=eos,
+        path=path,
+        format="hf",
+        vocab_size=vocab,
+        architecture=architecture,
+        model_type=str(model_type),
+        eos_token_ids=eos,
         num_attention_heads=heads,
         num_key_value_heads=_hf_int(config, "num_key_value_heads", path, heads),
         num_hidden_layers=_hf_int(config, "num_hidden_layers", path),
         hidden_size=hidden,
         head_dim=_optional_int(_hf_get(config, "head_dim")) or hidden // heads,
-        max_position_embeddings=_optional_int(_hf_get(config, "max_position_embeddings")))
+        max_position_embeddings=_optional_int(_hf_get(config, "max_position_embeddings")),
+    )
 
 
 def _optional_int(value: Any) -> int | None:
@@ -151,7 +159,7 @@ def _gguf_value(reader: Any, key: str) -> Any:
         return None
     value = field.contents()
     if isinstance(value, list) and value and not isinstance(value[0], str):
-        return value[0]          # per-layer arrays (e.g. head counts): first layer's value
+        return value[0]  # per-layer arrays (e.g. head counts): first layer's value
     return value
 
 
@@ -161,7 +169,7 @@ def _gguf_vocab(reader: Any, arch: str) -> int | None:
         return len(tokens.data)
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight":
-            return int(tensor.shape[-1])     # GGUF lists dims fastest-first: [hidden, vocab]
+            return int(tensor.shape[-1])  # GGUF lists dims fastest-first: [hidden, vocab]
     value = _gguf_value(reader, f"{arch}.vocab_size")
     return int(value) if value is not None else None
 
@@ -174,8 +182,10 @@ def _open_gguf(path: str) -> Any:
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, struct errors, OSError, ...
-        raise ValueError(f"cannot read {path} as a GGUF file "
-                         f"(nor is it a HF checkpoint dir): {type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"cannot read {path} as a GGUF file "
+            f"(nor is it a HF checkpoint dir): {type(e).__name__}: {e}"
+        ) from e
 
 
 @functools.lru_cache(maxsize=16)
@@ -195,19 +205,27 @@ def _inspect_gguf(path: str, _size: int, _mtime_ns: int) -> CheckpointInfo:
 
     vocab = _gguf_vocab(reader, arch)
     if vocab is None:
-        raise ValueError(f"GGUF file {path}: cannot tell the vocab size "
-                         f"(no tokenizer.ggml.tokens, token_embd.weight or {arch}.vocab_size)")
+        raise ValueError(
+            f"GGUF file {path}: cannot tell the vocab size "
+            f"(no tokenizer.ggml.tokens, token_embd.weight or {arch}.vocab_size)"
+        )
     eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id")
     heads = need_int(f"{arch}.attention.head_count")
     hidden = need_int(f"{arch}.embedding_length")
-    key_length, context = (_gguf_value(reader, f"{arch}.{name}")
-                           for name in ("attention.key_length", "context_length"))
+    key_length, context = (
+        _gguf_value(reader, f"{arch}.{name}") for name in ("attention.key_length", "context_length")
+    )
     return CheckpointInfo(
-        path=path, format="gguf", vocab_size=vocab, architecture=arch, model_type=arch,
+        path=path,
+        format="gguf",
+        vocab_size=vocab,
+        architecture=arch,
+        model_type=arch,
         eos_token_ids=(int(eos),) if eos is not None else (),
         num_attention_heads=heads,
         num_key_value_heads=need_int(f"{arch}.attention.head_count_kv", heads),
         num_hidden_layers=need_int(f"{arch}.block_count"),
         hidden_size=hidden,
         head_dim=int(key_length) if key_length is not None else hidden // heads,
-        max_position_embeddings=int(context) if context is not None else None)
+        max_position_embeddings=int(context) if context is not None else None,
+    )

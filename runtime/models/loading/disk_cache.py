@@ -7,6 +7,7 @@ killed mid-way leaves only a temporary that a later writer removes once it is an
 a broken entry is renamed aside before it is deleted (`discard`). Used by the GGUF conversion
 cache (gguf_cache) and the portable configs (portable_config).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,12 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 CACHE_DIR_ENV = "TANDEM_CACHE_DIR"
-MANIFEST = ".manifest.json"    # written last: {file: size}
-STALE_TMP_S = 3600.0           # a temporary this old belongs to a writer that died
+MANIFEST = ".manifest.json"  # written last: {file: size}
+STALE_TMP_S = 3600.0  # a temporary this old belongs to a writer that died
 
 
 def cache_root() -> Path:
@@ -45,8 +46,11 @@ def is_complete(target: Path) -> bool:
     the listed size."""
     try:
         sizes = json.loads((target / MANIFEST).read_text())
-        return isinstance(sizes, dict) and bool(sizes) and all(
-            (target / name).stat().st_size == size for name, size in sizes.items())
+        return (
+            isinstance(sizes, dict)
+            and bool(sizes)
+            and all((target / name).stat().st_size == size for name, size in sizes.items())
+        )
     except (OSError, ValueError, TypeError):
         return False
 
@@ -57,7 +61,7 @@ def discard(target: Path) -> None:
     try:
         os.rename(target, trash)
     except OSError:
-        return        # gone already (another process discarded it)
+        return  # gone already (another process discarded it)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -81,8 +85,9 @@ def publish(target: Path, write: Callable[[Path], None]) -> None:
     tmp.mkdir()
     try:
         write(tmp)
-        sizes = {str(p.relative_to(tmp)): p.stat().st_size
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        sizes = {
+            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+        }
         (tmp / MANIFEST).write_text(json.dumps(sizes))
         for _ in range(2):
             try:
@@ -90,7 +95,7 @@ def publish(target: Path, write: Callable[[Path], None]) -> None:
                 return
             except OSError:
                 if is_complete(target):
-                    return       # a concurrent writer was first: its entry is as good
+                    return  # a concurrent writer was first: its entry is as good
                 discard(target)  # a broken entry in the way
         raise OSError(f"cannot move the new cache entry into {target}")
     finally:

@@ -21,6 +21,7 @@ optionally `<layer>.input_scale`. KV-cache scales (`k_scale`, `v_scale`, `kv_sca
 accepted and not used: the KV cache stays in the activation dtype. How the weights are read
 and which layers run in FP8: runtime.models.loading.fp8_load.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -30,30 +31,30 @@ from dataclasses import dataclass
 
 from runtime.models.loading.checkpoint import _read_json
 
-QUANT_FILE = "hf_quant_config.json"            # ModelOpt's
+QUANT_FILE = "hf_quant_config.json"  # ModelOpt's
 # per-layer tensors of FP8 checkpoints that tandem reads nothing from (see the docstring)
 UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
-SUPPORTED = ("compressed-tensors (float-quantized), fp8, fbgemm_fp8, ModelOpt FP8")
+SUPPORTED = "compressed-tensors (float-quantized), fp8, fbgemm_fp8, ModelOpt FP8"
 
 
 @dataclass(frozen=True)
 class FP8Format:
     """An FP8 checkpoint's declared layout."""
-    method: str                    # compressed-tensors | fp8 | fbgemm_fp8 | modelopt
-    weights: tuple[str, ...]       # weight scale strategies: tensor and/or channel
-    activations: str               # static | dynamic | none (weight-only)
-    ignore: tuple[str, ...] = ()   # layers the checkpoint keeps in float
+
+    method: str  # compressed-tensors | fp8 | fbgemm_fp8 | modelopt
+    weights: tuple[str, ...]  # weight scale strategies: tensor and/or channel
+    activations: str  # static | dynamic | none (weight-only)
+    ignore: tuple[str, ...] = ()  # layers the checkpoint keeps in float
 
     def ignores(self, module: str) -> bool:
         """Whether `module` (e.g. 'lm_head', 'model.layers.0.mlp.down_proj') is declared
         unquantized, with the matching rules of the format's own tools."""
         for entry in self.ignore:
             if self.method == "compressed-tensors":
-                hit = re.match(entry[3:], module) if entry.startswith("re:") else \
-                    entry == module
+                hit = re.match(entry[3:], module) if entry.startswith("re:") else entry == module
             elif self.method == "modelopt":
                 hit = fnmatch.fnmatchcase(module, entry) or entry == module
-            else:                                   # transformers: a substring of the name
+            else:  # transformers: a substring of the name
                 hit = entry in module
             if hit:
                 return True
@@ -87,18 +88,23 @@ def read_format(path: str | os.PathLike) -> FP8Format | None:
     if method == "fp8":
         return _fp8(qc, where)
     if method == "fbgemm_fp8":
-        return FP8Format("fbgemm_fp8", ("channel",), "dynamic",
-                         tuple(qc.get("modules_to_not_convert") or ()))
+        return FP8Format(
+            "fbgemm_fp8", ("channel",), "dynamic", tuple(qc.get("modules_to_not_convert") or ())
+        )
     if method == "modelopt":
         return _modelopt(qc.get("quantization", qc), where)
-    raise ValueError(f"{where}.quant_method {method!r} is not supported: tandem runs float "
-                     f"checkpoints and FP8 ones ({SUPPORTED})")
+    raise ValueError(
+        f"{where}.quant_method {method!r} is not supported: tandem runs float "
+        f"checkpoints and FP8 ones ({SUPPORTED})"
+    )
 
 
 def _fp8(qc: dict, where: str) -> FP8Format:
     if qc.get("weight_block_size") is not None:
-        raise ValueError(f"{where}.weight_block_size {qc['weight_block_size']}: block-wise FP8 "
-                         f"is not supported (per-tensor and per-channel scales are)")
+        raise ValueError(
+            f"{where}.weight_block_size {qc['weight_block_size']}: block-wise FP8 "
+            f"is not supported (per-tensor and per-channel scales are)"
+        )
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("static", "dynamic"):
         raise ValueError(f"{where}.activation_scheme {scheme!r}: expected static or dynamic")
@@ -128,21 +134,23 @@ def _compressed_tensors(qc: dict, where: str) -> FP8Format:
         if fmt != "float-quantized":
             raise ValueError(f"{key}: format {fmt!r} is not supported (float-quantized is)")
         strategies.add(_ct_weights(group.get("weights"), f"{key}.weights"))
-        activations.add(_ct_activations(group.get("input_activations"),
-                                        f"{key}.input_activations"))
+        activations.add(_ct_activations(group.get("input_activations"), f"{key}.input_activations"))
         if group.get("output_activations") is not None:
             raise ValueError(f"{key}.output_activations: output quantization is not supported")
     acts = activations.pop() if len(activations) == 1 else "mixed"
-    return FP8Format("compressed-tensors", tuple(sorted(strategies)), acts,
-                     tuple(qc.get("ignore") or ()))
+    return FP8Format(
+        "compressed-tensors", tuple(sorted(strategies)), acts, tuple(qc.get("ignore") or ())
+    )
 
 
 def _ct_float8(args, key: str) -> None:
     if not isinstance(args, dict):
         raise ValueError(f"{key}: expected an object")
     if args.get("num_bits") != 8 or args.get("type") != "float":
-        raise ValueError(f"{key}: num_bits {args.get('num_bits')!r} type "
-                         f"{args.get('type')!r}: only 8-bit float (FP8) is supported")
+        raise ValueError(
+            f"{key}: num_bits {args.get('num_bits')!r} type "
+            f"{args.get('type')!r}: only 8-bit float (FP8) is supported"
+        )
     if args.get("symmetric", True) is not True:
         raise ValueError(f"{key}.symmetric: only symmetric FP8 is supported")
 
@@ -151,8 +159,10 @@ def _ct_weights(args, key: str) -> str:
     _ct_float8(args, key)
     strategy = args.get("strategy", "tensor")
     if strategy not in ("tensor", "channel") or args.get("dynamic", False):
-        raise ValueError(f"{key}: strategy {strategy!r} (dynamic {args.get('dynamic')!r}) is "
-                         f"not supported: static tensor or channel weight scales are")
+        raise ValueError(
+            f"{key}: strategy {strategy!r} (dynamic {args.get('dynamic')!r}) is "
+            f"not supported: static tensor or channel weight scales are"
+        )
     return strategy
 
 
@@ -165,5 +175,7 @@ def _ct_activations(args, key: str) -> str:
         return "static"
     if dynamic and strategy in ("token", "tensor"):
         return "dynamic"
-    raise ValueError(f"{key}: strategy {strategy!r} dynamic {dynamic} is not supported "
-                     f"(static tensor, dynamic token or dynamic tensor are)")
+    raise ValueError(
+        f"{key}: strategy {strategy!r} dynamic {dynamic} is not supported "
+        f"(static tensor, dynamic token or dynamic tensor are)"
+    )

@@ -19,6 +19,7 @@ independent of the TP layout: a row-parallel shard (input columns) is cut from t
 tensor's quantization, so every rank computes with the weights a single device would.
 A tensor stored in FP8 that the model keeps in float (an FP8 `lm_head`) is dequantized.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,19 +27,23 @@ import os
 import torch
 from torch import nn
 
-from runtime.models.loading.fp8_formats import UNUSED_SUFFIXES, FP8Format, read_format
 from runtime.models.arch.fp8_linears import to_fp8
 from runtime.models.arch.quant import FP8, QUANTIZED, dequantize, quantize_rows
+from runtime.models.loading.fp8_formats import UNUSED_SUFFIXES, FP8Format, read_format
 from runtime.models.loading.weights import WeightSource, read_shard
 
-Shard = tuple[int, int, int]   # (dim, start, stop) as in parallel.layers.Shard
+Shard = tuple[int, int, int]  # (dim, start, stop) as in parallel.layers.Shard
 
 
-def fp8_modules(model: nn.Module, names: set[str], fmt: FP8Format | None,
-                quantization: str | None) -> list[str]:
+def fp8_modules(
+    model: nn.Module, names: set[str], fmt: FP8Format | None, quantization: str | None
+) -> list[str]:
     """The names of the model's linears that run in FP8 (see the module docstring)."""
-    candidates = [name for name, module in model.named_modules()
-                  if name.rpartition(".")[2] in QUANTIZED and isinstance(module, nn.Linear)]
+    candidates = [
+        name
+        for name, module in model.named_modules()
+        if name.rpartition(".")[2] in QUANTIZED and isinstance(module, nn.Linear)
+    ]
     stored = [m for m in candidates if f"{m}.weight_scale" in names]
     if quantization == "fp8":
         return candidates
@@ -46,21 +51,30 @@ def fp8_modules(model: nn.Module, names: set[str], fmt: FP8Format | None,
         raise ValueError(f"unknown quantization {quantization!r}: null (as stored) or fp8")
     if fmt is None:
         if stored:
-            raise ValueError(f"the checkpoint holds FP8 scales ({stored[0]}.weight_scale, ...) "
-                             f"but declares no quantization_config")
+            raise ValueError(
+                f"the checkpoint holds FP8 scales ({stored[0]}.weight_scale, ...) "
+                f"but declares no quantization_config"
+            )
         return []
     for module in candidates:
         declared = not fmt.ignores(module)
         if declared != (module in stored):
-            what = "declares it FP8 (not in its ignore list) but it has no weight_scale" \
-                if declared else "ignores it but it has a weight_scale"
-            raise ValueError(f"{fmt.method} checkpoint: {module}: the quantization config "
-                             f"{what}")
+            what = (
+                "declares it FP8 (not in its ignore list) but it has no weight_scale"
+                if declared
+                else "ignores it but it has a weight_scale"
+            )
+            raise ValueError(f"{fmt.method} checkpoint: {module}: the quantization config {what}")
     return stored
 
 
-def prepare(model: nn.Module, source: WeightSource, path: str | os.PathLike,
-            quantization: str | None, device: torch.device) -> WeightSource:
+def prepare(
+    model: nn.Module,
+    source: WeightSource,
+    path: str | os.PathLike,
+    quantization: str | None,
+    device: torch.device,
+) -> WeightSource:
     """Turn the model's FP8 linears into FP8 layers (on meta) and return the source to load
     from: `source` itself for a float model, else an FP8Source over it."""
     fmt = read_format(path)
@@ -73,7 +87,7 @@ def prepare(model: nn.Module, source: WeightSource, path: str | os.PathLike,
     for name in modules:
         module = model.get_submodule(name)
         to_fp8(module)
-        if shards is not None and hasattr(module, "shards"):   # the scale shards too
+        if shards is not None and hasattr(module, "shards"):  # the scale shards too
             shards.update({f"{name}.{p}": s for p, s in module.shards().items()})
     return FP8Source(source, set(modules), stored_fp8, device)
 
@@ -82,14 +96,15 @@ class FP8Source:
     """A WeightSource (runtime.models.loading.weights) for a model with FP8 linears: their
     `weight` in e4m3 and `weight_scale` as [out] float32, stored or quantized on read."""
 
-    def __init__(self, inner: WeightSource, modules: set[str], stored: set[str],
-                 device: torch.device):
+    def __init__(
+        self, inner: WeightSource, modules: set[str], stored: set[str], device: torch.device
+    ):
         self.inner, self.device = inner, torch.device(device)
-        self.modules = modules                   # run in FP8
-        self.stored = stored & modules           # ... and stored in FP8
-        self.dequant = stored - modules          # stored in FP8, run in float
+        self.modules = modules  # run in FP8
+        self.stored = stored & modules  # ... and stored in FP8
+        self.dequant = stored - modules  # stored in FP8, run in float
         self._names = inner.names()
-        self._pending: dict[tuple, torch.Tensor] = {}   # scales quantized with their weight
+        self._pending: dict[tuple, torch.Tensor] = {}  # scales quantized with their weight
 
     def names(self) -> set[str]:
         names = {n for n in self._names if not n.endswith(UNUSED_SUFFIXES)}
@@ -117,8 +132,10 @@ class FP8Source:
             return self._quantized(module, attr, shard)
         if module in self.dequant and attr == "weight":
             scale_rows = shard if shard is not None and shard[0] == 0 else None
-            return dequantize(self._stored_weight(name, shard).to(self.device),
-                              self._stored_scale(module, scale_rows).to(self.device))
+            return dequantize(
+                self._stored_weight(name, shard).to(self.device),
+                self._stored_scale(module, scale_rows).to(self.device),
+            )
         return self._raw(name, shard)
 
     def _raw(self, name: str, shard: Shard | None) -> torch.Tensor:
@@ -127,8 +144,10 @@ class FP8Source:
     def _stored_weight(self, name: str, shard: Shard | None) -> torch.Tensor:
         weight = self._raw(name, shard)
         if weight.dtype != FP8:
-            raise ValueError(f"checkpoint tensor {name} is {weight.dtype}, but its layer has a "
-                             f"weight_scale: expected float8_e4m3fn (safetensors F8_E4M3)")
+            raise ValueError(
+                f"checkpoint tensor {name} is {weight.dtype}, but its layer has a "
+                f"weight_scale: expected float8_e4m3fn (safetensors F8_E4M3)"
+            )
         return weight
 
     def _stored_scale(self, module: str, shard: Shard | None) -> torch.Tensor:
@@ -141,16 +160,18 @@ class FP8Source:
         elif scale.numel() == rows:
             scale = scale.reshape(rows)
         else:
-            raise ValueError(f"checkpoint tensor {module}.weight_scale has shape "
-                             f"{tuple(scale.shape)}: neither per-tensor nor per-channel for "
-                             f"a weight of {rows} rows (block or group scales are not "
-                             f"supported)")
+            raise ValueError(
+                f"checkpoint tensor {module}.weight_scale has shape "
+                f"{tuple(scale.shape)}: neither per-tensor nor per-channel for "
+                f"a weight of {rows} rows (block or group scales are not "
+                f"supported)"
+            )
         if shard is None or shard[0] != 0:
             return scale.contiguous()
         return read_shard(scale.__getitem__, scale.shape, 0, shard[1], shard[2]).contiguous()
 
     def _rows(self, name: str) -> int:
-        if hasattr(self.inner, "get_slice"):      # safetensors: from the header
+        if hasattr(self.inner, "get_slice"):  # safetensors: from the header
             return int(self.inner.get_slice(name).get_shape()[0])
         return int(self.inner.get(name).shape[0])
 
@@ -167,7 +188,6 @@ class FP8Source:
         if attr == "weight_scale":
             return scale
         self._pending[key] = scale
-        if shard is not None and shard[0] == 1:   # row-parallel: input columns of the whole
-            w8 = w8[:, shard[1]:shard[2]].contiguous()
+        if shard is not None and shard[0] == 1:  # row-parallel: input columns of the whole
+            w8 = w8[:, shard[1] : shard[2]].contiguous()
         return w8
-

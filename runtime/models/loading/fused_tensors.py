@@ -8,6 +8,7 @@ part is a row range of the fused tensor ([q; k; v], [gate; up]), read with the i
 source's get_shard, so a TP rank still reads only its slice from the file. Stored FP8 scales
 split the same way (a per-tensor scale is shared by the parts).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,10 @@ from runtime.models.arch.model_args import ModelArgs
 from runtime.models.loading.weights import WeightSource, read_shard
 
 # fused checkpoint module -> our modules, in the order of their rows
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 SPLIT_ATTRS = ("weight", "bias", "weight_scale")
 
 
@@ -41,7 +44,7 @@ class SplitFused:
 
     def __init__(self, inner: WeightSource, args: ModelArgs):
         self.inner = inner
-        self._parts: dict[str, tuple[str, int, int]] = {}   # part -> (fused name, start, rows)
+        self._parts: dict[str, tuple[str, int, int]] = {}  # part -> (fused name, start, rows)
         for name in inner.names():
             module, _, attr = name.rpartition(".")
             match = next((f for f in FUSED if module.endswith("." + f)), None)
@@ -63,9 +66,9 @@ class SplitFused:
         fused, start, rows = self._parts[name]
         if name.endswith(".weight_scale"):
             scale = self.inner.get(fused)
-            if scale.numel() == 1:                           # per tensor: shared by the parts
+            if scale.numel() == 1:  # per tensor: shared by the parts
                 return scale
-            return scale.reshape(-1)[start: start + rows].clone()
+            return scale.reshape(-1)[start : start + rows].clone()
         return self.inner.get_shard(fused, 0, start, start + rows)
 
     def get_shard(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:

@@ -20,27 +20,36 @@ is computed once and remembered under digests/ by the file's identity (path, dev
 size, mtime, ctime): a file rewritten in place is hashed again. Entries are published
 atomically (disk_cache.publish); an entry whose files do not match its manifest, or that fails
 to load, is thrown away and rebuilt. A cache that cannot be written (read-only, disk full)
-costs only a warning: the GGUF is read directly, as without the cache. Dequantized weights larger than
+costs only a warning: the GGUF is read directly, as without the cache. Dequantized weights larger
+than
 $TANDEM_CACHE_MAX_GB (default 16; 0 turns the weights cache off) are not cached.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 from runtime.models.loading import portable_config
-from runtime.models.loading.disk_cache import cache_root, discard, is_complete, publish, write_atomic
+from runtime.models.loading.disk_cache import (
+    cache_root,
+    discard,
+    is_complete,
+    publish,
+    write_atomic,
+)
 
 log = logging.getLogger("tandem.cache")
 
 MAX_GB_ENV = "TANDEM_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 16.0
-FORMAT = 1                     # of our entries; a change makes a new converter tag
-PART_BYTES = 1 << 30           # weights are written in safetensors files of about this size
+FORMAT = 1  # of our entries; a change makes a new converter tag
+PART_BYTES = 1 << 30  # weights are written in safetensors files of about this size
 
 T = TypeVar("T")
 
@@ -51,8 +60,7 @@ def file_sha256(path: str | os.PathLike) -> str:
     cache (hashing the demo's 98 MB takes a fraction of a second; a 4 GB file, seconds)."""
     path = os.path.realpath(path)
     st = os.stat(path)
-    identity = f"{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0" \
-               f"{st.st_ctime_ns}"
+    identity = f"{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
     memo = cache_root() / "digests" / hashlib.sha256(identity.encode()).hexdigest()
     try:
         digest = memo.read_text().strip()
@@ -70,7 +78,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 def _sha256(path: str) -> str:
     with open(path, "rb") as fh:
-        if hasattr(hashlib, "file_digest"):      # Python 3.11+
+        if hasattr(hashlib, "file_digest"):  # Python 3.11+
             return hashlib.file_digest(fh, "sha256").hexdigest()
         digest = hashlib.sha256()
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -82,8 +90,9 @@ def converter_tag() -> str:
     """What converts a GGUF: our entry format and the versions of transformers and gguf."""
     from importlib import metadata
 
-    return f"v{FORMAT}-transformers-{metadata.version('transformers')}-" \
-           f"gguf-{metadata.version('gguf')}"
+    return (
+        f"v{FORMAT}-transformers-{metadata.version('transformers')}-gguf-{metadata.version('gguf')}"
+    )
 
 
 def entry_dir(gguf_path: str | os.PathLike) -> Path:
@@ -95,8 +104,9 @@ def weights_key(config: Any, param_names: Iterable[str]) -> str:
     """Which tensors a GGUFWeights hands out depends on the model's parameter names (the
     name map) and the config (the tensor processor): both go into the weights' key."""
     settings = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
-    text = json.dumps({"names": sorted(param_names), "config": settings}, sort_keys=True,
-                      default=str)
+    text = json.dumps(
+        {"names": sorted(param_names), "config": settings}, sort_keys=True, default=str
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -104,8 +114,13 @@ class NotCached(Exception):
     """Raised by a save function: this one is not worth caching (logged, not warned)."""
 
 
-def cached(gguf_path: str | os.PathLike, name: str, make: Callable[[], T],
-           save: Callable[[T, Path], None], load: Callable[[Path], T]) -> T:
+def cached(
+    gguf_path: str | os.PathLike,
+    name: str,
+    make: Callable[[], T],
+    save: Callable[[T, Path], None],
+    load: Callable[[Path], T],
+) -> T:
     """`load(entry/name)` when the cache holds it; else `make()` (from the GGUF; its errors
     are the caller's), `save` it into a new entry and load that (closing what make() gave,
     if it can be closed). A broken entry is rebuilt; a cache that cannot be used gives
@@ -119,8 +134,9 @@ def cached(gguf_path: str | os.PathLike, name: str, make: Callable[[], T],
         try:
             return load(target)
         except Exception as exc:  # noqa: BLE001 - whatever a broken entry raises: rebuild
-            log.warning("cache entry %s is broken (%s: %s); rebuilding it", target,
-                        type(exc).__name__, exc)
+            log.warning(
+                "cache entry %s is broken (%s: %s); rebuilding it", target, type(exc).__name__, exc
+            )
             discard(target)
     made = make()
     try:
@@ -129,14 +145,21 @@ def cached(gguf_path: str | os.PathLike, name: str, make: Callable[[], T],
         log.info("%s of %s not cached: %s", name, gguf_path, why)
         return made
     except Exception as exc:  # noqa: BLE001 - the cache is an optimisation: never fatal
-        log.warning("cannot cache %s of %s in %s: %s: %s", name, gguf_path, target.parent,
-                    type(exc).__name__, exc)
+        log.warning(
+            "cannot cache %s of %s in %s: %s: %s",
+            name,
+            gguf_path,
+            target.parent,
+            type(exc).__name__,
+            exc,
+        )
         return made
     try:
         result = load(target)
     except Exception as exc:  # noqa: BLE001 - never left for the next start to load
-        log.warning("the new cache entry %s is broken (%s: %s); removed", target,
-                    type(exc).__name__, exc)
+        log.warning(
+            "the new cache entry %s is broken (%s: %s); removed", target, type(exc).__name__, exc
+        )
         discard(target)
         return made
     if hasattr(made, "close"):
@@ -166,15 +189,19 @@ def load_config(gguf_path: str | os.PathLike) -> Any:
         return portable_config.read(d) or transformers.AutoConfig.from_pretrained(str(d))
 
     config = cached(gguf_path, "config", make, save, load)
-    config._name_or_path = directory     # as read from the GGUF, not from the cache
+    config._name_or_path = directory  # as read from the GGUF, not from the cache
     return config
 
 
 def load_info(gguf_path: str | os.PathLike, make: Callable[[], dict]) -> dict:
     """The checkpoint metadata dict `make()` reads from a .gguf file, cached as JSON."""
-    return cached(gguf_path, "info", make,
-                  save=lambda info, tmp: (tmp / "info.json").write_text(json.dumps(info)),
-                  load=lambda d: json.loads((d / "info.json").read_text()))
+    return cached(
+        gguf_path,
+        "info",
+        make,
+        save=lambda info, tmp: (tmp / "info.json").write_text(json.dumps(info)),
+        load=lambda d: json.loads((d / "info.json").read_text()),
+    )
 
 
 def _max_bytes() -> float:
@@ -228,7 +255,7 @@ def open_weights(gguf_path: str | os.PathLike, config: Any, param_names: Iterabl
     limit = _max_bytes()
     if limit <= 0:
         return GGUFWeights(gguf_path, config, param_names)
-    expected: set[str] = set()    # known on a miss only: a hit never opens the GGUF
+    expected: set[str] = set()  # known on a miss only: a hit never opens the GGUF
 
     def make():
         source = GGUFWeights(gguf_path, config, param_names)

@@ -3,6 +3,7 @@
 One DynamicCache per slot; before each row runs, its cache is cropped to start_pos (rollback).
 Rows run one at a time, so this is for correctness on unsupported architectures, not speed.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -27,7 +28,9 @@ class HFFallbackModel(nn.Module):
         super().__init__()
         self.hf_model = hf_model.eval()
         out = hf_model.get_output_embeddings()
-        self.vocab_size = int(out.weight.shape[0]) if out is not None else hf_model.config.vocab_size
+        self.vocab_size = (
+            int(out.weight.shape[0]) if out is not None else hf_model.config.vocab_size
+        )
         params = inspect.signature(hf_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._caches: dict[int, object] = {}
@@ -35,8 +38,9 @@ class HFFallbackModel(nn.Module):
         self.max_seq_len: int | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype,
-                        device: torch.device | str) -> "HFFallbackModel":
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+    ) -> HFFallbackModel:
         import transformers
 
         p = Path(path)
@@ -49,8 +53,9 @@ class HFFallbackModel(nn.Module):
 
     def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
         if num_slots < 1 or max_seq_len < 1:
-            raise ValueError(f"need num_slots >= 1 and max_seq_len >= 1, got "
-                             f"{num_slots}, {max_seq_len}")
+            raise ValueError(
+                f"need num_slots >= 1 and max_seq_len >= 1, got {num_slots}, {max_seq_len}"
+            )
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self._caches.clear()
 
@@ -73,13 +78,18 @@ class HFFallbackModel(nn.Module):
         return cache
 
     @torch.no_grad()
-    def forward_extend(self, input_ids: torch.Tensor, slots: torch.Tensor,
-                       start_pos: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    def forward_extend(
+        self,
+        input_ids: torch.Tensor,
+        slots: torch.Tensor,
+        start_pos: torch.Tensor,
+        n_valid: torch.Tensor,
+    ) -> torch.Tensor:
         """See runtime.models.arch.base.CausalLM.forward_extend. Logits [B, T, V]."""
-        slots, start_pos, n_valid = (torch.as_tensor(t).to(input_ids.device, torch.long)
-                                     for t in (slots, start_pos, n_valid))
-        check_extend_args(input_ids, slots, start_pos, n_valid, self.num_slots,
-                          self.max_seq_len)
+        slots, start_pos, n_valid = (
+            torch.as_tensor(t).to(input_ids.device, torch.long) for t in (slots, start_pos, n_valid)
+        )
+        check_extend_args(input_ids, slots, start_pos, n_valid, self.num_slots, self.max_seq_len)
         bsz, seq = input_ids.shape
         rows = zip(slots.tolist(), start_pos.tolist(), n_valid.tolist())
         logits = None
@@ -87,12 +97,13 @@ class HFFallbackModel(nn.Module):
             if n == 0:
                 continue
             cache = self._cache_at(slot, start)
-            ids = input_ids[b: b + 1, :n]                                     # [1, n]
+            ids = input_ids[b : b + 1, :n]  # [1, n]
             mask = torch.ones(1, start + n, dtype=torch.long, device=ids.device)
-            out = self.hf_model(input_ids=ids, attention_mask=mask, use_cache=True,
-                                **{self._cache_kwarg: cache})
+            out = self.hf_model(
+                input_ids=ids, attention_mask=mask, use_cache=True, **{self._cache_kwarg: cache}
+            )
             if logits is None:
-                logits = out.logits.new_zeros(bsz, seq, out.logits.shape[-1])   # [B, T, V]
+                logits = out.logits.new_zeros(bsz, seq, out.logits.shape[-1])  # [B, T, V]
             logits[b, :n] = out.logits[0]
         if logits is None:  # every row empty
             logits = torch.zeros(bsz, seq, self.vocab_size, device=input_ids.device)

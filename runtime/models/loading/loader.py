@@ -12,12 +12,14 @@ runtime.models.arch.parallelize.apply_tp (imported only then: this package holds
 and imports no communication library), and load_weights reads, for every sharded
 parameter, only the rank's slice (`model.tp_shards`: parameter name -> Shard, set by apply_tp).
 """
+
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,8 +29,8 @@ from runtime.models.arch.model_args import ModelArgs, unsupported_reason
 from runtime.models.arch.quant import load_dtype
 from runtime.models.loading import gguf_cache, portable_config
 from runtime.models.loading.fused_tensors import split_fused
-from runtime.models.loading.weights import SafetensorsWeights, WeightSource
 from runtime.models.loading.synthetic import RECIPE_FILE, SyntheticWeights
+from runtime.models.loading.weights import SafetensorsWeights, WeightSource
 
 if TYPE_CHECKING:
     from parallel.groups import TPInfo
@@ -46,8 +48,10 @@ def _resolve(path: str | os.PathLike) -> tuple[Path, str | None]:
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if p.is_file():
         if p.suffix.lower() != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf; pass an HF checkpoint "
-                             f"directory (config.json + *.safetensors) or a .gguf file")
+            raise ValueError(
+                f"{path} is a file but not a .gguf; pass an HF checkpoint "
+                f"directory (config.json + *.safetensors) or a .gguf file"
+            )
         return p.parent, p.name
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not an HF checkpoint: config.json is missing")
@@ -59,7 +63,7 @@ def load_config(path: str | os.PathLike) -> Any:
     a config our model runs comes from the cache as a PortableConfig, without importing
     transformers: runtime.models.loading.portable_config)."""
     directory, gguf_file = _resolve(path)
-    if gguf_file:   # parsing the GGUF takes seconds: converted once, then cached on disk
+    if gguf_file:  # parsing the GGUF takes seconds: converted once, then cached on disk
         return gguf_cache.load_config(directory / gguf_file)
 
     def read():
@@ -77,15 +81,22 @@ def build_model(config: Any) -> LlamaForCausalLM:
         return LlamaForCausalLM(args)
 
 
-def open_weights(path: str | os.PathLike, model: nn.Module | None = None,
-                 config: Any = None, device: torch.device | str = "cpu") -> WeightSource:
+def open_weights(
+    path: str | os.PathLike,
+    model: nn.Module | None = None,
+    config: Any = None,
+    device: torch.device | str = "cpu",
+) -> WeightSource:
     """Weight source of a checkpoint; GGUF needs the config and the model's parameter names.
     A synthetic recipe (runtime.models.loading.synthetic) draws its tensors on `device`.
     Given the model, fused projections (Phi-3's) read as their parts (fused_tensors)."""
     directory, gguf_file = _resolve(path)
     if gguf_file is None:
-        weights = SyntheticWeights(directory, device) if (directory / RECIPE_FILE).is_file() \
+        weights = (
+            SyntheticWeights(directory, device)
+            if (directory / RECIPE_FILE).is_file()
             else SafetensorsWeights(directory)
+        )
         return weights if model is None else split_fused(weights, model.args)
     if model is None or config is None:
         raise ValueError("opening a .gguf needs the model (for tensor names) and its config")
@@ -95,8 +106,9 @@ def open_weights(path: str | os.PathLike, model: nn.Module | None = None,
 
 def _check_names(expected: set[str], optional: set[str], available: set[str]) -> None:
     missing = sorted(expected - available)
-    unexpected = sorted(n for n in available - expected - optional
-                        if not n.endswith(IGNORED_SUFFIXES))
+    unexpected = sorted(
+        n for n in available - expected - optional if not n.endswith(IGNORED_SUFFIXES)
+    )
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing tensors: {_preview(missing)}")
@@ -116,24 +128,31 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module = model.get_submodule(module_name) if module_name else model
     old = getattr(module, attr)
     if tuple(old.shape) != tuple(tensor.shape):
-        raise ValueError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, model "
-                         f"expects {tuple(old.shape)}")
+        raise ValueError(
+            f"tensor {name}: checkpoint shape {tuple(tensor.shape)}, model "
+            f"expects {tuple(old.shape)}"
+        )
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
-def load_weights(model: LlamaForCausalLM, source: WeightSource, dtype: torch.dtype,
-                 device: torch.device | str,
-                 progress: Callable[[int, int], None] | None = None) -> LlamaForCausalLM:
+def load_weights(
+    model: LlamaForCausalLM,
+    source: WeightSource,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    progress: Callable[[int, int], None] | None = None,
+) -> LlamaForCausalLM:
     """Fill every parameter of `model` (e.g. on meta) from `source`; move all to device.
     `progress(done, total)` hears of every tensor read (or drawn, for a synthetic recipe).
 
-    Parameters listed in `model.tp_shards` (set by runtime.models.arch.parallelize.apply_tp) are read
+    Parameters listed in `model.tp_shards` (set by runtime.models.arch.parallelize.apply_tp) are
+    read
     as that shard only; the others are read whole (replicated)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     shards = getattr(model, "tp_shards", None) or {}
     tied = model.args.tie_word_embeddings
     expected = set(params) - ({"lm_head.weight"} if tied else set())
-    optional = {"lm_head.weight"} if tied else set()   # some tied checkpoints store it anyway
+    optional = {"lm_head.weight"} if tied else set()  # some tied checkpoints store it anyway
     _check_names(expected, optional, source.names())
     names = sorted(expected)
     if progress is not None:
@@ -145,11 +164,11 @@ def load_weights(model: LlamaForCausalLM, source: WeightSource, dtype: torch.dty
         if progress is not None:
             progress(done, len(names))
     model.tie_weights()
-    model.to(device)           # buffers (RoPE inv_freq stays float32)
+    model.to(device)  # buffers (RoPE inv_freq stays float32)
     return model.eval()
 
 
-def _tp_enabled(tp: "TPInfo | None") -> bool:
+def _tp_enabled(tp: TPInfo | None) -> bool:
     return tp is not None and tp.size > 1
 
 
@@ -166,10 +185,16 @@ def no_gemm_workspace(device: torch.device) -> None:
         os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
 
 
-def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
-               device: torch.device | str, tp: "TPInfo | None" = None,
-               gather_logits: bool = True, quantization: str | None = None,
-               progress: Callable[[int, int], None] | None = None) -> LlamaForCausalLM:
+def _load_ours(
+    path: str | os.PathLike,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPInfo | None = None,
+    gather_logits: bool = True,
+    quantization: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> LlamaForCausalLM:
     no_gemm_workspace(torch.device(device))
     model = build_model(config)
     if _tp_enabled(tp):
@@ -188,10 +213,16 @@ def _load_ours(path: str | os.PathLike, config: Any, dtype: torch.dtype,
     return model
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str,
-               tp: "TPInfo | None" = None, *, gather_logits: bool = True,
-               quantization: str | None = None,
-               progress: Callable[[int, int], None] | None = None):
+def load_model(
+    path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPInfo | None = None,
+    *,
+    gather_logits: bool = True,
+    quantization: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+):
     """HF checkpoint directory (config.json + safetensors, sharded or single) or .gguf file ->
     our LlamaForCausalLM for model_args.SUPPORTED_MODEL_TYPES, else HFFallbackModel. Eval mode, on
     `device`, in `dtype`.
@@ -210,15 +241,18 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
     config = load_config(path)
     reason = unsupported_reason(config)
     if reason is None:
-        return _load_ours(path, config, dtype, device, tp, gather_logits, quantization,
-                          progress)
+        return _load_ours(path, config, dtype, device, tp, gather_logits, quantization, progress)
     if _tp_enabled(tp):
-        raise NotImplementedError(f"tensor parallelism (size {tp.size}) needs our native "
-                                  f"implementation, but {path} needs the transformers "
-                                  f"fallback: {reason}")
+        raise NotImplementedError(
+            f"tensor parallelism (size {tp.size}) needs our native "
+            f"implementation, but {path} needs the transformers "
+            f"fallback: {reason}"
+        )
     if quantization is not None:
-        raise ValueError(f"quantization {quantization!r} needs our native "
-                         f"implementation, but {path} needs the transformers fallback: {reason}")
+        raise ValueError(
+            f"quantization {quantization!r} needs our native "
+            f"implementation, but {path} needs the transformers fallback: {reason}"
+        )
     from runtime.models.loading.hf_fallback import HFFallbackModel
 
     logger.info("using the transformers fallback for %s: %s", path, reason)

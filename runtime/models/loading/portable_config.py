@@ -16,15 +16,17 @@ holds), written atomically with disk_cache's `publish`; a .gguf file's converted
 carries its portable copy in its own cache entry (gguf_cache.load_config). A cache that
 cannot be written costs nothing but the time saved.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 from runtime.models.loading import disk_cache
 
@@ -49,7 +51,7 @@ class PortableConfig(SimpleNamespace):
     def to_dict(self) -> dict:
         return dict(self._values)
 
-    def __reduce__(self):   # copy.deepcopy (a draft that copies the target's model), pickle
+    def __reduce__(self):  # copy.deepcopy (a draft that copies the target's model), pickle
         return PortableConfig, (self.to_dict(),)
 
     @property
@@ -60,12 +62,12 @@ class PortableConfig(SimpleNamespace):
 def is_portable(config: Any) -> bool:
     """Whether our model can run `config` from its values alone: a supported Llama-family
     config with plain RoPE."""
-    from runtime.models.arch.model_args import (rope_layer_types, rope_parameters,
-                                                unsupported_reason)
+    from runtime.models.arch.model_args import rope_layer_types, rope_parameters, unsupported_reason
 
-    return (unsupported_reason(config) is None
-            and all(rope_parameters(config, t)["rope_type"] == "default"
-                    for t in rope_layer_types(config) or (None,)))
+    return unsupported_reason(config) is None and all(
+        rope_parameters(config, t)["rope_type"] == "default"
+        for t in rope_layer_types(config) or (None,)
+    )
 
 
 def write(config: Any, directory: Path) -> None:
@@ -80,7 +82,7 @@ def read(directory: Path) -> PortableConfig | None:
     if not file.is_file():
         return None
     values = json.loads(file.read_text())
-    if isinstance(values.get("id2label"), dict):   # JSON keys are strings; transformers' ints
+    if isinstance(values.get("id2label"), dict):  # JSON keys are strings; transformers' ints
         values["id2label"] = {int(k): v for k, v in values["id2label"].items()}
     return PortableConfig(values)
 
@@ -96,7 +98,7 @@ def load_hf(directory: Path, load: Callable[[], Any]) -> Any:
         try:
             config = read(target)
             if config is not None:
-                config._name_or_path = str(directory)   # as AutoConfig reads it from here
+                config._name_or_path = str(directory)  # as AutoConfig reads it from here
                 return config
         except (OSError, ValueError) as exc:
             log.warning("config cache entry %s is broken (%s); rebuilding it", target, exc)

@@ -15,12 +15,13 @@ loading device, tensor by tensor (a 70b target then needs no 141 GB on disk, and
 tensor-parallel rank draws only what it keeps plus one full tensor at a time). Values drawn
 on a GPU differ from the CPU's for the same seed, but not between GPUs of the same model.
 """
+
 from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -35,8 +36,14 @@ def tensor_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
 
 
-def draw_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype,
-                device: torch.device | str, scale: float = 1.0) -> torch.Tensor:
+def draw_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    scale: float = 1.0,
+) -> torch.Tensor:
     """One weight on `device`: `scale` for norms, else normal(0, 0.02) * scale."""
     if len(shape) == 1:
         return torch.full(shape, scale, dtype=dtype, device=device)
@@ -45,13 +52,17 @@ def draw_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype
     return t.mul_(0.02 * scale).to(dtype)
 
 
-def tensor_plan(shape: str, role: str, draft_layers: int, eps: float
-                ) -> dict[str, tuple[tuple[int, ...], float]]:
+def tensor_plan(
+    shape: str, role: str, draft_layers: int, eps: float
+) -> dict[str, tuple[tuple[int, ...], float]]:
     """HF name -> (shape, scale) of every tensor of the draft or the target."""
     s = SHAPES[shape]
     embed = (s["vocab_size"], s["hidden_size"])
-    plan = {"model.embed_tokens.weight": (embed, 1.0),
-            "model.norm.weight": ((s["hidden_size"],), 1.0), "lm_head.weight": (embed, 1.0)}
+    plan = {
+        "model.embed_tokens.weight": (embed, 1.0),
+        "model.norm.weight": ((s["hidden_size"],), 1.0),
+        "lm_head.weight": (embed, 1.0),
+    }
     layers = draft_layers if role == "draft" else s["num_hidden_layers"]
     shapes, scaled_names = layer_shapes(shape), eps_scaled(shape)
     for layer in range(layers):
@@ -69,8 +80,9 @@ class SyntheticWeights:
         recipe = json.loads((Path(directory) / RECIPE_FILE).read_text())
         self.seed, self.device = int(recipe["seed"]), torch.device(device)
         self.dtype = getattr(torch, recipe["dtype"])
-        self.plan = tensor_plan(recipe["shape"], recipe["role"], int(recipe["draft_layers"]),
-                                float(recipe["eps"]))
+        self.plan = tensor_plan(
+            recipe["shape"], recipe["role"], int(recipe["draft_layers"]), float(recipe["eps"])
+        )
 
     def names(self) -> set[str]:
         return set(self.plan)
@@ -89,7 +101,7 @@ class SyntheticWeights:
         pass
 
 
-SHARD_BYTES = 2 << 30   # target checkpoints are written in shards of about this size
+SHARD_BYTES = 2 << 30  # target checkpoints are written in shards of about this size
 
 
 class _ShardWriter:
@@ -101,7 +113,7 @@ class _ShardWriter:
         self.path, self.shard_bytes = path, shard_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
-        self.files: list[tuple[str, list[str]]] = []   # (temporary file name, tensor names)
+        self.files: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
         path.mkdir(parents=True, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -130,14 +142,22 @@ class _ShardWriter:
             (self.path / tmp).rename(self.path / final)
             weight_map.update(dict.fromkeys(names, final))
         (self.path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+        )
 
 
-def build_pair(out_dir: str | Path, shape: str = "tiny", draft_layers: int = 2,
-               eps: float = 0.0, seed: int = 0, dtype: torch.dtype = torch.float32,
-               shard_bytes: int = SHARD_BYTES, gen_device: str | torch.device = "cpu",
-               materialize: bool = True,
-               progress: Callable[[int, int], None] | None = None) -> tuple[str, str]:
+def build_pair(
+    out_dir: str | Path,
+    shape: str = "tiny",
+    draft_layers: int = 2,
+    eps: float = 0.0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    shard_bytes: int = SHARD_BYTES,
+    gen_device: str | torch.device = "cpu",
+    materialize: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[str, str]:
     """Write draft/ and target/ under out_dir; returns their paths.
 
     materialize=True writes safetensors shards, drawing one tensor at a time on gen_device
@@ -172,8 +192,14 @@ def build_pair(out_dir: str | Path, shape: str = "tiny", draft_layers: int = 2,
             writer.close()
         else:
             path.mkdir(parents=True, exist_ok=True)
-            recipe = {"shape": shape, "role": role, "draft_layers": draft_layers, "eps": eps,
-                      "seed": seed, "dtype": dtype_name}
+            recipe = {
+                "shape": shape,
+                "role": role,
+                "draft_layers": draft_layers,
+                "eps": eps,
+                "seed": seed,
+                "dtype": dtype_name,
+            }
             (path / RECIPE_FILE).write_text(json.dumps(recipe, indent=1))
         conf = dict(config(shape, layers), torch_dtype=dtype_name)
         (path / "config.json").write_text(json.dumps(conf, indent=1))

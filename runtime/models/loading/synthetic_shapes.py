@@ -22,35 +22,86 @@ post_feedforward_layernorm) are eps instead of 1, so what it adds has RMS eps. E
 norm weight, q/k norms included, is 1: a norm then only normalizes, the same in draft and
 target.
 """
+
 from __future__ import annotations
 
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
 
 SHAPES = {
     "tiny": dict(family="llama", **_TINY),
     # CPU-sized: one thread runs a forward in tens of ms, and its 2-layer draft costs about
     # 0.3 of it (the overlap benchmark on two CPU slots)
-    "small": dict(family="llama", hidden_size=1024, intermediate_size=2816,
-                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                  vocab_size=4096),
-    "1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
-    "8b": dict(family="llama", hidden_size=4096, intermediate_size=14336,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-               vocab_size=128256),
-    "70b": dict(family="llama", hidden_size=8192, intermediate_size=28672,
-                num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                vocab_size=128256),
-    "qwen3-8b": dict(family="qwen3", hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, vocab_size=151936),
-    "olmo2-7b": dict(family="olmo2", hidden_size=4096, intermediate_size=11008,
-                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                     vocab_size=100352),
-    "phi3-mini": dict(family="phi3", hidden_size=3072, intermediate_size=8192,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                      vocab_size=32064),
+    "small": dict(
+        family="llama",
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=4096,
+    ),
+    "1b": dict(
+        family="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ),
+    "8b": dict(
+        family="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "70b": dict(
+        family="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "qwen3-8b": dict(
+        family="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    "olmo2-7b": dict(
+        family="olmo2",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=100352,
+    ),
+    "phi3-mini": dict(
+        family="phi3",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32064,
+    ),
     # head_dim 32 with 4 heads: q is wider than hidden (a head_dim apart from hidden / heads)
     "qwen3-tiny": dict(_TINY, family="qwen3", head_dim=32),
     "olmo2-tiny": dict(_TINY, family="olmo2"),
@@ -60,22 +111,35 @@ SHAPES = {
 # family -> (architecture, config entries beyond the shape's numbers); the RoPE base and
 # norm epsilon are the real models'
 FAMILY_CONFIG = {
-    "llama": ("LlamaForCausalLM", {"rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-                                   "mlp_bias": False}),
-    "qwen3": ("Qwen3ForCausalLM", {"rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                                   "use_sliding_window": False, "sliding_window": None}),
+    "llama": (
+        "LlamaForCausalLM",
+        {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "mlp_bias": False},
+    ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        {
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        },
+    ),
     "olmo2": ("Olmo2ForCausalLM", {"rms_norm_eps": 1e-6, "rope_theta": 500000.0}),
-    "phi3": ("Phi3ForCausalLM", {"rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-                                 "sliding_window": None}),
+    "phi3": (
+        "Phi3ForCausalLM",
+        {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": None},
+    ),
 }
 
 # the tensors of a layer from K on scaled by eps (see the module docstring)
-EPS_SCALED = {"llama": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
-              "qwen3": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
-              "phi3": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
-              "olmo2": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")}
+EPS_SCALED = {
+    "llama": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
+    "qwen3": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
+    "phi3": ("self_attn.o_proj.weight", "mlp.down_proj.weight"),
+    "olmo2": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"),
+}
 
-CONTEXT = 8192   # max_position_embeddings of every synthetic pair
+CONTEXT = 8192  # max_position_embeddings of every synthetic pair
 
 
 def config(shape: str, layers: int) -> dict:
@@ -83,11 +147,21 @@ def config(shape: str, layers: int) -> dict:
     s = dict(SHAPES[shape])
     family = s.pop("family")
     architecture, extra = FAMILY_CONFIG[family]
-    return {"architectures": [architecture], "model_type": family, **s,
-            "num_hidden_layers": layers, "hidden_act": "silu",
-            "max_position_embeddings": CONTEXT, **extra, "tie_word_embeddings": False,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-            "attention_bias": False, "torch_dtype": "bfloat16"}
+    return {
+        "architectures": [architecture],
+        "model_type": family,
+        **s,
+        "num_hidden_layers": layers,
+        "hidden_act": "silu",
+        "max_position_embeddings": CONTEXT,
+        **extra,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "attention_bias": False,
+        "torch_dtype": "bfloat16",
+    }
 
 
 def layer_shapes(shape: str) -> dict[str, tuple[int, ...]]:
@@ -96,20 +170,33 @@ def layer_shapes(shape: str) -> dict[str, tuple[int, ...]]:
     family, h, i = s["family"], s["hidden_size"], s["intermediate_size"]
     d = s.get("head_dim") or h // s["num_attention_heads"]
     q, kv = s["num_attention_heads"] * d, s["num_key_value_heads"] * d
-    out = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-           "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-           "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-           "mlp.down_proj.weight": (h, i), "input_layernorm.weight": (h,),
-           "post_attention_layernorm.weight": (h,)}
+    out = {
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
     if family == "qwen3":
         out.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     elif family == "olmo2":
         del out["input_layernorm.weight"]
-        out.update({"self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,),
-                    "post_feedforward_layernorm.weight": (h,)})
+        out.update(
+            {
+                "self_attn.q_norm.weight": (q,),
+                "self_attn.k_norm.weight": (kv,),
+                "post_feedforward_layernorm.weight": (h,),
+            }
+        )
     elif family == "phi3":
-        for fused, parts in (("self_attn.qkv_proj.weight", ("q", "k", "v")),
-                             ("mlp.gate_up_proj.weight", ("gate", "up"))):
+        for fused, parts in (
+            ("self_attn.qkv_proj.weight", ("q", "k", "v")),
+            ("mlp.gate_up_proj.weight", ("gate", "up")),
+        ):
             names = [f"{fused.split('.')[0]}.{p}_proj.weight" for p in parts]
             out[fused] = (sum(out.pop(n)[0] for n in names), h)
     return out

@@ -2,12 +2,18 @@
 
 The path is checked before transformers is imported (seconds), so a bad tokenizer path is
 a fast, clear error."""
+
 from __future__ import annotations
 
 import os
 
-__all__ = ["TOKENIZER_FILES", "has_tokenizer_files", "check_tokenizer_path", "load_tokenizer",
-           "load_gguf_tokenizer"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "has_tokenizer_files",
+    "check_tokenizer_path",
+    "load_tokenizer",
+    "load_gguf_tokenizer",
+]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -18,7 +24,8 @@ def has_tokenizer_files(path: str | os.PathLike) -> bool:
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
         return True
     return os.path.isdir(path) and any(
-        os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+        os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES
+    )
 
 
 def check_tokenizer_path(path: str | os.PathLike, required: bool = True) -> bool:
@@ -29,13 +36,16 @@ def check_tokenizer_path(path: str | os.PathLike, required: bool = True) -> bool
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path {path} does not exist")
     if os.path.isfile(path) and not path.lower().endswith(".gguf"):
-        raise ValueError(f"tokenizer path {path} is a file but not a .gguf file; "
-                         f"give a HF checkpoint/tokenizer dir or a .gguf file")
+        raise ValueError(
+            f"tokenizer path {path} is a file but not a .gguf file; "
+            f"give a HF checkpoint/tokenizer dir or a .gguf file"
+        )
     if has_tokenizer_files(path):
         return True
     if required:
-        raise FileNotFoundError(f"tokenizer path {path} holds no tokenizer files (one of "
-                                f"{', '.join(TOKENIZER_FILES)})")
+        raise FileNotFoundError(
+            f"tokenizer path {path} holds no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+        )
     return False
 
 
@@ -65,8 +75,11 @@ def load_gguf_tokenizer(path: str | os.PathLike):
 
     path = os.fspath(path)
     return gguf_cache.cached(
-        path, "tokenizer",
-        make=lambda: AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                   gguf_file=os.path.basename(path)),
+        path,
+        "tokenizer",
+        make=lambda: AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path)
+        ),
         save=lambda tokenizer, tmp: tokenizer.save_pretrained(str(tmp)),
-        load=lambda directory: AutoTokenizer.from_pretrained(str(directory)))
+        load=lambda directory: AutoTokenizer.from_pretrained(str(directory)),
+    )

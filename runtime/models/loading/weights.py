@@ -1,7 +1,8 @@
 """Weight sources: read checkpoint tensors by HF parameter name, whole or one shard of them.
 
 `get(name)` reads a whole tensor; `get_shard(name, dim, start, stop)` reads rows [start, stop)
-along `dim` (a tensor-parallel rank's slice, see runtime.models.arch.parallelize). Rows past the end of
+along `dim` (a tensor-parallel rank's slice, see runtime.models.arch.parallelize). Rows past the
+end of
 the tensor come back as zeros: that is how a vocab that does not divide by the TP size is padded.
 
 SafetensorsWeights reads lazily: get_shard goes through safe_open(...).get_slice(name)[...], so
@@ -11,12 +12,14 @@ dequantized (by the gguf package) on its own, when asked for, then transformers'
 processor reverses llama.cpp's q/k permutation, then the shard is cut out and copied. So a TP
 rank holds at most one full float32 tensor at a time beyond its own shards.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,8 +35,9 @@ class WeightSource(Protocol):
     def get_shard(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor: ...
 
 
-def read_shard(read: Callable[[tuple], torch.Tensor], shape: Iterable[int], dim: int,
-               start: int, stop: int) -> torch.Tensor:
+def read_shard(
+    read: Callable[[tuple], torch.Tensor], shape: Iterable[int], dim: int, start: int, stop: int
+) -> torch.Tensor:
     """Rows [start, stop) along `dim` of a tensor of `shape`, read with `read(index tuple)`;
     rows past the end are zero-padded."""
     shape = list(shape)
@@ -56,7 +60,7 @@ class SafetensorsWeights:
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
-        self._file_of = self._weight_map()                      # tensor name -> file path
+        self._file_of = self._weight_map()  # tensor name -> file path
         self._handles: dict[Path, Any] = {}
 
     def _weight_map(self) -> dict[str, Path]:
@@ -66,13 +70,16 @@ class SafetensorsWeights:
             files = {name: self.directory / f for name, f in weight_map.items()}
             missing = sorted({str(f) for f in files.values() if not f.is_file()})
             if missing:
-                raise FileNotFoundError(f"{index} lists weight files that do not exist: "
-                                        f"{', '.join(missing)}")
+                raise FileNotFoundError(
+                    f"{index} lists weight files that do not exist: {', '.join(missing)}"
+                )
             return files
         shards = sorted(self.directory.glob("*.safetensors"))
         if not shards:
-            raise FileNotFoundError(f"no safetensors weights in {self.directory} (expected "
-                                    f"{SINGLE_FILE} or {INDEX_FILE} with its shards)")
+            raise FileNotFoundError(
+                f"no safetensors weights in {self.directory} (expected "
+                f"{SINGLE_FILE} or {INDEX_FILE} with its shards)"
+            )
         from safetensors import safe_open
 
         files = {}
@@ -127,16 +134,22 @@ class GGUFWeights:
     def __init__(self, path: str | os.PathLike, config: Any, param_names: Iterable[str]):
         from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, read_field)
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            read_field,
+        )
 
         self._reader = GGUFReader(str(path))
         architecture = read_field(self._reader, "general.architecture")[0]
         self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
-            config=config.to_dict())
+            config=config.to_dict()
+        )
         # one call with a flat name list: transformers' own recursion over modules is slow
-        self._name_map = get_gguf_hf_weights_map(_NameOnlyModel(config, param_names),
-                                                 self._processor)
-        self._tensor_of: dict[str, Any] = {}   # HF name -> gguf ReaderTensor
+        self._name_map = get_gguf_hf_weights_map(
+            _NameOnlyModel(config, param_names), self._processor
+        )
+        self._tensor_of: dict[str, Any] = {}  # HF name -> gguf ReaderTensor
         self.unmapped: list[str] = []
         for tensor in self._reader.tensors:
             if tensor.name in self._name_map:
@@ -158,12 +171,16 @@ class GGUFWeights:
 
         tensor = self._tensor_of[name]
         weights = dequantize(tensor.data, tensor.tensor_type)
-        result = self._processor.process(weights=weights, name=tensor.name,
-                                         tensor_key_mapping=self._name_map,
-                                         parsed_parameters={"tensors": {}})
+        result = self._processor.process(
+            weights=weights,
+            name=tensor.name,
+            tensor_key_mapping=self._name_map,
+            parsed_parameters={"tensors": {}},
+        )
         if result.name != tensor.name:  # llama / mistral / qwen2 processors never rename
-            raise NotImplementedError(f"gguf tensor {tensor.name}: the tensor processor "
-                                      f"renamed it to {result.name}")
+            raise NotImplementedError(
+                f"gguf tensor {tensor.name}: the tensor processor renamed it to {result.name}"
+            )
         return torch.from_numpy(result.weights.copy())
 
     def get_shard(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:

@@ -5,11 +5,12 @@ read lengths on the device, its attended KV length to a KV bucket (`kv_bucket`):
 1024, 2048, then multiples of 2048. `record_graph` warms a forward up on a side stream and
 records it into a memory pool shared by a model's decode and prefill graphs.
 """
+
 from __future__ import annotations
 
 import torch
 
-KV_BUCKET_MIN = 256      # smallest attended KV length of a static step
+KV_BUCKET_MIN = 256  # smallest attended KV length of a static step
 KV_BUCKET_LINEAR = 2048  # KV buckets double up to here, then grow by this much
 
 
@@ -44,7 +45,7 @@ def kv_bucket(kv_len: int, cache_len: int) -> int:
     return min(size, cache_len)
 
 
-def record_graph(forward, device: torch.device, pool) -> "torch.cuda.CUDAGraph":
+def record_graph(forward, device: torch.device, pool) -> torch.cuda.CUDAGraph:
     """Run `forward` once on a side stream (warm-up: lazy compilation, allocator), then record
     it as a CUDA graph in the memory pool `pool` (shared by a model's decode and prefill
     graphs, so they cost the largest one's memory, not the sum)."""

@@ -5,9 +5,10 @@ so every small index tensor built that way stalls the host until the GPU has cau
 the values go through pinned memory (torch's caching host allocator keeps a block alive until
 its copy has run) and the copy is queued without waiting.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -9,6 +9,7 @@ size: 1 byte a value plus their float32 scales), less a reserve for activations 
 graphs. A cache that does not fit is a clear startup error naming the key, never an
 out-of-memory in the middle of a request.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ import torch
 
 from runtime.models.arch.cache import KVCache, blocks_for
 
-GIB = 1024 ** 3
-RESERVE = 0.05   # of total device memory, kept free for activations when no budget is set
+GIB = 1024**3
+RESERVE = 0.05  # of total device memory, kept free for activations when no budget is set
 
 
 def _attention_layers(model) -> list | None:
@@ -38,13 +39,21 @@ def block_bytes(model, block_size: int, kv_dtype: str = "auto") -> int | None:
     layers = _attention_layers(model)
     if layers is None:
         return None
-    return sum(block_size * KVCache.position_bytes(
-        layer.self_attn.n_kv_heads, layer.self_attn.head_dim,
-        layer.post_attention_layernorm.weight.dtype, kv_dtype) for layer in layers)
+    return sum(
+        block_size
+        * KVCache.position_bytes(
+            layer.self_attn.n_kv_heads,
+            layer.self_attn.head_dim,
+            layer.post_attention_layernorm.weight.dtype,
+            kv_dtype,
+        )
+        for layer in layers
+    )
 
 
-def cache_bytes(model, num_slots: int, cache_len: int, block_size: int = 16,
-                kv_dtype: str = "auto") -> int | None:
+def cache_bytes(
+    model, num_slots: int, cache_len: int, block_size: int = 16, kv_dtype: str = "auto"
+) -> int | None:
     """Bytes of K and V (and an FP8 cache's scales) for every layer of this (possibly
     TP-sharded) model: num_slots x ceil(cache_len / block_size) blocks and the scratch
     block (LlamaForCausalLM.allocate_cache); None when the model allocates its own cache
@@ -63,22 +72,35 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
-def check_kv_budget(key: str, model, num_slots: int, cache_len: int,
-                    fraction: float | None, device: torch.device, block_size: int = 16,
-                    kv_dtype: str = "auto") -> None:
+def check_kv_budget(
+    key: str,
+    model,
+    num_slots: int,
+    cache_len: int,
+    fraction: float | None,
+    device: torch.device,
+    block_size: int = 16,
+    kv_dtype: str = "auto",
+) -> None:
     """Raise MemoryError naming `key` when the cache does not fit its budget."""
     need = cache_bytes(model, num_slots, cache_len, block_size, kv_dtype)
     if need is None:
         return
     free, total = device_memory(device)
     if fraction is not None:
-        budget, what = fraction * total, f"{key}.kv_cache_memory {fraction} of {total / GIB:.1f} GiB"
+        budget, what = (
+            fraction * total,
+            f"{key}.kv_cache_memory {fraction} of {total / GIB:.1f} GiB",
+        )
     else:
         budget = free - RESERVE * total
-        what = f"the {free / GIB:.1f} GiB free on {device} less a {RESERVE:.0%} reserve " \
-               f"(set {key}.kv_cache_memory to choose)"
+        what = (
+            f"the {free / GIB:.1f} GiB free on {device} less a {RESERVE:.0%} reserve "
+            f"(set {key}.kv_cache_memory to choose)"
+        )
     if need > budget:
         raise MemoryError(
             f"{key} KV cache needs {need / GIB:.2f} GiB ({num_slots} slots x {cache_len} "
             f"positions) but the budget is {max(budget, 0) / GIB:.2f} GiB: {what}; lower "
-            f"runtime.max_batch_size or runtime.max_seq_len")
+            f"runtime.max_batch_size or runtime.max_seq_len"
+        )

@@ -30,20 +30,21 @@ activations and the lm_head's logits of one chunk are what its graph holds while
 its logits are copied into one static [max_tokens, V] buffer, and the graphs share the step
 runner's memory pool, so they cost about one chunk's activations, not one per graph.
 """
+
 from __future__ import annotations
 
 import torch
 
-from runtime.models.arch import attention
 from runtime.models import kernels
+from runtime.models.arch import attention
 from runtime.models.runners.graphs import kv_bucket, kv_buckets, record_graph
 from runtime.models.runners.hostcopy import copy_into, to_device
 from runtime.models.runners.tables import StaticTable
 
-CHUNK_BUCKETS = (16, 32, 64, 128, 256)   # tokens per row of a prefill chunk
-MAX_TOKENS = 512           # batch bucket x chunk bucket of one prefill graph, at most
-MAX_STARTUP_GRAPHS = 64    # prefill graphs captured at startup at most; more on first use
-LONG_TOKENS = 2048         # rows x tokens of one eager chunk of a long prompt (_run_long)
+CHUNK_BUCKETS = (16, 32, 64, 128, 256)  # tokens per row of a prefill chunk
+MAX_TOKENS = 512  # batch bucket x chunk bucket of one prefill graph, at most
+MAX_STARTUP_GRAPHS = 64  # prefill graphs captured at startup at most; more on first use
+LONG_TOKENS = 2048  # rows x tokens of one eager chunk of a long prompt (_run_long)
 # the fewest tokens of a row that go in long chunks: below, the graph chunks replay without
 # host time. Measured on an H200 (h200_bench.sh trt-70b): a 500-token prompt of the 70b FP8
 # target eagerly in one chunk took 110 ms to its first token, its 80 layers' launches
@@ -65,8 +66,11 @@ def chunk_rows(starts: list[int], n_valid: list[int], step: int, stop: int):
     the chunk's first column, each row's start position in it and its valid tokens in it
     (0 for a row already done)."""
     for c0 in range(0, stop, step):
-        yield (c0, [s + min(c0, v) for s, v in zip(starts, n_valid)],
-               [min(max(v - c0, 0), step) for v in n_valid])
+        yield (
+            c0,
+            [s + min(c0, v) for s, v in zip(starts, n_valid)],
+            [min(max(v - c0, 0), step) for v in n_valid],
+        )
 
 
 def long_chunk_bytes(model, tokens: int = LONG_TOKENS) -> int:
@@ -78,8 +82,9 @@ def long_chunk_bytes(model, tokens: int = LONG_TOKENS) -> int:
     if args is None:
         return 0
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-    per_token = 4 * (2 * args.intermediate_size + qkv) + \
-        2 * (args.intermediate_size + 6 * args.hidden_size)
+    per_token = 4 * (2 * args.intermediate_size + qkv) + 2 * (
+        args.intermediate_size + 6 * args.hidden_size
+    )
     return 2 * tokens * per_token
 
 
@@ -87,24 +92,33 @@ class PrefillRunner:
     """Chunked static-shape forwards of calls longer than a decode step (prompts).
 
     `run` has StepRunner.run's contract: ids [B, T] on the device, the rows' block tables
-    (runner.tables), per-row start and valid length on the host -> logits [B, T, V] (valid positions meaningful). With
+    (runner.tables), per-row start and valid length on the host -> logits [B, T, V] (valid
+    positions meaningful). With
     `logits=False` it only writes the KV cache (a shard's prefill needs nothing else)."""
 
-    def __init__(self, model, device: torch.device, batch_sizes: list[int], capture: bool,
-                 pool=None, max_tokens: int = MAX_TOKENS,
-                 chunks: tuple[int, ...] = CHUNK_BUCKETS, long_tokens: int = LONG_TOKENS,
-                 long_min: int = LONG_MIN_TOKENS):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        batch_sizes: list[int],
+        capture: bool,
+        pool=None,
+        max_tokens: int = MAX_TOKENS,
+        chunks: tuple[int, ...] = CHUNK_BUCKETS,
+        long_tokens: int = LONG_TOKENS,
+        long_min: int = LONG_MIN_TOKENS,
+    ):
         self.model, self.device = model, device
         self.batch_sizes, self.chunks = batch_sizes, sorted(chunks)
         self.capture, self.pool = capture, pool
         self.long_tokens, self.long_min = long_tokens, long_min
         max_batch = batch_sizes[-1]
-        self.max_tokens = max(max_tokens, max_batch * self.chunks[0])   # rows of `out`
+        self.max_tokens = max(max_tokens, max_batch * self.chunks[0])  # rows of `out`
         self.rows_per_token, self.head_dim = attention_shape(model)
         self.ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)  # [B*C]
         self.meta = torch.zeros(2, max_batch, dtype=torch.long, device=device)  # start/n
         self.table = StaticTable(model, max_batch, device)
-        self.out: torch.Tensor | None = None      # [max_tokens, V] logits of the last chunk
+        self.out: torch.Tensor | None = None  # [max_tokens, V] logits of the last chunk
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
 
     # -- shapes ------------------------------------------------------------------------------
@@ -118,8 +132,10 @@ class PrefillRunner:
         slot kernel for few stacked rows, the prefill kernel for more (attention._attend)."""
         if not kernels.enabled() or self.rows_per_token is None:
             return False
-        return self.rows_per_token * chunk <= attention.SLOT_KERNEL_ROWS or \
-            self.head_dim <= attention.PREFILL_KERNEL_MAX_DIM
+        return (
+            self.rows_per_token * chunk <= attention.SLOT_KERNEL_ROWS
+            or self.head_dim <= attention.PREFILL_KERNEL_MAX_DIM
+        )
 
     def attended(self, chunk: int, kv_len: int) -> int:
         """The attended length of a chunk's graph: the whole cache when the kernel reads
@@ -134,7 +150,7 @@ class PrefillRunner:
         keys = []
         for bsz in self.batch_sizes:
             allowed = [c for c in self.chunks if c <= self.chunk_for(bsz)]
-            for low, chunk in zip([0] + allowed, allowed):   # chunk holds low+1..chunk tokens
+            for low, chunk in zip([0] + allowed, allowed):  # chunk holds low+1..chunk tokens
                 if self.kernel_serves(chunk):
                     keys.append((bsz, chunk, cache_len))
                     continue
@@ -145,8 +161,14 @@ class PrefillRunner:
 
     # -- running -----------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, rows, starts: list[int],
-            n_valid: list[int], logits: bool | str = True) -> torch.Tensor | None:
+    def run(
+        self,
+        ids: torch.Tensor,
+        rows,
+        starts: list[int],
+        n_valid: list[int],
+        logits: bool | str = True,
+    ) -> torch.Tensor | None:
         """ids [B, T] -> logits [B, T, V] (a view the next call overwrites when one chunk
         did it all), or None with logits=False, or with logits="last" each row's logits at
         its last valid token [B, V] (a prompt's first output token). B must not exceed the
@@ -156,23 +178,22 @@ class PrefillRunner:
             return self._run_long(ids, rows, starts, n_valid, logits == "last")
         if logits == "last":
             return self._run_last(ids, rows, starts, n_valid)
-        self.table.load(rows)                  # every chunk of the call reads these tables
+        self.table.load(rows)  # every chunk of the call reads these tables
         bsz, seq = ids.shape
         padded = next(b for b in self.batch_sizes if b >= bsz)
         step = self.chunk_for(padded)
         longest = max(max(n_valid), 1)
         result = None
         for c0, begin, n in chunk_rows(starts, n_valid, step, longest):
-            out = self._chunk(ids, c0, padded, begin, n)                  # [B, C, V]
+            out = self._chunk(ids, c0, padded, begin, n)  # [B, C, V]
             if not logits:
                 continue
-            if c0 == 0 and step >= longest and seq <= out.shape[1]:   # one chunk did it all
-                return out[:, :seq]            # the static buffer's view, as decode steps
+            if c0 == 0 and step >= longest and seq <= out.shape[1]:  # one chunk did it all
+                return out[:, :seq]  # the static buffer's view, as decode steps
             if result is None:
-                result = torch.empty(bsz, seq, out.shape[-1], dtype=out.dtype,
-                                     device=self.device)
+                result = torch.empty(bsz, seq, out.shape[-1], dtype=out.dtype, device=self.device)
             width = min(out.shape[1], seq - c0)
-            result[:, c0:c0 + width].copy_(out[:, :width])
+            result[:, c0 : c0 + width].copy_(out[:, :width])
         return result
 
     def goes_long(self, bsz: int, n_valid: list[int]) -> bool:
@@ -181,15 +202,19 @@ class PrefillRunner:
         LONG_MIN_TOKENS) and more than one graph chunk of its batch bucket holds."""
         padded = next((b for b in self.batch_sizes if b >= bsz), bsz)
         longest = max(n_valid)
-        return hasattr(self.model, "hidden_static") and longest >= self.long_min and \
-            longest > self.chunk_for(padded)
+        return (
+            hasattr(self.model, "hidden_static")
+            and longest >= self.long_min
+            and longest > self.chunk_for(padded)
+        )
 
     def long_chunk(self, bsz: int) -> int:
         """Tokens per row of one long chunk: long_tokens (LONG_TOKENS) in all."""
         return max(1, self.long_tokens // bsz)
 
-    def _run_long(self, ids: torch.Tensor, rows, starts: list[int], n_valid: list[int],
-                  last: bool) -> torch.Tensor | None:
+    def _run_long(
+        self, ids: torch.Tensor, rows, starts: list[int], n_valid: list[int], last: bool
+    ) -> torch.Tensor | None:
         """A long prompt in eager chunks of long_chunk(B) tokens a row at their own width:
         the model's hidden states only (hidden_static), then the LM head at each row's
         last valid token when `last` ([B, V], as _run_last), else nothing (None)."""
@@ -200,21 +225,25 @@ class PrefillRunner:
         for c0, begin, n in chunk_rows(starts, n_valid, step, max(n_valid)):
             kv_len = max(b + k for b, k in zip(begin, n) if k)
             hidden = self.model.hidden_static(
-                ids[:, c0:c0 + max(n)], table, to_device(begin, torch.long, self.device),
-                to_device(n, torch.long, self.device), kv_len)             # [B, C, hidden]
+                ids[:, c0 : c0 + max(n)],
+                table,
+                to_device(begin, torch.long, self.device),
+                to_device(n, torch.long, self.device),
+                kv_len,
+            )  # [B, C, hidden]
             ends = [b for b, v in enumerate(n_valid) if c0 < v <= c0 + step]
             if not (last and ends):
                 continue
             at = to_device([n_valid[b] - 1 - c0 for b in ends], torch.long, self.device)
             logits = self.model.logits(hidden[to_device(ends, torch.long, self.device), at])
             if out is None:
-                out = torch.empty(bsz, logits.shape[-1], dtype=logits.dtype,
-                                  device=self.device)
-            out[ends] = logits                                              # [E, V]
+                out = torch.empty(bsz, logits.shape[-1], dtype=logits.dtype, device=self.device)
+            out[ends] = logits  # [E, V]
         return out
 
-    def _run_last(self, ids: torch.Tensor, rows, starts: list[int],
-                  n_valid: list[int]) -> torch.Tensor:
+    def _run_last(
+        self, ids: torch.Tensor, rows, starts: list[int], n_valid: list[int]
+    ) -> torch.Tensor:
         """run(logits="last"): [B, V], row b's logits at token n_valid[b] - 1 (>= 1 each),
         copied out of the chunk that holds it."""
         self.table.load(rows)
@@ -223,7 +252,7 @@ class PrefillRunner:
         step = self.chunk_for(padded)
         last = None
         for c0, begin, n in chunk_rows(starts, n_valid, step, max(n_valid)):
-            out = self._chunk(ids, c0, padded, begin, n)                  # [B, C, V]
+            out = self._chunk(ids, c0, padded, begin, n)  # [B, C, V]
             if last is None:
                 last = torch.empty(bsz, out.shape[-1], dtype=out.dtype, device=self.device)
             for b, v in enumerate(n_valid):
@@ -231,8 +260,9 @@ class PrefillRunner:
                     last[b].copy_(out[b, v - 1 - c0])
         return last
 
-    def _chunk(self, ids: torch.Tensor, c0: int, padded: int, starts: list[int],
-               n_valid: list[int]) -> torch.Tensor:
+    def _chunk(
+        self, ids: torch.Tensor, c0: int, padded: int, starts: list[int], n_valid: list[int]
+    ) -> torch.Tensor:
         """The chunk of ids [B, T] from column c0, n_valid tokens per row at `starts` ->
         logits [B, C, V] (C its bucket), a view of `out`. Padding rows have no valid token:
         they write only the scratch block."""
@@ -244,8 +274,7 @@ class PrefillRunner:
             self.capture_key(key)
         width = min(chunk, seq - c0)
         pad = [0] * (padded - bsz)
-        self.ids[: padded * chunk].view(padded, chunk)[:bsz, :width].copy_(
-            ids[:, c0:c0 + width])
+        self.ids[: padded * chunk].view(padded, chunk)[:bsz, :width].copy_(ids[:, c0 : c0 + width])
         copy_into(self.meta[:, :padded], [starts + pad, n_valid + pad])
         if self.capture:
             self.graphs[key].replay()
@@ -255,12 +284,14 @@ class PrefillRunner:
 
     def _forward(self, bsz: int, chunk: int, kv_len: int) -> None:
         starts, n_valid = self.meta[:, :bsz]
-        ids = self.ids[: bsz * chunk].view(bsz, chunk)                     # [b, C]
-        logits = self.model.forward_static(ids, self.table.rows(bsz), starts, n_valid,
-                                           kv_len)                         # [b, C, V]
+        ids = self.ids[: bsz * chunk].view(bsz, chunk)  # [b, C]
+        logits = self.model.forward_static(
+            ids, self.table.rows(bsz), starts, n_valid, kv_len
+        )  # [b, C, V]
         if self.out is None:  # first call is never inside a capture (warm-up comes first)
-            self.out = torch.empty(self.max_tokens, logits.shape[-1], dtype=logits.dtype,
-                                   device=self.device)
+            self.out = torch.empty(
+                self.max_tokens, logits.shape[-1], dtype=logits.dtype, device=self.device
+            )
         self.out[: bsz * chunk].view(bsz, chunk, -1).copy_(logits)
 
     def capture_key(self, key: tuple[int, int, int]) -> None:

@@ -19,16 +19,17 @@ static shapes, CUDA graphs of their own captured with these (same memory pool), 
 prefill graphs are off (`prefill_graphs=False`): then they, like
 every call of a model without `forward_static`, run eagerly at their own shape.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from runtime.models.runners.hostcopy import copy_into, to_device
-from runtime.models.arch import fused
 from runtime.models import kernels
+from runtime.models.arch import fused
 from runtime.models.runners.graphs import batch_buckets, kv_bucket, kv_buckets, record_graph
+from runtime.models.runners.hostcopy import copy_into, to_device
 from runtime.models.runners.prefill_runner import PrefillRunner
 from runtime.models.runners.tables import StaticTable, device_table
 
@@ -36,8 +37,15 @@ MAX_STARTUP_GRAPHS = 512  # captured at startup at most; further shapes on first
 
 
 class StepRunner:
-    def __init__(self, model, device: torch.device, max_batch: int, max_step_len: int,
-                 cuda_graphs: bool = True, prefill_graphs: bool | None = None):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        max_batch: int,
+        max_step_len: int,
+        cuda_graphs: bool = True,
+        prefill_graphs: bool | None = None,
+    ):
         """prefill_graphs: calls longer than max_step_len in static chunks (PrefillRunner;
         True or None, the default), else (False) eagerly at their shape."""
         self.model, self.device = model, device
@@ -47,23 +55,30 @@ class StepRunner:
         # one attended length serves every step when attention reads each row's length on
         # the device (the Triton kernel); else KV lengths are rounded up to buckets
         self.kv_static = False
-        if self.capture:   # fused elementwise kernels; graphs then replay them
+        if self.capture:  # fused elementwise kernels; graphs then replay them
             fused.compile_kernels(device)
             self.kv_static = kernels.enable(device)
         self.buckets = batch_buckets(max_batch)
         self.ids = torch.zeros(max_batch, max_step_len, dtype=torch.long, device=device)
         self.meta = torch.zeros(2, max_batch, dtype=torch.long, device=device)  # start/n
         self.table = StaticTable(model, max_batch, device) if self.static else None
-        self.out: torch.Tensor | None = None       # [max_batch, max_step_len, V] logits
+        self.out: torch.Tensor | None = None  # [max_batch, max_step_len, V] logits
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         # one memory pool shared by all graphs, the prefill graphs' included
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.chunked = PrefillRunner(model, device, self.buckets, self.capture, self.pool) \
-            if self.static and prefill_graphs is not False else None
+        self.chunked = (
+            PrefillRunner(model, device, self.buckets, self.capture, self.pool)
+            if self.static and prefill_graphs is not False
+            else None
+        )
 
     @torch.no_grad()
-    def capture_all(self, step_lens: list[int], limit: int = MAX_STARTUP_GRAPHS,
-                    progress: Callable[[int, int], None] | None = None) -> int:
+    def capture_all(
+        self,
+        step_lens: list[int],
+        limit: int = MAX_STARTUP_GRAPHS,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
         """Capture the graphs steps of these lengths can need (each batch bucket and KV
         bucket), shortest KV first, at most `limit` of them, then the
         prompt chunks' graphs (PrefillRunner.startup_keys): requests then pay for no capture
@@ -72,13 +87,20 @@ class StepRunner:
         also compiles the fused kernels); nothing without CUDA."""
         if not self.capture:
             return 0
-        keys = [(bsz, seq, kv_len) for kv_len in self._kv_buckets() for bsz in self.buckets
-                for seq in step_lens]
+        keys = [
+            (bsz, seq, kv_len)
+            for kv_len in self._kv_buckets()
+            for bsz in self.buckets
+            for seq in step_lens
+        ]
         todo = [(self._capture, key) for key in keys[:limit] if key not in self.graphs]
         chunked = self.chunked if self.chunked is not None and self.chunked.capture else None
-        if chunked is not None:   # then the prompts' chunks (PrefillRunner.startup_keys)
-            todo += [(chunked.capture_key, key) for key in chunked.startup_keys()
-                     if key not in chunked.graphs]
+        if chunked is not None:  # then the prompts' chunks (PrefillRunner.startup_keys)
+            todo += [
+                (chunked.capture_key, key)
+                for key in chunked.startup_keys()
+                if key not in chunked.graphs
+            ]
         if progress is not None:
             progress(0, len(todo))
         for done, (capture, key) in enumerate(todo, 1):
@@ -91,8 +113,7 @@ class StepRunner:
         """Graphs captured: decode/verify steps plus prompt chunks."""
         return len(self.graphs) + (len(self.chunked.graphs) if self.chunked else 0)
 
-    def prefill(self, ids: torch.Tensor, rows, starts: list[int],
-                n_valid: list[int]) -> None:
+    def prefill(self, ids: torch.Tensor, rows, starts: list[int], n_valid: list[int]) -> None:
         """run() for callers that need only the KV cache written (a shard's prompts): no
         logits are assembled across the chunks."""
         if self._chunks(ids):
@@ -100,24 +121,28 @@ class StepRunner:
         else:
             self.run(ids, rows, starts, n_valid)
 
-    def prefill_last(self, ids: torch.Tensor, rows, starts: list[int],
-                     n_valid: list[int]) -> torch.Tensor:
+    def prefill_last(
+        self, ids: torch.Tensor, rows, starts: list[int], n_valid: list[int]
+    ) -> torch.Tensor:
         """run() for a prompt's first output token: each row's logits at its last valid
         token [B, V] (n_valid >= 1 each), nothing else assembled across the chunks."""
         if self._chunks(ids):
             return self.chunked.run(ids, rows, starts, n_valid, logits="last")
-        logits = self.run(ids, rows, starts, n_valid)                       # [B, T, V]
+        logits = self.run(ids, rows, starts, n_valid)  # [B, T, V]
         last = to_device([n - 1 for n in n_valid], torch.long, self.device)
         return logits[torch.arange(len(n_valid), device=self.device), last]
 
     def _chunks(self, ids: torch.Tensor) -> bool:
         """Whether this call goes to the prefill runner: static, longer than a step."""
-        return self.static and self.chunked is not None and \
-            ids.shape[0] <= self.max_batch and ids.shape[1] > self.max_step_len
+        return (
+            self.static
+            and self.chunked is not None
+            and ids.shape[0] <= self.max_batch
+            and ids.shape[1] > self.max_step_len
+        )
 
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, rows, starts: list[int],
-            n_valid: list[int]) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, rows, starts: list[int], n_valid: list[int]) -> torch.Tensor:
         """ids [B, T] on the device; rows: the rows' block tables [B, M] (an int32 device
         tensor, or lists; slots [B] stand for their fixed tables: tables.device_table; a
         model without forward_static gets rows as they are: slots); per-row start position
@@ -151,16 +176,23 @@ class StepRunner:
         return [self.model.max_seq_len] if self.kv_static else kv_buckets(self.model.max_seq_len)
 
     def _kv_bucket(self, kv_len: int) -> int:
-        return self.model.max_seq_len if self.kv_static else \
-            kv_bucket(kv_len, self.model.max_seq_len)
+        return (
+            self.model.max_seq_len if self.kv_static else kv_bucket(kv_len, self.model.max_seq_len)
+        )
 
     def _forward(self, bsz: int, seq: int, kv_len: int) -> None:
         starts, n_valid = self.meta[:, :bsz]
-        logits = self.model.forward_static(self.ids[:bsz, :seq], self.table.rows(bsz),
-                                           starts, n_valid, kv_len)        # [b, T, V]
+        logits = self.model.forward_static(
+            self.ids[:bsz, :seq], self.table.rows(bsz), starts, n_valid, kv_len
+        )  # [b, T, V]
         if self.out is None:  # first call is never inside a capture (warm-up comes first)
-            self.out = torch.empty(self.max_batch, self.max_step_len, logits.shape[-1],
-                                   dtype=logits.dtype, device=self.device)
+            self.out = torch.empty(
+                self.max_batch,
+                self.max_step_len,
+                logits.shape[-1],
+                dtype=logits.dtype,
+                device=self.device,
+            )
         self.out[:bsz, :seq].copy_(logits)
 
     def _capture(self, key: tuple[int, int, int]) -> None:

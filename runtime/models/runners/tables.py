@@ -1,5 +1,6 @@
 """Block tables for the static-shape runners: the rows' tables on the device, and the static
 input buffer a CUDA graph reads them from (one graph serves every table)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,17 +28,19 @@ class StaticTable:
 
     def __init__(self, model, max_batch: int, device: torch.device):
         self.blocks_per_seq, self.device = model.blocks_per_seq, device
-        self.buffer = torch.full((max_batch, model.blocks_per_seq), model.num_blocks,
-                                 dtype=torch.int32, device=device)
-        self._last: torch.Tensor | tuple | None = None   # what the buffer holds
+        self.buffer = torch.full(
+            (max_batch, model.blocks_per_seq), model.num_blocks, dtype=torch.int32, device=device
+        )
+        self._last: torch.Tensor | tuple | None = None  # what the buffer holds
 
     def load(self, rows) -> None:
         """Copy the rows' tables into the buffer's first rows. What the buffer already holds
         is not copied again: a device tensor passed again (the same object: tables are
         values, never changed in place), or the same slot list."""
         key = rows if isinstance(rows, torch.Tensor) else tuple(rows)
-        if key is self._last or (isinstance(key, tuple) and isinstance(self._last, tuple)
-                                 and key == self._last):
+        if key is self._last or (
+            isinstance(key, tuple) and isinstance(self._last, tuple) and key == self._last
+        ):
             return
         table = device_table(rows, self.blocks_per_seq, self.device)
         self.buffer[: table.shape[0]].copy_(table, non_blocking=True)

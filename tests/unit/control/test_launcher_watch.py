@@ -1,6 +1,7 @@
 """A rank started by a launcher ends with it (launcher/orphan.py over
 runtime.control.procwatch.watch_parent): a stand-in launcher (a small Python process) starts
 a stand-in rank, the test SIGKILLs the launcher and times the rank's end. CPU only, no torch."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from tests.processes import kill_all, running, wait_gone
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[3]
-BOUND_S = 3.0   # the rank ends this soon (docs: within the 10 s liveness bound)
+BOUND_S = 3.0  # the rank ends this soon (docs: within the 10 s liveness bound)
 
 # the stand-in launcher: starts the rank (from a thread that then ends, as PR_SET_PDEATHSIG
 # would wrongly take for the parent's death), prints its pid and sleeps
@@ -55,11 +56,25 @@ time.sleep(120)
 def _launch(tmp_path: Path, method: str, rank: int, mode: str = "pidfd"):
     """(launcher process, rank pid, note file) once the rank watches its launcher."""
     note = tmp_path / "note"
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, sys.executable, "-c", RANK,
-                                 method, str(rank), mode, str(note)],
-                                stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LAUNCHER,
+            sys.executable,
+            "-c",
+            RANK,
+            method,
+            str(rank),
+            mode,
+            str(note),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        start_new_session=True,
+    )
     pid = int(launcher.stdout.readline())
     deadline = time.monotonic() + 30
     while not Path(str(note) + ".ready").exists():
@@ -75,6 +90,7 @@ def started(tmp_path):
     def start(*args, **kwargs):
         made.append(_launch(tmp_path, *args, **kwargs))
         return made[-1]
+
     yield start
     for launcher, pid, _ in made:
         kill_all([launcher.pid, pid])
@@ -94,7 +110,7 @@ def test_worker_exits_when_its_launcher_is_killed(started, method, mode):
     assert running(pid), "a worker must outlive the thread that started it"
     _kill_launcher(launcher)
     assert wait_gone([pid], BOUND_S) < BOUND_S
-    assert not note.exists()        # a worker exits at once, no SIGTERM to itself
+    assert not note.exists()  # a worker exits at once, no SIGTERM to itself
 
 
 def test_rank0_stops_in_order(started):

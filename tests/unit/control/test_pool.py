@@ -1,5 +1,6 @@
 """runtime.control.pool.WorkerPool on loopback with fake workers (DEALER sockets of this process):
 heartbeats queued while the orchestrator stalled count before heartbeat ages are judged."""
+
 from __future__ import annotations
 
 import os
@@ -53,6 +54,7 @@ def pulse(pool: WorkerPool) -> zmq.Socket:
 
 def beating(pool: WorkerPool, stop: threading.Event) -> threading.Thread:
     """Ranks 1 and 2 heartbeat every 0.1 s from a thread until `stop` is set."""
+
     def run() -> None:
         socks = [pulse(pool) for _ in pool.ranks]
         try:
@@ -62,6 +64,7 @@ def beating(pool: WorkerPool, stop: threading.Event) -> threading.Thread:
         finally:
             for sock in socks:
                 sock.close(0)
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
@@ -74,14 +77,14 @@ def test_stalled_orchestrator_does_not_misread_live_workers(pool, call):
     stop = threading.Event()
     thread = beating(pool, stop)
     try:
-        time.sleep(2.0)                       # the stall: nothing reads the socket
+        time.sleep(2.0)  # the stall: nothing reads the socket
         if call == "check_alive":
             pool.check_alive()
         elif call == "idle":
             pool.idle(0)
         else:
             with pytest.raises(EngineDeadError, match="did not answer 'done'"):
-                pool.wait_for("done", 0.5)    # times out waiting, not on heartbeats
+                pool.wait_for("done", 0.5)  # times out waiting, not on heartbeats
         assert pool.dead is None or "heartbeat" not in pool.dead
     finally:
         stop.set()
@@ -94,11 +97,11 @@ def test_error_after_stall_is_not_blamed_on_a_live_rank(pool):
     pool.dead_after_s = 10.0
     sock, beats = dealer(pool, 1), pulse(pool)
     try:
-        time.sleep(2.0)                       # both ranks' last beats are 2 s old now
+        time.sleep(2.0)  # both ranks' last beats are 2 s old now
         send(beats, pool, {"type": "heartbeat", "rank": 1})
         send(sock, pool, {"type": "error", "rank": 1, "step": 1, "message": "rank 1: boom"})
         send(beats, pool, {"type": "heartbeat", "rank": 2})
-        time.sleep(0.2)                       # all three are queued
+        time.sleep(0.2)  # all three are queued
         with pytest.raises(EngineDeadError) as info:
             pool.wait_for("done", 5.0, step=1)
         assert str(info.value) == "rank 1: boom", str(info.value)
@@ -115,7 +118,7 @@ def test_dead_child_is_named_with_its_exit_status_once_it_can_be_reaped():
 
     def liveness(exclude=()):
         calls.append(1)
-        if len(calls) < 5:          # the first looks find nothing to report yet
+        if len(calls) < 5:  # the first looks find nothing to report yet
             return None
         code = child.poll()
         return None if code is None else f"rank 1 (pid {child.pid}) was killed by SIGKILL"
@@ -137,8 +140,12 @@ def test_dead_child_is_named_with_its_exit_status_once_it_can_be_reaped():
 def orphan():
     """A process on this host that is not our child (as workers are under mpirun and
     torchrun): a shell starts it in the background and exits."""
-    out = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, timeout=10)
+    out = subprocess.run(
+        ["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     pid = int(out.stdout.strip())
     yield pid
     try:
@@ -156,8 +163,7 @@ def test_local_worker_that_is_not_our_child_is_named_at_once(orphan, call):
     pool = WorkerPool((1,), context, heartbeat_s=0.1, dead_after_s=30.0)
     sock = dealer(pool, 1)
     try:
-        send(sock, pool, {"type": "hello", "rank": 1, "pid": orphan,
-                          "host": socket.gethostname()})
+        send(sock, pool, {"type": "hello", "rank": 1, "pid": orphan, "host": socket.gethostname()})
         pool.handshake({}, 10)
         threading.Timer(0.3, os.kill, (orphan, signal.SIGKILL)).start()
         start = time.monotonic()
@@ -188,8 +194,8 @@ def test_the_beacon_thread_reads_the_pulses_of_an_idle_pool(pool):
         deadline = time.monotonic() + 5
         while pool.last_seen[1] == before[1] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert pool.last_seen[1] > before[1]         # no call on this thread read it
-        assert pool.last_seen[2] == before[2]        # the forged heartbeat did not count
+        assert pool.last_seen[1] > before[1]  # no call on this thread read it
+        assert pool.last_seen[2] == before[2]  # the forged heartbeat did not count
     finally:
         sock.close(0)
 
@@ -205,8 +211,7 @@ def test_an_idle_wait_ends_when_a_heartbeat_could_be_too_old(pool):
 
 
 @pytest.mark.parametrize("rank2_next_s", [1.0, 2.5])
-def test_a_failure_is_blamed_on_a_rank_only_once_its_promised_heartbeat_is_overdue(
-        rank2_next_s):
+def test_a_failure_is_blamed_on_a_rank_only_once_its_promised_heartbeat_is_overdue(rank2_next_s):
     """Each heartbeat says when the next one comes (an idle worker beats every 2.5 periods):
     rank 1's error 2.3 s after both ranks' last heartbeats names rank 2 as its cause only
     when rank 2 promised its next within 1 s (overdue twice over), not within 2.5 s."""
@@ -217,7 +222,7 @@ def test_a_failure_is_blamed_on_a_rank_only_once_its_promised_heartbeat_is_overd
         send(beats, pool, {"type": "heartbeat", "rank": 1, "next_s": 2.5})
         send(beats, pool, {"type": "heartbeat", "rank": 2, "next_s": rank2_next_s})
         time.sleep(0.2)
-        pool.check_alive()                  # both heartbeats read
+        pool.check_alive()  # both heartbeats read
         time.sleep(2.1)
         send(sock, pool, {"type": "error", "rank": 1, "step": 1, "message": "rank 1: boom"})
         with pytest.raises(EngineDeadError) as info:

@@ -1,6 +1,7 @@
 """runtime.control.progress: workers' throttled reports, rank 0's account of them (plain
 lines and tqdm bars, phases once each and in order, slow ranks named), and the pool passing
 the workers' progress messages to it while it waits for their ready."""
+
 from __future__ import annotations
 
 import io
@@ -49,31 +50,45 @@ def feed(display: StartupDisplay, *messages: dict) -> None:
 
 # rank 1 loads draft and target (its total grows), captures, and is ready while rank 2
 # still loads; rank 2 then captures too
-STARTUP = [progress(1, "weights", 0, 20), progress(2, "weights", 0, 20),
-           progress(1, "weights", 20, 20), progress(1, "weights", 20, 30),
-           progress(2, "weights", 10, 20), progress(1, "weights", 30, 30),
-           progress(1, "graphs", 0, 4), progress(1, "graphs", 4, 4), {"type": "ready", "rank": 1},
-           progress(2, "weights", 20, 20), progress(2, "graphs", 0, 4), None,
-           progress(2, "graphs", 4, 4), {"type": "ready", "rank": 2}]
+STARTUP = [
+    progress(1, "weights", 0, 20),
+    progress(2, "weights", 0, 20),
+    progress(1, "weights", 20, 20),
+    progress(1, "weights", 20, 30),
+    progress(2, "weights", 10, 20),
+    progress(1, "weights", 30, 30),
+    progress(1, "graphs", 0, 4),
+    progress(1, "graphs", 4, 4),
+    {"type": "ready", "rank": 1},
+    progress(2, "weights", 20, 20),
+    progress(2, "graphs", 0, 4),
+    None,
+    progress(2, "graphs", 4, 4),
+    {"type": "ready", "rank": 2},
+]
 
 
 def test_reporter_throttles_and_sums_its_parts():
     sent, clock = [], Clock()
     reporter = ProgressReporter(sent.append, rank=3, min_interval_s=0.25, clock=clock)
     target = reporter.callback("weights")
-    target(0, 10)                                 # the first report goes out at once
+    target(0, 10)  # the first report goes out at once
     clock.now += 0.1
-    target(1, 10)                                 # throttled
+    target(1, 10)  # throttled
     clock.now += 0.2
     target(2, 10)
     draft = reporter.callback("weights")
-    draft(0, 5)                                   # throttled, counted in the next one
-    target(10, 10)                                # a part's end is always sent
+    draft(0, 5)  # throttled, counted in the next one
+    target(10, 10)  # a part's end is always sent
     draft(5, 5)
-    reporter.callback("graphs")(0, 7)             # another phase: sent at once
+    reporter.callback("graphs")(0, 7)  # another phase: sent at once
     assert [(m["phase"], m["done"], m["total"]) for m in sent] == [
-        ("weights", 0, 10), ("weights", 2, 10), ("weights", 10, 15), ("weights", 15, 15),
-        ("graphs", 0, 7)]
+        ("weights", 0, 10),
+        ("weights", 2, 10),
+        ("weights", 10, 15),
+        ("weights", 15, 15),
+        ("graphs", 0, 7),
+    ]
     assert all(m["rank"] == 3 and m["type"] == "progress" for m in sent)
     for msg in sent:
         assert protocol.decode(protocol.encode(msg)) == msg
@@ -100,49 +115,64 @@ def test_plain_lines_each_phase_once_in_order():
         "tandem: loading weights: 50/50 tensors in T s",
         "tandem: capturing CUDA graphs (2 workers)",
         "tandem: capturing CUDA graphs: 8/8 graphs in T s",
-        "tandem: ready: 2 workers in T s"]
+        "tandem: ready: 2 workers in T s",
+    ]
     assert text[-1] == f"tandem: ready: 2 workers in {0.5 * len(STARTUP):.1f} s"
     display.observe(None)
-    assert len(lines(out)) == 5                   # nothing after ready
+    assert len(lines(out)) == 5  # nothing after ready
 
 
 def test_no_graphs_phase_without_captures():
     display, out = plain()
-    feed(display, progress(1, "weights", 0, 3), progress(2, "weights", 3, 3),
-         {"type": "ready", "rank": 2}, progress(1, "weights", 3, 3),
-         {"type": "ready", "rank": 1})
+    feed(
+        display,
+        progress(1, "weights", 0, 3),
+        progress(2, "weights", 3, 3),
+        {"type": "ready", "rank": 2},
+        progress(1, "weights", 3, 3),
+        {"type": "ready", "rank": 1},
+    )
     assert [line.split(" in ")[0] for line in lines(out)] == [
-        "tandem: loading weights (2 workers)", "tandem: loading weights: 6/6 tensors",
-        "tandem: ready: 2 workers"]
+        "tandem: loading weights (2 workers)",
+        "tandem: loading weights: 6/6 tensors",
+        "tandem: ready: 2 workers",
+    ]
 
 
 def test_slow_rank_is_named_with_what_it_does():
     clock = Clock()
     display, out = plain(clock)
-    feed(display, progress(1, "weights", 0, 291), progress(2, "weights", 0, 291),
-         progress(2, "weights", 112, 291))
-    for _ in range(9):                       # rank 1 keeps going, rank 2 stalls
+    feed(
+        display,
+        progress(1, "weights", 0, 291),
+        progress(2, "weights", 0, 291),
+        progress(2, "weights", 112, 291),
+    )
+    for _ in range(9):  # rank 1 keeps going, rank 2 stalls
         clock.now += 1.0
         display.observe(progress(1, "weights", int(clock.now) - 100, 291))
     assert len(lines(out)) == 1
     clock.now += 1.0
     display.observe(None)
-    assert lines(out)[1:] == ["tandem: waiting for rank 2 (target TP 1/2, cuda:1): "
-                              "loading weights 112/291 tensors (no progress for 10 s)"]
+    assert lines(out)[1:] == [
+        "tandem: waiting for rank 2 (target TP 1/2, cuda:1): "
+        "loading weights 112/291 tensors (no progress for 10 s)"
+    ]
     clock.now += 5.0
     display.observe(None)
-    assert len(lines(out)) == 2              # at most once per 10 s
+    assert len(lines(out)) == 2  # at most once per 10 s
     clock.now += 5.0
     display.observe(None)
-    assert lines(out)[2].startswith("tandem: waiting for rank 1 (draft + target TP 0/2, "
-                                    "cuda:0): loading weights 9/291 tensors")
+    assert lines(out)[2].startswith(
+        "tandem: waiting for rank 1 (draft + target TP 0/2, cuda:0): loading weights 9/291 tensors"
+    )
     assert lines(out)[3].endswith("loading weights 112/291 tensors (no progress for 20 s)")
 
 
 def test_silent_rank_before_any_report():
     clock = Clock()
     display, out = plain(clock)
-    clock.now += 60                               # spawning and handshake do not count
+    clock.now += 60  # spawning and handshake do not count
     display.observe(progress(1, "weights", 0, 5))
     clock.now += 10
     display.observe(None)
@@ -150,14 +180,20 @@ def test_silent_rank_before_any_report():
         "tandem: waiting for rank 1 (draft + target TP 0/2, cuda:0): loading weights 0/5 "
         "tensors (no progress for 10 s)",
         "tandem: waiting for rank 2 (target TP 1/2, cuda:1): nothing reported for 10 s "
-        "since it got its config"]
+        "since it got its config",
+    ]
 
 
 def test_bad_messages_are_dropped():
     display, out = plain()
-    feed(display, progress(1, "compiling", 0, 1), progress(1, "weights", 3, 2),
-         progress(9, "weights", 0, 1), {"type": "ready", "rank": 9}, {"type": "heartbeat",
-                                                                        "rank": 1})
+    feed(
+        display,
+        progress(1, "compiling", 0, 1),
+        progress(1, "weights", 3, 2),
+        progress(9, "weights", 0, 1),
+        {"type": "ready", "rank": 9},
+        {"type": "heartbeat", "rank": 1},
+    )
     assert lines(out) == []
 
 
@@ -184,8 +220,13 @@ def test_slow_notice_in_bar_mode_keeps_the_bar():
     clock.now += 11
     display.observe(None)
     assert "tandem: waiting for rank 1" in out.getvalue()
-    feed(display, progress(1, "weights", 4, 4), progress(2, "weights", 4, 4),
-         {"type": "ready", "rank": 1}, {"type": "ready", "rank": 2})
+    feed(
+        display,
+        progress(1, "weights", 4, 4),
+        progress(2, "weights", 4, 4),
+        {"type": "ready", "rank": 1},
+        {"type": "ready", "rank": 2},
+    )
     assert out.getvalue().rstrip().splitlines()[-1].startswith("tandem: ready: 2 workers")
 
 
@@ -202,13 +243,20 @@ def test_for_stderr_chooses_bars_on_a_terminal_only(monkeypatch):
 
 
 def test_rank_labels():
-    cfg = load_config({"draft": {"model": "/d", "devices": [0]},
-                       "target": {"model": "/t", "devices": [0, 1]}},
-                      check_files=False, check_devices=False)
+    cfg = load_config(
+        {"draft": {"model": "/d", "devices": [0]}, "target": {"model": "/t", "devices": [0, 1]}},
+        check_files=False,
+        check_devices=False,
+    )
     assert rank_labels(cfg.topology()) == LABELS
-    cfg = load_config({"draft": {"model": "/d", "devices": ["cpu:0"]},
-                       "target": {"model": "/t", "devices": ["cpu:1"]}},
-                      check_files=False, check_devices=False)
+    cfg = load_config(
+        {
+            "draft": {"model": "/d", "devices": ["cpu:0"]},
+            "target": {"model": "/t", "devices": ["cpu:1"]},
+        },
+        check_files=False,
+        check_devices=False,
+    )
     assert rank_labels(cfg.topology()) == {1: "draft, cpu:0", 2: "target, cpu:1"}
 
 
@@ -227,6 +275,7 @@ def test_pool_passes_progress_to_the_display_while_waiting_for_ready():
         for msg in STARTUP:
             if msg is not None:
                 socks[msg["rank"]].send(protocol.encode(msg, pool.key))
+
     display, out = plain()
     sender = threading.Thread(target=workers, daemon=True)
     try:
@@ -240,5 +289,9 @@ def test_pool_passes_progress_to_the_display_while_waiting_for_ready():
         context.destroy(linger=0)
     assert sorted(ready) == [1, 2]
     assert [line.split(" (")[0].split(":")[1].strip() for line in lines(out)] == [
-        "loading weights", "loading weights", "capturing CUDA graphs",
-        "capturing CUDA graphs", "ready"]
+        "loading weights",
+        "loading weights",
+        "capturing CUDA graphs",
+        "capturing CUDA graphs",
+        "ready",
+    ]

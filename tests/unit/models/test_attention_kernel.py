@@ -2,6 +2,7 @@
 rows, where most chunks are dead, and its FP8 variant (quantize=True), under the Triton
 interpreter on the CPU. Every buffer the kernel allocates starts NaN-filled here, so a read
 of a partial that no program wrote poisons the output."""
+
 from __future__ import annotations
 
 import pytest
@@ -49,7 +50,9 @@ def setup(starts, n_valid, seq, slots, n_heads, n_kv, dim, cache_len, dtype):
     return cache, batch, q
 '''
 
-LONG_CACHE = SETUP + r'''
+LONG_CACHE = (
+    SETUP
+    + r'''
 def case(starts, n_valid, seq, slots, window=None, n_heads=8, n_kv=2, dim=16, cache_len=1024):
     """Eager grouped_attention over the cache views vs the kernel: every valid query within
     1e-4, padding queries exactly 0, and no partial stored for a dead chunk."""
@@ -85,8 +88,11 @@ case([0, 30, 12, 35], [5, 3, 0, 5], 5, [3, 6, 1, 4])
 case([33, 2], [3, 3], 3, [2, 0], window=8, n_heads=4, n_kv=1, dim=24)
 print("ok")
 '''
+)
 
-FP8 = SETUP + r'''
+FP8 = (
+    SETUP
+    + r'''
 def case(starts, n_valid, seq, slots, n_heads, n_kv, dim, dtype, cache_len=512):
     """slot_attention(..., quantize=True) vs fused.fp8_quantize_heads of the plain output
     (fp8_quantize_rows of it [B*T, H*D]): equal bit for bit, padding tokens zero with the
@@ -114,6 +120,7 @@ case([9, 300, 40, 0], [5, 3, 2, 0], 5, [1, 2, 5, 0], 8, 2, 16, torch.float32)
 case([100, 7, 250], [1, 1, 1], 1, [4, 3, 6], 6, 2, 24, torch.float16)
 print("ok")
 '''
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 """runtime.models.loading.checkpoint (metadata only) and runtime.models.loading.tokenizer."""
+
 from __future__ import annotations
 
 import json
@@ -20,17 +21,26 @@ def test_hf_llama(tmp_path):
     path = build_checkpoint(tmp_path / "llama")
     info = inspect_checkpoint(path)
     assert info == CheckpointInfo(
-        path=os.path.abspath(path), format="hf", vocab_size=96,
-        architecture="LlamaForCausalLM", model_type="llama", eos_token_ids=(2,),
-        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, hidden_size=64,
-        head_dim=16, max_position_embeddings=512)
+        path=os.path.abspath(path),
+        format="hf",
+        vocab_size=96,
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        eos_token_ids=(2,),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        hidden_size=64,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
 
 
 def test_hf_qwen2(tmp_path):
-    info = inspect_checkpoint(build_checkpoint(tmp_path / "qwen", arch="qwen2", vocab_size=120,
-                                               num_hidden_layers=3))
-    assert (info.format, info.architecture, info.model_type) == ("hf", "Qwen2ForCausalLM",
-                                                                 "qwen2")
+    info = inspect_checkpoint(
+        build_checkpoint(tmp_path / "qwen", arch="qwen2", vocab_size=120, num_hidden_layers=3)
+    )
+    assert (info.format, info.architecture, info.model_type) == ("hf", "Qwen2ForCausalLM", "qwen2")
     assert (info.vocab_size, info.num_hidden_layers) == (120, 3)
 
 
@@ -149,6 +159,11 @@ for path, required, error, words in cases:
 assert load_tokenizer({str(tmp_path / "empty")!r}) is None
 assert "transformers" not in sys.modules
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, cwd=str(Path(__file__).resolve().parents[3]))
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(Path(__file__).resolve().parents[3]),
+    )
     assert res.returncode == 0, res.stderr[-2000:]

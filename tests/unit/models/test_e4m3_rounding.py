@@ -1,5 +1,6 @@
 """runtime/models/kernels/e4m3.py's rounding under the Triton interpreter on the CPU: bit for bit
 torch's round-to-nearest-even cast to e4m3 (the interpreter's own cast is not)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ from tests.interpreted import run_interpreted
 
 pytestmark = pytest.mark.timeout(300)
 
-CASES = r'''
+CASES = r"""
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +40,7 @@ _round_kernel[(1,)](values, got, N=n)
 bad = (got.view(torch.uint8) != values.to(FP8).view(torch.uint8)).nonzero()
 assert bad.numel() == 0, values[bad[:5, 0]]
 print("ok")
-'''
+"""
 
 
 def test_e4m3_rounding_equals_torch_cast():

@@ -1,5 +1,6 @@
 """Qwen3, OLMo 2, Phi-3, Gemma 3 (text) and Gemma 2 on our Llama-family model
-(model_args.QK_NORM, POST_NORMS, GEMMA, loading.fused_tensors): logits equal transformers' (eager forward_extend, StepRunner's
+(model_args.QK_NORM, POST_NORMS, GEMMA, loading.fused_tensors): logits equal transformers' (eager
+forward_extend, StepRunner's
 static chunked prefill and decode steps over the paged cache, TP 2 in a gloo world), FP8
 quantize-on-load equals its dequantized float reference, and the config checks take them.
 
@@ -8,6 +9,7 @@ a norm skipped, misplaced or taken over the wrong features moves the logits (Gem
 0: it scales by 1 + w). The Gemmas' attention scale, windows and soft-caps are set so each
 matters at these lengths (tests.checkpoints.GEMMA_DEFAULTS; tests/unit/models/test_gemma.py
 shows they do, and runs their Triton kernels)."""
+
 from __future__ import annotations
 
 import datetime
@@ -31,23 +33,36 @@ pytestmark = pytest.mark.timeout(240)
 
 F32 = torch.float32
 CPU = torch.device("cpu")
-LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
-            "short_factor": [1.0 + 0.1 * i for i in range(8)],
-            "long_factor": [2.0 + 0.3 * i for i in range(8)],
-            "original_max_position_embeddings": 64}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.3 * i for i in range(8)],
+    "original_max_position_embeddings": 64,
+}
 VARIANTS = {
-    "qwen3": ("qwen3", {}),                                  # head_dim 32 != 64 / 4
-    "qwen3_window": ("qwen3", {"use_sliding_window": True, "sliding_window": 4,
-                               "max_window_layers": 1}),     # layer 1 only
+    "qwen3": ("qwen3", {}),  # head_dim 32 != 64 / 4
+    "qwen3_window": (
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+    ),  # layer 1 only
     "olmo2": ("olmo2", {}),
-    "olmo2_kv1": ("olmo2", {"num_key_value_heads": 1}),     # TP 2 replicates the KV head
+    "olmo2_kv1": ("olmo2", {"num_key_value_heads": 1}),  # TP 2 replicates the KV head
     "phi3": ("phi3", {"sliding_window": 4}),
-    "phi3_longrope": ("phi3", {"rope_parameters": LONGROPE, "max_position_embeddings": 256,
-                               "original_max_position_embeddings": 64}),
-    "gemma3": ("gemma3_text", {}),                           # sliding layer 0, full layer 1
-    "gemma3_tied_linear": ("gemma3_text", {"tie_word_embeddings": True, "rope_scaling": {
-        "rope_type": "linear", "factor": 4.0}}),             # global layers' table only
-    "gemma2": ("gemma2", {}),                                # attention + final soft-caps
+    "phi3_longrope": (
+        "phi3",
+        {
+            "rope_parameters": LONGROPE,
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "gemma3": ("gemma3_text", {}),  # sliding layer 0, full layer 1
+    "gemma3_tied_linear": (
+        "gemma3_text",
+        {"tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    ),  # global layers' table only
+    "gemma2": ("gemma2", {}),  # attention + final soft-caps
 }
 TP_CASES = ("qwen3", "olmo2", "olmo2_kv1", "phi3_longrope", "gemma3_tied_linear", "gemma2")
 
@@ -59,8 +74,10 @@ def _sequence(seed: int, n: int = 24) -> list[int]:
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("families")
-    return {name: build_checkpoint(root / name, arch, seed=3, **overrides)
-            for name, (arch, overrides) in VARIANTS.items()}
+    return {
+        name: build_checkpoint(root / name, arch, seed=3, **overrides)
+        for name, (arch, overrides) in VARIANTS.items()
+    }
 
 
 def _hf(path: str):
@@ -80,7 +97,7 @@ def _extend_in_pieces(model, seq: list[int], slot: int = 1) -> torch.Tensor:
     """Logits [len(seq), V] from forward_extend calls of 7, 1, 1, 5, 1 and the rest."""
     out, start = [], 0
     for size in (7, 1, 1, 5, 1, len(seq) - 15):
-        out.append(extend(model, slot, start, seq[start: start + size]))
+        out.append(extend(model, slot, start, seq[start : start + size]))
         start += size
     return torch.cat(out)
 
@@ -107,11 +124,12 @@ def test_step_runner_chunks_and_decode_match_hf(paths, name):
         torch.testing.assert_close(got[0, :20], wants[b][:20], atol=1e-4, rtol=0)
     start = 20
     for size in (1, 1, 3, 1):
-        ids = torch.tensor([s[start: start + size] for s in seqs])
+        ids = torch.tensor([s[start : start + size] for s in seqs])
         got = runner.run(ids, [0, 1], [start] * 2, [size] * 2)
         for b in range(2):
-            torch.testing.assert_close(got[b, :size], wants[b][start: start + size],
-                                       atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                got[b, :size], wants[b][start : start + size], atol=1e-4, rtol=0
+            )
         start += size
 
 
@@ -129,8 +147,7 @@ def test_phi3_fused_projections_split_on_load(paths):
     tensors = load_file(str(Path(paths["phi3"]) / "model.safetensors"))
     attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     qkv = tensors["model.layers.1.self_attn.qkv_proj.weight"]
-    assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight,
-                                  attn.v_proj.weight]), qkv)
+    assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv)
     gate_up = tensors["model.layers.1.mlp.gate_up_proj.weight"]
     assert torch.equal(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gate_up)
 
@@ -145,8 +162,7 @@ def test_fp8_on_load_equals_dequantized_reference(paths, name, tmp_path):
     assert attn.q_proj.weight.dtype == quant.FP8 and attn.qkv.fp8
     ref = _hf(fc.write_quantized_reference(paths[name], tmp_path / "ref"))
     seq = _sequence(3)
-    torch.testing.assert_close(_extend_in_pieces(ours, seq), hf_logits(ref, seq),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(_extend_in_pieces(ours, seq), hf_logits(ref, seq), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "olmo2", "gemma2"])
@@ -158,8 +174,8 @@ def test_fp8_gemm_path_fused_equals_unfused(paths, name, monkeypatch):
     model = load_model(paths[name], F32, CPU, quantization="fp8")
     x = torch.zeros(1, 1, model.args.hidden_size)
     layer = model.model.layers[0]
-    assert layer.post_norms == (name == "olmo2")   # OLMo 2's and Gemma's layers never ask
-    assert layer.gemma == (name == "gemma2")       # their attention or MLP
+    assert layer.post_norms == (name == "olmo2")  # OLMo 2's and Gemma's layers never ask
+    assert layer.gemma == (name == "gemma2")  # their attention or MLP
     assert layer.gemma or not layer.self_attn.fp8_fused(x)
     out = {}
     for fuse in (False, True):
@@ -183,8 +199,9 @@ def test_unsupported_reason_and_config_checks(paths, tmp_path):
     assert "'gemma'" in reason and "transformers fallback" in reason and "tensor" in reason
     for name in ("qwen3", "olmo2", "phi3", "gemma3", "gemma2"):
         assert unsupported_reason(_hf_config(paths[name])) is None
-        cfg = launch.write_config(tmp_path / f"{name}.yaml", paths[name], paths[name],
-                                  ["cpu:0"], ["cpu:1", "cpu:2"])
+        cfg = launch.write_config(
+            tmp_path / f"{name}.yaml", paths[name], paths[name], ["cpu:0"], ["cpu:1", "cpu:2"]
+        )
         assert load_tandem_config(cfg, check_devices=False).target.tp_size == 2
 
 
@@ -208,8 +225,13 @@ def _tp_child(rank: int, port: int, cases: dict, out_dir: str) -> None:
 
     result: dict = {}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=120),
+        )
         tp = TPInfo.from_group(dist.group.WORLD)
         for name, (path, quantization) in cases.items():
             model = load_model(path, F32, CPU, tp, quantization=quantization)
@@ -235,8 +257,10 @@ def test_tp2_matches_hf(paths, tmp_path):
     cases = {name: (paths[name], None) for name in TP_CASES}
     cases.update({f"{name}_fp8": (paths[name], "fp8") for name in ("olmo2", "phi3", "gemma3")})
     ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_tp_child, args=(r, port, cases, str(tmp_path)), daemon=True)
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_tp_child, args=(r, port, cases, str(tmp_path)), daemon=True)
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -248,7 +272,10 @@ def test_tp2_matches_hf(paths, tmp_path):
         assert "__error__" not in res, f"rank {r} failed:\n{res['__error__']}"
     seq = _sequence(5)
     for name, (path, quantization) in cases.items():
-        want = hf_logits(_hf(path), seq) if quantization is None else \
-            _extend_in_pieces(_ours(path, quantization="fp8"), seq)
+        want = (
+            hf_logits(_hf(path), seq)
+            if quantization is None
+            else _extend_in_pieces(_ours(path, quantization="fp8"), seq)
+        )
         for res in results:
             torch.testing.assert_close(torch.tensor(res[name]), want, atol=1e-4, rtol=0)

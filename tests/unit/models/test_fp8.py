@@ -3,6 +3,7 @@ format and quantize-on-load give, on CPU in float32, the logits and greedy token
 transformers model holding the dequantized weights; scales shard with their weights; bad
 values are clear errors; and on the real SmolLM2-135M, quantize-on-load keeps the float
 model's predictions (teacher-forced top-1 agreement and KL)."""
+
 from __future__ import annotations
 
 import json
@@ -13,19 +14,19 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.config import ConfigError, load_config as load_tandem_config
+from runtime.config import ConfigError
+from runtime.config import load_config as load_tandem_config
 from runtime.models import load_model
-from runtime.models.loading.fp8_formats import read_format
-from runtime.models.loading.fp8_load import FP8Source, fp8_modules
-from runtime.models.runners.kv_budget import cache_bytes
-from runtime.models.loading.loader import build_model, load_config
 from runtime.models.arch.fp8_linears import to_fp8
 from runtime.models.arch.quant import FP8, RowStack, is_fp8
+from runtime.models.loading.fp8_formats import read_format
+from runtime.models.loading.fp8_load import FP8Source, fp8_modules
+from runtime.models.loading.loader import build_model, load_config
 from runtime.models.loading.weights import SafetensorsWeights
+from runtime.models.runners.kv_budget import cache_bytes
 from tests import fp8_checkpoints as fc
 from tests.checkpoints import build_checkpoint, hf_generate, smollm2_gguf
-from tests.model_helpers import build_fallback_checkpoint, extend, extend_ragged, greedy, \
-    hf_logits
+from tests.model_helpers import build_fallback_checkpoint, extend, extend_ragged, greedy, hf_logits
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -66,8 +67,7 @@ def assert_matches_reference(ours, ref_dir: str, prompt=PROMPT) -> None:
     got = extend_ragged(ours, [(1, 0, prompt[:4]), (0, 4, prompt[4:])])
     torch.testing.assert_close(got[0], want[:4], atol=1e-4, rtol=0)
     torch.testing.assert_close(got[1], want[4:], atol=1e-4, rtol=0)
-    assert greedy(ours, prompt, 12, eos_token_id=2) == \
-        hf_generate(ref, prompt, 12)
+    assert greedy(ours, prompt, 12, eos_token_id=2) == hf_generate(ref, prompt, 12)
 
 
 # ---------------------------------------------------------------- formats, stored FP8
@@ -84,18 +84,19 @@ def test_stored_format_equals_dequantized_float32(fmt, float_llama, root):
     assert len(fp8) == 2 * len(fc.LINEARS)
     attn = ours.model.layers[0].self_attn
     assert attn.q_proj.weight.dtype == FP8 and attn.q_proj.weight_scale.dtype == F32
-    assert attn.q_proj.weight_scale.shape == (attn.q_proj.out_features,)   # per channel
+    assert attn.q_proj.weight_scale.shape == (attn.q_proj.out_features,)  # per channel
     assert isinstance(attn.qkv, RowStack) and attn.qkv.fp8
     assert not is_fp8(ours.lm_head) and ours.lm_head.weight.dtype == F32
     assert_matches_reference(ours, ref_dir)
-    assert attn.kv_cache.k_cache.dtype == F32     # the KV cache in the activation dtype
+    assert attn.kv_cache.k_cache.dtype == F32  # the KV cache in the activation dtype
 
 
 def test_bf16_scales_and_qwen2_bias(float_qwen, root):
     """compressed-tensors stores scales in the model's dtype; Qwen2's q/k/v bias is added
     to the FP8 GEMM's output."""
-    fp8_dir, ref_dir = fc.write_fp8(float_qwen, root / "qwen-ct", "ct-tensor-dynamic",
-                                    scale_dtype=torch.bfloat16)
+    fp8_dir, ref_dir = fc.write_fp8(
+        float_qwen, root / "qwen-ct", "ct-tensor-dynamic", scale_dtype=torch.bfloat16
+    )
     ours = load_model(fp8_dir, F32, CPU)
     assert ours.model.layers[0].self_attn.q_proj.bias is not None
     assert_matches_reference(ours, ref_dir)
@@ -105,8 +106,13 @@ def test_ignore_is_honoured(float_llama, root):
     """A layer in the format's ignore list stays float (and its gate/up pair runs unfused);
     a layer the config declares FP8 must have scales, and an ignored one must not."""
     entry = r"re:.*layers\.1\.mlp\.gate_proj$"
-    fp8_dir, ref_dir = fc.write_fp8(float_llama, root / "ct-ignore", "ct-channel-static",
-                                    ignore=["lm_head", entry], keep_float=(GATE_1,))
+    fp8_dir, ref_dir = fc.write_fp8(
+        float_llama,
+        root / "ct-ignore",
+        "ct-channel-static",
+        ignore=["lm_head", entry],
+        keep_float=(GATE_1,),
+    )
     ours = load_model(fp8_dir, F32, CPU)
     mlp = ours.model.layers[1].mlp
     assert not is_fp8(mlp.gate_proj) and is_fp8(mlp.up_proj) and mlp.gate_up is None
@@ -114,7 +120,7 @@ def test_ignore_is_honoured(float_llama, root):
     assert_matches_reference(ours, ref_dir)
     config_file = Path(fp8_dir) / "config.json"
     config = json.loads(config_file.read_text())
-    config["quantization_config"]["ignore"] = ["lm_head"]          # declared, no scales
+    config["quantization_config"]["ignore"] = ["lm_head"]  # declared, no scales
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=rf"{GATE_1}: .*declares it FP8"):
         load_model(fp8_dir, F32, CPU)
@@ -148,15 +154,31 @@ def _quant_config(path: Path, qc: dict | None, hf_quant: dict | None = None) -> 
 
 
 def test_unsupported_quantization_configs_are_named(tmp_path):
-    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
-                                                "strategy": "block", "symmetric": True}}
+    group = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block", "symmetric": True},
+    }
     cases = [
         ({"quant_method": "gptq", "bits": 4}, None, "quant_method 'gptq' is not supported"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "weight_block_size"),
-        ({"quant_method": "compressed-tensors", "format": "float-quantized",
-          "config_groups": {"g": group}}, None, "config_groups.g.weights: strategy 'block'"),
-        ({"quant_method": "compressed-tensors", "format": "int-quantized",
-          "config_groups": {"g": group}}, None, "format 'int-quantized'"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"g": group},
+            },
+            None,
+            "config_groups.g.weights: strategy 'block'",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {"g": group},
+            },
+            None,
+            "format 'int-quantized'",
+        ),
         (None, {"quantization": {"quant_algo": "NVFP4"}}, "quant_algo 'NVFP4'"),
     ]
     for i, (qc, hf_quant, message) in enumerate(cases):
@@ -193,11 +215,12 @@ def test_bfloat16_activations(float_llama):
     assert attn.q_proj.weight.dtype == FP8 and attn.q_proj.weight_scale.dtype == F32
     assert ours.model.norm.weight.dtype == torch.bfloat16
     f32 = load_model(float_llama, F32, CPU, quantization="fp8")
-    assert cache_bytes(ours, 2, 64) * 2 == cache_bytes(f32, 2, 64)   # 2 bytes a value, not 1
+    assert cache_bytes(ours, 2, 64) * 2 == cache_bytes(f32, 2, 64)  # 2 bytes a value, not 1
     ours.allocate_cache(2, 64)
     assert attn.kv_cache.k_cache.dtype == torch.bfloat16
-    assert sum(t.numel() * t.element_size() for t in (attn.kv_cache.k_cache,
-               attn.kv_cache.v_cache)) * len(ours.model.layers) == cache_bytes(ours, 2, 64)
+    assert sum(
+        t.numel() * t.element_size() for t in (attn.kv_cache.k_cache, attn.kv_cache.v_cache)
+    ) * len(ours.model.layers) == cache_bytes(ours, 2, 64)
     got = extend(ours, 0, 0, PROMPT)
     assert got.shape == (len(PROMPT), ours.vocab_size) and torch.isfinite(got).all()
     f32.allocate_cache(1, 64)
@@ -218,8 +241,9 @@ def test_gguf_quantizes_on_load_and_weight_bytes(smollm2_fp8):
     assert len(linears) == 7 * len(ours.model.layers)
     # a decode step reads 1 byte per FP8 weight, 4 per scale and the tied head (float32)
     expected = sum(m.weight.numel() + 4 * m.weight_scale.numel() for m in linears)
-    expected += 4 * sum(p.numel() for n, p in ours.named_parameters()
-                        if p.dtype == F32 and "weight_scale" not in n)
+    expected += 4 * sum(
+        p.numel() for n, p in ours.named_parameters() if p.dtype == F32 and "weight_scale" not in n
+    )
     assert weight_bytes_per_step(ours) == expected
 
 
@@ -237,20 +261,22 @@ def test_scales_shard_with_their_weights(fmt, float_llama, root):
     None: quantize-on-load (its row shards come from the whole row's amax)."""
     path = fc.write_fp8(float_llama, root / f"tp-{fmt}", fmt)[0] if fmt else float_llama
     model = build_model(load_config(path))
-    modules = fp8_modules(model, SafetensorsWeights(path).names(), read_format(path),
-                          None if fmt else "fp8")
+    modules = fp8_modules(
+        model, SafetensorsWeights(path).names(), read_format(path), None if fmt else "fp8"
+    )
     stored = set(modules) if fmt else set()
     source = FP8Source(SafetensorsWeights(path), set(modules), stored, CPU)
-    for module, dim in (("model.layers.0.self_attn.k_proj", 0),
-                        ("model.layers.1.mlp.down_proj", 1)):
+    for module, dim in (
+        ("model.layers.0.self_attn.k_proj", 0),
+        ("model.layers.1.mlp.down_proj", 1),
+    ):
         weight, scale = source.get(f"{module}.weight"), source.get(f"{module}.weight_scale")
         size = weight.shape[dim]
         parts = [(dim, r * size // 2, (r + 1) * size // 2) for r in range(2)]
         got = [source.get_shard(f"{module}.weight", *p) for p in parts]
         assert all(g.dtype == FP8 for g in got)
         assert torch.equal(torch.cat(got, dim).view(torch.uint8), weight.view(torch.uint8))
-        scales = [_shard(source, f"{module}.weight_scale", p if dim == 0 else None)
-                  for p in parts]
+        scales = [_shard(source, f"{module}.weight_scale", p if dim == 0 else None) for p in parts]
         assert torch.equal(torch.cat(scales) if dim == 0 else scales[0], scale)
         if dim == 1:
             assert all(torch.equal(s, scale) for s in scales)
@@ -260,7 +286,7 @@ def test_tp_layers_shard_scales_and_sum_exactly():
     """The FP8 TP linears: a column shard lists its scale rows for the loader; two
     row-parallel halves (the all-reduce is a no-op without a group) sum to the whole."""
     from parallel.layers import ColumnParallelLinear, RowParallelLinear, Shard
-    from runtime.models.arch.quant import quantize_rows, fp8_linear
+    from runtime.models.arch.quant import fp8_linear, quantize_rows
 
     col = ColumnParallelLinear(16, 8, 24, bias=False, device="meta")
     to_fp8(col)
@@ -275,8 +301,9 @@ def test_tp_layers_shard_scales_and_sum_exactly():
         row.weight = nn.Parameter(w8[:, start:stop].contiguous(), requires_grad=False)
         row.weight_scale = nn.Parameter(scale, requires_grad=False)
         halves.append(row(x[:, start:stop]))
-    torch.testing.assert_close(halves[0] + halves[1], fp8_linear(x, w8, scale),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        halves[0] + halves[1], fp8_linear(x, w8, scale), atol=1e-5, rtol=1e-5
+    )
 
 
 # ---------------------------------------------------------------- bad values
@@ -290,9 +317,10 @@ def test_bad_quantization_values(float_llama, tmp_path):
         load_model(opt, F32, CPU, quantization="fp8")
 
     def cfg(draft_q=None, target_q=None, draft=float_llama):
-        return {"draft": {"model": draft, "devices": ["cpu:0"], "quantization": draft_q},
-                "target": {"model": float_llama, "devices": ["cpu:1"],
-                           "quantization": target_q}}
+        return {
+            "draft": {"model": draft, "devices": ["cpu:0"], "quantization": draft_q},
+            "target": {"model": float_llama, "devices": ["cpu:1"], "quantization": target_q},
+        }
 
     with pytest.raises(ConfigError, match=r"^target\.quantization: .*got 'int8'"):
         load_tandem_config(cfg(target_q="int8"), check_files=False, check_devices=False)
@@ -300,9 +328,14 @@ def test_bad_quantization_values(float_llama, tmp_path):
         load_tandem_config(cfg("fp8", draft=opt), check_devices=False)
     assert load_tandem_config(cfg(draft=opt), check_devices=False).draft.quantization is None
     bad = _quant_config(tmp_path / "gptq", {"quant_method": "gptq"})
-    (Path(bad) / "config.json").write_text(json.dumps(
-        {**json.loads((Path(float_llama) / "config.json").read_text()),
-         "quantization_config": {"quant_method": "gptq"}}))
+    (Path(bad) / "config.json").write_text(
+        json.dumps(
+            {
+                **json.loads((Path(float_llama) / "config.json").read_text()),
+                "quantization_config": {"quant_method": "gptq"},
+            }
+        )
+    )
     with pytest.raises(ConfigError, match=r"^draft\.model: .*'gptq' is not supported"):
         load_tandem_config(cfg(draft=bad), check_devices=False)
     ok = load_tandem_config(cfg("fp8", "fp8"), check_devices=False)
@@ -326,7 +359,8 @@ QUALITY_TEXT = (
     "museum near the square explains how the valley was settled, how the mills along the "
     "river once ground the grain for the whole region, and how the railway, when it arrived "
     "in the last century, changed the way people lived and worked. Children from the local "
-    "school often visit the museum, and each summer they help to clean the river banks.")
+    "school often visit the museum, and each summer they help to clean the river banks."
+)
 
 
 def test_smollm2_fp8_quality(smollm2_fp8):
@@ -352,16 +386,14 @@ def test_smollm2_fp8_quality(smollm2_fp8):
     ids = smollm2_tokenizer()(QUALITY_TEXT)["input_ids"]
     assert len(ids) >= 200
     logits = {}
-    for quantization, model in ((None, load_model(smollm2_gguf(), F32, CPU)),
-                                ("fp8", smollm2_fp8)):
+    for quantization, model in ((None, load_model(smollm2_gguf(), F32, CPU)), ("fp8", smollm2_fp8)):
         model.allocate_cache(1, len(ids))
-        logits[quantization] = extend(model, 0, 0, ids)                  # [T, V]
+        logits[quantization] = extend(model, 0, 0, ids)  # [T, V]
     top1, top1_fp8 = logits[None].argmax(-1), logits["fp8"].argmax(-1)
     agreement = (top1 == top1_fp8).float().mean().item()
     log_p, log_q = logits[None].log_softmax(-1), logits["fp8"].log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
-    print(f"SmolLM2-135M fp8: {len(ids)} positions, top-1 agreement {agreement:.4f}, "
-          f"KL {kl:.4f}")
-    assert agreement >= 0.92 and kl <= 0.02 and math.isfinite(kl)    # measured 0.9347, 0.0142
-    top4 = logits[None].topk(4, dim=-1).indices                          # flips: near-ties
+    print(f"SmolLM2-135M fp8: {len(ids)} positions, top-1 agreement {agreement:.4f}, KL {kl:.4f}")
+    assert agreement >= 0.92 and kl <= 0.02 and math.isfinite(kl)  # measured 0.9347, 0.0142
+    top4 = logits[None].topk(4, dim=-1).indices  # flips: near-ties
     assert (top4 == top1_fp8[:, None]).any(-1).all()

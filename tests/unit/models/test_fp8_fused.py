@@ -4,6 +4,7 @@ unfused sequence (rescale -> cast -> add -> norm -> quantize) computes: bit for 
 and in bfloat16 (the same cast points), eagerly and compiled; and whole FP8 models give the
 unfused FP8 path's logits. torch._scaled_mm is CUDA-only: on CPU, quant.EMULATE_FP8_GEMM runs
 the FP8 GEMM path with its float32 emulation."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,8 +47,7 @@ def gemm_out(m: int, n: int, dtype: torch.dtype, bias: bool, seed: int = 0):
 
 def residual(m: int, k: int, dtype: torch.dtype, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(m, k, generator=g).to(dtype),
-            (torch.rand(k, generator=g) + 0.5).to(dtype))
+    return (torch.randn(m, k, generator=g).to(dtype), (torch.rand(k, generator=g) + 0.5).to(dtype))
 
 
 # ---------------------------------------------------------------- each function
@@ -62,14 +62,14 @@ def test_norms_equal_the_unfused_sequence(dtype, bias):
     want = fused.fp8_quantize_rows(fused.rms_norm(x, w, EPS))
     assert same(h8, want[0]) and same(hs, want[1])
 
-    delta = fused.fp8_rescale(raw, xs, ws, b, dtype)                  # o_proj's epilogue
+    delta = fused.fp8_rescale(raw, xs, ws, b, dtype)  # o_proj's epilogue
     s, h = fused.add_rms_norm(x, delta, w, EPS)
     want8 = fused.fp8_quantize_rows(h)
-    got = fused.add_rms_norm_fp8(x, raw, w, EPS, xs, ws, b)           # raw delta
+    got = fused.add_rms_norm_fp8(x, raw, w, EPS, xs, ws, b)  # raw delta
     assert all(same(a, c) for a, c in zip(got, (s, *want8)))
-    got = fused.add_rms_norm_fp8(x, delta, w, EPS)                    # delta in dtype
+    got = fused.add_rms_norm_fp8(x, delta, w, EPS)  # delta in dtype
     assert all(same(a, c) for a, c in zip(got, (s, *want8)))
-    got = fused.rescale_add_rms_norm(x, raw, xs, ws, b, w, EPS)       # the final norm
+    got = fused.rescale_add_rms_norm(x, raw, xs, ws, b, w, EPS)  # the final norm
     assert same(got[0], s) and same(got[1], h)
 
 
@@ -103,18 +103,22 @@ def test_rotary_write_fp8_equals_the_unfused_sequence(dtype, bias):
     qkv = fused.fp8_rescale(raw, xs, ws, b, dtype).view(bsz, seq, -1)
     q, k, v = qkv.split([heads * dim, kv * dim, kv * dim], dim=-1)
     want_rest = [t.clone() for t in rest]
-    want = fused.rotary_write(q.view(bsz, seq, heads, dim), k.view(bsz, seq, kv, dim),
-                              v.view(bsz, seq, kv, dim), *want_rest)
+    want = fused.rotary_write(
+        q.view(bsz, seq, heads, dim),
+        k.view(bsz, seq, kv, dim),
+        v.view(bsz, seq, kv, dim),
+        *want_rest,
+    )
     got = fused.rotary_write_fp8(raw, xs, ws, b, dtype, heads, kv, *rest)
     assert same(got, want)
-    assert same(rest[2], want_rest[2]) and same(rest[3], want_rest[3])   # the caches
+    assert same(rest[2], want_rest[2]) and same(rest[3], want_rest[3])  # the caches
     assert rest[2].abs().sum() > 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fp8_quantize_heads_equals_reshape_then_quantize(dtype):
     g = torch.Generator().manual_seed(3)
-    out = torch.randn(2, 4, 3, 16, generator=g).to(dtype).transpose(1, 2)   # [B, T, H, D]
+    out = torch.randn(2, 4, 3, 16, generator=g).to(dtype).transpose(1, 2)  # [B, T, H, D]
     assert not out.is_contiguous()
     want = fused.fp8_quantize_rows(out.reshape(2, 3, 64).reshape(-1, 64))
     got = fused.fp8_quantize_heads(out)
@@ -175,6 +179,7 @@ class Spy:
                 return fn(*args, **kwargs)
             finally:
                 self.depth -= 1
+
         return spy
 
 
@@ -216,20 +221,29 @@ def test_fused_model_equals_unfused(arch, dtype, tmp_path, emulated, monkeypatch
         monkeypatch.setattr(quant, "FUSE_FP8", fuse)
         spy.calls.clear()
         extend(model, 0, 0, PROMPT)
-        assert spy.calls.pop("masked_softmax") == n_layers      # attention (not Triton here)
+        assert spy.calls.pop("masked_softmax") == n_layers  # attention (not Triton here)
         assert sum(spy.calls.values()) == per_layer * n_layers + 1, spy.calls
-    assert spy.calls == {"rms_norm_fp8": 1, "add_rms_norm_fp8": 2 * n_layers - 1,
-                         "rescale_add_rms_norm": 1, "rotary_write_fp8": n_layers,
-                         "fp8_quantize_heads": n_layers, "silu_mul_fp8": n_layers}
+    assert spy.calls == {
+        "rms_norm_fp8": 1,
+        "add_rms_norm_fp8": 2 * n_layers - 1,
+        "rescale_add_rms_norm": 1,
+        "rotary_write_fp8": n_layers,
+        "fp8_quantize_heads": n_layers,
+        "silu_mul_fp8": n_layers,
+    }
 
 
 def test_mixed_checkpoint_fuses_per_block(tmp_path, emulated, monkeypatch):
     """A float gate_proj in layer 1 (an ignore list): that MLP runs unfused while its attention
     is fused (the norm between them rescales without quantizing); logits unchanged."""
     float_dir = build_checkpoint(tmp_path / "llama", "llama", seed=3)
-    fp8_dir, _ = fc.write_fp8(float_dir, tmp_path / "ct", "ct-channel-static",
-                              ignore=["lm_head", r"re:.*layers\.1\.mlp\.gate_proj$"],
-                              keep_float=("model.layers.1.mlp.gate_proj",))
+    fp8_dir, _ = fc.write_fp8(
+        float_dir,
+        tmp_path / "ct",
+        "ct-channel-static",
+        ignore=["lm_head", r"re:.*layers\.1\.mlp\.gate_proj$"],
+        keep_float=("model.layers.1.mlp.gate_proj",),
+    )
     model = load_model(fp8_dir, torch.bfloat16, CPU)
     x = torch.zeros(1, 1, model.args.hidden_size, dtype=torch.bfloat16)
     layer = model.model.layers[1]

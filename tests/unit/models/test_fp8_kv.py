@@ -4,6 +4,7 @@ logits against the activation-dtype cache (eager, and through the Triton RoPE an
 kernels under the interpreter, RoPE folded into attention or not, float and FP8 weights),
 that the scales are read (a corrupted scale moves the logits), that padding tokens write only
 the scratch block, and the byte counts the budget and the pool sizing use."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,13 +30,19 @@ STEPS = [  # (tokens a row, starts, valid lengths): a ragged prefill, a verify, 
 ]
 # the interpreted kernels' steps (the interpreter runs a program at a time: fewer tokens)
 KERNEL_STEPS = [(6, [0, 0, 0], [6, 3, 5]), (5, [6, 3, 5], [5, 3, 1]), (1, [11, 6, 6], [1, 1, 0])]
-MIN_COSINE = 0.999    # fp8 KV against the activation-dtype KV, each valid token's logits
+MIN_COSINE = 0.999  # fp8 KV against the activation-dtype KV, each valid token's logits
 
 
 # ---- helpers, shared with the interpreted script ------------------------------------------
 
-def build(path: str, kv_dtype: str, dtype: torch.dtype = torch.float32,
-          quantization: str | None = None, block_size: int = 16):
+
+def build(
+    path: str,
+    kv_dtype: str,
+    dtype: torch.dtype = torch.float32,
+    quantization: str | None = None,
+    block_size: int = 16,
+):
     model = load_model(path, dtype, "cpu", quantization=quantization)
     model.allocate_cache(ROWS, CACHE_LEN, block_size, kv_dtype=kv_dtype)
     return model
@@ -55,8 +62,9 @@ def run_steps(model, steps=STEPS) -> list[torch.Tensor]:
 
 
 def min_cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return min(torch.nn.functional.cosine_similarity(x, y, dim=-1).min().item()
-               for x, y in zip(a, b))
+    return min(
+        torch.nn.functional.cosine_similarity(x, y, dim=-1).min().item() for x, y in zip(a, b)
+    )
 
 
 def max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -97,7 +105,11 @@ def check_corruption(path: str, steps=STEPS[:3]) -> None:
     assert k_change > 0.05 and v_change > 0.05, (k_change, v_change)
 
 
-PAD_STEP = (6, [10, 0, 40], [6, 2, 0])   # row 0: 6 valid at 10..15; row 1: 2 (4 padding); row 2: none
+PAD_STEP = (
+    6,
+    [10, 0, 40],
+    [6, 2, 0],
+)  # row 0: 6 valid at 10..15; row 1: 2 (4 padding); row 2: none
 
 
 def padding_writes(path: str, step=PAD_STEP) -> bool:
@@ -107,39 +119,51 @@ def padding_writes(path: str, step=PAD_STEP) -> bool:
     block; returns whether the scratch block changed (padding tokens written there)."""
     model = load_model(path, torch.float32, "cpu")
     model.allocate_cache(4, 64, 8, kv_dtype="fp8")
-    pools = [t for layer in model.model.layers for t in (
-        layer.self_attn.kv_cache.k_cache, layer.self_attn.kv_cache.v_cache,
-        layer.self_attn.kv_cache.k_scale, layer.self_attn.kv_cache.v_scale)]
+    pools = [
+        t
+        for layer in model.model.layers
+        for t in (
+            layer.self_attn.kv_cache.k_cache,
+            layer.self_attn.kv_cache.v_cache,
+            layer.self_attn.kv_cache.k_scale,
+            layer.self_attn.kv_cache.v_scale,
+        )
+    ]
     for t in pools:
         t.copy_(torch.full(t.shape, 7.0 if t.dtype == torch.float8_e4m3fn else -1.0))
     perm = torch.randperm(model.num_blocks, generator=torch.Generator().manual_seed(2))
-    tables = perm[:3 * model.blocks_per_seq].view(3, -1).to(torch.int32)
+    tables = perm[: 3 * model.blocks_per_seq].view(3, -1).to(torch.int32)
     seq, starts, n_valid = step
     ids = torch.randint(3, 96, (3, seq), generator=torch.Generator().manual_seed(4))
     model.forward_static(ids, tables, torch.tensor(starts), torch.tensor(n_valid), 64)
-    want = {(int(tables[b, p // 8]), p % 8) for b in range(3)
-            for p in range(starts[b], starts[b] + n_valid[b])}
+    want = {
+        (int(tables[b, p // 8]), p % 8)
+        for b in range(3)
+        for p in range(starts[b], starts[b] + n_valid[b])
+    }
     scratch, scratch_written = model.num_blocks, False
     for t in pools:
         sentinel = 7.0 if t.dtype == torch.float8_e4m3fn else -1.0
-        changed = t.float() != sentinel                                # [N+1, Hkv, BS(, D)]
+        changed = t.float() != sentinel  # [N+1, Hkv, BS(, D)]
         if changed.dim() == 4:
-            changed = changed.any(-1)                                  # [N+1, Hkv, BS]
+            changed = changed.any(-1)  # [N+1, Hkv, BS]
         got = {(b, o) for b, o in changed.any(1).nonzero().tolist() if b != scratch}
         assert got == want, (sorted(got), sorted(want))
-        assert all(changed[b, :, o].all() for b, o in want)            # every KV head
+        assert all(changed[b, :, o].all() for b, o in want)  # every KV head
         scratch_written |= bool(changed[scratch].any())
     return scratch_written
 
 
 # ---- eager tests ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def soft_llama(tmp_path_factory) -> str:
     """The tiny Llama with a usual weight scale (initializer_range 0.05): the shared one's
     0.25 makes softmaxes so sharp that e4m3's 3 mantissa bits move its logits by ~1%."""
-    return build_checkpoint(tmp_path_factory.mktemp("fp8kv") / "llama", seed=3,
-                            initializer_range=0.05)
+    return build_checkpoint(
+        tmp_path_factory.mktemp("fp8kv") / "llama", seed=3, initializer_range=0.05
+    )
 
 
 def test_quantize_round_trip_error_bound():
@@ -148,7 +172,7 @@ def test_quantize_round_trip_error_bound():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 4, 128, generator=g) * torch.logspace(-6, 3, 64)[:, None, None]
     x[3, 1] = 0.0
-    x[5, 2, 7] = 1e4                                   # an outlier in one row
+    x[5, 2, 7] = 1e4  # an outlier in one row
     data, scale = fused.fp8_quantize_kv(x)
     assert data.dtype == torch.float8_e4m3fn and scale.shape == (64, 4)
     back = data.float() * scale[..., None]
@@ -157,8 +181,8 @@ def test_quantize_round_trip_error_bound():
     assert (back[3, 1] == 0).all() and torch.isfinite(scale).all() and (scale > 0).all()
     amax = x.abs().amax(-1)
     torch.testing.assert_close(back.abs().amax(-1), amax, rtol=1e-6, atol=0)  # 448 exact
-    rel = ((back - x).norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-30))
-    assert rel[x.norm(dim=-1) > 0].max() < 0.04        # e4m3: ~2.5% RMS a row
+    rel = (back - x).norm(dim=-1) / x.norm(dim=-1).clamp(min=1e-30)
+    assert rel[x.norm(dim=-1) > 0].max() < 0.04  # e4m3: ~2.5% RMS a row
 
 
 def test_cache_read_dequantizes_what_writes_stored():
@@ -169,14 +193,14 @@ def test_cache_read_dequantizes_what_writes_stored():
     x = torch.randn(1, 20, 2, 16, generator=g) * 3
     table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
     from tests import paged
+
     batch = paged.batch(cache, table, [0], [20], 20)
-    fused.write_cache_kv8(cache.k_cache, cache.k_scale, batch.write_blocks,
-                          batch.write_offsets, x)
-    k, _ = cache.read(batch)                                           # [1, 2, 20, 16]
+    fused.write_cache_kv8(cache.k_cache, cache.k_scale, batch.write_blocks, batch.write_offsets, x)
+    k, _ = cache.read(batch)  # [1, 2, 20, 16]
     want = x.permute(0, 2, 1, 3)
     assert k.dtype == torch.float32
     assert ((k - want).abs() <= want.abs() / 16 + 1e-6).all()
-    assert (cache.k_scale[1] == 0).all()                               # block 1: not in the table
+    assert (cache.k_scale[1] == 0).all()  # block 1: not in the table
 
 
 def test_eager_model_fp8_close_to_auto(soft_llama):
@@ -190,7 +214,7 @@ def test_eager_reads_the_scales(soft_llama):
 
 
 def test_eager_padding_writes_only_the_scratch_block(soft_llama):
-    assert padding_writes(soft_llama)                  # the padding tokens went to scratch
+    assert padding_writes(soft_llama)  # the padding tokens went to scratch
 
 
 def test_bytes_count_scales_and_one_byte_values(soft_llama):
@@ -198,8 +222,9 @@ def test_bytes_count_scales_and_one_byte_values(soft_llama):
     transformers fallback (no layers of ours) gives None."""
     for kv_dtype in ("auto", "fp8"):
         model = build(soft_llama, kv_dtype)
-        allocated = sum(b.numel() * b.element_size() for b in model.buffers()
-                        if b.dim() >= 3)                               # pools and scales
+        allocated = sum(
+            b.numel() * b.element_size() for b in model.buffers() if b.dim() >= 3
+        )  # pools and scales
         assert cache_bytes(model, ROWS, CACHE_LEN, 16, kv_dtype) == allocated
         assert block_bytes(model, 16, kv_dtype) * (model.num_blocks + 1) == allocated
     # 2 layers x K,V x 2 KV heads x 16 positions x (16 values x 4 bytes | 16 x 1 + a scale)
@@ -212,7 +237,7 @@ def test_bytes_count_scales_and_one_byte_values(soft_llama):
 
 # ---- the Triton kernels, interpreted ----------------------------------------------------
 
-KERNEL_SCRIPT = r'''
+KERNEL_SCRIPT = r"""
 import sys
 import torch
 from runtime.models.arch import fused, quant
@@ -261,13 +286,14 @@ assert padding_writes(path) != fold
 if not fold:
     assert padding_writes(path, (1, [13, 1, 40], [1, 1, 0]))   # decode: row 2 pads
 print("ok")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
 def kernel_scripts(soft_llama):
-    scripts = {mode: start_interpreted(KERNEL_SCRIPT, soft_llama, mode)
-               for mode in ("fold", "apart")}
+    scripts = {
+        mode: start_interpreted(KERNEL_SCRIPT, soft_llama, mode) for mode in ("fold", "apart")
+    }
     yield scripts
     for script in scripts.values():
         script.kill()

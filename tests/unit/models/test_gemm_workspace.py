@@ -1,7 +1,9 @@
-"""runtime.models.loading.loader.no_gemm_workspace: CUDA processes run their GEMMs without a cuBLAS /
+"""runtime.models.loading.loader.no_gemm_workspace: CUDA processes run their GEMMs without a cuBLAS
+/
 cuBLASLt workspace (no split-K reduction kernels after the decode GEMMs), unless the user set
 torch's variables; CPU processes are left alone. (Its speed is measured on an H200 by
 lab/gpu/step_ab.py; docs/benchmarks.md.)"""
+
 import os
 
 import pytest

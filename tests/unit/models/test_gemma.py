@@ -4,6 +4,7 @@ difference the tiny checkpoints are built to show does move the logits (so those
 fail), the multimodal `gemma3` config stays on the fallback, and the Triton attention kernels
 (decode/verify and prefill; per-layer scale, Gemma 2's soft-cap constexpr, windows, RoPE
 folded in) equal the eager path under TRITON_INTERPRET=1 (a subprocess: tests/interpreted)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 F32, CPU = torch.float32, torch.device("cpu")
 ARCHS = ("gemma3_text", "gemma2")
 
-KERNEL_CASE = r'''
+KERNEL_CASE = r"""
 import sys
 import torch
 from runtime.models import load_model
@@ -52,7 +53,7 @@ for i, (ids, start, n) in enumerate(steps):
     assert err < 1e-4, (i, err)
 assert launches == [1] * fast.args.n_layers, launches   # the 70-token prefill only
 print("ok")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def _no_attn_softcap(model):
 
 def _default_scale(model):
     for layer in model.model.layers:
-        layer.self_attn.scale = model.args.head_dim ** -0.5
+        layer.self_attn.scale = model.args.head_dim**-0.5
 
 
 def _no_final_softcap(model):
@@ -104,10 +105,16 @@ def _no_embed_scale(model):
     model.model.embed_scale = None
 
 
-ABLATIONS = {"gemma3_text": (_no_window, _default_scale, _no_final_softcap, _one_rope_table,
-                             _no_embed_scale),
-             "gemma2": (_no_window, _no_attn_softcap, _default_scale, _no_final_softcap,
-                        _no_embed_scale)}
+ABLATIONS = {
+    "gemma3_text": (
+        _no_window,
+        _default_scale,
+        _no_final_softcap,
+        _one_rope_table,
+        _no_embed_scale,
+    ),
+    "gemma2": (_no_window, _no_attn_softcap, _default_scale, _no_final_softcap, _no_embed_scale),
+}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

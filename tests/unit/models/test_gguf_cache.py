@@ -1,6 +1,7 @@
 """runtime.models.loading.gguf_cache: a GGUF converted once (config, metadata, dequantized weights),
 then read from the cache; bit-identical to reading the GGUF, entries atomic and rebuilt when
 broken, a cache that cannot be written never fatal."""
+
 from __future__ import annotations
 
 import hashlib
@@ -68,8 +69,10 @@ def loads(tmp_path_factory):
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         for name, max_gb in (("direct", "0"), ("first", None), ("second", None)):
-            mp.setenv(disk_cache.CACHE_DIR_ENV,
-                      str(tmp_path_factory.mktemp("direct") if max_gb else cache))
+            mp.setenv(
+                disk_cache.CACHE_DIR_ENV,
+                str(tmp_path_factory.mktemp("direct") if max_gb else cache),
+            )
             if max_gb is None:
                 mp.delenv(gguf_cache.MAX_GB_ENV, raising=False)
             else:
@@ -79,20 +82,25 @@ def loads(tmp_path_factory):
                 _fresh_process()
                 info = checkpoint.inspect_checkpoint(path)
                 model = load_model(path, F32, "cpu")
-            out[name] = {"model": model, "reads": reads, "info": info,
-                         "logits": _logits(model), "cache": disk_cache.cache_root()}
+            out[name] = {
+                "model": model,
+                "reads": reads,
+                "info": info,
+                "logits": _logits(model),
+                "cache": disk_cache.cache_root(),
+            }
     _fresh_process()
     return cache, out
 
 
 def test_the_second_start_reads_nothing_from_the_gguf(loads):
     _, out = loads
-    assert out["first"]["reads"].dequantized == 272     # every tensor, once
-    assert out["first"]["reads"].parses >= 3            # metadata, config, weights
+    assert out["first"]["reads"].dequantized == 272  # every tensor, once
+    assert out["first"]["reads"].parses >= 3  # metadata, config, weights
     assert out["second"]["reads"].parses == 0
     assert out["second"]["reads"].dequantized == 0
     assert isinstance(out["direct"]["model"], type(out["second"]["model"]))
-    assert out["direct"]["reads"].dequantized == 272    # the weights cache was off
+    assert out["direct"]["reads"].dequantized == 272  # the weights cache was off
     assert not list(out["direct"]["cache"].glob("gguf/*/*/weights-*"))
 
 
@@ -125,11 +133,12 @@ def test_weights_over_the_size_limit_are_not_cached(loads, monkeypatch, tmp_path
     path = Path(smollm2_gguf())
     # a cache holding what the module's first start converted but its weights: the config
     # comes from there (not a parse of the GGUF's metadata again); the weights are the test's
-    shutil.copytree(loads[0], tmp_path, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("weights-*"))
+    shutil.copytree(
+        loads[0], tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("weights-*")
+    )
     assert not list(tmp_path.glob("gguf/*/*/weights-*"))
     monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setenv(gguf_cache.MAX_GB_ENV, "0.1")          # 100 MB < 538 MB of float32
+    monkeypatch.setenv(gguf_cache.MAX_GB_ENV, "0.1")  # 100 MB < 538 MB of float32
     config = gguf_cache.load_config(path)
     model = build_model(config)
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
@@ -152,7 +161,7 @@ def test_entry_layout(loads):
     assert disk_cache.is_complete(weights_dir)
     index = json.loads((weights_dir / weights.INDEX_FILE).read_text())
     assert len(index["weight_map"]) == 272
-    assert not [p for p in entry.iterdir() if ".tmp-" in p.name]   # no temporaries left
+    assert not [p for p in entry.iterdir() if ".tmp-" in p.name]  # no temporaries left
 
 
 # --- the cache's mechanics, on small files -------------------------------------------------
@@ -220,10 +229,10 @@ def test_built_once_then_read(cache, source):
 def test_the_digest_is_the_files_and_follows_its_bytes(cache, source):
     want = hashlib.sha256(source.read_bytes()).hexdigest()
     assert gguf_cache.file_sha256(source) == want
-    assert len(list((cache / "digests").iterdir())) == 1     # remembered
+    assert len(list((cache / "digests").iterdir())) == 1  # remembered
     st = source.stat()
     data = bytearray(source.read_bytes())
-    data[0] ^= 1                                  # same size, and the mtime put back
+    data[0] ^= 1  # same size, and the mtime put back
     source.write_bytes(bytes(data))
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert gguf_cache.file_sha256(source) == hashlib.sha256(bytes(data)).hexdigest()
@@ -237,7 +246,7 @@ def test_a_truncated_entry_is_rebuilt(cache, source):
     built = Built()
     _cached(source, built)
     target = gguf_cache.entry_dir(source) / "thing"
-    (target / "value.txt").write_text("conv")        # cut short: not the manifest's size
+    (target / "value.txt").write_text("conv")  # cut short: not the manifest's size
     assert not disk_cache.is_complete(target)
     assert _cached(source, built) == "converted"
     assert built.made == 2
@@ -248,7 +257,7 @@ def test_an_entry_that_fails_to_load_is_rebuilt(cache, source):
     built = Built()
     _cached(source, built)
     target = gguf_cache.entry_dir(source) / "thing"
-    (target / "value.txt").write_text("garbage!!")   # the manifest's size, wrong bytes
+    (target / "value.txt").write_text("garbage!!")  # the manifest's size, wrong bytes
     assert disk_cache.is_complete(target)
     assert _cached(source, built) == "converted"
     assert built.made == 2
@@ -293,7 +302,7 @@ def test_concurrent_writers(cache, source):
 def test_an_unusable_cache_is_no_error(tmp_path, monkeypatch, source, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(blocker / "cache"))   # cannot exist
+    monkeypatch.setenv(disk_cache.CACHE_DIR_ENV, str(blocker / "cache"))  # cannot exist
     built = Built()
     with caplog.at_level("WARNING", logger="tandem.cache"):
         assert _cached(source, built) == "converted"

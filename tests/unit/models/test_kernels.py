@@ -1,5 +1,6 @@
 """The Triton kernels (runtime/models/kernels/) against their eager references, on small shapes,
 under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set before triton loads)."""
+
 from __future__ import annotations
 
 import pytest
@@ -103,9 +104,11 @@ def rope_fp8_case(bsz, seq, n_heads, n_kv, dim, dtype, bias):
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
     args = (n_heads, n_kv, cos, sin)
     rows = (batch.write_blocks, batch.write_offsets)
-    want = fused.rotary_write_fp8(raw, *scales, dtype, *args, caches[0].k_cache, caches[0].v_cache, *rows)
+    want = fused.rotary_write_fp8(raw, *scales, dtype, *args, caches[0].k_cache,
+                                  caches[0].v_cache, *rows)
     assert rope.fits_fp8(raw, *scales, dim, cos, sin)
-    got = rope.rotary_write_fp8(raw, *scales, dtype, *args, caches[1].k_cache, caches[1].v_cache, *rows)
+    got = rope.rotary_write_fp8(raw, *scales, dtype, *args, caches[1].k_cache,
+                                caches[1].v_cache, *rows)
     tol = 0 if dtype == torch.float32 else 1e-2
     for a, b in ((got, want), (caches[1].k_cache, caches[0].k_cache),
                  (caches[1].v_cache, caches[0].v_cache)):
@@ -194,7 +197,7 @@ def test_slot_attention_equals_grouped_attention(scripts):
 
 QUANTIZATIONS = [None, "fp8"]
 
-MODEL_CASE = r'''
+MODEL_CASE = r"""
 import sys
 import torch
 from runtime.models import load_model
@@ -243,7 +246,7 @@ for ids, start, n in steps:
             paged_got = mixed.forward_static(ids, mixed_tables, start, n, kv_len=64)
             assert torch.equal(paged_got[ok], got[ok])
 print("ok")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +256,8 @@ def scripts(llama_path):
     started = {"cases": start_interpreted(CASES)}
     for quantization in QUANTIZATIONS:
         started[quantization] = start_interpreted(
-            MODEL_CASE, llama_path, *([quantization] if quantization else []))
+            MODEL_CASE, llama_path, *([quantization] if quantization else [])
+        )
     yield started
     for script in started.values():
         script.kill()

@@ -1,13 +1,14 @@
 """Startup progress callbacks of the model room: load_model per tensor read (or drawn, for a
 synthetic recipe), build_pair per tensor written, capture_all per CUDA graph (none on CPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from runtime.models import load_model
-from runtime.models.runners.step_runner import StepRunner
 from runtime.models.loading.synthetic import build_pair, tensor_plan
+from runtime.models.runners.step_runner import StepRunner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,8 +27,10 @@ def test_load_model_reports_every_tensor(llama_path):
     calls, progress = recorder()
     model = load_model(llama_path, torch.float32, "cpu", progress=progress)
     # every parameter is read once (tied weights would be read once for both names)
-    assert_counts_up(calls, len(dict(model.named_parameters(remove_duplicate=False))) -
-                     model.args.tie_word_embeddings)
+    assert_counts_up(
+        calls,
+        len(dict(model.named_parameters(remove_duplicate=False))) - model.args.tie_word_embeddings,
+    )
 
 
 def test_synthetic_recipe_reports_every_tensor_drawn(tmp_path):
@@ -40,11 +43,13 @@ def test_synthetic_recipe_reports_every_tensor_drawn(tmp_path):
 def test_build_pair_reports_every_tensor_written(tmp_path):
     calls, progress = recorder()
     build_pair(tmp_path, "tiny", draft_layers=1, progress=progress)
-    assert_counts_up(calls, len(tensor_plan("tiny", "draft", 1, 0.0)) +
-                     len(tensor_plan("tiny", "target", 1, 0.0)))
+    assert_counts_up(
+        calls,
+        len(tensor_plan("tiny", "draft", 1, 0.0)) + len(tensor_plan("tiny", "target", 1, 0.0)),
+    )
     calls.clear()
     build_pair(tmp_path / "recipe", "tiny", materialize=False, progress=progress)
-    assert calls == []                           # nothing drawn: loading draws it
+    assert calls == []  # nothing drawn: loading draws it
 
 
 def test_capture_all_reports_every_graph(llama_path, monkeypatch):
@@ -62,7 +67,7 @@ def test_capture_all_reports_every_graph(llama_path, monkeypatch):
     assert_counts_up(calls, first)
     calls.clear()
     assert runner.capture_all([1, 5], progress=progress) == 2 * first
-    assert_counts_up(calls, first)               # only the shapes of length 5 are new
+    assert_counts_up(calls, first)  # only the shapes of length 5 are new
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -1,4 +1,5 @@
 """runtime.models: our Llama-family model, its KV cache and loaders, and the HF fallback."""
+
 from __future__ import annotations
 
 import json
@@ -9,19 +10,35 @@ import pytest
 import torch
 
 from runtime.models import CausalLM, HFFallbackModel, LlamaForCausalLM, load_model
-from tests.checkpoints import (build_checkpoint, hf_generate, hf_greedy, smollm2_gguf,
-                               smollm2_transformers)
-from tests.model_helpers import (build_fallback_checkpoint, build_sharded_checkpoint, extend,
-                                 extend_ragged, greedy, hf_logits)
+from tests.checkpoints import (
+    build_checkpoint,
+    hf_generate,
+    hf_greedy,
+    smollm2_gguf,
+    smollm2_transformers,
+)
+from tests.model_helpers import (
+    build_fallback_checkpoint,
+    build_sharded_checkpoint,
+    extend,
+    extend_ragged,
+    greedy,
+    hf_logits,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 F32 = torch.float32
 CPU = torch.device("cpu")
 SEQ_LEN = 24
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 VARIANTS = {
     "llama": ("llama", {}),
@@ -70,8 +87,7 @@ def test_full_prompt_matches_hf(tiny):
     _, path, ref = tiny
     model = _ours(path)
     seq = _sequence(0)
-    torch.testing.assert_close(extend(model, 2, 0, seq), hf_logits(ref, seq),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(extend(model, 2, 0, seq), hf_logits(ref, seq), atol=1e-4, rtol=0)
 
 
 def test_incremental_matches_full(tiny):
@@ -81,8 +97,8 @@ def test_incremental_matches_full(tiny):
     full = hf_logits(ref, seq)
     start = 0
     for size in (5, 1, 1, 3, 1, 6, 1, 2, 4):  # sums to SEQ_LEN
-        got = extend(model, 1, start, seq[start: start + size])
-        torch.testing.assert_close(got, full[start: start + size], atol=1e-4, rtol=0)
+        got = extend(model, 1, start, seq[start : start + size])
+        torch.testing.assert_close(got, full[start : start + size], atol=1e-4, rtol=0)
         start += size
     assert start == SEQ_LEN
 
@@ -99,7 +115,7 @@ def test_ragged_batch_matches_single_rows(tiny):
         [(3, 7, seqs[2][7:8]), (1, 12, seqs[1][12:20]), (0, 6, seqs[0][6:9])],
     ]
     for rows in steps:
-        got = extend_ragged(batched, rows, pad=-1)   # out-of-vocab pad must be harmless
+        got = extend_ragged(batched, rows, pad=-1)  # out-of-vocab pad must be harmless
         for (slot, start, ids), logits in zip(rows, got):
             row_alone = extend(alone, slot, start, ids)
             # float32 GEMMs of other shapes round differently (1.1e-5 seen on AVX-512 hosts);
@@ -116,9 +132,9 @@ def test_rollback_discards_positions_after_start(tiny):
     seq, garbage = _sequence(20), _sequence(21, 10)
     full = hf_logits(ref, seq)
     extend(model, 3, 0, seq[:8])
-    extend(model, 3, 8, garbage)                 # written at positions 8..17
+    extend(model, 3, 8, garbage)  # written at positions 8..17
     extend_ragged(model, [(3, 18, garbage[:4]), (0, 0, garbage)])
-    got = extend(model, 3, 6, seq[6:12])        # roll back to 6: also rewrites 6 and 7
+    got = extend(model, 3, 6, seq[6:12])  # roll back to 6: also rewrites 6 and 7
     torch.testing.assert_close(got, full[6:12], atol=1e-4, rtol=0)
     got = extend(model, 3, 12, seq[12:16])
     torch.testing.assert_close(got, full[12:16], atol=1e-4, rtol=0)
@@ -173,7 +189,7 @@ def test_cache_bounds_and_protocol(tmp_path):
     cache = model.model.layers[0].self_attn.kv_cache
     # 2 slots x 1 block of 16 positions (runtime.kv_block_size) + the scratch block
     assert cache.k_cache.shape == (2 + 1, 2, 16, 16)
-    extend(model, 1, 10, [5] * 6)                # exactly fills positions 10..15
+    extend(model, 1, 10, [5] * 6)  # exactly fills positions 10..15
     with pytest.raises(ValueError, match="max_seq_len"):
         extend(model, 1, 11, [5] * 6)
     with pytest.raises(ValueError, match="slot"):
@@ -200,8 +216,9 @@ def test_rope_parameters_both_config_styles():
 
     old = types.SimpleNamespace(rope_theta=500000.0, rope_scaling=None)
     assert rope_parameters(old) == {"rope_theta": 500000.0, "rope_type": "default"}
-    old_scaled = types.SimpleNamespace(rope_theta=1e4, rope_scaling={"type": "linear",
-                                                                      "factor": 2.0})
+    old_scaled = types.SimpleNamespace(
+        rope_theta=1e4, rope_scaling={"type": "linear", "factor": 2.0}
+    )
     assert rope_parameters(old_scaled)["rope_type"] == "linear"
     new = types.SimpleNamespace(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5})
     assert rope_parameters(new)["rope_theta"] == 5e5
@@ -228,7 +245,7 @@ def test_smollm2_gguf_logits_match_transformers(smollm2):
     ours.allocate_cache(2, 64)
     want = hf_logits(ref, SMOL_PROMPT)
     torch.testing.assert_close(extend(ours, 1, 0, SMOL_PROMPT), want, atol=1e-3, rtol=0)
-    extend(ours, 0, 0, SMOL_PROMPT[:7])          # incremental, batched with another slot
+    extend(ours, 0, 0, SMOL_PROMPT[:7])  # incremental, batched with another slot
     got = extend_ragged(ours, [(0, 7, SMOL_PROMPT[7:]), (1, 3, SMOL_PROMPT[3:5])])
     torch.testing.assert_close(got[0], want[7:], atol=1e-3, rtol=0)
     torch.testing.assert_close(got[1], want[3:5], atol=1e-3, rtol=0)
@@ -247,8 +264,7 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2):
 def fallback(request, tmp_path_factory):
     import transformers
 
-    path = build_fallback_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
-                                     seed=6)
+    path = build_fallback_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=6)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F32).eval()
     model = load_model(path, F32, CPU)
     assert isinstance(model, HFFallbackModel) and isinstance(model, CausalLM)
@@ -264,8 +280,8 @@ def test_fallback_full_and_incremental(fallback):
     torch.testing.assert_close(extend(model, 0, 0, seq), full, atol=1e-4, rtol=0)
     start = 0
     for size in (7, 1, 4, 12):
-        got = extend(model, 2, start, seq[start: start + size])
-        torch.testing.assert_close(got, full[start: start + size], atol=1e-4, rtol=0)
+        got = extend(model, 2, start, seq[start : start + size])
+        torch.testing.assert_close(got, full[start : start + size], atol=1e-4, rtol=0)
         start += size
 
 
@@ -287,7 +303,7 @@ def test_fallback_rollback(fallback):
     extend(model, 0, 8, garbage)
     torch.testing.assert_close(extend(model, 0, 5, seq[5:12]), full[5:12], atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="cannot extend"):
-        extend(model, 0, 13, [5])                # a gap: slot holds 12 positions
+        extend(model, 0, 13, [5])  # a gap: slot holds 12 positions
     model.free_slot(0)
     torch.testing.assert_close(extend(model, 0, 0, seq[:4]), full[:4], atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="max_seq_len"):

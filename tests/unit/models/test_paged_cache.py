@@ -3,13 +3,14 @@ than the fixed slot layout give the same logits bit for bit, rows whose blocks i
 attend only their own, padding tokens write only the scratch block, block sizes that do not
 divide the row length work, and the runners take tables as a static input. (The Triton
 kernels over shuffled tables: tests/unit/models/test_kernels.py, test_attention_kernel.py.)"""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.errors import ConfigError
 from runtime.config.schema import RuntimeConfig
+from runtime.errors import ConfigError
 from runtime.models import load_model
 from runtime.models.arch.cache import blocks_for, slot_block_table
 from runtime.models.runners.kv_budget import cache_bytes
@@ -73,34 +74,38 @@ def test_interleaved_rows_attend_only_their_own_blocks(llama_path):
     alone (in a fresh pool, the slot layout)."""
     model = fresh(llama_path, 4)
     m = model.blocks_per_seq
-    tables = torch.tensor([[2 * i for i in range(m)], [2 * i + 1 for i in range(m)]],
-                          dtype=torch.int32)
+    tables = torch.tensor(
+        [[2 * i for i in range(m)], [2 * i + 1 for i in range(m)]], dtype=torch.int32
+    )
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(3, 96, (2, 30), generator=g)
     both = model.forward_extend(prompts, tables, torch.zeros(2), torch.tensor([30, 30]))
     for row in range(2):
         alone = fresh(llama_path, 4)
-        want = alone.forward_extend(prompts[row:row + 1], [0], [0], [30])
+        want = alone.forward_extend(prompts[row : row + 1], [0], [0], [30])
         torch.testing.assert_close(both[row], want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_padding_tokens_write_only_the_scratch_block(llama_path):
     model = fresh(llama_path, 8)
-    caches = [c for layer in model.model.layers
-              for c in (layer.self_attn.kv_cache.k_cache, layer.self_attn.kv_cache.v_cache)]
+    caches = [
+        c
+        for layer in model.model.layers
+        for c in (layer.self_attn.kv_cache.k_cache, layer.self_attn.kv_cache.v_cache)
+    ]
     for cache in caches:
-        cache.fill_(7.0)                                  # a sentinel: what stays untouched
+        cache.fill_(7.0)  # a sentinel: what stays untouched
     tables = shuffled(model, 3, seed=2)
     ids = torch.randint(3, 96, (3, 6))
     # row 0: 6 valid tokens at 10..15; row 1: 2 valid at 0..1 (4 padding); row 2: padding only
     model.forward_static(ids, tables, torch.tensor([10, 0, 40]), torch.tensor([6, 2, 0]), 64)
-    written = {int(tables[0, 1]), int(tables[1, 0])}      # positions 10..15: block 1; 0..1: 0
+    written = {int(tables[0, 1]), int(tables[1, 0])}  # positions 10..15: block 1; 0..1: 0
     scratch = model.num_blocks
     for cache in caches:
         touched = {b for b in range(scratch + 1) if (cache[b] != 7.0).any()}
         assert touched - {scratch} == written, touched
-        assert (cache[int(tables[0, 1]), :, :2] == 7.0).all()          # offsets 0, 1: not 8, 9
-        assert (cache[int(tables[1, 0]), :, 2:] == 7.0).all()          # offsets 2..7
+        assert (cache[int(tables[0, 1]), :, :2] == 7.0).all()  # offsets 0, 1: not 8, 9
+        assert (cache[int(tables[1, 0]), :, 2:] == 7.0).all()  # offsets 2..7
 
 
 def test_runner_takes_device_tables_as_a_static_input(llama_path):
@@ -127,8 +132,11 @@ def test_block_size_config_and_budget(llama_path):
     with pytest.raises(ConfigError, match="runtime.kv_block_size"):
         RuntimeConfig(kv_block_size=0)
     model = fresh(llama_path, 5)
-    allocated = sum(b.numel() * b.element_size() for name, b in model.named_buffers()
-                    if name.endswith(("k_cache", "v_cache")))
+    allocated = sum(
+        b.numel() * b.element_size()
+        for name, b in model.named_buffers()
+        if name.endswith(("k_cache", "v_cache"))
+    )
     assert cache_bytes(model, ROWS, CACHE_LEN, 5) == allocated
-    with pytest.raises(ValueError, match="max_seq_len"):   # 64 positions, though 65 fit
+    with pytest.raises(ValueError, match="max_seq_len"):  # 64 positions, though 65 fit
         model.forward_extend(torch.zeros(1, 2, dtype=torch.long), [0], [63], [2])

@@ -1,6 +1,7 @@
 """Programmatic dependent launch of the compiled pieces (runtime.models.arch.fused.pdl_supported):
 when it is on, and that compile_kernels' switch respects inductor's own variable. (PDL itself
 needs a Hopper GPU: lab/gpu/step_ab.py measures it and checks the logits bit for bit.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -24,10 +25,10 @@ def capability(monkeypatch):
 
 
 def test_by_device_capability(capability):
-    assert fused.pdl_supported(CUDA)                 # Hopper
+    assert fused.pdl_supported(CUDA)  # Hopper
     capability["cc"] = (10, 0)
-    assert fused.pdl_supported(CUDA)                 # Blackwell
-    capability["cc"] = (8, 9)                        # Ada: no griddepcontrol
+    assert fused.pdl_supported(CUDA)  # Blackwell
+    capability["cc"] = (8, 9)  # Ada: no griddepcontrol
     assert not fused.pdl_supported(CUDA)
     assert not fused.pdl_supported(torch.device("cpu"))
 

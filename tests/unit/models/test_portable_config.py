@@ -1,6 +1,8 @@
-"""The config cache (runtime.models.loading.portable_config): a config read once through transformers
+"""The config cache (runtime.models.loading.portable_config): a config read once through
+transformers
 comes back from the cache as a PortableConfig that our model reads exactly as the real one,
 without importing transformers; other configs are never cached; the key follows config.json."""
+
 import copy
 import dataclasses
 import json
@@ -11,18 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.models.loading import disk_cache, gguf_cache, loader, portable_config
 from runtime.models.arch.model_args import ModelArgs
-from runtime.models.loading.portable_config import PortableConfig
 from runtime.models.arch.rope import compute_inv_freq
+from runtime.models.loading import disk_cache, gguf_cache, loader, portable_config
+from runtime.models.loading.portable_config import PortableConfig
 from tests import checkpoints
 
 CASES = {
     "llama": dict(arch="llama"),
     "llama-tied-theta": dict(arch="llama", tie_word_embeddings=True, rope_theta=50000.0),
     "mistral-window": dict(arch="mistral", sliding_window=16),
-    "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=16,
-                         max_window_layers=1),
+    "qwen2-window": dict(
+        arch="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1
+    ),
 }
 
 
@@ -34,8 +37,9 @@ def own_cache(tmp_path, monkeypatch):
 
 def _fields(config) -> dict:
     args = ModelArgs.from_hf_config(config)
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-            if f.name != "hf_config"}
+    return {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "hf_config"
+    }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -50,7 +54,7 @@ def test_cached_config_reads_as_the_transformers_one(tmp_path, case):
     for got, want in zip(compute_inv_freq(second, 16), compute_inv_freq(first, 16)):
         assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
     assert gguf_cache.weights_key(second, ["a"]) == gguf_cache.weights_key(first, ["a"])
-    copied = copy.deepcopy(second)      # a draft that is the target copies its model
+    copied = copy.deepcopy(second)  # a draft that is the target copies its model
     assert isinstance(copied, PortableConfig) and copied.to_dict() == second.to_dict()
 
 
@@ -70,19 +74,29 @@ def test_model_from_cached_config_gives_the_same_logits(tmp_path):
 
 def test_a_later_start_does_not_import_transformers(tmp_path):
     path = checkpoints.build_checkpoint(tmp_path / "m")
-    loader.load_config(path)                                  # fills the cache
-    code = ("import sys, torch; from runtime.models import load_model; "
-            f"load_model({path!r}, torch.float32, 'cpu'); "
-            "print(sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
+    loader.load_config(path)  # fills the cache
+    code = (
+        "import sys, torch; from runtime.models import load_model; "
+        f"load_model({path!r}, torch.float32, 'cpu'); "
+        "print(sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "[]", out.stderr
 
 
 def test_other_rope_types_are_never_cached(tmp_path):
-    path = checkpoints.build_checkpoint(tmp_path / "m", rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    path = checkpoints.build_checkpoint(
+        tmp_path / "m",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     assert not isinstance(loader.load_config(path), PortableConfig)
     assert not isinstance(loader.load_config(path), PortableConfig)
 
@@ -103,8 +117,9 @@ def test_a_broken_entry_is_rebuilt(tmp_path, caplog):
     entry = disk_cache.cache_root() / "configs" / portable_config._key(Path(path))
     (entry / portable_config.FILE).write_text("{not json")
     manifest = json.loads((entry / disk_cache.MANIFEST).read_text())
-    (entry / disk_cache.MANIFEST).write_text(json.dumps(
-        dict(manifest, **{portable_config.FILE: len("{not json")})))
+    (entry / disk_cache.MANIFEST).write_text(
+        json.dumps(dict(manifest, **{portable_config.FILE: len("{not json")}))
+    )
     config = loader.load_config(path)
     assert not isinstance(config, PortableConfig) and config.hidden_size == 64
     assert "broken" in caplog.text

@@ -4,6 +4,7 @@ Triton interpreter on the CPU (TRITON_INTERPRET=1 set before triton loads): chun
 without a cached prefix, shuffled block tables, ragged rows with padding queries, GQA and
 r = 1, sliding windows, float32 (exact to 1e-5), bf16 and an FP8 cache. Two scripts, started
 together (one core each)."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,9 @@ def run(q, cache, table, batch, window):
                                     *batch.int32_rows(), window, cache.scales)
 '''
 
-FLOAT32 = SETUP + r'''
+FLOAT32 = (
+    SETUP
+    + r'''
 def case(starts, n_valid, seq, n_heads, n_kv, dim, window=None, block_size=16, rows=4,
          cache_len=128):
     """float32: the kernel against the reference, through fixed then shuffled tables (the
@@ -112,8 +115,11 @@ assert not kernel.fits(torch.zeros(1, 2, 8, 24), fp8_pool)                      
 assert kernel.fits(torch.zeros(1, 2, 8, 24), fp8_pool, (torch.zeros(3, 2, 16),) * 2)
 print("ok")
 '''
+)
 
-LOW_PRECISION = SETUP + r'''
+LOW_PRECISION = (
+    SETUP
+    + r'''
 def fp8_pool(rows, cache_len, n_kv, dim, dtype, block_size=16):
     """An FP8 pool of random K/V (fused.fp8_quantize_kv, scales varying by position) and the
     rows' fixed tables."""
@@ -163,6 +169,7 @@ torch.testing.assert_close(v_bad[ok], 2 * got[ok], rtol=1e-5, atol=1e-5)
 case(torch.bfloat16, [45, 12], [30, 30], 30, 8, 2, 32, window=20, fp8=True, tol=2e-2)
 print("ok")
 '''
+)
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,15 @@ CPU, where the same chunks run eagerly: the chunked prefill must write the KV ca
 the logits of the eager forward_extend at the prompt's own shape, for single rows, ragged
 batches and chunks continuing a cache; the shapes captured at startup, the switch back to
 the eager prefill, and (interpreted) the Triton attention kernel serving a chunk."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.models import load_model
-from runtime.models import kernels
-from runtime.models.runners.prefill_runner import MAX_TOKENS, PrefillRunner
+from runtime.models import kernels, load_model
 from runtime.models.runners.graphs import batch_buckets, kv_bucket
+from runtime.models.runners.prefill_runner import MAX_TOKENS, PrefillRunner
 from runtime.models.runners.step_runner import StepRunner
 from runtime.worker.shards import DraftShard
 from tests.interpreted import run_interpreted
@@ -44,8 +44,7 @@ def assert_same_kv(a, b, slots: list[int], lengths: list[int]) -> None:
         ca, cb = la.self_attn.kv_cache, lb.self_attn.kv_cache
         for slot, n in zip(slots, lengths):
             for x, y in ((ca.k_cache, cb.k_cache), (ca.v_cache, cb.v_cache)):
-                torch.testing.assert_close(x[slot, :, :n], y[slot, :, :n],
-                                           rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(x[slot, :, :n], y[slot, :, :n], rtol=1e-5, atol=1e-5)
 
 
 def assert_same_logits(got: torch.Tensor, want: torch.Tensor, lengths: list[int]) -> None:
@@ -57,8 +56,7 @@ def assert_same_logits(got: torch.Tensor, want: torch.Tensor, lengths: list[int]
 def test_chunked_prefill_equals_eager(llama_path, max_tokens):
     """Prompts of 1..300 tokens at batch 1: one chunk or several (of 256 or 32 tokens)."""
     eager, static = fresh(llama_path), fresh(llama_path)
-    runner = PrefillRunner(static, CPU, batch_buckets(4), capture=False,
-                           max_tokens=max_tokens)
+    runner = PrefillRunner(static, CPU, batch_buckets(4), capture=False, max_tokens=max_tokens)
     lengths = [1, 7, 16, 17, 100, 300]
     for slot, prompt in enumerate(prompts_of(lengths)):
         ids, meta = torch.tensor([prompt]), ([slot], [0], [len(prompt)])
@@ -67,7 +65,7 @@ def test_chunked_prefill_equals_eager(llama_path, max_tokens):
         assert got.shape == want.shape
         assert_same_logits(got, want, [len(prompt)])
     assert_same_kv(eager, static, list(range(len(lengths))), lengths)
-    assert runner.graphs == {}                           # no capture on CPU
+    assert runner.graphs == {}  # no capture on CPU
 
 
 @pytest.mark.parametrize("slots", [[5, 0, 2], [0, 1, 2]], ids=["gather", "contiguous"])
@@ -92,7 +90,7 @@ def test_ids_wider_than_every_row(llama_path):
     logits still come back [B, T, V], right where valid."""
     eager, static = fresh(llama_path), fresh(llama_path)
     runner = PrefillRunner(static, CPU, [1], capture=False)
-    ids = padded(prompts_of([17], 4) + [[1] * 300])[:1]                  # [1, 300]
+    ids = padded(prompts_of([17], 4) + [[1] * 300])[:1]  # [1, 300]
     want = eager.forward_extend(ids, torch.tensor([2]), torch.tensor([5]), torch.tensor([17]))
     got = runner.run(ids, [2], [5], [17])
     assert got.shape == want.shape
@@ -105,8 +103,9 @@ def test_prefill_without_logits_writes_the_same_cache(llama_path):
     lengths = [260, 33]
     rows = prompts_of(lengths, 3)
     assert runner.prefill(padded(rows), [3, 1], [0, 0], lengths) is None
-    eager.forward_extend(padded(rows), torch.tensor([3, 1]), torch.tensor([0, 0]),
-                         torch.tensor(lengths))
+    eager.forward_extend(
+        padded(rows), torch.tensor([3, 1]), torch.tensor([0, 0]), torch.tensor(lengths)
+    )
     assert_same_kv(eager, static, [3, 1], lengths)
 
 
@@ -118,21 +117,22 @@ def test_startup_keys_bounded_and_shortest_first(llama_path, monkeypatch):
     assert all(b * c <= MAX_TOKENS for b, c, _ in keys)
     assert {c for b, c, _ in keys if b == 1} == {16, 32, 64, 128, 256}
     assert max(c for b, c, _ in keys if b == 8) == 64
-    assert [k[2] for k in keys] == sorted(k[2] for k in keys)   # no kernel: KV buckets
+    assert [k[2] for k in keys] == sorted(k[2] for k in keys)  # no kernel: KV buckets
     assert {kv for _, _, kv in keys} == {256, CACHE_LEN}
     assert runner.startup_keys(limit=5) == keys[:5]
     # with the kernels (slot kernel up to 128 stacked rows, prefill kernel beyond), every
     # chunk needs one graph for every KV length
     monkeypatch.setattr(kernels, "enabled", lambda: True)
-    assert runner.rows_per_token == 2           # the tiny model: 4 heads over 2 KV heads
+    assert runner.rows_per_token == 2  # the tiny model: 4 heads over 2 KV heads
     keys = runner.startup_keys(limit=1000)
     assert all(kv == CACHE_LEN for _, _, kv in keys)
     assert sorted(keys) == sorted({(b, c, CACHE_LEN) for b, c, _ in keys})
     assert runner.attended(64, 10) == CACHE_LEN and runner.attended(128, 10) == CACHE_LEN
     # a head_dim the prefill kernel does not take: longer chunks go back to KV buckets
     runner.head_dim = 512
-    assert runner.attended(64, 10) == CACHE_LEN and runner.attended(128, 10) == \
-        kv_bucket(10, CACHE_LEN)
+    assert runner.attended(64, 10) == CACHE_LEN and runner.attended(128, 10) == kv_bucket(
+        10, CACHE_LEN
+    )
 
 
 def test_capture_all_counts_prefill_graphs(llama_path, monkeypatch):
@@ -142,8 +142,11 @@ def test_capture_all_counts_prefill_graphs(llama_path, monkeypatch):
     runner.capture = runner.chunked.capture = True
     captured = []
     monkeypatch.setattr(runner, "_capture", lambda key: runner.graphs.setdefault(key, key))
-    monkeypatch.setattr(runner.chunked, "capture_key",
-                        lambda key: captured.append(key) or runner.chunked.graphs.setdefault(key))
+    monkeypatch.setattr(
+        runner.chunked,
+        "capture_key",
+        lambda key: captured.append(key) or runner.chunked.graphs.setdefault(key),
+    )
     calls = []
     total = runner.capture_all([1, 2], progress=lambda done, n: calls.append((done, n)))
     n_prefill = len(runner.chunked.startup_keys())
@@ -165,8 +168,9 @@ def test_draft_shard_prefill_chunked_or_eager(llama_path):
     models, proposals = [], []
     prompts = prompts_of([120, 2, 45], 5)
     for chunked in (True, False):
-        shard = DraftShard(fresh(llama_path), CPU, 8, CACHE_LEN, max_step_len=2,
-                           prefill_graphs=chunked)
+        shard = DraftShard(
+            fresh(llama_path), CPU, 8, CACHE_LEN, max_step_len=2, prefill_graphs=chunked
+        )
         assert (shard.runner.chunked is not None) == chunked
         shard.prefill([1, 4, 6], prompts)
         proposals.append(shard.propose([1, 4, 6], 4)[0].tolist())
@@ -175,7 +179,7 @@ def test_draft_shard_prefill_chunked_or_eager(llama_path):
     assert_same_kv(models[0], models[1], [1, 4, 6], [len(p) - 1 + 4 for p in prompts])
 
 
-KERNEL_CASE = r'''
+KERNEL_CASE = r"""
 import sys
 import torch
 from runtime.models import load_model
@@ -203,7 +207,7 @@ for slots, starts, n, width in calls:
         err = (got[b, :k] - want[b, :k]).abs().max().item()
         assert err < 1e-4, (slots, b, err)
 print("ok")
-'''
+"""
 
 
 def test_chunks_through_the_triton_kernel_equal_eager(llama_path):
@@ -220,10 +224,11 @@ def test_prefill_last_gives_each_rows_last_logits(llama_path, lengths):
     eager, static = fresh(llama_path), fresh(llama_path)
     runner = StepRunner(static, CPU, max_batch=4, max_step_len=2)
     rows = prompts_of(lengths, 8)
-    slots = [3, 1, 0][:len(rows)]
-    got = runner.prefill_last(padded(rows), slots, [0] * len(rows), lengths)       # [B, V]
-    want = eager.forward_extend(padded(rows), torch.tensor(slots),
-                                torch.tensor([0] * len(rows)), torch.tensor(lengths))
+    slots = [3, 1, 0][: len(rows)]
+    got = runner.prefill_last(padded(rows), slots, [0] * len(rows), lengths)  # [B, V]
+    want = eager.forward_extend(
+        padded(rows), torch.tensor(slots), torch.tensor([0] * len(rows)), torch.tensor(lengths)
+    )
     assert got.shape == (len(rows), want.shape[-1])
     for b, n in enumerate(lengths):
         torch.testing.assert_close(got[b], want[b, n - 1], rtol=1e-4, atol=1e-4)
@@ -236,19 +241,28 @@ def test_long_prompts_in_eager_chunks_equal_eager(llama_path, long_tokens):
     hidden states only): each row's last logits and the cache equal the eager forward's,
     over a cached prefix too (rows starting past 0), rows ending in different chunks."""
     eager, static = fresh(llama_path), fresh(llama_path)
-    runner = PrefillRunner(static, CPU, batch_buckets(2), capture=False, max_tokens=32,
-                           long_tokens=long_tokens, long_min=64)
+    runner = PrefillRunner(
+        static,
+        CPU,
+        batch_buckets(2),
+        capture=False,
+        max_tokens=32,
+        long_tokens=long_tokens,
+        long_min=64,
+    )
     lengths, slots = [150, 70], [1, 0]
     head = prompts_of([30, 30], 11)
     rows = prompts_of(lengths, 12)
-    for model in (eager, static):     # a cached prefix of 30 tokens per row
-        model.forward_extend(padded(head), torch.tensor(slots), torch.tensor([0, 0]),
-                             torch.tensor([30, 30]))
+    for model in (eager, static):  # a cached prefix of 30 tokens per row
+        model.forward_extend(
+            padded(head), torch.tensor(slots), torch.tensor([0, 0]), torch.tensor([30, 30])
+        )
     assert runner.goes_long(2, lengths) and not runner.goes_long(2, [16, 3])
-    assert not runner.goes_long(2, [63, 3])          # over a graph chunk, under long_min
-    got = runner.run(padded(rows), slots, [30, 30], lengths, logits="last")       # [B, V]
-    want = eager.forward_extend(padded(rows), torch.tensor(slots), torch.tensor([30, 30]),
-                                torch.tensor(lengths))
+    assert not runner.goes_long(2, [63, 3])  # over a graph chunk, under long_min
+    got = runner.run(padded(rows), slots, [30, 30], lengths, logits="last")  # [B, V]
+    want = eager.forward_extend(
+        padded(rows), torch.tensor(slots), torch.tensor([30, 30]), torch.tensor(lengths)
+    )
     for b, n in enumerate(lengths):
         torch.testing.assert_close(got[b], want[b, n - 1], rtol=1e-4, atol=1e-4)
     assert runner.run(padded(rows), slots, [30, 30], lengths, logits=False) is None

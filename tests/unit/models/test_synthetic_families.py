@@ -3,6 +3,7 @@ synthetic_shapes): a recipe loads the very model its materialized files hold, tr
 reads those files as its own family and agrees with our model, the draft (the target's first
 K layers) agrees with the target the more the smaller eps is, and the 8b-class shapes count
 the real models' parameters."""
+
 from __future__ import annotations
 
 import json
@@ -37,17 +38,21 @@ def _ours(path: str) -> LlamaForCausalLM:
 def pairs(tmp_path_factory) -> dict[str, dict[str, tuple[str, str]]]:
     """shape -> {"files": (draft, target), "recipe": (draft, target)}, eps 0.1."""
     root = tmp_path_factory.mktemp("synthetic_families")
-    return {shape: {form: build_pair(root / shape / form, shape, 2, eps=0.1,
-                                     materialize=form == "files")
-                    for form in ("files", "recipe")} for shape in TINY}
+    return {
+        shape: {
+            form: build_pair(root / shape / form, shape, 2, eps=0.1, materialize=form == "files")
+            for form in ("files", "recipe")
+        }
+        for shape in TINY
+    }
 
 
 @pytest.mark.parametrize("shape", TINY)
 def test_recipe_and_files_hold_the_same_model(pairs, shape):
-    for role in (0, 1):   # draft, target
+    for role in (0, 1):  # draft, target
         files, recipe = pairs[shape]["files"][role], pairs[shape]["recipe"][role]
         raw = SafetensorsWeights(files)
-        assert raw.names() == open_weights(recipe).names()   # Phi-3's fused, as written
+        assert raw.names() == open_weights(recipe).names()  # Phi-3's fused, as written
         got, want = extend(_ours(recipe), 0, 0, SEQ), extend(_ours(files), 0, 0, SEQ)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
@@ -79,7 +84,7 @@ def test_family_tensors(pairs):
         for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
             weight = olmo.get(f"model.layers.{layer}.{norm}.weight")
             assert torch.allclose(weight, torch.full_like(weight, value))
-    assert olmo.get("model.layers.3.mlp.down_proj.weight").std() > 0.015   # not scaled
+    assert olmo.get("model.layers.3.mlp.down_proj.weight").std() > 0.015  # not scaled
     phi = SafetensorsWeights(pairs["phi3-tiny"]["files"][1])
     assert phi.get("model.layers.0.self_attn.qkv_proj.weight").shape == (3 * 64, 64)
     assert phi.get("model.layers.0.mlp.gate_up_proj.weight").shape == (2 * 128, 64)
@@ -99,8 +104,7 @@ def test_phi3_recipe_reads_the_parts_of_its_fused_rows(pairs):
 
 
 def _agreement(tmp_path, shape: str, eps: float) -> float:
-    draft, target = build_pair(tmp_path / f"{shape}-{eps}", shape, 2, eps=eps,
-                               materialize=False)
+    draft, target = build_pair(tmp_path / f"{shape}-{eps}", shape, 2, eps=eps, materialize=False)
     a, b = (extend(_ours(p), 0, 0, SEQ).argmax(-1) for p in (draft, target))
     return (a == b).float().mean().item()
 
@@ -113,9 +117,9 @@ def test_draft_agrees_with_the_target_as_eps_says(tmp_path, shape):
     assert small >= 0.9 and large <= 0.5, (small, large)
 
 
-@pytest.mark.parametrize("shape, billions", [("qwen3-8b", 8.19), ("olmo2-7b", 7.30),
-                                             ("phi3-mini", 3.82)])
+@pytest.mark.parametrize(
+    "shape, billions", [("qwen3-8b", 8.19), ("olmo2-7b", 7.30), ("phi3-mini", 3.82)]
+)
 def test_8b_class_shapes_count_the_real_models_parameters(shape, billions):
     plan = tensor_plan(shape, "target", 2, 0.02)
-    assert sum(math.prod(s) for s, _ in plan.values()) / 1e9 == pytest.approx(billions,
-                                                                             abs=0.01)
+    assert sum(math.prod(s) for s, _ in plan.values()) / 1e9 == pytest.approx(billions, abs=0.01)

@@ -1,6 +1,7 @@
 """Tensor parallelism without a process group: the sharding plan, TPInfo, the collectives'
 no-op path, shard reads, and the rule that model code never touches torch.distributed.
 (tests/e2e/test_tensor_parallel.py runs the sharded models in a gloo world.)"""
+
 from __future__ import annotations
 
 import re
@@ -9,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.mappings import all_gather_last_dim, all_reduce, group_size
 from parallel.groups import TPInfo
-from runtime.models.arch.parallelize import apply_tp, plan_tp
+from parallel.mappings import all_gather_last_dim, all_reduce, group_size
 from runtime.models import load_model
-from runtime.models.loading.loader import build_model, load_config
 from runtime.models.arch.model_args import ModelArgs
+from runtime.models.arch.parallelize import apply_tp, plan_tp
+from runtime.models.loading.loader import build_model, load_config
 from runtime.models.loading.weights import SafetensorsWeights, read_shard
 from tests.checkpoints import build_checkpoint
 
@@ -27,13 +28,23 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def llama_v97(tmp_path_factory) -> str:
     """4 heads / 2 KV heads, vocab 97 (does not divide by 2, 3 or 4)."""
-    return build_checkpoint(tmp_path_factory.mktemp("tp_plan") / "llama_v97", arch="llama",
-                            seed=5, vocab_size=97)
+    return build_checkpoint(
+        tmp_path_factory.mktemp("tp_plan") / "llama_v97", arch="llama", seed=5, vocab_size=97
+    )
 
 
 def _args(**overrides) -> ModelArgs:
-    base = dict(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=128,
-                n_layers=1, n_heads=8, n_kv_heads=2, head_dim=8, rms_norm_eps=1e-5)
+    base = dict(
+        model_type="llama",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        n_layers=1,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+    )
     base.update(overrides)
     return ModelArgs(**base)
 
@@ -55,8 +66,12 @@ def test_plan_errors_and_layouts():
             p = plan_tp(_args(), r, size)
             assert {h // 4 for h in range(*p.q_heads)} == set(range(*p.kv_heads))
     # vocab 97 on TP 4: 25 rows each, the last shard padded by 3
-    assert [plan_tp(_args(), r, 4).vocab for r in range(4)] == [(0, 25), (25, 50), (50, 75),
-                                                                 (75, 100)]
+    assert [plan_tp(_args(), r, 4).vocab for r in range(4)] == [
+        (0, 25),
+        (25, 50),
+        (50, 75),
+        (75, 100),
+    ]
 
 
 def test_tpinfo_validation():
@@ -89,7 +104,7 @@ def test_tp_size_one_is_the_plain_model(llama_v97):
 def test_read_shard_pads_past_the_end(llama_v97):
     src = SafetensorsWeights(llama_v97)
     try:
-        full = src.get("model.embed_tokens.weight")                    # [97, 64]
+        full = src.get("model.embed_tokens.weight")  # [97, 64]
         part = src.get_shard("model.embed_tokens.weight", 0, 90, 100)
         assert part.shape == (10, 64)
         assert torch.equal(part[:7], full[90:]) and not part[7:].any()
@@ -99,7 +114,9 @@ def test_read_shard_pads_past_the_end(llama_v97):
     finally:
         src.close()
     t = torch.arange(6.0).view(2, 3)
-    assert torch.equal(read_shard(t.__getitem__, t.shape, 1, 2, 4), torch.tensor([[2., 0], [5, 0]]))
+    assert torch.equal(
+        read_shard(t.__getitem__, t.shape, 1, 2, 4), torch.tensor([[2.0, 0], [5, 0]])
+    )
 
 
 def test_gguf_shard_is_a_slice_of_the_dequantized_tensor():
@@ -115,10 +132,10 @@ def test_gguf_shard_is_a_slice_of_the_dequantized_tensor():
     model = build_model(config)
     src = open_weights(path, model, config)
     try:
-        name = "model.layers.0.self_attn.q_proj.weight"               # [576, 576], 9 heads
+        name = "model.layers.0.self_attn.q_proj.weight"  # [576, 576], 9 heads
         full = src.get(name)
         assert torch.equal(src.get_shard(name, 0, 192, 384), full[192:384])
-        k = "model.layers.0.self_attn.k_proj.weight"                    # [192, 576], 3 KV heads
+        k = "model.layers.0.self_attn.k_proj.weight"  # [192, 576], 3 KV heads
         assert torch.equal(src.get_shard(k, 0, 64, 128), src.get(k)[64:128])
     finally:
         src.close()
@@ -126,7 +143,10 @@ def test_gguf_shard_is_a_slice_of_the_dequantized_tensor():
 
 def test_no_torch_distributed_in_model_code():
     root = Path(__file__).resolve().parents[3] / "runtime" / "models"
-    pattern = re.compile(r"^\s*(import torch\.distributed|from torch\.distributed|"
-                         r"from torch import .*\bdistributed\b)", re.M)
+    pattern = re.compile(
+        r"^\s*(import torch\.distributed|from torch\.distributed|"
+        r"from torch import .*\bdistributed\b)",
+        re.M,
+    )
     offenders = [p.name for p in root.glob("*.py") if pattern.search(p.read_text())]
     assert not offenders, offenders

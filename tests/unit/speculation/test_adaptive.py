@@ -1,25 +1,32 @@
 """The adaptive draft length converges to the k that maximises expected tokens/s."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from runtime.speculation.adaptive import (TARGET_ONLY_STEPS, DraftLenController, expected_tokens,
-                              expected_tokens_by_position)
+from runtime.speculation.adaptive import (
+    TARGET_ONLY_STEPS,
+    DraftLenController,
+    expected_tokens,
+    expected_tokens_by_position,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
-DECAYING = [0.95, 0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2]     # conditional acceptance by position
+DECAYING = [0.95, 0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2]  # conditional acceptance by position
 
 
 def linear(t_verify: float, t_draft: float, overhead: float = 0.0):
     """Round cost: verify + k drafts; a target-only round (k = 0) of `steps` decode steps
     pays the per-round overhead once."""
+
     def cost(k: int, steps: int = 1) -> float:
         if k == 0:
             return overhead + steps * (t_verify - overhead)
         return t_verify + k * t_draft
+
     return cost
 
 
@@ -36,8 +43,9 @@ def best_k(accept: list[float], cost, max_k: int = 8) -> int:
     return rates.index(max(rates))
 
 
-def simulate(accept: list[float], cost, rounds: int = 600, batch: int = 2,
-             early: bool = False) -> tuple[list[int], DraftLenController]:
+def simulate(
+    accept: list[float], cost, rounds: int = 600, batch: int = 2, early: bool = False
+) -> tuple[list[int], DraftLenController]:
     """Run the controller against per-position acceptance `accept` and round cost `cost`;
     `early`: each round's k is chosen before the previous round is observed, as the
     scheduler does (runtime.serving.scheduler.Scheduler._draft_lens)."""
@@ -64,12 +72,15 @@ def assert_converged(chosen: list[int], target: int, share: float) -> None:
     assert tail.count(target) > share * len(tail)
 
 
-@pytest.mark.parametrize("alpha,t_verify,t_draft", [
-    (0.9, 1.0, 0.05),     # good draft, cheap: long proposals
-    (0.6, 1.0, 0.1),
-    (0.3, 1.0, 0.1),      # weak draft: k = 1
-    (0.1, 1.0, 0.3),      # poor draft: target-only rounds (k = 0)
-])
+@pytest.mark.parametrize(
+    "alpha,t_verify,t_draft",
+    [
+        (0.9, 1.0, 0.05),  # good draft, cheap: long proposals
+        (0.6, 1.0, 0.1),
+        (0.3, 1.0, 0.1),  # weak draft: k = 1
+        (0.1, 1.0, 0.3),  # poor draft: target-only rounds (k = 0)
+    ],
+)
 @pytest.mark.parametrize("early", [False, True], ids=["now", "a-round-early"])
 def test_converges_to_the_best_k(alpha, t_verify, t_draft, early):
     chosen, _ = simulate([alpha] * 8, linear(t_verify, t_draft), early=early)
@@ -84,7 +95,7 @@ def test_position_dependent_acceptance(batch):
     chosen, ctl = simulate(DECAYING, cost, batch=batch)
     target = best_k(DECAYING, cost)
     assert_converged(chosen, target, 0.75)
-    pooled_rule = best_k([ctl.alpha] * 8, cost)      # the geometric model on what was seen
+    pooled_rule = best_k([ctl.alpha] * 8, cost)  # the geometric model on what was seen
     assert pooled_rule > target
 
 
@@ -114,7 +125,7 @@ def test_target_only_rounds_amortise_the_overhead():
     target-only step look close to k = 1, so it is measured; measured, its amortised
     overhead makes it the best, and k = 1 is still probed now and then."""
     cost = linear(1.0, 0.05, overhead=0.3)
-    assert best_k([0.15] * 8, cost) == 0 and cost(1) / 1.15 < 1.0   # k = 1 beats 1 / verify
+    assert best_k([0.15] * 8, cost) == 0 and cost(1) / 1.15 < 1.0  # k = 1 beats 1 / verify
     chosen, _ = simulate([0.15] * 8, cost)
     assert_converged(chosen, 0, 0.8)
     assert 1 in chosen[-200:]
@@ -134,8 +145,8 @@ def test_one_slow_round_does_not_keep_a_useless_draft_drafting(slow, early):
         return cost(k, steps) * (slow if len(rounds) == 1 else 1.0)
 
     chosen, _ = simulate([0.0] * 8, slow_first, rounds=64, batch=3, early=early)
-    explored = 2 * 3 + early                                  # MIN_COST_OBS rounds of two k
-    assert set(chosen[:explored - early]) == {2, 6}
+    explored = 2 * 3 + early  # MIN_COST_OBS rounds of two k
+    assert set(chosen[: explored - early]) == {2, 6}
     assert chosen[explored] == 0 and chosen[explored:].count(0) > 0.8 * (64 - explored)
 
 
@@ -155,10 +166,13 @@ class RecordingPool:
         from runtime.control import commands
 
         self.commands.append(msg)
-        if msg["type"] == "prefill":   # each sequence's first token
+        if msg["type"] == "prefill":  # each sequence's first token
             n = len(msg["slots"])
-            return {0: commands.RoundReply(commands.TARGET_LEADER, 0.0, tokens=[[7]] * n,
-                                           accepted=[0] * n).to_map()}
+            return {
+                0: commands.RoundReply(
+                    commands.TARGET_LEADER, 0.0, tokens=[[7]] * n, accepted=[0] * n
+                ).to_map()
+            }
         if msg["type"] != "round":
             return {0: {}}
         accepted, tokens = [], []
@@ -181,16 +195,18 @@ def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
     from runtime.serving.textstream import TextStream
 
     pool = RecordingPool([0.7] * 8)
-    sched = Scheduler(pool, num_slots=2, draft_len=None, eos_token_ids=(),
-                      step_timeout_s=5.0)
+    sched = Scheduler(pool, num_slots=2, draft_len=None, eos_token_ids=(), step_timeout_s=5.0)
     for i, n in enumerate((150, 300)):
-        sched.add(Sequence("r", i, [1, 2, 3], SamplingParams.from_kwargs(max_new_tokens=n),
-                           TextStream(None)))
+        sched.add(
+            Sequence(
+                "r", i, [1, 2, 3], SamplingParams.from_kwargs(max_new_tokens=n), TextStream(None)
+            )
+        )
     while sched.has_work:
         sched.step()
     rounds = [c for c in pool.commands if c["type"] == "round"]
     pairs = list(zip(rounds, rounds[1:]))
     assert all(0 <= c["next_k"] <= 8 for c in rounds)
     assert all(b["k"] == a["next_k"] for a, b in pairs if a["slots"] == b["slots"])
-    assert any(a["slots"] != b["slots"] for a, b in pairs)          # one finished first
-    assert len({c["k"] for c in rounds}) > 1                        # k did change
+    assert any(a["slots"] != b["slots"] for a, b in pairs)  # one finished first
+    assert len({c["k"] for c in rounds}) > 1  # k did change
