@@ -11,8 +11,12 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from launcher.output import LastWords, flag_message, json_error
+
+if TYPE_CHECKING:  # the config is imported lazily: --help and --version stay fast
+    from runtime.config import TandemConfig
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
@@ -24,7 +28,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     that takes no value; a default of None: the help says what happens then) or the help
     already names it."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         plain_flag = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
         nothing = action.default is None or action.default is argparse.SUPPRESS
@@ -186,7 +190,12 @@ def _add_listener(parser: argparse.ArgumentParser, flag: str, what: str) -> None
 
 
 def _add_serve(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument("config", help="YAML config")
+    serve.add_argument(
+        "config",
+        nargs="?",
+        help="YAML config (default: the built-in demo, SmolLM2-135M-Instruct on "
+        "the CPU as both draft and target)",
+    )
     serve.add_argument(
         "--address", help="listen here instead of server.address (default: the config's)"
     )
@@ -292,12 +301,15 @@ def _main(argv: list[str]) -> int:
     if not env.is_orchestrator:
         from runtime.worker.process import run_worker
 
+        # a worker rank of torchrun or mpirun: discover() read its rank, world and rendezvous
+        assert env.world_size is not None and env.init_method is not None
         return run_worker(
             env.rank, env.world_size, env.init_method, config.runtime.startup_timeout_s
         )
     from launcher.session import run_once, serve_forever
 
     if args.command == "run":
+        assert request is not None  # _request_from_args made it
         return run_once(
             config, env, request, as_json=args.json, quiet=args.quiet, stream=args.stream
         )
@@ -326,14 +338,15 @@ def _check_nodes(config, env) -> None:
     check_nodes(config, env.layout, cuda_count if env.layout.nodes > 1 else None)
 
 
-def _load(args, check_devices: bool):
-    """The config of `run`/`serve` (the built-in demo's for a `run` without one), with the
-    command line's overrides."""
+def _load(args, check_devices: bool) -> TandemConfig:
+    """The config of `run`/`serve` (the built-in demo's without one), with the command
+    line's overrides."""
     from runtime.config import default_config, load_config
 
     if args.config is None:
-        return default_config()
-    config = load_config(args.config, check_devices=check_devices)
+        config = default_config()
+    else:
+        config = load_config(args.config, check_devices=check_devices)
     if args.command == "serve" and args.address:
         raw = config.to_dict()  # the other server keys stay as the config says
         config = load_config(

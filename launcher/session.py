@@ -5,15 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import stat
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
-from launcher.bootstrap import StartupUsageError, start_cluster
+from launcher.bootstrap import Cluster, StartupUsageError, start_cluster
 from launcher.discovery import LaunchEnv
 from launcher.output import LastWords, RunOutput, flag_message, json_error, print_demo_header
 from runtime.api.engine import OWNER_FD_ENV
@@ -21,13 +23,21 @@ from runtime.config import TandemConfig
 from runtime.control.auth import load_key
 from runtime.errors import EngineDeadError
 
+if TYPE_CHECKING:  # imported where used: a `run` needs none of the serving endpoints
+    from runtime.api.http_api import HttpFront
+    from runtime.serving.client_door import ClientDoor
+    from runtime.serving.orchestrator import Orchestrator
+    from runtime.serving.prometheus import MetricsEndpoint
+
 log = logging.getLogger("tandem.launcher")
 EXIT_DEAD = 1
 EXIT_USAGE = 2
 OWNER_GRACE_S = 5.0  # owner gone: how long an orderly shutdown may take before we just exit
 
 
-def _start(config: TandemConfig, env: LaunchEnv, quiet: bool = False, orch=None):
+def _start(
+    config: TandemConfig, env: LaunchEnv, quiet: bool = False, orch: Orchestrator | None = None
+) -> tuple[Orchestrator, Cluster] | int:
     """(orchestrator, cluster), or the exit code after printing why startup failed: 2 when
     the config asks for what a rank cannot hold (bootstrap.StartupUsageError), else 1;
     `quiet`: startup progress in plain lines (launcher.bootstrap.start_cluster). `orch`: an
@@ -210,7 +220,8 @@ def serve_forever(
         started = _start(config, env, quiet)
         if isinstance(started, int):
             return started
-        return _serve(config, *started, bound, served_model_name, stop)
+        orch, cluster = started
+        return _serve(config, orch, cluster, bound, served_model_name, stop)
     finally:
         bound.close()
 
@@ -219,11 +230,11 @@ def serve_forever(
 class _Endpoints:
     """What `serve` listens on, bound before anything starts (closed by close())."""
 
-    door: object  # runtime.serving.client_door.ClientDoor
+    door: ClientDoor
     context: zmq.Context
-    http_sock: object | None = None
-    metrics: object | None = None  # runtime.serving.prometheus.MetricsEndpoint
-    front: object | None = None  # the HTTP front once started
+    http_sock: socket.socket | None = None
+    metrics: MetricsEndpoint | None = None
+    front: HttpFront | None = None  # the HTTP front once started
 
     @classmethod
     def bind(cls, config: TandemConfig, http, metrics, address_source: str) -> _Endpoints:

@@ -128,7 +128,7 @@ def build_groups(topology: Topology, rank: int, store: dist.Store, timeout_s: fl
             world_size=len(workers),
             timeout=timeout,
         )
-    made = {}
+    made: dict[str, dist.ProcessGroup | None] = {}
     for name, ranks in (
         ("draft_tp", topology.draft_ranks),
         ("target_tp", topology.target_ranks),
@@ -162,6 +162,7 @@ def broadcast_control(address: str | None, key: bytes | None = None) -> tuple[st
     the key is None where rank 0 sent none (a key file on every rank, or no key)."""
     buf = torch.zeros(ADDRESS_BYTES + 1 + KEY_BYTES, dtype=torch.uint8)
     if dist.get_rank() == 0:
+        assert address is not None  # rank 0 gives it; the others pass None
         raw = address.encode()
         if len(raw) >= ADDRESS_BYTES:
             raise ValueError(f"control address too long: {address!r}")

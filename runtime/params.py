@@ -27,7 +27,7 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError("stop: expected a list of strings")
+            raise ValueError(f"stop: expected a string or a list of strings, got {stop!r}")
         values["stop"] = tuple(stop)
         params = cls(**values)
         params.validate()

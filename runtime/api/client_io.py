@@ -71,10 +71,22 @@ class ClientIO:
     dead_after_s: float
     connect_timeout_s: float
     ping_s: float
+    _key: bytes | None  # HMAC key of the frames (server.auth_key_file), or None
+    _context: zmq.Context
+    _waker: Waker
     _waiters: dict[str, queue.Queue]
     _outbox: queue.Queue
     _patience: dict[str, float]  # request id -> when it gives up on an unreached address
     _lock: threading.Lock
+    _dead: str | None  # why the server is gone for good, once it is
+    _last_heard: float
+    _heard: bool
+    _connected: bool
+    _info: dict | None  # the server's facts, from its first pong
+    # set by _connect on the I/O thread
+    _monitor: zmq.Socket
+    _poller: zmq.Poller
+    _watch: ProcessWatch
 
     # --- liveness hooks (Engine overrides) -----------------------------------------------
     def _process_gone(self) -> str | None:
@@ -248,6 +260,7 @@ class ClientIO:
         reason = self._worker_death() if self._waiters else None
         reason = reason or self._process_gone()
         if reason is None and self._server_end() is not None:
+            assert self._info is not None  # the server is watched once its info came
             reason = f"tandem server (pid {self._info['server'][1]}) is gone"
         if reason is not None:
             self._mark_dead(reason)

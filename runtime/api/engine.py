@@ -207,7 +207,7 @@ class Engine(Client):
             self._gone = f"{reason}: {detail}" if detail else reason
         return self._gone
 
-    def info(self, timeout_s: float = 30.0) -> dict:
+    def info(self, timeout_s: float | None = 30.0) -> dict:
         try:
             return super().info(timeout_s)
         except EngineClosedError:

@@ -72,9 +72,10 @@ class _Routes:
         self.created = int(time.time())
 
     async def info(self) -> dict:
-        if self.client._info is None:
+        info = self.client._info  # cached after the first answer
+        if info is None:
             try:
-                await asyncio.to_thread(self.client.info, 30.0)
+                info = await asyncio.to_thread(self.client.info, 30.0)
             except EngineDeadError as exc:
                 raise HttpError(
                     503,
@@ -82,7 +83,7 @@ class _Routes:
                     kind="server_error",
                     code="engine_dead",
                 ) from None
-        return self.client._info
+        return info
 
     async def model_id(self) -> str:
         if self.model is None:
@@ -361,7 +362,8 @@ class _Routes:
         return self.stream_events(rid, waiter, first, chunk, include, max_name, "messages", head)
 
 
-async def _http_error(_request, exc: HttpError):
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HttpError)  # registered for HttpError only
     return JSONResponse(exc.body(), status_code=exc.status)
 
 

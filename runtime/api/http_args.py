@@ -19,6 +19,7 @@ log = logging.getLogger("tandem.http")
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat as well
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the Python API's default is greedy)
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2] (the Python API takes any finite T >= 0)
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
 
 # Arguments accepted only with their "off" value (anything else is a 400 naming them).
@@ -129,7 +130,7 @@ def is_loopback(host: str) -> bool:
     except socket.gaierror:
         return False
     return bool(infos) and all(
-        ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos
+        ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos
     )
 
 
@@ -247,17 +248,28 @@ def _sampling(body: dict, max_name: str) -> dict:
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = DEFAULT_TEMPERATURE
+    elif _is_number(temperature) and not 0 <= temperature <= MAX_TEMPERATURE:
+        raise HttpError(
+            400,
+            f"temperature: expected a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
+            "temperature",
+        )
     kwargs = {
         "max_new_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        "temperature": DEFAULT_TEMPERATURE
-        if body.get("temperature") is None
-        else body["temperature"],
+        "temperature": temperature,
         "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
         "top_k": top_k,
         "seed": body.get("seed"),
         "stop": stop,
     }
     return kwargs
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _messages(value) -> list[dict]:

@@ -22,6 +22,7 @@ import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -241,7 +242,8 @@ def load_hf(path: str, dtype: torch.dtype, device: torch.device):
         )
     except (ImportError, ValueError):
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
-    model = model.to(device).eval()
+    # transformers wraps PreTrainedModel.to in a decorator whose stub takes no device
+    model = model.to(device).eval()  # type: ignore[arg-type]
     gen = model.generation_config
     pad = gen.pad_token_id if gen.pad_token_id is not None else 0
     if isinstance(gen.eos_token_id, int) and gen.pad_token_id is None:
@@ -290,7 +292,8 @@ class HFGenerate:
             mode = "reduce-overhead" if device.type == "cuda" else "default"
             config = CompileConfig(mode=mode)
             if device.type != "cuda" and hasattr(config, "_compile_all_devices"):
-                config._compile_all_devices = True
+                # a private switch that transformers declares as `= None`
+                config._compile_all_devices = True  # type: ignore[assignment]
             gen.compile_config = config
 
     @torch.inference_mode()
@@ -302,7 +305,7 @@ class HFGenerate:
         out = self.model.generate(**inputs, max_new_tokens=new_tokens)
         generated = out[:, inputs["input_ids"].shape[1] :].tolist()
         wall = time.perf_counter() - start
-        extra = {"token_ids": generated}
+        extra: dict[str, Any] = {"token_ids": generated}
         if self.compiled:
             extra["compiled"] = (
                 bool(getattr(self.model, "_compiled_call", None)) or _compiled_graphs() > before
@@ -333,7 +336,7 @@ class _RoundRecorder:
     def __init__(self):
         from transformers.generation import candidate_generator as cg
 
-        self.cls = cg.AssistedCandidateGenerator
+        self.cls: Any = cg.AssistedCandidateGenerator  # Any: its method is swapped below
         self.original = self.cls.update_candidate_strategy
         self.rounds: list[tuple[int, int]] = []
 

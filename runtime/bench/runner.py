@@ -81,7 +81,11 @@ def _decode_efficiency(r: dict, base: dict | None) -> None:
     is much of a call, and `efficiency` counts it; this does not."""
     first = (r.get("time_to_first_token_s") or [None])[0]
     base_first = ((base or {}).get("time_to_first_token_s") or [None])[0]
-    if None in (first, base_first, r.get("theoretical_speedup")) or not base["tokens_per_s"]:
+    if (
+        base is None
+        or None in (first, base_first, r.get("theoretical_speedup"))
+        or not base["tokens_per_s"]
+    ):
         return
     spec_s = (r["wall_s"] - first) / r["generated_tokens"]
     target_s = (base["wall_s"] - base_first) / base["generated_tokens"]
@@ -94,7 +98,7 @@ class Bench:
         settings.check()
         self.s = settings
         self.rows: list[dict] = []
-        self.tokens: dict[tuple[str, int], list[list[int]]] = {}
+        self.tokens: dict[tuple[str, int], list[list[int]] | None] = {}
         self.info: dict = {"c_source": C_SOURCE}
         self.step_costs: dict[int, dict] = {}
 

@@ -146,7 +146,7 @@ def _seq_len(s: BenchSettings, draft_len) -> int:
 
 def kv_runtime(s: BenchSettings) -> dict:
     """The runtime keys of the KV cache that the settings set (prefix_caching always)."""
-    keys = {"prefix_caching": s.prefix_caching}
+    keys: dict[str, bool | int | str] = {"prefix_caching": s.prefix_caching}
     if s.kv_cache_tokens is not None:
         keys["kv_cache_tokens"] = s.kv_cache_tokens
     if s.kv_cache_dtype is not None:
@@ -170,6 +170,7 @@ def resolve(s: BenchSettings) -> Setup:
 def _resolve_config(s: BenchSettings) -> Setup:
     from runtime.config import load_config
 
+    assert s.config is not None  # resolve() came here for a config
     cfg = load_config(s.config)
     d = cfg.to_dict()
     if s.dtype:
@@ -199,6 +200,7 @@ def _resolve_config(s: BenchSettings) -> Setup:
 
 
 def _resolve_synthetic(s: BenchSettings) -> Setup:
+    assert s.synthetic is not None  # BenchSettings.check: a CONFIG or --synthetic
     device = _torch_device(s.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     dtype_name = s.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     k = s.draft_len if s.draft_len is not None else 4
@@ -301,8 +303,9 @@ def synthetic_pair(
             gen_device=device,
             materialize=materialize,
         )
-        for path in (draft, target) if ctx else ():
-            _set_context(path, ctx)
+        if ctx is not None:
+            for path in (draft, target):
+                _set_context(path, ctx)
     except BaseException:
         shutil.rmtree(cleanup or root, ignore_errors=True)
         raise

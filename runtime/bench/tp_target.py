@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def measure(job: TargetJob, tp=None) -> dict:
         quantization=job.quantization,
     )
     try:
-        report = {
+        report: dict[str, Any] = {
             "weight_bytes": metrics.weight_bytes_per_step(holder.model),
             "kv_position_bytes": metrics.kv_bytes_per_position(holder.model),
             "target": {},

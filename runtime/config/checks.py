@@ -106,9 +106,10 @@ def check_quantization(cfg: TandemConfig, infos: dict) -> None:
     """`<model>.quantization: fp8` needs tandem's Llama-family implementation (the
     transformers fallback cannot quantize), and a checkpoint's own quantization_config must be
     a format tandem runs (runtime.models.loading.fp8_formats)."""
-    from runtime.models.loading.fp8_formats import read_format
+    from runtime.models.loading.fp8_formats import FP8Format, read_format
 
     for name, model in model_lists(cfg):
+        fmt: FP8Format | ValueError | None
         try:
             fmt = read_format(model.model)
         except ValueError as exc:
@@ -188,7 +189,9 @@ def check_kv_memory(cfg: TandemConfig) -> None:
             if device.kind == "cuda" and not device.node
         ]
         need = kv_cache_bytes(cfg, model, inspect_checkpoint(model.model)) if cuda else None
-        for device in cuda if need is not None else ():
+        if need is None:
+            continue
+        for device in cuda:
             per_device.setdefault(device, []).append((name, need, model.kv_cache_memory))
     if not per_device:
         return

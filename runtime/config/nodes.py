@@ -62,10 +62,10 @@ def check_nodes(cfg, layout: NodeLayout, cuda_count: Callable[[], int] | None = 
     then node 1's, ...), and this node's CUDA indices exist (`cuda_count`: how many GPUs
     this host has, asked only when one is named here)."""
     keys = device_keys(cfg)
-    if not names_nodes(keys):
+    if not names_nodes(list(keys)):
         return
     for device, key in keys.items():
-        if device.node >= layout.nodes:
+        if (device.node or 0) >= layout.nodes:  # resolved: a bare device is node 0's
             raise ConfigError(
                 key,
                 f"{device} names node {device.node}, but {layout.describe()} "

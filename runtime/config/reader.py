@@ -50,22 +50,24 @@ def _check_unique_keys(node, prefix: str, seen_nodes: set) -> None:
 
 
 def read_yaml(path: str) -> dict:
-    """The top-level mapping of the YAML file at `path`; ConfigError (key `<file>`, or the
-    duplicated key) for a missing or unreadable file, a duplicate key, or a top level that is
-    no mapping."""
+    """The top-level mapping of the YAML file at `path`; ConfigError for a missing or
+    unreadable file or a top level that is no mapping (its key: the file's path, so the
+    message starts with it), or for a duplicate key (its key: the duplicated key)."""
     import yaml
 
     if not os.path.isfile(path):
-        raise ConfigError("<file>", f"config file {path} does not exist")
+        what = "is a directory, not a config file" if os.path.isdir(path) else "does not exist"
+        raise ConfigError(path, f"the config file {what}")
     try:
         with open(path, encoding="utf-8") as f:
             raw = yaml.load(f, Loader=_unique_key_loader())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError("<file>", f"cannot read {path} as YAML: {e}") from e
+        raise ConfigError(path, f"cannot read the config file as YAML: {e}") from e
     if not isinstance(raw, dict):
         what = "empty" if raw is None else f"a {type(raw).__name__}"
         raise ConfigError(
-            "<file>",
-            f"top level of {path} must be a mapping (draft:, target:, ...), but it is {what}",
+            path,
+            f"the config file's top level must be a mapping (draft:, target:, ...), "
+            f"but it is {what}",
         )
     return raw

