@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.models.arch.base import is_paged
 from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
 from runtime.speculation.choose import BatchSampling, draft_choose
@@ -48,7 +49,7 @@ class ModelShard:
         # the draft's next window, the target's held logits; gone with the slot's sequence
         self.carried: dict[int, object] = {}
         self.tables: SlotTables | None = None  # None: a model with its own cache
-        if hasattr(model, "forward_static"):
+        if is_paged(model):
             model.allocate_cache(num_slots, max_seq_len, block_size, num_blocks, kv_dtype)
             self.tables = SlotTables(
                 num_slots, model.blocks_per_seq, model.num_blocks, block_size, device

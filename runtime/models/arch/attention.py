@@ -7,7 +7,7 @@ This module holds no collectives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,8 @@ from runtime.models import kernels
 from runtime.models.arch import fused
 from runtime.models.arch.cache import ExtendBatch, KVCache
 from runtime.models.arch.model_args import ModelArgs
-from runtime.models.arch.norms import GemmaRMSNorm, RMSNorm
-from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
+from runtime.models.arch.norms import norm_class
+from runtime.models.arch.quant import FP8Act, FP8Mixin, FP8Out, RowStack, fuses_fp8, stack_rows
 
 if TYPE_CHECKING:  # Triton's module: imported where the kernels run
     from runtime.models.kernels.rope import NewTokens
@@ -48,9 +48,10 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm  # model_args.QK_NORM: q/k normed before RoPE
         if args.qk_norm is not None:  # "head": weight [D]; "full": [H*D] and [Hkv*D]
             per_head = args.qk_norm == "head"
-            eps, norm = args.rms_norm_eps, GemmaRMSNorm if args.gemma else RMSNorm
-            self.q_norm = norm(args.head_dim if per_head else q_dim, eps)
-            self.k_norm = norm(args.head_dim if per_head else kv_dim, eps)
+            eps, norm = args.rms_norm_eps, norm_class(args)
+            # an RMSNorm, or over a TP shard of the projection parallel.layers.ParallelRMSNorm
+            self.q_norm: nn.Module = norm(args.head_dim if per_head else q_dim, eps)
+            self.k_norm: nn.Module = norm(args.head_dim if per_head else kv_dim, eps)
 
     def fuse_projections(self) -> None:
         """One GEMM for q, k and v (float or FP8); their weights become views of it."""
@@ -141,6 +142,8 @@ class Attention(nn.Module):
         self, x: FP8Act, cos: torch.Tensor, sin: torch.Tensor, batch: ExtendBatch
     ) -> FP8Out | torch.Tensor:
         cache = self.kv_cache
+        assert cache is not None and self.qkv is not None  # forward's; fp8_fused's
+        assert isinstance(self.o_proj, FP8Mixin)  # fp8_fused
         qkv = self.qkv.forward_fp8(x)  # raw [M, (H+2Hkv)D]
         args = (*qkv, x.dtype, self.n_heads, self.n_kv_heads, cos, sin)
         if self._folds_rope(cos.shape[1]) and rope_kernel().fits_fp8(*qkv, self.head_dim, cos, sin):
@@ -171,6 +174,20 @@ class Attention(nn.Module):
         """Whether _attend uses the Triton kernel for a step of seq tokens a row."""
         return self.n_heads // self.n_kv_heads * seq <= SLOT_KERNEL_ROWS
 
+    @overload
+    def _attend(
+        self,
+        q: torch.Tensor | NewTokens,
+        batch: ExtendBatch,
+        seq: int,
+        quantize: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def _attend(
+        self, q: torch.Tensor | NewTokens, batch: ExtendBatch, seq: int, quantize: Literal[True]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def _attend(
         self, q: torch.Tensor | NewTokens, batch: ExtendBatch, seq: int, quantize: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +200,7 @@ class Attention(nn.Module):
         attention kernel's combine where that pays (kernels.attention.fp8_combine_pays), else
         by fused.fp8_quantize_heads after it."""
         cache = self.kv_cache
+        assert cache is not None  # forward's
         logits = dict(scale=self.scale, softcap=self.softcap)  # per layer (Gemma)
         if kernels.enabled() and self._slot_kernel(seq):
             from runtime.models.kernels.attention import fp8_combine_pays
@@ -202,6 +220,7 @@ class Attention(nn.Module):
             )
             if in_combine:
                 return out
+            assert isinstance(out, torch.Tensor)  # not quantized in the combine
         elif kernels.enabled() and prefill_kernel().fits(q, cache.k_cache, cache.scales):
             out = prefill_kernel().prefill_attention(
                 q,
@@ -214,6 +233,7 @@ class Attention(nn.Module):
                 **logits,
             )  # [B, T, H, D]
         else:
+            assert isinstance(q, torch.Tensor)  # NewTokens only where the kernels run
             k_all, v_all = cache.read(batch)  # gathered (dequantized) [B, Hkv, L, D]
             out = grouped_attention(q, k_all, v_all, batch.mask(self.sliding_window), seq, **logits)
         return fused.fp8_quantize_heads(out) if quantize else out
@@ -258,7 +278,7 @@ def rotary_write_fp8(*args, scales: tuple = ()) -> torch.Tensor:
     return fused.rotary_write_fp8(*args)
 
 
-def slot_attention(*args, **kwargs) -> torch.Tensor:
+def slot_attention(*args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """runtime.models.kernels.attention.slot_attention, imported on first use (Triton)."""
     from runtime.models.kernels.attention import slot_attention as kernel
 

@@ -1,15 +1,22 @@
-"""The interface every model behind a worker implements, and its argument checks."""
+"""The interfaces of the models behind a worker (CausalLM; PagedModel, the capability of ours),
+and forward_extend's argument checks."""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
 
 import torch
+from torch import nn
+
+from runtime.models.arch.model_args import ModelArgs
 
 
 @runtime_checkable
 class CausalLM(Protocol):
     vocab_size: int
+    # whether this is a PagedModel: said by its class, never probed (is_paged)
+    paged: ClassVar[bool]
 
     def allocate_cache(self, num_slots: int, max_seq_len: int) -> None: ...
 
@@ -31,6 +38,63 @@ class CausalLM(Protocol):
         ...
 
     def free_slot(self, slot: int) -> None: ...
+
+
+class PagedModel(CausalLM, Protocol):
+    """A CausalLM over a paged KV cache (runtime.models.arch.llama.LlamaForCausalLM, `paged`
+    True): block pools shared by every row, rows read and written through block tables, and
+    static-shape forwards that the runners (runtime.models.runners) pad, bucket and capture
+    as CUDA graphs. What a model without it (the transformers fallback) gets instead: one
+    eager forward_extend over slots, the model keeping its own cache per slot."""
+
+    args: ModelArgs
+    max_seq_len: int | None  # set by allocate_cache, as the sizes below
+    block_size: int  # positions per KV block
+    blocks_per_seq: int  # a block table's width: ceil(max_seq_len / block_size)
+    num_blocks: int  # the pool's blocks; block id num_blocks is the scratch block
+
+    def allocate_cache(
+        self,
+        num_slots: int,
+        max_seq_len: int,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_dtype: str = "auto",
+    ) -> None: ...
+
+    def forward_static(
+        self,
+        input_ids: torch.Tensor,
+        block_table: torch.Tensor,
+        start_pos: torch.Tensor,
+        n_valid: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
+        """forward_extend without checks or host synchronisation, at shapes that depend only
+        on input_ids.shape, block_table.shape and kv_len: logits [B, T, V]."""
+        ...
+
+    def hidden_static(
+        self,
+        input_ids: torch.Tensor,
+        block_table: torch.Tensor,
+        start_pos: torch.Tensor,
+        n_valid: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
+        """forward_static without the LM head: hidden states [B, T, hidden]."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head of hidden states [..., hidden] -> [..., V]."""
+        ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+def is_paged(model: CausalLM) -> TypeGuard[PagedModel]:
+    """Whether `model` is a PagedModel: its class says so (CausalLM.paged)."""
+    return model.paged
 
 
 def check_extend_args(

@@ -59,6 +59,12 @@ class KVCache(nn.Module):
     e4m3.float() * scale. Half the bytes of bf16 K/V plus 8 bytes a position and KV head.
     """
 
+    # buffers (register_buffer)
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None  # None unless fp8
+    v_scale: torch.Tensor | None
+
     def __init__(
         self,
         num_blocks: int,
@@ -93,7 +99,10 @@ class KVCache(nn.Module):
     def scales(self) -> tuple[torch.Tensor, ...]:
         """(k_scale, v_scale) [N+1, Hkv, BS] float32 of an FP8 cache; () otherwise: the
         trailing arguments of the write and attention calls."""
-        return (self.k_scale, self.v_scale) if self.fp8 else ()
+        if not self.fp8:
+            return ()
+        assert self.k_scale is not None and self.v_scale is not None
+        return (self.k_scale, self.v_scale)
 
     @staticmethod
     def position_bytes(
@@ -125,18 +134,16 @@ class KVCache(nn.Module):
         dequantized in float32: e4m3 * scale). (Writing is fused with RoPE:
         runtime.models.arch.fused.rotary_write, rotary_write_kv8.)"""
         n = blocks_for(batch.kv_len, self.block_size)
-        table = batch.block_table[:, :n].long()  # [B, n]
+        table, length = batch.block_table[:, :n].long(), batch.kv_len  # [B, n]
         if not self.fp8:
-            return tuple(
-                _rows_of(cache, table, batch.kv_len) for cache in (self.k_cache, self.v_cache)
-            )
-        return tuple(
-            (
-                _rows_of(cache, table, batch.kv_len).float()
-                * _rows_of(scale[..., None], table, batch.kv_len)
-            ).to(self.dtype)
-            for cache, scale in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale))
-        )
+            return _rows_of(self.k_cache, table, length), _rows_of(self.v_cache, table, length)
+        k_scale, v_scale = self.scales
+
+        def dequantized(cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            rows = _rows_of(cache, table, length).float()
+            return (rows * _rows_of(scale[..., None], table, length)).to(self.dtype)
+
+        return dequantized(self.k_cache, k_scale), dequantized(self.v_cache, v_scale)
 
 
 def _rows_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +186,7 @@ def add_rms_norm_fp8(
     output of the previous unscaled FP8 GEMM (o_proj, down_proj), rescaled (+ bias) and cast
     to x.dtype first as fp8_rescale does: that GEMM's epilogue folded into the next norm."""
     if x_scale is not None:
+        assert w_scale is not None, "x_scale and w_scale come together"
         delta = _rescale(delta, x_scale, w_scale, bias, x.dtype)
     s = x + delta
     return (s, *_quantize(_rms_norm(s, weight, eps)))
@@ -375,7 +378,7 @@ _EAGER = {
 # inductor options per function: the FP8 neighbours keep eager's bf16/fp16 roundings (by
 # default inductor elides a downcast-upcast pair between two fused ops, and contracts
 # multiply-adds), so fused and unfused sequences round at the same points
-_PRECISE = {"emulate_precision_casts": True}
+_PRECISE: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
 _OPTIONS = {
     name: _PRECISE
     for name in (

@@ -1,10 +1,12 @@
 """Llama-family decoder with HF-identical parameter names: Llama, Mistral, Qwen2, and the
-families that differ from it as data (model_args: QK_NORM, POST_NORMS, GEMMA, ...): Qwen3,
+families that differ from it as data (model_args: QK_NORM, NORM_PLACEMENT, GEMMA, ...): Qwen3,
 OLMo 2, Phi-3 (its fused qkv_proj / gate_up_proj are split on load: loading.fused_tensors),
 Gemma 2 and Gemma 3 text (four (1 + w) norms a layer, GeGLU, scaled embeddings, per-layer
 attention scale / soft-cap, a RoPE table per layer type, final logit soft-capping)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -12,12 +14,16 @@ from torch import nn
 
 from runtime.models.arch import fused
 from runtime.models.arch.attention import Attention
-from runtime.models.arch.base import check_extend_args
+from runtime.models.arch.base import PagedModel, check_extend_args
 from runtime.models.arch.cache import ExtendBatch, as_block_table, blocks_for
-from runtime.models.arch.model_args import ModelArgs
-from runtime.models.arch.norms import GemmaRMSNorm, RMSNorm
-from runtime.models.arch.quant import FP8Act, FP8Out, RowStack, fuses_fp8, stack_rows
+from runtime.models.arch.model_args import ModelArgs, NormPlacement
+from runtime.models.arch.norms import RMSNorm, norm_class
+from runtime.models.arch.quant import FP8Act, FP8Mixin, FP8Out, RowStack, fuses_fp8, stack_rows
 from runtime.models.arch.rope import RotaryEmbedding, compute_inv_freq
+
+if TYPE_CHECKING:
+    from parallel.groups import TPInfo
+    from parallel.layers import Shard
 
 
 class MLP(nn.Module):
@@ -43,8 +49,9 @@ class MLP(nn.Module):
         # x [B, T, hidden] -> [B, T, hidden]; or the fused FP8 path (fp8_fused): x the FP8Act
         # of [M, hidden] -> down_proj's FP8Out [M, hidden] (or rescaled [M, hidden] under TP)
         if isinstance(x, FP8Act):
-            gate_up = self.gate_up.forward_fp8(x)  # raw [M, 2I]
-            a8, a_scale = fused.silu_mul_fp8(*gate_up, x.dtype)  # [M, I], [M, 1]
+            assert self.gate_up is not None and isinstance(self.down_proj, FP8Mixin)  # fp8_fused
+            raw = self.gate_up.forward_fp8(x)  # [M, 2I]
+            a8, a_scale = fused.silu_mul_fp8(*raw, x.dtype)  # [M, I], [M, 1]
             return self.down_proj.forward_fp8(FP8Act(a8, a_scale, x.dtype))
         if self.gate_up is None:
             gate = self.gate_proj(x)
@@ -60,14 +67,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args)
-        self.post_norms, self.gemma = args.post_norms, args.gemma
+        self.norms = placement = args.norm_placement
         self.rope_type = args.layer_rope[layer_idx] if args.layer_rope else None
-        h, eps, norm = args.hidden_size, args.rms_norm_eps, GemmaRMSNorm if args.gemma else RMSNorm
-        if not args.post_norms:
+        h, eps, norm = args.hidden_size, args.rms_norm_eps, norm_class(args)
+        if placement is not NormPlacement.POST:  # POST (OLMo 2): no input norm
             self.input_layernorm = norm(h, eps)
-        if args.post_norms or args.gemma:  # OLMo 2 (no input norm), Gemma: MLP output normed
+        if placement is not NormPlacement.PRE:  # POST, SANDWICH: the MLP's output normed
             self.post_feedforward_layernorm = norm(h, eps)
-        if args.gemma:
+        if placement is NormPlacement.SANDWICH:
             self.pre_feedforward_layernorm = norm(h, eps)
         self.post_attention_layernorm = norm(h, eps)
 
@@ -87,17 +94,32 @@ class DecoderLayer(nn.Module):
         eager and CUDA-graph steps) the attention's and the MLP's input norms also quantize
         for their first GEMM, and the outputs of o_proj and down_proj may be raw (FP8Out):
         the next norm rescales them (the quantize / rescale steps fold into neighbours)."""
-        if self.post_norms:
-            return self._forward_post_norms(x, delta, cos, sin, batch)
-        if self.gemma:
-            return self._forward_gemma(x, delta, cos, sin, batch)
+        match self.norms:
+            case NormPlacement.PRE:
+                return self._forward_pre(x, delta, cos, sin, batch)
+            case NormPlacement.POST:
+                return self._forward_post(x, delta, cos, sin, batch)
+            case NormPlacement.SANDWICH:
+                return self._forward_sandwich(x, delta, cos, sin, batch)
+
+    def _forward_pre(
+        self,
+        x: torch.Tensor,
+        delta: Delta,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ExtendBatch,
+    ) -> tuple[torch.Tensor, Delta]:
+        """PRE (Llama, Qwen, Phi): x + attn(input(x)), then + mlp(post_attention(.))
+        (returned as the delta), each add fused into the next norm (add_then_norm), and on
+        the FP8 path the quantize / rescale steps too."""
         attn_fp8, mlp_fp8 = self.self_attn.fp8_fused(x), self.mlp.fp8_fused(x)
         x, h = add_then_norm(x, delta, self.input_layernorm, attn_fp8)
         attn = self.self_attn(h, cos, sin, batch)
         x, h = add_then_norm(x, attn, self.post_attention_layernorm, mlp_fp8)
         return x, self.mlp(h)
 
-    def _forward_post_norms(
+    def _forward_post(
         self,
         x: torch.Tensor,
         delta: Delta,
@@ -105,14 +127,14 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         batch: ExtendBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """OLMo 2: x + norm(attn(x)), then + norm(mlp(.)) (returned as the delta). Its norms
-        follow the GEMMs, so it takes no fused FP8 path (FP8 linears quantize on their own)."""
-        if delta is not None:
-            x = x + delta
+        """POST (OLMo 2): x + norm(attn(x)), then + norm(mlp(.)) (returned as the delta).
+        Its norms follow the GEMMs, so it takes no fused FP8 path (FP8 linears quantize on
+        their own)."""
+        x = residual(x, delta)
         x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, batch))
         return x, self.post_feedforward_layernorm(self.mlp(x))
 
-    def _forward_gemma(
+    def _forward_sandwich(
         self,
         x: torch.Tensor,
         delta: Delta,
@@ -120,17 +142,37 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         batch: ExtendBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gemma 2 / 3: x + post_attn(attn(input(x))), then + post_ff(mlp(pre_ff(.)))
+        """SANDWICH (Gemma 2 / 3): x + post_attn(attn(input(x))), then + post_ff(mlp(pre_ff(.)))
         (returned as the delta). Norms sit on both sides of each GEMM block, so it takes no
         fused FP8 path (FP8 linears quantize on their own)."""
-        if delta is not None:
-            x = x + delta
+        x = residual(x, delta)
         attn = self.self_attn(self.input_layernorm(x), cos, sin, batch)
         x = x + self.post_attention_layernorm(attn)
         return x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 Delta = torch.Tensor | FP8Out | None
+
+
+def residual(x: torch.Tensor, delta: Delta) -> torch.Tensor:
+    """x + delta (x when delta is None) where delta is a float tensor: the output of a layer
+    whose norms fold no FP8 rescale (POST, SANDWICH; a norm that is not `fusable`)."""
+    if delta is None:
+        return x
+    assert not isinstance(delta, FP8Out), "an FP8 GEMM's raw output needs a fused norm"
+    return x + delta
+
+
+@overload
+def add_then_norm(
+    x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: Literal[False] = False
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def add_then_norm(
+    x: torch.Tensor, delta: Delta, norm: RMSNorm, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor | FP8Act]: ...
 
 
 def add_then_norm(
@@ -142,7 +184,7 @@ def add_then_norm(
     the next FP8 GEMM (FP8Act of [M, hidden], the quantization folded in). A norm that is
     not `fusable` (Gemma's) adds, then norms on its own."""
     if not norm.fusable:
-        x = x if delta is None else x + delta
+        x = residual(x, delta)
         return x, norm(x)
     if quantize:
         return _add_then_norm_fp8(x, delta, norm)
@@ -180,9 +222,13 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(args.vocab_size, args.hidden_size),
         )
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
-        self.norm = (GemmaRMSNorm if args.gemma else RMSNorm)(args.hidden_size, args.rms_norm_eps)
+        self.norm = norm_class(args)(args.hidden_size, args.rms_norm_eps)
         # Gemma: embeddings times sqrt(hidden_size) rounded to the embedding's dtype
-        self.embed_scale = args.hidden_size**0.5 if args.gemma else None
+        self.embed_scale = args.hidden_size**0.5 if args.scale_embeddings else None
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers` as what they are (an nn.ModuleList holds plain Modules to a type checker)."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def forward(
         self,
@@ -204,8 +250,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Our CausalLM. Build from ModelArgs (see runtime.models.loading.loader.load_model for
-    weights)."""
+    """Our CausalLM, a PagedModel (runtime.models.arch.base). Build from ModelArgs (see
+    runtime.models.loading.loader.load_model for weights)."""
+
+    paged: ClassVar[bool] = True
+    # set by runtime.models.arch.parallelize.apply_tp on a tensor-parallel shard only
+    tp: TPInfo
+    tp_plan: Any  # parallelize.TPPlan (parallelize imports this module)
+    tp_shards: dict[str, Shard]  # parameter name -> the checkpoint slice it holds
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -240,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into one GEMM each (after loading, TP shards included)."""
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
@@ -272,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
         if self.num_blocks < 1:
             raise ValueError(f"need num_blocks >= 1, got {self.num_blocks}")
         norm = self.model.norm.weight  # the activation dtype (FP8 weights have another)
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             layer.self_attn.allocate_cache(
                 self.num_blocks, block_size, norm.dtype, norm.device, kv_dtype=kv_dtype
             )
@@ -358,3 +410,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """See runtime.models.arch.base.CausalLM.forward_extend (rows: block tables)."""
         return self(input_ids, rows, start_pos, n_valid)
+
+
+if TYPE_CHECKING:  # the type checker's proof that our model is a PagedModel
+    _paged: type[PagedModel] = LlamaForCausalLM

@@ -7,6 +7,7 @@ non-default RoPE initialisers of transformers (llama3, yarn, linear, ...) take i
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,22 +28,40 @@ FALLBACK_LACKS = (
     "KV cache or prefix caching, CUDA graphs or FP8 GEMMs"
 )
 
+
+class NormPlacement(enum.Enum):
+    """Where a decoder layer's RMSNorms sit around its attention and MLP blocks
+    (llama.DecoderLayer picks its forward by it)."""
+
+    PRE = "pre"  # Llama, Qwen, Phi: x + attn(input(x)), then + mlp(post_attention(.))
+    POST = "post"  # OLMo 2: x + post_attention(attn(x)), then + post_feedforward(mlp(.))
+    # Gemma 2 / 3: x + post_attention(attn(input(x))), then
+    # + post_feedforward(mlp(pre_feedforward(.))): four norms a layer
+    SANDWICH = "sandwich"
+
+
 # Where a family differs from Llama, as data (ModelArgs.from_hf_config reads them):
 # q/k RMSNorm before RoPE, over each head ("head": Qwen3) or the whole projection ("full":
 # OLMo 2, its weight [n_heads * head_dim]); families whose q/k/v always carry a bias;
-# post-norms (OLMo 2: the attention's and the MLP's outputs are normed, then added to the
-# residual; no input norm); sliding windows configured by use_sliding_window / layer_types.
+# the norms' placement (NormPlacement; PRE for a family not listed); sliding windows
+# configured by use_sliding_window / layer_types.
 QK_NORM = {"qwen3": "head", "olmo2": "full", "gemma3_text": "head"}
 ALWAYS_QKV_BIAS = ("qwen2",)
-POST_NORMS = ("olmo2",)
+NORM_PLACEMENT = {
+    "olmo2": NormPlacement.POST,
+    "gemma2": NormPlacement.SANDWICH,
+    "gemma3_text": NormPlacement.SANDWICH,
+}
 QWEN_WINDOWS = ("qwen2", "qwen3")
-# Gemma 2 / Gemma 3 (text): RMSNorm scaling by (1 + weight) in float32, four norms a layer
-# (input, post-attention, pre- and post-feedforward), GeGLU (gelu tanh), embeddings times
-# sqrt(hidden_size), attention scale query_pre_attn_scalar ** -0.5, windows by layer_types,
-# final logit soft-capping; Gemma 2 also caps the attention logits (Gemma 3's transformers
-# code never passes its attn_logit_softcapping to attention), Gemma 3 has one RoPE table a
-# layer type (rope_parameters[layer_type]: local base for sliding layers).
+# Gemma 2 / Gemma 3 (text): sandwich norms (NORM_PLACEMENT), RMSNorm scaling by (1 + weight)
+# in float32 (UNIT_OFFSET_NORMS), GeGLU (gelu tanh), embeddings times sqrt(hidden_size)
+# (SCALED_EMBEDDINGS), attention scale query_pre_attn_scalar ** -0.5, windows by
+# layer_types, final logit soft-capping; Gemma 2 also caps the attention logits (Gemma 3's
+# transformers code never passes its attn_logit_softcapping to attention), Gemma 3 has one
+# RoPE table a layer type (rope_parameters[layer_type]: local base for sliding layers).
 GEMMA = ("gemma2", "gemma3_text")
+UNIT_OFFSET_NORMS = GEMMA
+SCALED_EMBEDDINGS = GEMMA
 ATTN_SOFTCAP = ("gemma2",)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -54,9 +73,10 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict:
     """The RoPE parameters of `config` as one flat dict with at least rope_type and rope_theta;
     layer_type: those of that layer type where they are given per type (Gemma 3)."""
-    params = getattr(config, "rope_parameters", None)
     if layer_type is not None:
-        params = params[layer_type]
+        params = config.rope_parameters[layer_type]
+    else:
+        params = getattr(config, "rope_parameters", None)
     if not params:  # transformers 4 style: rope_theta attribute + optional rope_scaling dict
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -150,8 +170,9 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     layer_windows: tuple[int | None, ...] = ()
     qk_norm: str | None = None  # QK_NORM: "head", "full" or None
-    post_norms: bool = False  # POST_NORMS
-    gemma: bool = False  # GEMMA: (1 + w) norms, four a layer, scaled embeddings
+    norm_placement: NormPlacement = NormPlacement.PRE  # NORM_PLACEMENT
+    unit_offset_norms: bool = False  # UNIT_OFFSET_NORMS: (1 + w) norms (norms.GemmaRMSNorm)
+    scale_embeddings: bool = False  # SCALED_EMBEDDINGS: embeddings times sqrt(hidden_size)
     activation: str = "silu"  # ACTIVATIONS' values: "silu" or "gelu_tanh"
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None  # ATTN_SOFTCAP: s = c * tanh(s / c) before the mask
@@ -185,7 +206,9 @@ class ModelArgs:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             layer_windows=_layer_windows(config, config.num_hidden_layers),
             qk_norm=QK_NORM.get(model_type),
-            post_norms=model_type in POST_NORMS,
+            norm_placement=NORM_PLACEMENT.get(model_type, NormPlacement.PRE),
+            unit_offset_norms=model_type in UNIT_OFFSET_NORMS,
+            scale_embeddings=model_type in SCALED_EMBEDDINGS,
             hf_config=config,
             **_gemma_args(config),
         )
@@ -198,7 +221,6 @@ def _gemma_args(config: Any) -> dict:
     cap = config.attn_logit_softcapping if config.model_type in ATTN_SOFTCAP else None
     per_type = rope_layer_types(config)
     return dict(
-        gemma=True,
         activation=ACTIVATIONS[activation(config)],
         attn_scale=config.query_pre_attn_scalar**-0.5,
         attn_softcap=cap or None,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from runtime.models.arch import fused
+from runtime.models.arch.model_args import ModelArgs
 
 
 class RMSNorm(nn.Module):
@@ -35,3 +36,9 @@ class GemmaRMSNorm(RMSNorm):
         return fused.unit_offset_rms_norm(
             x.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon
         ).view(x.shape)
+
+
+def norm_class(args: ModelArgs) -> type[RMSNorm]:
+    """A family's RMSNorm: GemmaRMSNorm where its norms scale by (1 + w)
+    (ModelArgs.unit_offset_norms), else RMSNorm."""
+    return GemmaRMSNorm if args.unit_offset_norms else RMSNorm

@@ -50,7 +50,16 @@ from parallel.layers import (
 from runtime.models.arch.llama import LlamaForCausalLM
 from runtime.models.arch.model_args import ModelArgs, check_tp_shape
 
-__all__ = ["TPPlan", "apply_tp", "plan_tp"]
+__all__ = ["SHARDED", "TPPlan", "apply_tp", "plan_tp"]
+
+# the classes apply_tp swaps in, each holding a slice of a checkpoint tensor (their shards())
+SHARDED = (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    ParallelLMHead,
+    ParallelRMSNorm,
+)
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,7 @@ def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool 
     args, group = model.args, tp.group
     plan = plan_tp(args, tp.rank, tp.size)
     meta = torch.device("meta")
-    for layer in model.model.layers:
+    for layer in model.model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         d = attn.head_dim
         (q0, q1), (k0, k1), (i0, i1) = plan.q_heads, plan.kv_heads, plan.intermediate
@@ -147,7 +156,7 @@ def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool 
         attn.o_proj = _row(attn.o_proj, q0 * d, q1 * d, group, meta)
         attn.n_heads, attn.n_kv_heads = plan.n_heads, plan.n_kv_heads
         if attn.qk_norm == "full":
-            eps = attn.q_norm.variance_epsilon
+            eps = args.rms_norm_eps  # that of the norms replaced
             attn.q_norm = ParallelRMSNorm(q0 * d, q1 * d, eps, group, device=meta)
             attn.k_norm = ParallelRMSNorm(k0 * d, k1 * d, eps, group, device=meta)
         mlp.gate_proj = _column(mlp.gate_proj, i0, i1, meta)
@@ -164,7 +173,7 @@ def apply_tp(model: LlamaForCausalLM, tp: TPInfo | None, *, gather_logits: bool 
     model.tp_shards = {
         f"{module_name}.{param}": shard
         for module_name, module in model.named_modules()
-        if hasattr(module, "shards")
+        if isinstance(module, SHARDED)
         for param, shard in module.shards().items()
     }
     model.tp = tp

@@ -155,9 +155,10 @@ def fuses_fp8(x: torch.Tensor, *linears) -> bool:
     )
 
 
-class FP8Mixin:
-    """What every FP8 linear adds to its float class: the per-channel `weight_scale` and the
-    dtypes the loader must keep (runtime.models.loading.loader casts everything else to `dtype`)."""
+class FP8Mixin(nn.Linear):
+    """What every FP8 linear adds to its float linear class (nn.Linear or one of its TP
+    subclasses, the mixin's next base): the per-channel `weight_scale` and the dtypes the
+    loader must keep (runtime.models.loading.loader casts everything else to `dtype`)."""
 
     LOAD_DTYPES = {"weight": FP8, "weight_scale": torch.float32}
     weight_scale: nn.Parameter
@@ -203,12 +204,13 @@ class RowStack:
         self.scale = _stack(linears, "weight_scale") if self.fp8 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8:
+        if self.scale is not None:  # fp8
             return fp8_linear(x, self.weight, self.scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def forward_fp8(self, x: FP8Act) -> FP8Out:
         """FP8 stacks only: the GEMM on a quantized input [M, in], raw output [M, sum out]."""
+        assert self.scale is not None, "an FP8 stack's"
         return FP8Out(fp8_gemm_raw(x.data, self.weight), x.scale, self.scale, self.bias)
 
 

@@ -44,6 +44,8 @@ def compute_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor  # a buffer [D/2] float32
+
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32

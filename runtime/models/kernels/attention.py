@@ -326,7 +326,7 @@ def _partials(
     m_part = torch.empty(bsz, n_kv, n_chunks, block_m, dtype=torch.float32, device=device)
     l_part = torch.empty_like(m_part)
     rope = isinstance(q, NewTokens)
-    if rope:
+    if isinstance(q, NewTokens):
         new, stacked = q, (k_cache, 0, 0, 0)  # no stacked q: placeholders
         dtype = new.dtype
     else:
@@ -383,7 +383,8 @@ def _query_shape(q: torch.Tensor | NewTokens) -> tuple[int, int, int, int]:
     if isinstance(q, NewTokens):
         tokens, n_heads, dim = q.q.shape
         return tokens // q.seq, q.k.shape[1], n_heads // q.k.shape[1] * q.seq, dim
-    return tuple(q.shape)
+    bsz, n_kv, rows, dim = q.shape
+    return bsz, n_kv, rows, dim
 
 
 def _placeholder_tokens(q: torch.Tensor) -> NewTokens:
@@ -479,7 +480,7 @@ def capacity(block_table: torch.Tensor, k_cache: torch.Tensor) -> int:
     return block_table.shape[1] * k_cache.shape[2]
 
 
-def fp8_combine_pays(q: torch.Tensor, cache_len: int, seq: int) -> bool:
+def fp8_combine_pays(q: torch.Tensor | NewTokens, cache_len: int, seq: int) -> bool:
     """Whether slot_attention(..., quantize=True) beats the plain call + a quantize kernel for
     q [B, Hkv, r*T, D] over rows of cache_len positions (`capacity`; host-side: the
     allocated chunks, not the live ones). Its

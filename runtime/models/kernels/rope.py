@@ -414,7 +414,7 @@ class NewTokens(NamedTuple):
 
     def pointers(self) -> tuple:
         """q, k, v, cos, sin, x_scale, w_scale, bias (placeholders where not raw)."""
-        x_scale, w_scale, bias = self.scales if self.raw else (self.q, self.q, None)
+        x_scale, w_scale, bias = self.scales if self.scales is not None else (self.q, self.q, None)
         return (
             self.q,
             self.k,
@@ -428,7 +428,7 @@ class NewTokens(NamedTuple):
 
     def strides(self) -> tuple:
         """q, k, v token and head strides, cos's token stride, x_scale's."""
-        x_scale = self.scales[0] if self.raw else self.q
+        x_scale = self.scales[0] if self.scales is not None else self.q
         return (
             self.q.stride(0),
             self.q.stride(1),
@@ -447,7 +447,7 @@ class NewTokens(NamedTuple):
 
     @property
     def has_bias(self) -> bool:
-        return self.raw and self.scales[2] is not None
+        return self.scales is not None and self.scales[2] is not None
 
 
 def new_tokens(
@@ -455,8 +455,10 @@ def new_tokens(
 ) -> NewTokens:
     """NewTokens of q [B, T, H, D], k, v [B, T, Hkv, D], cos, sin [B, T, D] (`fits`)."""
     bsz, seq, _, dim = q.shape
-    flat = (t.flatten(0, 1) for t in (q, k, v))  # [B*T, heads, D]: views (fits)
-    return NewTokens(*flat, cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim), q.dtype, seq)
+    q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # [B*T, heads, D]: views (fits)
+    return NewTokens(
+        q, k, v, cos.reshape(bsz * seq, dim), sin.reshape(bsz * seq, dim), q.dtype, seq
+    )
 
 
 def new_tokens_fp8(

@@ -76,7 +76,7 @@ def _remove_stale(target: Path) -> None:
             pass
 
 
-def publish(target: Path, write: Callable[[Path], None]) -> None:
+def publish(target: Path, write: Callable[[Path], object]) -> None:
     """Build an entry with `write(tmp_dir)` in a temporary sibling of `target`, add the
     manifest, rename it into place. Another process that published first wins; ours goes."""
     target.parent.mkdir(parents=True, exist_ok=True)

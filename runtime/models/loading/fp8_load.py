@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from runtime.models.arch.fp8_linears import to_fp8
+from runtime.models.arch.parallelize import SHARDED
 from runtime.models.arch.quant import FP8, QUANTIZED, dequantize, quantize_rows
 from runtime.models.loading.fp8_formats import UNUSED_SUFFIXES, FP8Format, read_format
 from runtime.models.loading.weights import WeightSource, read_shard
@@ -86,8 +87,9 @@ def prepare(
     shards = getattr(model, "tp_shards", None)
     for name in modules:
         module = model.get_submodule(name)
+        assert isinstance(module, nn.Linear)  # fp8_modules' candidates
         to_fp8(module)
-        if shards is not None and hasattr(module, "shards"):  # the scale shards too
+        if shards is not None and isinstance(module, SHARDED):  # the scale shards too
             shards.update({f"{name}.{p}": s for p, s in module.shards().items()})
     return FP8Source(source, set(modules), stored_fp8, device)
 

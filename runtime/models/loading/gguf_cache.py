@@ -118,7 +118,7 @@ def cached(
     gguf_path: str | os.PathLike,
     name: str,
     make: Callable[[], T],
-    save: Callable[[T, Path], None],
+    save: Callable[[T, Path], object],  # what it returns is ignored
     load: Callable[[Path], T],
 ) -> T:
     """`load(entry/name)` when the cache holds it; else `make()` (from the GGUF; its errors

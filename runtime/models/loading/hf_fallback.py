@@ -9,11 +9,15 @@ from __future__ import annotations
 import inspect
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from runtime.models.arch.base import check_extend_args
+from runtime.models.arch.base import CausalLM, check_extend_args
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
 
 
 def _dtype_kwarg() -> str:
@@ -24,7 +28,9 @@ def _dtype_kwarg() -> str:
 
 
 class HFFallbackModel(nn.Module):
-    def __init__(self, hf_model: nn.Module):
+    paged: ClassVar[bool] = False  # a cache per slot of its own (CausalLM, not PagedModel)
+
+    def __init__(self, hf_model: PreTrainedModel):
         super().__init__()
         self.hf_model = hf_model.eval()
         out = hf_model.get_output_embeddings()
@@ -33,7 +39,7 @@ class HFFallbackModel(nn.Module):
         )
         params = inspect.signature(hf_model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._caches: dict[int, object] = {}
+        self._caches: dict[int, DynamicCache] = {}
         self.num_slots: int | None = None
         self.max_seq_len: int | None = None
 
@@ -44,12 +50,13 @@ class HFFallbackModel(nn.Module):
         import transformers
 
         p = Path(path)
-        kwargs = {_dtype_kwarg(): dtype}
+        kwargs: dict[str, Any] = {_dtype_kwarg(): dtype}
         if p.is_file():
             kwargs["gguf_file"] = p.name
             p = p.parent
         model = transformers.AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
-        return cls(model.to(device=device, dtype=dtype))
+        # transformers wraps PreTrainedModel.to (functools.wraps), typed as unbound: no self
+        return cls(model.to(device=device, dtype=dtype))  # type: ignore[call-arg]
 
     def allocate_cache(self, num_slots: int, max_seq_len: int) -> None:
         if num_slots < 1 or max_seq_len < 1:
@@ -62,7 +69,7 @@ class HFFallbackModel(nn.Module):
     def free_slot(self, slot: int) -> None:
         self._caches.pop(int(slot), None)
 
-    def _cache_at(self, slot: int, start: int):
+    def _cache_at(self, slot: int, start: int) -> DynamicCache:
         """The slot's DynamicCache holding exactly positions [0, start)."""
         from transformers import DynamicCache
 
@@ -108,3 +115,7 @@ class HFFallbackModel(nn.Module):
         if logits is None:  # every row empty
             logits = torch.zeros(bsz, seq, self.vocab_size, device=input_ids.device)
         return logits
+
+
+if TYPE_CHECKING:  # the type checker's proof that the fallback is a CausalLM
+    _causal_lm: type[CausalLM] = HFFallbackModel

@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
@@ -83,7 +83,7 @@ def build_model(config: Any) -> LlamaForCausalLM:
 
 def open_weights(
     path: str | os.PathLike,
-    model: nn.Module | None = None,
+    model: LlamaForCausalLM | None = None,
     config: Any = None,
     device: torch.device | str = "cpu",
 ) -> WeightSource:
@@ -168,7 +168,7 @@ def load_weights(
     return model.eval()
 
 
-def _tp_enabled(tp: TPInfo | None) -> bool:
+def _tp_enabled(tp: TPInfo | None) -> TypeGuard[TPInfo]:
     return tp is not None and tp.size > 1
 
 
@@ -195,7 +195,8 @@ def _load_ours(
     quantization: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> LlamaForCausalLM:
-    no_gemm_workspace(torch.device(device))
+    device = torch.device(device)
+    no_gemm_workspace(device)
     model = build_model(config)
     if _tp_enabled(tp):
         from runtime.models.arch.parallelize import apply_tp

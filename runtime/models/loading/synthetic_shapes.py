@@ -25,6 +25,8 @@ target.
 
 from __future__ import annotations
 
+from typing import Any
+
 _TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -34,7 +36,8 @@ _TINY = dict(
     vocab_size=256,
 )
 
-SHAPES = {
+# shape -> its family and config.json numbers (JSON values: a str family, int sizes)
+SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(family="llama", **_TINY),
     # CPU-sized: one thread runs a forward in tens of ms, and its 2-layer draft costs about
     # 0.3 of it (the overlap benchmark on two CPU slots)
@@ -110,7 +113,7 @@ SHAPES = {
 
 # family -> (architecture, config entries beyond the shape's numbers); the RoPE base and
 # norm epsilon are the real models'
-FAMILY_CONFIG = {
+FAMILY_CONFIG: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": (
         "LlamaForCausalLM",
         {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "mlp_bias": False},

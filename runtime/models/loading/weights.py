@@ -34,6 +34,8 @@ class WeightSource(Protocol):
 
     def get_shard(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor: ...
 
+    def close(self) -> None: ...
+
 
 def read_shard(
     read: Callable[[tuple], torch.Tensor], shape: Iterable[int], dim: int, start: int, stop: int
@@ -140,7 +142,7 @@ class GGUFWeights:
             read_field,
         )
 
-        self._reader = GGUFReader(str(path))
+        self._reader: GGUFReader | None = GGUFReader(str(path))
         architecture = read_field(self._reader, "general.architecture")[0]
         self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
             config=config.to_dict()

@@ -16,22 +16,23 @@ import os
 
 import torch
 
+from runtime.models.arch.base import CausalLM, is_paged
 from runtime.models.arch.cache import KVCache, blocks_for
+from runtime.models.arch.llama import DecoderLayer
 
 GIB = 1024**3
 RESERVE = 0.05  # of total device memory, kept free for activations when no budget is set
 
 
-def _attention_layers(model) -> list | None:
-    """The model's decoder layers (they have self_attn and norms), or None for a
-    model that allocates its own cache (transformers fallback)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not hasattr(layers[0], "self_attn"):
+def _attention_layers(model: CausalLM) -> list[DecoderLayer] | None:
+    """The decoder layers of a PagedModel, or None for a model that allocates its own
+    cache (transformers fallback)."""
+    if not is_paged(model):
         return None
-    return list(layers)
+    return [m for m in model.modules() if isinstance(m, DecoderLayer)]
 
 
-def block_bytes(model, block_size: int, kv_dtype: str = "auto") -> int | None:
+def block_bytes(model: CausalLM, block_size: int, kv_dtype: str = "auto") -> int | None:
     """Bytes ONE block of block_size positions costs across every layer of this (possibly
     TP-sharded: local heads) model: K and V in the activation dtype (the norms'; FP8
     weights are 1 byte), or with kv_dtype "fp8" e4m3 plus a float32 scale per position and
@@ -52,7 +53,11 @@ def block_bytes(model, block_size: int, kv_dtype: str = "auto") -> int | None:
 
 
 def cache_bytes(
-    model, num_slots: int, cache_len: int, block_size: int = 16, kv_dtype: str = "auto"
+    model: CausalLM,
+    num_slots: int,
+    cache_len: int,
+    block_size: int = 16,
+    kv_dtype: str = "auto",
 ) -> int | None:
     """Bytes of K and V (and an FP8 cache's scales) for every layer of this (possibly
     TP-sharded) model: num_slots x ceil(cache_len / block_size) blocks and the scratch
@@ -74,7 +79,7 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def check_kv_budget(
     key: str,
-    model,
+    model: CausalLM,
     num_slots: int,
     cache_len: int,
     fraction: float | None,

@@ -37,6 +37,7 @@ import torch
 
 from runtime.models import kernels
 from runtime.models.arch import attention
+from runtime.models.arch.base import CausalLM, PagedModel, is_paged
 from runtime.models.runners.graphs import kv_bucket, kv_buckets, record_graph
 from runtime.models.runners.hostcopy import copy_into, to_device
 from runtime.models.runners.tables import StaticTable
@@ -52,7 +53,7 @@ LONG_TOKENS = 2048  # rows x tokens of one eager chunk of a long prompt (_run_lo
 LONG_MIN_TOKENS = 1024
 
 
-def attention_shape(model) -> tuple[int | None, int]:
+def attention_shape(model: PagedModel) -> tuple[int | None, int]:
     """(query rows per token that attention stacks per KV head (local heads, TP included),
     head_dim); (None, 0) for a model without runtime.models.arch.attention.Attention layers."""
     for module in model.modules():
@@ -73,14 +74,15 @@ def chunk_rows(starts: list[int], n_valid: list[int], step: int, stop: int):
         )
 
 
-def long_chunk_bytes(model, tokens: int = LONG_TOKENS) -> int:
+def long_chunk_bytes(model: CausalLM, tokens: int = LONG_TOKENS) -> int:
     """An upper bound of the activations one long chunk (_run_long) holds at once in a
     layer, from the model's full (not TP-sharded) shapes: gate/up and q/k/v as float32 (the
     FP8 GEMMs' raw outputs), the MLP's product and a few copies of the residual stream in
-    the activation dtype; twice that for the allocator. 0 for a model without `args`."""
-    args = getattr(model, "args", None)
-    if args is None:
+    the activation dtype; twice that for the allocator. 0 for a model that is not a
+    PagedModel (it runs no long chunks)."""
+    if not is_paged(model):
         return 0
+    args = model.args
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     per_token = 4 * (2 * args.intermediate_size + qkv) + 2 * (
         args.intermediate_size + 6 * args.hidden_size
@@ -98,7 +100,7 @@ class PrefillRunner:
 
     def __init__(
         self,
-        model,
+        model: PagedModel,
         device: torch.device,
         batch_sizes: list[int],
         capture: bool,
@@ -140,13 +142,19 @@ class PrefillRunner:
     def attended(self, chunk: int, kv_len: int) -> int:
         """The attended length of a chunk's graph: the whole cache when the kernel reads
         lengths on the device, else kv_len rounded up to a KV bucket."""
-        cache_len = self.model.max_seq_len
+        cache_len = self.cache_len()
         return cache_len if self.kernel_serves(chunk) else kv_bucket(kv_len, cache_len)
+
+    def cache_len(self) -> int:
+        """The model's max_seq_len (allocate_cache came first)."""
+        cache_len = self.model.max_seq_len
+        assert cache_len is not None, "allocate_cache() must come first"
+        return cache_len
 
     def startup_keys(self, limit: int = MAX_STARTUP_GRAPHS) -> list[tuple[int, int, int]]:
         """(batch bucket, chunk bucket, attended length) of every graph a prefill can need,
         those that serve every KV length first, then shortest KV first; at most `limit`."""
-        cache_len = self.model.max_seq_len
+        cache_len = self.cache_len()
         keys = []
         for bsz in self.batch_sizes:
             allowed = [c for c in self.chunks if c <= self.chunk_for(bsz)]
@@ -202,11 +210,7 @@ class PrefillRunner:
         LONG_MIN_TOKENS) and more than one graph chunk of its batch bucket holds."""
         padded = next((b for b in self.batch_sizes if b >= bsz), bsz)
         longest = max(n_valid)
-        return (
-            hasattr(self.model, "hidden_static")
-            and longest >= self.long_min
-            and longest > self.chunk_for(padded)
-        )
+        return longest >= self.long_min and longest > self.chunk_for(padded)
 
     def long_chunk(self, bsz: int) -> int:
         """Tokens per row of one long chunk: long_tokens (LONG_TOKENS) in all."""
@@ -258,6 +262,7 @@ class PrefillRunner:
             for b, v in enumerate(n_valid):
                 if c0 < v <= c0 + step:
                     last[b].copy_(out[b, v - 1 - c0])
+        assert last is not None  # n_valid >= 1: one chunk at least
         return last
 
     def _chunk(
@@ -280,6 +285,7 @@ class PrefillRunner:
             self.graphs[key].replay()
         else:
             self._forward(*key)
+        assert self.out is not None  # _forward's (the graph's warm-up ran it too)
         return self.out[: padded * chunk].view(padded, chunk, -1)[:bsz]
 
     def _forward(self, bsz: int, chunk: int, kv_len: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.models.arch.base import PagedModel
 from runtime.models.arch.cache import as_block_table, slot_block_table
 from runtime.models.runners.hostcopy import to_device
 
@@ -26,7 +27,7 @@ class StaticTable:
     model's blocks_per_seq, first filled with the scratch block (padding rows read nothing
     and write only the scratch block, whatever their entries)."""
 
-    def __init__(self, model, max_batch: int, device: torch.device):
+    def __init__(self, model: PagedModel, max_batch: int, device: torch.device):
         self.blocks_per_seq, self.device = model.blocks_per_seq, device
         self.buffer = torch.full(
             (max_batch, model.blocks_per_seq), model.num_blocks, dtype=torch.int32, device=device

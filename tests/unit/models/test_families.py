@@ -23,7 +23,7 @@ import torch
 
 from runtime.models import LlamaForCausalLM, load_model
 from runtime.models.arch import quant
-from runtime.models.arch.model_args import unsupported_reason
+from runtime.models.arch.model_args import NormPlacement, unsupported_reason
 from runtime.models.runners.step_runner import StepRunner
 from tests import fp8_checkpoints as fc
 from tests.checkpoints import build_checkpoint
@@ -174,9 +174,10 @@ def test_fp8_gemm_path_fused_equals_unfused(paths, name, monkeypatch):
     model = load_model(paths[name], F32, CPU, quantization="fp8")
     x = torch.zeros(1, 1, model.args.hidden_size)
     layer = model.model.layers[0]
-    assert layer.post_norms == (name == "olmo2")  # OLMo 2's and Gemma's layers never ask
-    assert layer.gemma == (name == "gemma2")  # their attention or MLP
-    assert layer.gemma or not layer.self_attn.fp8_fused(x)
+    # POST (OLMo 2) and SANDWICH (Gemma) layers never ask their attention or MLP
+    placement = {"olmo2": NormPlacement.POST, "gemma2": NormPlacement.SANDWICH}
+    assert layer.norms is placement.get(name, NormPlacement.PRE)
+    assert layer.norms is NormPlacement.SANDWICH or not layer.self_attn.fp8_fused(x)
     out = {}
     for fuse in (False, True):
         monkeypatch.setattr(quant, "FUSE_FP8", fuse)

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from runtime.models import CausalLM, HFFallbackModel, LlamaForCausalLM, load_model
+from runtime.models.arch.base import is_paged
+from runtime.models.runners.step_runner import StepRunner
 from tests.checkpoints import (
     build_checkpoint,
     hf_generate,
@@ -183,6 +185,7 @@ def test_cache_bounds_and_protocol(tmp_path):
     path = build_checkpoint(tmp_path, arch="llama", seed=4)
     model = load_model(path, F32, CPU)
     assert isinstance(model, CausalLM) and model.vocab_size == 96 and not model.training
+    assert is_paged(model)  # a PagedModel: its class says so
     with pytest.raises(RuntimeError, match="allocate_cache"):
         extend(model, 0, 0, [5, 6])
     model.allocate_cache(2, 16)
@@ -283,6 +286,18 @@ def test_fallback_full_and_incremental(fallback):
         got = extend(model, 2, start, seq[start : start + size])
         torch.testing.assert_close(got, full[start : start + size], atol=1e-4, rtol=0)
         start += size
+
+
+def test_fallback_is_no_paged_model(fallback):
+    """The fallback says it is no PagedModel: a step runner gives it its slots as rows, in
+    one eager forward_extend (no static steps, block tables or prefill chunks)."""
+    model, ref = fallback
+    assert not is_paged(model)
+    runner = StepRunner(model, CPU, max_batch=4, max_step_len=2)
+    assert not runner.static and runner.table is None and runner.chunked is None
+    seq = _sequence(90, 5)
+    got = runner.run(torch.tensor([seq]), [3], [0], [5])
+    torch.testing.assert_close(got[0], hf_logits(ref, seq), atol=1e-4, rtol=0)
 
 
 def test_fallback_ragged_batch(fallback):
