@@ -96,7 +96,9 @@ class BlockManager:
         parent = ROOT
         for block in matched:
             self._hold(block)
-            parent = self.key_of[block]
+            key = self.key_of[block]
+            assert key is not None  # a matched block is indexed
+            parent = key
             table.blocks.append(block)
             table.keys.append(parent)
         self.grow(table, positions)
@@ -160,7 +162,9 @@ class BlockManager:
             block = self._free.pop()
         else:
             block, _ = self._cached.popitem(last=False)
-            del self.index[self.key_of[block]]
+            key = self.key_of[block]
+            assert key is not None  # a cached block is indexed
+            del self.index[key]
             self.key_of[block] = None
         self.refs[block] = 1
         return block

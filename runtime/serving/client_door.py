@@ -64,7 +64,7 @@ class ClientDoor:
     def take(self, limit: int) -> list[tuple[bytes, dict]]:
         """Up to `limit` waiting (identity, message) frames, oldest first."""
         self._to_loop.drain()  # before taking: a frame queued after this wakes us again
-        frames = []
+        frames: list[tuple[bytes, dict]] = []
         while self._inbox and len(frames) < limit:
             frames.append(self._inbox.popleft())
         return frames

@@ -3,6 +3,7 @@ hands results back. Used in-process by `tandem run` and by the server loop of `t
 It is the one door into serving: callers use submit / step / cancel / has_work / idle /
 stats / profile / metrics_text / metrics_registry, never the scheduler or the worker pool
 behind it."""
+
 from __future__ import annotations
 
 import logging
@@ -10,27 +11,39 @@ import os
 import secrets
 import socket
 import threading
+from dataclasses import dataclass
 
 from runtime.config import TandemConfig
-from runtime.models.loading.checkpoint import inspect_checkpoint
-from runtime.params import SamplingParams, check_fits, check_prompt_ids
+from runtime.config.vocab import cross_tokenizer
 from runtime.control.pool import WorkerPool
+from runtime.models.loading.checkpoint import inspect_checkpoint
+from runtime.models.loading.tokenizer import load_tokenizer
+from runtime.params import SamplingParams, check_fits, check_prompt_ids
 from runtime.serving.block_manager import BlockManager
+from runtime.serving.cross_round import CrossExecutor
+from runtime.serving.executor import Executor
+from runtime.serving.metrics import ServingMetrics
 from runtime.serving.scheduler import Event, Scheduler, Sequence
 from runtime.serving.textstream import TextStream
-from runtime.config.vocab import cross_tokenizer
-from runtime.models.loading.tokenizer import load_tokenizer
-from runtime.serving.cross_round import CrossRounds
 from runtime.speculation.retokenize import TextBridge
 
 log = logging.getLogger("tandem.orchestrator")
 
 
+@dataclass(frozen=True)
+class _Serving:
+    """What attach() gives the orchestrator, whole: the workers, the scheduler that plans
+    their steps and the executor that carries the plans out."""
+
+    pool: WorkerPool
+    scheduler: Scheduler
+    executor: Executor
+
+
 class Orchestrator:
     def __init__(self, config: TandemConfig):
         self.config = config
-        self._pool: WorkerPool | None = None
-        self._scheduler: Scheduler | None = None
+        self._serving: _Serving | None = None  # set by attach()
         self.vocab_size = 0
         self.tokenizer = None
         self.eos_token_ids: tuple[int, ...] = ()
@@ -42,8 +55,9 @@ class Orchestrator:
     def _load(self) -> None:
         try:
             info = inspect_checkpoint(self.config.target.model)
-            tokenizer = load_tokenizer(self.config.tokenizer_path,
-                                       required=self.config.tokenizer is not None)
+            tokenizer = load_tokenizer(
+                self.config.tokenizer_path, required=self.config.tokenizer is not None
+            )
         except BaseException as exc:  # noqa: BLE001 - re-raised by attach()
             self._load_error = exc
             return
@@ -52,16 +66,26 @@ class Orchestrator:
             eos = (tokenizer.eos_token_id,)
         self.vocab_size, self.tokenizer, self.eos_token_ids = info.vocab_size, tokenizer, eos
 
-    def _cross_rounds(self) -> CrossRounds | None:
-        """The rounds of a draft with another tokenizer (runtime.serving.cross_round), or
-        None when draft and target share one."""
-        if not cross_tokenizer(self.config):
-            return None
+    def _make_executor(self, pool: WorkerPool, metrics: ServingMetrics) -> Executor:
+        """What carries out the scheduler's plans on `pool`: a draft with another tokenizer
+        rounds through a CrossExecutor (runtime.serving.cross_round)."""
         cfg = self.config
-        log.info("the draft %s has another tokenizer: its proposals cross as text (two "
-                 "commands a round, no overlap or drafting ahead)", cfg.draft.model)
+        if not cross_tokenizer(cfg):
+            return Executor(pool, cfg.runtime.step_timeout_s, metrics)
+        log.info(
+            "the draft %s has another tokenizer: its proposals cross as text (two "
+            "commands a round, no overlap or drafting ahead)",
+            cfg.draft.model,
+        )
         bridge = TextBridge(self.tokenizer, load_tokenizer(cfg.draft.model, required=True))
-        return CrossRounds(bridge, cfg.kv_seq_len, cfg.speculation.max_draft_len)
+        return CrossExecutor(
+            pool,
+            cfg.runtime.step_timeout_s,
+            metrics,
+            bridge,
+            cfg.kv_seq_len,
+            cfg.speculation.max_draft_len,
+        )
 
     def _loaded(self) -> None:
         """Wait for _load; raise what it raised."""
@@ -69,40 +93,53 @@ class Orchestrator:
         if self._load_error is not None:
             raise self._load_error
 
-    def attach(self, pool: WorkerPool) -> "Orchestrator":
+    def attach(self, pool: WorkerPool) -> Orchestrator:
         """Start scheduling on the workers behind `pool`."""
         self._loaded()
-        self._pool = pool
         rt = self.config.runtime
         prefix_caching = rt.prefix_caching and pool.shares_blocks
         if rt.prefix_caching and not pool.shares_blocks:
-            log.warning("prefix caching off: a model runs through transformers with its own "
-                     "KV cache (runtime.prefix_caching needs the paged cache of both)")
+            log.warning(
+                "prefix caching off: a model runs through transformers with its own "
+                "KV cache (runtime.prefix_caching needs the paged cache of both)"
+            )
         blocks = BlockManager(pool.kv_blocks, rt.kv_block_size, prefix_caching)
-        cross = self._cross_rounds()
-        self._scheduler = Scheduler(pool, rt.max_batch_size,
-                                   self.config.speculation.fixed_draft_len,
-                                   self.eos_token_ids, rt.step_timeout_s,
-                                   overlap=self.config.overlapped and cross is None,
-                                   acceptance=self.config.speculation.acceptance,
-                                   blocks=blocks, table_len=self.config.kv_seq_len,
-                                   max_prefill_tokens=rt.max_prefill_tokens
-                                   if pool.shares_blocks else None, cross=cross)
-        scheduler = self._scheduler
-        scheduler.metrics.watch(lambda: len(scheduler.running), lambda: len(scheduler.queue),
-                                scheduler.draft_len)
+        metrics = ServingMetrics()
+        executor = self._make_executor(pool, metrics)
+        scheduler = Scheduler(
+            rt.max_batch_size,
+            self.config.speculation.fixed_draft_len,
+            self.eos_token_ids,
+            overlap=self.config.overlapped and not isinstance(executor, CrossExecutor),
+            acceptance=self.config.speculation.acceptance,
+            blocks=blocks,
+            table_len=self.config.kv_seq_len,
+            max_prefill_tokens=rt.max_prefill_tokens if pool.shares_blocks else None,
+            metrics=metrics,
+        )
+        self._serving = _Serving(pool, scheduler, executor)
+        scheduler.metrics.watch(
+            lambda: len(scheduler.running), lambda: len(scheduler.queue), scheduler.draft_len
+        )
         scheduler.metrics.prometheus.watch_blocks(lambda: blocks.used / blocks.num_blocks)
         scheduler.metrics.prometheus.watch_drops(lambda: pool.dropped_total)
         return self
 
     def info(self) -> dict:
-        return {"vocab_size": self.vocab_size, "max_seq_len": self.config.runtime.max_seq_len,
-                "has_tokenizer": self.tokenizer is not None,
-                "model": self.config.target.model,
-                # where the processes run: a client on this host watches them (runtime.api.client)
-                "server": [socket.gethostname(), os.getpid()],
-                "processes": {str(rank): [host, pid] for rank, (host, pid) in
-                              sorted((self._pool.processes if self._pool else {}).items())}}
+        return {
+            "vocab_size": self.vocab_size,
+            "max_seq_len": self.config.runtime.max_seq_len,
+            "has_tokenizer": self.tokenizer is not None,
+            "model": self.config.target.model,
+            # where the processes run: a client on this host watches them (runtime.api.client)
+            "server": [socket.gethostname(), os.getpid()],
+            "processes": {
+                str(rank): [host, pid]
+                for rank, (host, pid) in sorted(
+                    (self._serving.pool.processes if self._serving else {}).items()
+                )
+            },
+        }
 
     # --- requests ------------------------------------------------------------------------
     def encode(self, text: str, chat: bool = False) -> list[int]:
@@ -117,24 +154,38 @@ class Orchestrator:
     def encode_chat(self, messages, name: str = "messages") -> list[int]:
         """A whole conversation through the tokenizer's chat template, with the assistant's
         generation prompt appended. Template errors are ValueErrors naming `name`."""
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
-            raise ValueError(f"{name}: expected a non-empty list of {{role, content}} maps "
-                             f"with string values")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise ValueError(
+                f"{name}: expected a non-empty list of {{role, content}} maps with string values"
+            )
         if self.tokenizer is None:
             raise ValueError(f"{name}: this model has no tokenizer; pass prompt_token_ids")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         except Exception as exc:  # noqa: BLE001 - jinja errors are not ValueErrors
             raise ValueError(f"{name}: the chat template failed: {exc}") from None
         return [int(t) for t in ids]
 
-    def make_sequences(self, request_id: str, prompts: list[str] | None,
-                       prompt_ids: list[list[int]] | None, params: dict,
-                       chat: bool = False, messages: list[dict] | None = None
-                       ) -> list[Sequence]:
+    def make_sequences(
+        self,
+        request_id: str,
+        prompts: list[str] | None,
+        prompt_ids: list[list[int]] | None,
+        params: dict,
+        chat: bool = False,
+        messages: list[dict] | None = None,
+    ) -> list[Sequence]:
         """Validate one request (server side too: a raw client can send anything).
         `messages` is one chat conversation (one sequence) instead of prompts/prompt_ids.
         Needs no worker: `tandem run` makes its sequences before any worker starts."""
@@ -149,65 +200,96 @@ class Orchestrator:
         elif prompts is not None:
             id_lists = [self.encode(p, chat) for p in prompts]
         else:
+            assert prompt_ids is not None  # exactly one of the three was given
             id_lists = [check_prompt_ids(ids, self.vocab_size) for ids in prompt_ids]
         if not id_lists:
             raise ValueError("prompt: expected at least one prompt")
-        name = "messages" if messages is not None else \
-            "prompt" if prompts is not None else "prompt_token_ids"
+        name = (
+            "messages"
+            if messages is not None
+            else "prompt"
+            if prompts is not None
+            else "prompt_token_ids"
+        )
         seqs = []
         for i, ids in enumerate(id_lists):
             check_prompt_ids(ids, self.vocab_size)
-            check_fits(len(ids), sampling.max_new_tokens, self.config.runtime.max_seq_len,
-                       name, i if len(id_lists) > 1 else None)
+            check_fits(
+                len(ids),
+                sampling.max_new_tokens,
+                self.config.runtime.max_seq_len,
+                name,
+                i if len(id_lists) > 1 else None,
+            )
             # prompt i of a request samples with seed + i: copies of one prompt give
             # independent samples, and the whole request is reproducible
             seed = sampling.seed + i if sampling.seed is not None else secrets.randbits(62)
-            seqs.append(Sequence(request_id, i, ids, sampling,
-                                 TextStream(self.tokenizer, sampling.stop), seed=seed))
+            seqs.append(
+                Sequence(
+                    request_id,
+                    i,
+                    ids,
+                    sampling,
+                    TextStream(self.tokenizer, sampling.stop),
+                    seed=seed,
+                )
+            )
         return seqs
 
     # --- the one door into serving ------------------------------------------------------
+    @property
+    def _on(self) -> _Serving:
+        if self._serving is None:
+            raise RuntimeError("the orchestrator serves once attach() has given it workers")
+        return self._serving
+
     def submit(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            self._scheduler.add(seq)
+            self._on.scheduler.add(seq)
 
     def step(self) -> list[Event]:
-        """One scheduler step: admit, one round, retire; the events it produced."""
-        return self._scheduler.step()
+        """One step: the scheduler plans it, the executor carries it out on the workers, the
+        scheduler takes the replies; the events it produced."""
+        plan = self._on.scheduler.schedule()
+        return self._on.scheduler.update(plan, self._on.executor.run(plan))
 
     def cancel(self, request_id: str) -> None:
-        self._scheduler.cancel(request_id)
+        self._on.scheduler.cancel(request_id)
 
     @property
     def has_work(self) -> bool:
-        return self._scheduler.has_work
+        return self._on.scheduler.has_work
 
     def idle(self, timeout_ms: int = 0, wake=()) -> list:
         """Nothing to run: see to the workers (heartbeats, deaths), waiting up to timeout_ms
         for one of them or for one of `wake` (the server's sockets) to be readable, which it
         returns (runtime.control.pool.WorkerPool.idle)."""
-        return self._pool.idle(timeout_ms, wake)
+        return self._on.pool.idle(timeout_ms, wake)
 
     def stats(self) -> dict:
-        scheduler = self._scheduler
-        return scheduler.metrics.snapshot(len(scheduler.running), len(scheduler.queue),
-                                          scheduler.blocks.num_blocks, scheduler.blocks.used)
+        scheduler = self._on.scheduler
+        return scheduler.metrics.snapshot(
+            len(scheduler.running),
+            len(scheduler.queue),
+            scheduler.blocks.num_blocks,
+            scheduler.blocks.used,
+        )
 
     def profile(self) -> dict:
         """Mean seconds of each worker phase per round (empty unless TANDEM_PROFILE=1)."""
-        return self._scheduler.metrics.profile()
+        return self._on.scheduler.metrics.profile()
 
     def metrics_text(self) -> str:
         """The Prometheus text exposition of this server's metrics (GET /metrics)."""
-        return self._scheduler.metrics.exposition()
+        return self._on.scheduler.metrics.exposition()
 
     def metrics_registry(self):
         """This server's prometheus_client CollectorRegistry (`tandem serve --metrics`
         serves it on a thread; prometheus_client's metrics are thread-safe)."""
-        return self._scheduler.metrics.prometheus.registry
+        return self._on.scheduler.metrics.prometheus.registry
 
     def run_until_done(self, seqs: list[Sequence]) -> list[dict]:
         self.submit(seqs)
-        while any(s.finish_reason is None for s in seqs):
+        while not all(s.done for s in seqs):
             self.step()
         return [s.output() for s in seqs]

@@ -20,9 +20,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
+
+if TYPE_CHECKING:  # imported when the endpoint starts
+    import uvicorn
 
 PREFIX = "tandem:"
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -314,7 +318,7 @@ class MetricsEndpoint:
         self.sock.set_inheritable(False)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, registry: CollectorRegistry, timeout_s: float = 30.0) -> None:
@@ -330,16 +334,16 @@ class MetricsEndpoint:
             lifespan="off",
             timeout_graceful_shutdown=2,
         )
-        self._server = uvicorn.Server(config)
+        server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._server.run,
+            target=server.run,
             kwargs={"sockets": [self.sock]},
             name="tandem-metrics",
             daemon=True,
         )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
-        while not self._server.started:
+        while not server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the --metrics endpoint did not start")
             time.sleep(0.02)

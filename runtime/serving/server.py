@@ -22,7 +22,7 @@ from runtime.control.signals import SignalWakeup
 from runtime.errors import EngineDeadError
 from runtime.serving.client_door import ClientDoor
 from runtime.serving.orchestrator import Orchestrator
-from runtime.serving.scheduler import Event
+from runtime.serving.sequence import Event, EventKind
 
 log = logging.getLogger("tandem.server")
 CLIENT_TIMEOUT_S = 10.0  # a client with requests in flight pings every second
@@ -141,7 +141,7 @@ class Server:
             pend = self.pending.get(seq.request_id)
             if pend is None:
                 continue
-            if event.kind == "delta" and pend.stream and (event.token_ids or event.text):
+            if event.kind is EventKind.DELTA and pend.stream and (event.token_ids or event.text):
                 self.reply(
                     pend.identity,
                     {
@@ -153,9 +153,8 @@ class Server:
                     },
                 )
             if (
-                event.kind == "final"
-                and all(s.finish_reason for s in pend.seqs)
-                and all(s.t_end is not None for s in pend.seqs)
+                event.kind is EventKind.FINAL
+                and all(s.stats.t_end is not None for s in pend.seqs)  # each one retired
             ):
                 del self.pending[seq.request_id]
                 self.reply(

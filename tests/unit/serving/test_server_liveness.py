@@ -19,7 +19,7 @@ from runtime.api.client import Client
 from runtime.control import protocol
 from runtime.errors import EngineDeadError, RequestCancelledError
 from runtime.serving.client_door import ClientDoor
-from runtime.serving.sequence import Event
+from runtime.serving.sequence import Event, EventKind, SeqStats
 from runtime.serving.server import Server
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,7 +33,7 @@ class FakeSeq:
     max_new_tokens: int
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    t_end: float | None = None
+    stats: SeqStats = field(default_factory=SeqStats)
 
     def output(self) -> dict:
         return {"index": self.index, "text": "", "token_ids": list(self.generated),
@@ -83,11 +83,11 @@ class SlowOrchestrator:
         for seq in list(self.seqs):
             token = (seq.prompt_ids[-1] + len(seq.generated) + 1) % 100
             seq.generated.append(token)
-            events.append(Event("delta", seq, [token], ""))
+            events.append(Event(EventKind.DELTA, seq, [token], ""))  # type: ignore[arg-type]
             if len(seq.generated) == seq.max_new_tokens:
-                seq.finish_reason, seq.t_end = "length", time.perf_counter()
+                seq.finish_reason, seq.stats.t_end = "length", time.perf_counter()
                 self.seqs.remove(seq)
-                events.append(Event("final", seq, [], ""))
+                events.append(Event(EventKind.FINAL, seq, [], ""))  # type: ignore[arg-type]
         return events
 
     def idle(self, timeout_ms: int = 0, wake=()) -> list:

@@ -174,7 +174,7 @@ class RecordingPool:
                 ).to_map()
             }
         if msg["type"] != "round":
-            return {0: {}}
+            return {0: commands.StepAck().to_map()}
         accepted, tokens = [], []
         for _ in msg["slots"]:
             a = 0
@@ -191,11 +191,13 @@ def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
     (next_k), so the workers draft ahead (or decode ahead) exactly what the next round runs;
     when the batch changes, the k is chosen afresh."""
     from runtime.params import SamplingParams
+    from runtime.serving.executor import Executor
     from runtime.serving.scheduler import Scheduler, Sequence
     from runtime.serving.textstream import TextStream
 
     pool = RecordingPool([0.7] * 8)
-    sched = Scheduler(pool, num_slots=2, draft_len=None, eos_token_ids=(), step_timeout_s=5.0)
+    sched = Scheduler(num_slots=2, draft_len=None, eos_token_ids=())
+    executor = Executor(pool, 5.0, sched.metrics)  # type: ignore[arg-type]
     for i, n in enumerate((150, 300)):
         sched.add(
             Sequence(
@@ -203,7 +205,8 @@ def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
             )
         )
     while sched.has_work:
-        sched.step()
+        plan = sched.schedule()
+        sched.update(plan, executor.run(plan))
     rounds = [c for c in pool.commands if c["type"] == "round"]
     pairs = list(zip(rounds, rounds[1:]))
     assert all(0 <= c["next_k"] <= 8 for c in rounds)
