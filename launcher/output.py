@@ -13,6 +13,8 @@ import re
 import sys
 from collections.abc import Callable
 
+from runtime.serving.sequence import EventKind
+
 DEMO_NOTE = """\
 tandem: demo: SmolLM2-135M-Instruct on the CPU is both draft and target, so every draft
   token is accepted (acceptance 1.00, tokens/round = draft_len + 1) and nothing is gained:
@@ -92,9 +94,9 @@ class RunOutput:
     def event(self, event) -> None:
         """One event of Orchestrator.step()."""
         i = event.seq.index
-        if event.kind == "delta":
+        if event.kind is EventKind.DELTA:
             self.held[i] += event.text
-        elif event.kind == "final":
+        elif event.kind is EventKind.FINAL:
             self.done[i] = True
         if self.stream:
             self._print_ready(everything=False)

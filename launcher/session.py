@@ -170,10 +170,10 @@ def _generate(orch, cluster, seqs, out: RunOutput, request: dict, interrupt: _In
         print_demo_header(request["prompts"])
     now = time.perf_counter()
     for seq in seqs:  # made before the workers started: their clock starts now
-        seq.t_start = now
+        seq.stats.t_start = now
     try:
         orch.submit(seqs)
-        while interrupt.signum is None and any(s.finish_reason is None for s in seqs):
+        while interrupt.signum is None and not all(s.done for s in seqs):
             for event in orch.step():
                 out.event(event)
     except EngineDeadError as exc:
