@@ -1,5 +1,13 @@
+import os
 import sys
 
-from launcher.cli import main
+# Every worker starts here (`python -m launcher worker`, or a rank that torchrun or mpirun
+# pre-started with `python -m launcher run|serve`), before torch loads its OpenMP runtime,
+# which reads the wait policy once, as it loads: idle intra-op threads then sleep at once
+# instead of spinning on the cores that another busy process needs (docs/configuration.md,
+# "CPU threads"). A policy already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from launcher.cli import main  # noqa: E402 - after the wait policy
 
 sys.exit(main())

@@ -34,8 +34,8 @@ class PingServer:
                 continue
             identity, frame = self.sock.recv_multipart()
             msg = protocol.decode(frame)
-            if msg["type"] == "ping":
-                reply = {"type": "pong", "id": msg["id"], "info": self.info}
+            if isinstance(msg, protocol.Ping):
+                reply = protocol.Pong(msg.id, self.info)
                 self.sock.send_multipart([identity, protocol.encode(reply)])
 
     def close(self) -> None:

@@ -1,21 +1,23 @@
 """A simulation of the workers for scheduler tests: FakeWorkers stands in for the WorkerPool
 behind a real Executor (runtime.serving.executor) and keeps, from the prefill/round/release
 commands alone, each slot's committed tokens, its cache length and its block table, and what
-every block's KV holds (one token per position, as the model's K/V would). It checks every
-command with commands.command, that no slot writes outside its table or into a block another
-slot holds or the prefix index serves, that a round's tables address what the round may write,
-and that a prefill's `cached` positions are exactly blocks whose contents are the new prompt's
-tokens (so a prefix hit is correct). The target is deterministic (next token = f(tokens before
-it)), so a request's tokens do not depend on how it was scheduled: preempted, readmitted from a
-prefix hit, or run alone. Rejected drafts are written into the KV as garbage, as real ones are,
-and positions count as known-cached only once every rank's RoundReply.cached covers them.
-`Run` drives a Scheduler through it a step at a time: schedule(), Executor.run, update()."""
+every block's KV holds (one token per position, as the model's K/V would). It sends every
+command and reply through msgpack (runtime.control.protocol), and checks that no slot writes
+outside its table or into a block another slot holds or the prefix index serves, that a
+round's tables address what the round may write, and that a prefill's `cached` positions are
+exactly blocks whose contents are the new prompt's tokens (so a prefix hit is correct). The
+target is deterministic (next token = f(tokens before it)), so a request's tokens do not depend
+on how it was scheduled: preempted, readmitted from a prefix hit, or run alone. Rejected drafts
+are written into the KV as garbage, as real ones are, and positions count as known-cached only
+once every rank's RoundReply.cached covers them. `Run` drives a Scheduler through it a step at
+a time: schedule(), Executor.run, update()."""
 
 from __future__ import annotations
 
 import hashlib
 import random
 from array import array
+from dataclasses import replace
 
 from runtime.control import commands, protocol
 from runtime.params import SamplingParams
@@ -87,26 +89,31 @@ class FakeWorkers:
         self.released: list[tuple[list[int], int]] = []  # (tokens, max_reported) at release
 
     # --- the pool's interface -----------------------------------------------------------------
-    def command(self, msg: dict, timeout_s: float) -> dict[int, dict]:
+    def command(self, cmd: commands.Command, timeout_s: float) -> dict[int, commands.Reply]:
         self.step += 1  # as WorkerPool.command stamps it
-        msg = protocol.decode(protocol.encode(dict(msg, step=self.step)))  # through msgpack
-        cmd = commands.command(msg)
+        cmd = protocol.decode(protocol.encode(replace(cmd, step=self.step)))  # through msgpack
         if isinstance(cmd, commands.PrefillCommand):
-            return self._prefill(cmd)
-        if isinstance(cmd, commands.ReleaseCommand):
+            replies = self._prefill(cmd)
+        elif isinstance(cmd, commands.ReleaseCommand):
             for slot in cmd.slots:
                 if slot not in self.slots:  # admitted, ended before its first chunk
                     assert 0 <= slot < self.num_slots, f"release of slot {slot}"
                     continue
                 self.released.append((self.slots.pop(slot).tokens, self.max_reported.pop(slot)))
-            return self._acks()
-        return self._round(cmd)
+            replies = self._acks()
+        else:
+            assert isinstance(cmd, commands.RoundCommand), cmd
+            replies = self._round(cmd)
+        return {  # the replies through msgpack too, each in its done message
+            rank: protocol.decode(protocol.encode(protocol.Done(rank, self.step, reply))).result
+            for rank, reply in replies.items()
+        }
 
-    def _acks(self) -> dict[int, dict]:
-        return {rank: commands.StepAck().to_map() for rank in range(len(self.lag))}
+    def _acks(self) -> dict[int, commands.Reply]:
+        return {rank: commands.StepAck() for rank in range(len(self.lag))}
 
     # --- prefill --------------------------------------------------------------------------------
-    def _prefill(self, cmd: commands.PrefillCommand) -> dict[int, dict]:
+    def _prefill(self, cmd: commands.PrefillCommand) -> dict[int, commands.Reply]:
         """Each slot's tokens from `cached` on (checked against the scheduler's sequence):
         a chunk caches all but its last token; a prompt's end is cached whole by both models
         (the target picks the first output token): every rank reports that."""
@@ -149,7 +156,7 @@ class FakeWorkers:
                 )
             else:
                 reply = commands.RoundReply(commands.WORKER, 0.001, cached=cached)
-            replies[rank] = reply.to_map()
+            replies[rank] = reply
         for slot, upto in zip(cmd.slots, report):
             known = 0 if self.silent else min(max(0, upto - lag) for lag in self.lag)
             self._confirm(slot, known)
@@ -191,7 +198,7 @@ class FakeWorkers:
         self.slots[slot] = Slot(prompt, table, cached)
 
     # --- rounds -----------------------------------------------------------------------------
-    def _round(self, cmd: commands.RoundCommand) -> dict[int, dict]:
+    def _round(self, cmd: commands.RoundCommand) -> dict[int, commands.Reply]:
         self.rounds += 1
         assert cmd.slots == sorted(set(cmd.slots)) and set(cmd.slots) <= set(self.slots)
         assert len(cmd.tables) == len(cmd.slots)
@@ -248,7 +255,7 @@ class FakeWorkers:
                 )
             else:
                 reply = commands.RoundReply(commands.WORKER, 0.001, cached=report)
-            replies[rank] = reply.to_map()
+            replies[rank] = reply
         known = [0 if self.silent else min(max(0, c - lag) for lag in self.lag) for c in cached]
         for slot, upto in zip(cmd.slots, known):
             self._confirm(slot, upto)

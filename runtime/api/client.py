@@ -24,6 +24,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import zmq
 
@@ -31,11 +32,27 @@ from runtime.api.client_io import (
     IO_JOIN_S,
     WORKER_DEATH_GRACE_S,
     ClientIO,
+    ClosedFailure,
     _close_client,
     _run_closers,
 )
 from runtime.api.outputs import GenerationOutput, StreamDelta
 from runtime.control import auth
+from runtime.control.protocol import (
+    Cancel,
+    ClientReply,
+    ClientRequest,
+    Delta,
+    Failed,
+    Final,
+    Generate,
+    Metrics,
+    MetricsReply,
+    Ping,
+    Pong,
+    Stats,
+    StatsReply,
+)
 from runtime.control.waker import Waker
 from runtime.errors import EngineClosedError, EngineDeadError, RequestCancelledError
 from runtime.params import SamplingParams, check_fits, check_prompt_ids
@@ -46,8 +63,11 @@ CONNECT_TIMEOUT_S = 3.0  # how long a call waits for a connection to an unreache
 CALL_TIMEOUT_S = 30.0  # info / stats / metrics: how long a reached server gets to answer
 
 
-def _dead_error(msg: dict) -> EngineDeadError:
-    return (EngineClosedError if msg.get("closed") else EngineDeadError)(msg["message"])
+A = TypeVar("A", StatsReply, MetricsReply)
+
+
+def _dead_error(msg: Failed) -> EngineDeadError:
+    return (EngineClosedError if isinstance(msg, ClosedFailure) else EngineDeadError)(msg.message)
 
 
 class Client(ClientIO):
@@ -105,8 +125,8 @@ class Client(ClientIO):
     def _new_id(self) -> str:
         return f"{self._prefix}-{os.getpid()}-{next(self._ids)}"
 
-    def _open(self, msg: dict, waiter=None, patient: bool = False):
-        """Register a waiter for msg["id"] (a queue.Queue unless given: anything with
+    def _open(self, msg: ClientRequest, waiter=None, patient: bool = False):
+        """Register a waiter for msg.id (a queue.Queue unless given: anything with
         put()) and queue msg for sending. Unless `patient`, the call gives up after
         connect_timeout_s if the server was never reached (runtime.api.client_io)."""
         waiter = queue.Queue() if waiter is None else waiter
@@ -115,9 +135,9 @@ class Client(ClientIO):
                 raise EngineClosedError(f"{self.NAME} is closed")
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
-            self._waiters[msg["id"]] = waiter
+            self._waiters[msg.id] = waiter
             if not patient:
-                self._patience[msg["id"]] = time.monotonic() + self.connect_timeout_s
+                self._patience[msg.id] = time.monotonic() + self.connect_timeout_s
         self._last_heard = max(self._last_heard, time.monotonic() - 1.0)
         self._post(msg)
         return waiter
@@ -127,14 +147,14 @@ class Client(ClientIO):
             self._waiters.pop(rid, None)
             self._patience.pop(rid, None)
 
-    def _next(self, waiter: queue.Queue) -> dict:
+    def _next(self, waiter: queue.Queue) -> ClientReply:
         msg = waiter.get()
-        if msg["type"] == "failed":
-            if msg["kind"] == "dead":
+        if isinstance(msg, Failed):
+            if msg.kind == "dead":
                 raise _dead_error(msg)
-            if msg["kind"] == "cancelled":
-                raise RequestCancelledError(msg["message"])
-            raise ValueError(msg["message"])
+            if msg.kind == "cancelled":
+                raise RequestCancelledError(msg.message)
+            raise ValueError(msg.message)
         return msg
 
     def _unanswered(self, timeout_s: float, starting: bool = False) -> EngineDeadError:
@@ -155,7 +175,7 @@ class Client(ClientIO):
         patient = timeout_s is not None
         timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
         rid = "ping-" + self._new_id()
-        waiter = self._open({"type": "ping", "id": rid}, patient=patient)
+        waiter = self._open(Ping(rid), patient=patient)
         try:
             deadline, starting = time.monotonic() + timeout_s, False
             while True:
@@ -163,77 +183,73 @@ class Client(ClientIO):
                     msg = waiter.get(timeout=0.2)
                 except queue.Empty:
                     msg = None
-                if msg is not None and msg["type"] == "failed":
+                if isinstance(msg, Failed):
                     raise _dead_error(msg)
-                if msg is not None and msg["type"] == "pong":
-                    return msg["info"]
+                if isinstance(msg, Pong):
+                    return msg.info
                 starting |= msg is not None  # `starting`: alive, its workers loading
                 if time.monotonic() > deadline:
                     raise self._unanswered(timeout_s, starting) from None
                 if msg is None:
-                    self._post({"type": "ping", "id": rid})
+                    self._post(Ping(rid))
         finally:
             self._close_waiter(rid)
 
-    def _ask(self, kind: str, timeout_s: float | None) -> dict:
+    def _ask(
+        self, kind: type[Stats] | type[Metrics], answer: type[A], timeout_s: float | None
+    ) -> A:
         """One question, one reply (stats, metrics); timeout_s as for info()."""
         patient = timeout_s is not None
         timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
-        rid = f"{kind}-" + self._new_id()
-        waiter = self._open({"type": kind, "id": rid}, patient=patient)
+        rid = f"{kind.NAME}-" + self._new_id()
+        waiter = self._open(kind(rid), patient=patient)
         try:
             msg = waiter.get(timeout=timeout_s)
         except queue.Empty:
             raise self._unanswered(timeout_s) from None
         finally:
             self._close_waiter(rid)
-        if msg["type"] == "failed":
+        if isinstance(msg, Failed):
             raise _dead_error(msg)
+        if not isinstance(msg, answer):
+            raise EngineDeadError(f"the server answered {kind.NAME!r} with {msg.NAME!r}")
         return msg
 
     def stats(self, timeout_s: float | None = None) -> dict:
         """Server statistics: running and queued requests, tokens generated, acceptance rate,
         tokens/s, mean round and prefill times (and per-phase times when profiling)."""
-        return self._ask("stats", timeout_s)["stats"]
+        return self._ask(Stats, StatsReply, timeout_s).stats
 
     def metrics(self, timeout_s: float | None = None) -> str:
         """The server's Prometheus metrics in the text exposition format (0.0.4), as
         `GET /metrics` serves them."""
-        return self._ask("metrics", timeout_s)["text"]
+        return self._ask(Metrics, MetricsReply, timeout_s).text
 
     def _request(
         self, prompt, prompt_token_ids, kwargs, stream: bool, chat: bool
-    ) -> tuple[dict, bool]:
+    ) -> tuple[Generate, bool]:
         params = SamplingParams.from_kwargs(**kwargs).to_dict()
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
-        msg = {
-            "type": "generate",
-            "id": self._new_id(),
-            "params": params,
-            "stream": stream,
-            "chat": chat,
-        }
+        rid = self._new_id()
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt)
             if not prompts or not all(isinstance(p, str) and p for p in prompts):
                 raise ValueError("prompt: expected a non-empty string or list of strings")
-            msg["prompts"] = prompts
-        else:
-            lists, single = _id_lists(prompt_token_ids)
-            info = self._info or self.info()
-            for index, row in enumerate(lists):
-                check_prompt_ids(row, info["vocab_size"])
-                check_fits(
-                    len(row),
-                    params["max_new_tokens"],
-                    info["max_seq_len"],
-                    "prompt_token_ids",
-                    index if len(lists) > 1 else None,
-                )
-            msg["prompt_ids"] = lists
-        return msg, single
+            return Generate(rid, params, stream, prompts=prompts, chat=chat), single
+        lists, single = _id_lists(prompt_token_ids)
+        info = self._info or self.info()
+        for index, row in enumerate(lists):
+            check_prompt_ids(row, info["vocab_size"])
+            check_fits(
+                len(row),
+                params["max_new_tokens"],
+                info["max_seq_len"],
+                "prompt_token_ids",
+                index if len(lists) > 1 else None,
+            )
+        return Generate(rid, params, stream, prompt_ids=lists, chat=chat), single
 
     def generate(self, prompt=None, *, prompt_token_ids=None, chat: bool = False, **kwargs):
         """One prompt in, one GenerationOutput out; a list in, a list out."""
@@ -242,13 +258,13 @@ class Client(ClientIO):
         try:
             while True:
                 reply = self._next(waiter)
-                if reply["type"] == "final":
+                if isinstance(reply, Final):
                     break
         finally:
-            self._close_waiter(msg["id"])
+            self._close_waiter(msg.id)
         outs = [
             GenerationOutput(o["text"], o["token_ids"], o["finish_reason"], o["stats"])
-            for o in sorted(reply["outputs"], key=lambda o: o["index"])
+            for o in sorted(reply.outputs, key=lambda o: o["index"])
         ]
         return outs[0] if single else outs
 
@@ -259,21 +275,21 @@ class Client(ClientIO):
         msg, _ = self._request(prompt, prompt_token_ids, kwargs, stream=True, chat=chat)
         return self._stream(msg)
 
-    def _stream(self, msg: dict) -> Iterator[StreamDelta]:
+    def _stream(self, msg: Generate) -> Iterator[StreamDelta]:
         waiter = self._open(msg)
         finished = False
         try:
             while True:
                 reply = self._next(waiter)
-                if reply["type"] == "final":
+                if isinstance(reply, Final):
                     finished = True
                     return
-                if reply["type"] == "delta":
-                    yield StreamDelta(reply["text"], reply["token_ids"], reply["index"])
+                if isinstance(reply, Delta):
+                    yield StreamDelta(reply.text, reply.token_ids, reply.index)
         finally:
-            self._close_waiter(msg["id"])
+            self._close_waiter(msg.id)
             if not finished and self._dead is None and not self._closed.is_set():
-                self._post({"type": "cancel", "id": msg["id"]})
+                self._post(Cancel(msg.id))
 
     def close(self) -> None:
         """Every call still waiting, in any thread, raises EngineClosedError at once, and

@@ -24,16 +24,23 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from runtime.control import protocol
 from runtime.control.procwatch import ProcessWatch, parent_pid
+from runtime.control.protocol import Cancel, ClientReply, ClientRequest, Failed, Ping, Pong
 from runtime.control.waker import Waker
 
 WORKER_DEATH_GRACE_S = 2.0  # how long a live server gets to report a dead local worker
 IO_JOIN_S = 5.0  # how long close() waits for the I/O thread to end
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedFailure(Failed):
+    """What a waiting call gets when its Client is closed (never sent): EngineClosedError."""
 
 
 def _close_client(
@@ -51,7 +58,7 @@ def _close_client(
         closed.set()
         pending = list(waiters.values())
     for waiter in pending:
-        waiter.put({"type": "failed", "id": "", "message": message, "kind": "dead", "closed": True})
+        waiter.put(ClosedFailure("", message, "dead"))
     waker.wake()
     if thread is not threading.current_thread():  # the finalizer may run on the I/O thread
         thread.join(IO_JOIN_S)
@@ -152,7 +159,7 @@ class ClientIO:
         now = time.monotonic()
         if now - last_ping >= self.ping_s:
             last_ping = now
-            self._try_send(sock, {"type": "ping", "id": "ping"})
+            self._try_send(sock, Ping("ping"))
         return last_ping
 
     def _after_poll(self, sock: zmq.Socket, ready: dict) -> None:
@@ -175,13 +182,13 @@ class ClientIO:
             self._poller.unregister(self._monitor)
             sock.disable_monitor()
 
-    def _try_send(self, sock: zmq.Socket, msg: dict) -> None:
+    def _try_send(self, sock: zmq.Socket, msg: ClientRequest) -> None:
         try:
             sock.send(protocol.encode(msg, self._key), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
-    def _post(self, msg: dict) -> None:
+    def _post(self, msg: ClientRequest) -> None:
         """Queue msg for the I/O thread and wake it."""
         self._outbox.put(msg)
         self._waker.wake()
@@ -201,11 +208,13 @@ class ClientIO:
             return
         self._last_heard = time.monotonic()
         self._heard = True
-        if msg["type"] == "pong":
+        if not isinstance(msg, ClientReply):  # no answer to a client
+            return
+        if isinstance(msg, Pong):
             if self._info is None:
-                self._watch_processes(msg["info"])
-            self._info = msg["info"]
-        waiter = self._waiters.get(msg["id"])
+                self._watch_processes(msg.info)
+            self._info = msg.info
+        waiter = self._waiters.get(msg.id)
         if waiter is not None:
             waiter.put(msg)
 
@@ -284,8 +293,8 @@ class ClientIO:
             self._waiters.clear()
             self._patience.clear()
         for rid, waiter in waiting:
-            waiter.put({"type": "failed", "id": "", "message": reason, "kind": "dead"})
-            self._outbox.put({"type": "cancel", "id": rid})
+            waiter.put(Failed("", reason, "dead"))
+            self._outbox.put(Cancel(rid))
 
     def _give_up_unreached(self) -> None:
         """Fail the calls that waited connect_timeout_s for an address where nothing was
@@ -299,7 +308,7 @@ class ClientIO:
         if waiters:
             reason = self._nobody_there(f"no connection within {self.connect_timeout_s:g} s")
             for waiter in waiters:
-                waiter.put({"type": "failed", "id": "", "message": reason, "kind": "dead"})
+                waiter.put(Failed("", reason, "dead"))
 
     def _nobody_there(self, waited: str) -> str:
         """Why a call failed at an address where nothing was ever reached."""
@@ -314,4 +323,4 @@ class ClientIO:
                 self._dead = reason
             waiters = list(self._waiters.values())
         for waiter in waiters:
-            waiter.put({"type": "failed", "id": "", "message": reason, "kind": "dead"})
+            waiter.put(Failed("", reason, "dead"))

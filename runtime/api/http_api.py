@@ -55,6 +55,7 @@ from runtime.api.http_args import (
     parse_http_address,
     socket_url,
 )
+from runtime.control.protocol import ClientReply, Delta, Failed, Final
 from runtime.errors import EngineDeadError
 
 log = logging.getLogger("tandem.http")
@@ -160,7 +161,7 @@ class _Routes:
             raise HttpError(
                 503, f"the engine is not available: {exc}", kind="server_error", code="engine_dead"
             ) from None
-        rid, done = msg["id"], False
+        rid, done = msg.id, False
         try:
             while True:
                 try:
@@ -169,10 +170,10 @@ class _Routes:
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         raise HttpError(499, "client closed the request") from None
-            if reply["type"] == "failed":
+            if isinstance(reply, Failed):
                 done = True
                 raise _failure(reply, max_name, prompt_name)
-            if reply["type"] == "final":
+            if isinstance(reply, Final):
                 done = True
                 self.client.finish(rid, cancel=False)
             return rid, waiter, reply
@@ -185,34 +186,34 @@ class _Routes:
         request: Request,
         rid: str,
         waiter: _AsyncWaiter,
-        reply: dict,
+        reply: ClientReply,
         max_name: str,
         prompt_name: str,
     ) -> list[dict]:
         """Wait for the final reply of a non-streamed request (cancelled if the HTTP client
         goes away meanwhile)."""
-        done = reply["type"] == "final"
+        done = isinstance(reply, Final)
         try:
-            while reply["type"] != "final":
+            while not isinstance(reply, Final):
                 try:
                     reply = await waiter.get(DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         raise HttpError(499, "client closed the request") from None
                     continue
-                if reply["type"] == "failed":
+                if isinstance(reply, Failed):
                     done = True
                     raise _failure(reply, max_name, prompt_name)
             done = True
         finally:
             self.client.finish(rid, cancel=not done)
-        return sorted(reply["outputs"], key=lambda o: o["index"])
+        return sorted(reply.outputs, key=lambda o: o["index"])
 
     def stream_events(
         self,
         rid: str,
         waiter: _AsyncWaiter,
-        first: dict,
+        first: ClientReply,
         chunk,
         include_usage: bool,
         max_name: str,
@@ -220,18 +221,18 @@ class _Routes:
         head: list[bytes],
     ):
         async def events():
-            done = first["type"] == "final"
+            done = isinstance(first, Final)
             reply = first
             try:
                 for item in head:
                     yield item
                 while True:
-                    if reply["type"] == "delta":
-                        if reply["text"]:
-                            yield _sse(chunk(reply["index"], reply["text"], None, include_usage))
-                    elif reply["type"] == "final":
+                    if isinstance(reply, Delta):
+                        if reply.text:
+                            yield _sse(chunk(reply.index, reply.text, None, include_usage))
+                    elif isinstance(reply, Final):
                         done = True
-                        outputs = sorted(reply["outputs"], key=lambda o: o["index"])
+                        outputs = sorted(reply.outputs, key=lambda o: o["index"])
                         for out in outputs:
                             yield _sse(
                                 chunk(
@@ -244,7 +245,7 @@ class _Routes:
                             yield _sse(last)
                         yield b"data: [DONE]\n\n"
                         return
-                    elif reply["type"] == "failed":
+                    elif isinstance(reply, Failed):
                         done = True
                         yield _sse(_failure(reply, max_name, prompt_name).body())
                         yield b"data: [DONE]\n\n"

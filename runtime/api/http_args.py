@@ -12,6 +12,7 @@ import re
 import socket
 
 from runtime.api.client import Client
+from runtime.control.protocol import Cancel, ClientReply, Failed, Generate
 from runtime.params import SamplingParams
 
 log = logging.getLogger("tandem.http")
@@ -173,15 +174,15 @@ class _AsyncWaiter:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[ClientReply] = asyncio.Queue()
 
-    def put(self, msg: dict) -> None:
+    def put(self, msg: ClientReply) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, msg)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
-    async def get(self, timeout: float | None = None) -> dict:
+    async def get(self, timeout: float | None = None) -> ClientReply:
         if timeout is None:
             return await self.queue.get()
         return await asyncio.wait_for(self.queue.get(), timeout)
@@ -190,27 +191,21 @@ class _AsyncWaiter:
 class HttpClient(Client):
     """A Client whose requests reply into asyncio queues instead of blocking threads."""
 
-    def open_async(self, msg: dict) -> _AsyncWaiter:
+    def open_async(self, msg: Generate) -> _AsyncWaiter:
         return self._open(msg, _AsyncWaiter(asyncio.get_running_loop()))
 
     def finish(self, rid: str, cancel: bool) -> None:
         self._close_waiter(rid)
         if cancel and self._dead is None and not self._closed.is_set():
-            self._post({"type": "cancel", "id": rid})
+            self._post(Cancel(rid))
 
     def build(
         self, *, prompt=None, prompt_token_ids=None, messages=None, params: dict, stream: bool
-    ) -> dict:
+    ) -> Generate:
         """The generate message (arguments validated here: ValueError names them)."""
         if messages is not None:
             checked = SamplingParams.from_kwargs(**params).to_dict()
-            return {
-                "type": "generate",
-                "id": self._new_id(),
-                "params": checked,
-                "stream": stream,
-                "messages": messages,
-            }
+            return Generate(self._new_id(), checked, stream, messages=messages)
         msg, _ = self._request(prompt, prompt_token_ids, params, stream, chat=False)
         return msg
 
@@ -337,22 +332,22 @@ def _value_error(exc: ValueError, max_name: str, prompt_name: str) -> HttpError:
     return HttpError(400, message, param)
 
 
-def _failure(msg: dict, max_name: str, prompt_name: str) -> HttpError:
-    if msg["kind"] == "dead":
+def _failure(msg: Failed, max_name: str, prompt_name: str) -> HttpError:
+    if msg.kind == "dead":
         return HttpError(
             503,
-            f"the engine is not available: {msg['message']}",
+            f"the engine is not available: {msg.message}",
             kind="server_error",
             code="engine_dead",
         )
-    if msg["kind"] == "cancelled":
+    if msg.kind == "cancelled":
         return HttpError(
             503,
-            f"the request was cancelled: {msg['message']}",
+            f"the request was cancelled: {msg.message}",
             kind="server_error",
             code="request_cancelled",
         )
-    return _value_error(ValueError(msg["message"]), max_name, prompt_name)
+    return _value_error(ValueError(msg.message), max_name, prompt_name)
 
 
 def _usage(outputs: list[dict]) -> dict:

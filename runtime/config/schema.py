@@ -133,14 +133,17 @@ class RuntimeConfig(_Checked):
     kv_cache_tokens: int | None = _checked(None, check.optional_int_at_least(1))  # the pool's size
     kv_cache_dtype: str = _checked("auto", check.choice("auto", "fp8"))  # fp8: e4m3 with scales
     prefix_caching: bool = _checked(True, check.boolean)  # reuse KV blocks of prefixes seen
-    # prompt tokens one step may prefill while requests decode (chunked prefill beside the
-    # running streams' rounds; null: whole prompts)
-    max_prefill_tokens: int | None = _checked(None, check.optional_int_at_least(2))
+    # prompt tokens one step may prefill, idle or not (chunked prefill: a step stays bounded,
+    # decoding streams get a round between chunks; null: whole prompts). 128: ~2.5 s steps of
+    # a 1B float32 target on two CPU cores (docs/configuration.md, "Chunked prefill")
+    max_prefill_tokens: int | None = _checked(128, check.optional_int_at_least(2))
     startup_timeout_s: float = _checked(300.0, check.positive_float)
     step_timeout_s: float = _checked(120.0, check.positive_float)
     heartbeat_s: float = _checked(1.0, check.positive_float)
     cuda_graphs: bool = _checked(True, check.boolean)
     draft_ahead: bool = _checked(True, check.boolean)  # the next round's work, done ahead
+    # intra-op threads of each CPU worker (null: auto, runtime.worker.process._cpu_threads)
+    cpu_threads: int | None = _checked(None, check.optional_int_at_least(1))
     download: bool = _checked(False, check.boolean)  # may an uncached HF id be downloaded
 
 

@@ -127,9 +127,7 @@ class Pulse:
             while True:
                 wait_s = pace(self.period_s, self.active_at)
                 if wait_s not in frames:
-                    frames[wait_s] = protocol.encode(
-                        {"type": "heartbeat", "rank": self.rank, "next_s": wait_s}, key
-                    )
+                    frames[wait_s] = protocol.encode(protocol.Heartbeat(self.rank, wait_s), key)
                 try:
                     out.send(frames[wait_s], zmq.NOBLOCK)
                 except zmq.Again:

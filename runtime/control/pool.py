@@ -17,18 +17,32 @@ heartbeats stopped), not the peer.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Collection
+from typing import TypeVar
 
 import zmq
 
 from runtime.control import auth, protocol
+from runtime.control.commands import Command, Reply
 from runtime.control.heartbeat import Beacon
 from runtime.control.procwatch import ProcessWatch, proc_stat
+from runtime.control.protocol import (
+    Done,
+    Error,
+    Heartbeat,
+    Hello,
+    Init,
+    Message,
+    Ready,
+    Shutdown,
+    WorkerMessage,
+)
 from runtime.errors import EngineDeadError
 
 log = logging.getLogger("tandem.pool")
@@ -41,6 +55,8 @@ DROP_LOG_S = 5.0  # at most one warning about dropped frames per this many secon
 PULSE_READ_SHARE = 0.25  # an idle pool reads the heartbeats every this share of dead_after_s
 
 Liveness = Callable[..., "str | None"]  # liveness(exclude=ranks) -> why a rank is gone
+Watch = Callable[[WorkerMessage | None], None]  # sees every message while the pool waits
+W = TypeVar("W", bound=WorkerMessage)
 
 
 class WorkerPool:
@@ -85,7 +101,7 @@ class WorkerPool:
         self.failures: dict[int, str] = {}  # rank -> the error it reported
         self.usage_failures: set[int] = set()  # ... of kind "usage" (the config's)
         self._failed_at: float | None = None
-        self._inbox: collections.deque[dict] = collections.deque()  # drained, not yet used
+        self._inbox: collections.deque[WorkerMessage] = collections.deque()  # not yet used
         self._drops, self._drop_logged = 0, -DROP_LOG_S  # dropped frames
         self.dropped_total = 0  # every frame dropped (the metric reads it)
         self._poller = zmq.Poller()  # the socket and the local workers' pidfds
@@ -96,13 +112,13 @@ class WorkerPool:
         self.beacon = Beacon(context, bind, heartbeat_s, self.key, after_beat=self._on_beat)
 
     # --- low level -----------------------------------------------------------------------
-    def send(self, rank: int, msg: dict) -> None:
+    def send(self, rank: int, msg: Message) -> None:
         try:
             self.sock.send_multipart([f"w{rank}".encode(), protocol.encode(msg, self.key)])
         except zmq.ZMQError as exc:
             self._die(f"rank {rank} unreachable: {exc}")
 
-    def send_all(self, msg: dict) -> None:
+    def send_all(self, msg: Message) -> None:
         for rank in self.ranks:
             self.send(rank, msg)
 
@@ -111,31 +127,34 @@ class WorkerPool:
             self.dead = reason
         raise EngineDeadError(self.dead)
 
-    def _decode(self, parts: list[bytes], what: str) -> dict | None:
-        """The valid message of a ROUTER frame (identity, message), else None (dropped and
-        logged as `what`)."""
+    def _decode(self, parts: list[bytes], what: str) -> WorkerMessage | None:
+        """The valid worker message of a ROUTER frame (identity, message), else None
+        (dropped and logged as `what`)."""
         if len(parts) != 2:
             self._dropped(f"{what} with {len(parts)} parts")
             return None
         try:
-            return protocol.decode(parts[1], self.key)
+            msg = protocol.decode(parts[1], self.key)
         except protocol.ProtocolError as exc:
             self._dropped(f"{what}: {exc}")
             return None
+        if not isinstance(msg, WorkerMessage):
+            self._dropped(f"{what}: a {msg.NAME!r} message is no worker's")
+            return None
+        return msg
 
-    def _read(self) -> dict | None:
+    def _read(self) -> WorkerMessage | None:
         """Receive one frame (one must be waiting): the valid message in it, else None.
         Any message marks its sender seen; records any error it reports."""
         msg = self._decode(self.sock.recv_multipart(), "a worker frame")
         if msg is None:
             return None
-        rank = msg.get("rank")
-        if rank in self.last_seen:
-            self.last_seen[rank] = time.monotonic()
-        if msg["type"] == "error":
-            self._worker_failed(rank, msg["message"])
-            if msg.get("kind") == "usage":
-                self.usage_failures.add(rank)
+        if msg.rank in self.last_seen:
+            self.last_seen[msg.rank] = time.monotonic()
+        if isinstance(msg, Error):
+            self._worker_failed(msg.rank, msg.message)
+            if msg.kind == "usage":
+                self.usage_failures.add(msg.rank)
         return msg
 
     def _dropped(self, what: str) -> None:
@@ -185,17 +204,16 @@ class WorkerPool:
             msg = self._decode(parts, "a heartbeat frame")
             if msg is None:
                 continue
-            if msg["type"] != "heartbeat":
+            if not isinstance(msg, Heartbeat):
                 self._dropped("a frame on the heartbeat socket that is no heartbeat")
-            elif msg["rank"] in self.last_seen:
-                rank = msg["rank"]
-                self.last_seen[rank] = time.monotonic()
+            elif msg.rank in self.last_seen:
+                self.last_seen[msg.rank] = time.monotonic()
                 # when it says its next one comes (an idle worker beats less often:
                 # runtime.control.heartbeat.pace), within a period .. dead_after_s
-                next_s = float(msg.get("next_s", self.heartbeat_s))
-                self.promised[rank] = min(max(next_s, self.heartbeat_s), self.dead_after_s)
+                next_s = self.heartbeat_s if msg.next_s is None else msg.next_s
+                self.promised[msg.rank] = min(max(next_s, self.heartbeat_s), self.dead_after_s)
 
-    def _poll_one(self, timeout_ms: int) -> dict | None:
+    def _poll_one(self, timeout_ms: int) -> WorkerMessage | None:
         if self._inbox:
             return self._inbox.popleft()
         if not self._poll(timeout_ms):
@@ -295,15 +313,15 @@ class WorkerPool:
 
     def wait_for(
         self,
-        kind: str,
+        kind: type[W],
         timeout_s: float,
         step: int | None = None,
-        watch: Callable[[dict | None], None] | None = None,
-    ) -> dict[int, dict]:
+        watch: Watch | None = None,
+    ) -> dict[int, W]:
         """Collect one `kind` message from every worker (matching `step` if given). `watch`
         sees every message meanwhile (e.g. the workers' startup progress, see
         runtime.control.progress), and None after each quiet poll of 100 ms."""
-        got: dict[int, dict] = {}
+        got: dict[int, W] = {}
         deadline = time.monotonic() + timeout_s
         while len(got) < len(self.ranks):
             self.check_alive()
@@ -312,52 +330,43 @@ class WorkerPool:
                 cause = self._gone()
                 self._die(
                     (f"{cause}; " if cause else "")
-                    + f"ranks {missing} did not answer {kind!r} within {timeout_s:.0f} s"
+                    + f"ranks {missing} did not answer {kind.NAME!r} within {timeout_s:.0f} s"
                 )
             msg = self._poll_one(100)
             if watch is not None:
                 watch(msg)
-            if msg is None or msg["type"] != kind:
+            if not isinstance(msg, kind):
                 continue
-            if step is not None and msg.get("step") != step:
+            if step is not None and getattr(msg, "step", None) != step:
                 continue
-            got[msg["rank"]] = msg
+            got[msg.rank] = msg
         return got
 
     # --- high level ----------------------------------------------------------------------
     def handshake(self, config: dict, timeout_s: float) -> None:
-        hellos = self.wait_for("hello", timeout_s)
-        self.processes = {rank: (m["host"], m["pid"]) for rank, m in hellos.items()}
+        hellos = self.wait_for(Hello, timeout_s)
+        self.processes = {rank: (m.host, m.pid) for rank, m in hellos.items()}
         for rank, (host, pid) in sorted(self.processes.items()):
             self._watch.add(rank, host, pid)
-        self.send_all(
-            {
-                "type": "init",
-                "config": config,
-                "heartbeat": self.beacon.address,
-                "pulse": self.pulse_address,
-            }
-        )
+        self.send_all(Init(config, self.beacon.address, self.pulse_address))
 
-    def await_ready(
-        self, timeout_s: float, watch: Callable[[dict | None], None] | None = None
-    ) -> None:
+    def await_ready(self, timeout_s: float, watch: Watch | None = None) -> None:
         """Every worker's ready, with the KV pool they agreed on (the same number of blocks
         on every rank: runtime.worker.loading) and whether all their models share blocks."""
-        readies = self.wait_for("ready", timeout_s, watch=watch).values()
-        self.kv_blocks = min(m.get("kv_blocks", 0) for m in readies)
-        self.shares_blocks = all(m.get("shares_blocks", False) for m in readies)
+        readies = self.wait_for(Ready, timeout_s, watch=watch).values()
+        self.kv_blocks = min(m.kv_blocks for m in readies)
+        self.shares_blocks = all(m.shares_blocks for m in readies)
 
-    def command(self, msg: dict, timeout_s: float) -> dict[int, dict]:
-        """Run one step on every worker; returns rank -> result map."""
+    def command(self, cmd: Command, timeout_s: float) -> dict[int, Reply]:
+        """Run one step on every worker; returns each rank's reply (a release's StepAck, a
+        round's or a prefill's RoundReply: checked where it was decoded)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         self.step += 1
-        msg = dict(msg, step=self.step)
         self.beacon.active_at = time.monotonic()  # beats at the working pace from its next
-        self.send_all(msg)
-        done = self.wait_for("done", timeout_s, step=self.step)
-        return {rank: m["result"] for rank, m in done.items()}
+        self.send_all(dataclasses.replace(cmd, step=self.step))
+        done = self.wait_for(Done, timeout_s, step=self.step)
+        return {rank: m.result for rank, m in done.items()}
 
     def idle(self, timeout_ms: int = 50, wake: Collection = ()) -> list:
         """Between steps: wait up to timeout_ms for a worker's frame, a local worker's end,
@@ -393,7 +402,7 @@ class WorkerPool:
     def shutdown(self) -> None:
         for rank in self.ranks:
             try:
-                frame = protocol.encode({"type": "shutdown"}, self.key)
+                frame = protocol.encode(Shutdown(), self.key)
                 self.sock.send_multipart([f"w{rank}".encode(), frame], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass

@@ -2,7 +2,7 @@
 
 Loading a 70B model's weights (or drawing a synthetic recipe's) and compiling and capturing
 its CUDA graphs take minutes. Every worker reports on the control channel while it starts
-({"type": "progress", "rank", "phase", "done", "total"}, at most a few a second, see
+(runtime.control.protocol.Progress: rank, phase, done, total; at most a few a second, see
 ProgressReporter); rank 0 sums the ranks into one account per phase (StartupDisplay):
 
     loading weights        tensors loaded / total, summed over ranks
@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
+
+from runtime.control import protocol
 
 if TYPE_CHECKING:
     from parallel.topology import Topology
@@ -62,7 +64,7 @@ class ProgressReporter:
 
     def __init__(
         self,
-        send: Callable[[dict], None],
+        send: Callable[[protocol.Progress], None],
         rank: int,
         min_interval_s: float = MIN_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -70,7 +72,7 @@ class ProgressReporter:
         self._send, self.rank = send, rank
         self._interval, self._clock = min_interval_s, clock
         self._parts: dict[str, list[list[int]]] = {phase: [] for phase in PHASES}
-        self._sent_at, self._sent_phase = -math.inf, None
+        self._sent_at, self._sent_phase = -math.inf, ""  # phase "": none sent yet
 
     def callback(self, phase: str) -> Progress:
         if phase not in PHASES:
@@ -89,15 +91,8 @@ class ProgressReporter:
         if not final and phase == self._sent_phase and now - self._sent_at < self._interval:
             return
         parts = self._parts[phase]
-        self._send(
-            {
-                "type": "progress",
-                "rank": self.rank,
-                "phase": phase,
-                "done": sum(p[0] for p in parts),
-                "total": sum(p[1] for p in parts),
-            }
-        )
+        done, total = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        self._send(protocol.Progress(self.rank, phase, done, total))
         self._sent_at, self._sent_phase = now, phase
 
 
@@ -160,20 +155,20 @@ class StartupDisplay:
         return self._stream if self._stream is not None else sys.stderr
 
     # --- input ---------------------------------------------------------------------------
-    def observe(self, msg: dict | None) -> None:
+    def observe(self, msg: protocol.WorkerMessage | None) -> None:
         if not self._watching:  # the workers have their config now: silence counts from here
             self._watching = True
             for state in self._ranks.values():
                 state.changed_at = self._clock()
-        if msg is not None and msg.get("type") == "progress":
+        if isinstance(msg, protocol.Progress):
             self._progress(msg)
-        elif msg is not None and msg.get("type") == "ready":
-            self._set_stage(msg["rank"], len(PHASES))
+        elif isinstance(msg, protocol.Ready):
+            self._set_stage(msg.rank, len(PHASES))
         self._advance()
         self._notice_slow()
 
-    def _progress(self, msg: dict) -> None:
-        rank, phase, done, total = msg["rank"], msg["phase"], msg["done"], msg["total"]
+    def _progress(self, msg: protocol.Progress) -> None:
+        rank, phase, done, total = msg.rank, msg.phase, msg.done, msg.total
         if phase not in PHASES or not 0 <= done <= total:
             log.warning("dropped a bad progress message from rank %s: %s", rank, msg)
             return
@@ -202,7 +197,7 @@ class StartupDisplay:
                     self._update_bar()
                     return
                 self._end(self._open)
-                self._open, self._next = None, self._open + 1
+                self._next, self._open = self._open + 1, None
                 continue
             if self._next >= len(PHASES):
                 if not self._said_ready and all(r.stage >= len(PHASES) for r in ranks):

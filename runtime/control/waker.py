@@ -13,11 +13,12 @@ class Waker:
     The lock keeps a closed descriptor's number, which the OS may have handed out again, from
     being written."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.read_fd, self._write_fd = os.pipe()
+        self.read_fd, write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
-        os.set_blocking(self._write_fd, False)
+        os.set_blocking(write_fd, False)
+        self._write_fd: int | None = write_fd
 
     def wake(self) -> None:
         with self._lock:

@@ -20,6 +20,15 @@ from collections import deque
 import zmq
 
 from runtime.control import protocol
+from runtime.control.protocol import (
+    Cancel,
+    ClientReply,
+    ClientRequest,
+    Failed,
+    Ping,
+    Pong,
+    Starting,
+)
 from runtime.control.waker import Waker
 
 log = logging.getLogger("tandem.server")
@@ -46,8 +55,8 @@ class ClientDoor:
             sock.close(0)
             raise
         self._sock = sock
-        self._inbox: deque[tuple[bytes, dict]] = deque()  # deques: thread-safe ends
-        self._outbox: deque[tuple[bytes, dict]] = deque()
+        self._inbox: deque[tuple[bytes, ClientRequest]] = deque()  # deques: thread-safe ends
+        self._outbox: deque[tuple[bytes, ClientReply]] = deque()
         self._to_door, self._to_loop = Waker(), Waker()
         self._seen: dict[bytes, float] = {}  # client identity -> when last heard from
         self._refusal: str | None = None  # once set: every request is failed with it
@@ -61,10 +70,10 @@ class ClientDoor:
         """Readable when frames wait in the inbox (or the thread failed)."""
         return self._to_loop.read_fd
 
-    def take(self, limit: int) -> list[tuple[bytes, dict]]:
-        """Up to `limit` waiting (identity, message) frames, oldest first."""
+    def take(self, limit: int) -> list[tuple[bytes, ClientRequest]]:
+        """Up to `limit` waiting (identity, request) frames, oldest first."""
         self._to_loop.drain()  # before taking: a frame queued after this wakes us again
-        frames: list[tuple[bytes, dict]] = []
+        frames: list[tuple[bytes, ClientRequest]] = []
         while self._inbox and len(frames) < limit:
             frames.append(self._inbox.popleft())
         return frames
@@ -73,7 +82,7 @@ class ClientDoor:
     def waiting(self) -> bool:
         return bool(self._inbox)
 
-    def reply(self, identity: bytes, msg: dict) -> None:
+    def reply(self, identity: bytes, msg: ClientReply) -> None:
         self._outbox.append((identity, msg))
         self._to_door.wake()
 
@@ -139,18 +148,8 @@ class ClientDoor:
             return
         while self._inbox:
             identity, msg = self._inbox.popleft()
-            if msg["type"] != "cancel":
-                self._outbox.append(
-                    (
-                        identity,
-                        {
-                            "type": "failed",
-                            "id": msg["id"],
-                            "message": self._refusal,
-                            "kind": "dead",
-                        },
-                    )
-                )
+            if not isinstance(msg, Cancel):
+                self._outbox.append((identity, Failed(msg.id, self._refusal, "dead")))
         self._send_outbox()
 
     def _read_frames(self) -> None:
@@ -176,14 +175,13 @@ class ClientDoor:
             log.warning("dropped a client frame: %s", exc)
             return False
         self._seen[identity] = time.monotonic()
-        if msg["type"] != "ping":
+        if not isinstance(msg, ClientRequest):  # a worker's or a server's message
+            log.warning("dropped a client message of type %r", msg.NAME)
+            return False
+        if not isinstance(msg, Ping):
             self._inbox.append((identity, msg))
             return True
         info = self.info
-        pong = (
-            {"type": "starting", "id": msg["id"]}
-            if info is None
-            else {"type": "pong", "id": msg["id"], "info": info}
-        )
+        pong = Starting(msg.id) if info is None else Pong(msg.id, info)
         self._sock.send_multipart([identity, protocol.encode(pong, self.key)], zmq.NOBLOCK)
         return False

@@ -24,7 +24,7 @@ class Executor:
         release = plan.release_command()
         if release is not None:
             for result in self.send(release).values():
-                commands.StepAck.from_map(result)
+                commands.expect(result, commands.StepAck)
         prefill = plan.prefill_command()
         if prefill is not None:
             start = time.perf_counter()
@@ -48,9 +48,9 @@ class Executor:
             if chunk.final and tokens
         }
 
-    def send(self, command) -> dict[int, dict]:
-        """One step command to every worker; each rank's result."""
-        return self.pool.command(command.to_msg(), self.step_timeout_s)
+    def send(self, command: commands.Command) -> dict[int, commands.Reply]:
+        """One step command to every worker; each rank's reply."""
+        return self.pool.command(command, self.step_timeout_s)
 
     def _round(self, plan: RoundPlan, replies: StepReplies, firsts: dict[int, int]) -> None:
         """The round; `firsts`: first tokens of the rows that join it (the workers have
@@ -63,9 +63,9 @@ class Executor:
         replies.round_k, replies.round_steps = plan.k, plan.steps
 
 
-def round_replies(results: dict[int, dict]) -> list[commands.RoundReply]:
+def round_replies(results: dict[int, commands.Reply]) -> list[commands.RoundReply]:
     """A round's or a prefill's replies (one per worker rank), checked."""
-    return [commands.RoundReply.from_map(r) for r in results.values()]
+    return [commands.expect(r, commands.RoundReply) for r in results.values()]
 
 
 def cached(replies: list[commands.RoundReply], rows: int) -> list[int]:

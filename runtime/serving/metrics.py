@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runtime.control.commands import Reply, RoundReply
 from runtime.serving.prometheus import PrometheusMetrics
 
 
@@ -47,15 +48,16 @@ class ServingMetrics:
         self._round_from = previous_end if previous_end is not None else start
         return start
 
-    def round_ends(self, start: float, results: dict[int, dict], k: int) -> float:
+    def round_ends(self, start: float, results: dict[int, Reply], k: int) -> float:
         """The round (k drafts per sequence) has its results (one per rank); returns the
         round's cost in seconds."""
         end = self._last_round_end = time.perf_counter()
         self.rounds += 1
         self.round_time += end - start
-        self.worker_time += max(r.get("worker_s", 0.0) for r in results.values())
-        for rank, result in results.items():
-            for phase, seconds in result.get("timing", {}).items():
+        rounds = {rank: r for rank, r in results.items() if isinstance(r, RoundReply)}
+        self.worker_time += max((r.worker_s for r in rounds.values()), default=0.0)
+        for rank, result in rounds.items():
+            for phase, seconds in result.timing.items():
                 total = self.timing.setdefault(f"rank{rank}.{phase}", [0.0, 0])
                 total[0] += seconds
                 total[1] += 1

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from runtime.control.commands import Sampling
 from runtime.params import SamplingParams
 from runtime.serving.block_manager import BlockTable
 from runtime.serving.textstream import TextStream
@@ -111,14 +112,10 @@ class Sequence:
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = SeqStatus.FINISHED, reason
 
-    def worker_params(self) -> dict:
+    def worker_params(self) -> Sampling:
+        """What the workers sample this sequence with."""
         p = self.params
-        return {
-            "temperature": float(p.temperature),
-            "top_k": int(p.top_k or 0),
-            "top_p": float(p.top_p),
-            "seed": self.seed,
-        }
+        return Sampling(float(p.temperature), int(p.top_k or 0), float(p.top_p), self.seed)
 
     def output(self) -> dict:
         return {

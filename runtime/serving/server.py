@@ -18,6 +18,19 @@ import threading
 import time
 from dataclasses import dataclass
 
+from runtime.control.protocol import (
+    Cancel,
+    ClientReply,
+    ClientRequest,
+    Delta,
+    Failed,
+    Final,
+    Generate,
+    Metrics,
+    MetricsReply,
+    Stats,
+    StatsReply,
+)
 from runtime.control.signals import SignalWakeup
 from runtime.errors import EngineDeadError
 from runtime.serving.client_door import ClientDoor
@@ -50,7 +63,7 @@ class Server:
         self._last_sweep = time.monotonic()
         door.info = orch.info()  # from now on pings get a pong with the server's facts
 
-    def reply(self, identity: bytes, msg: dict) -> None:
+    def reply(self, identity: bytes, msg: ClientReply) -> None:
         self.door.reply(identity, msg)
 
     def serve(self, stop: threading.Event) -> None:
@@ -73,9 +86,7 @@ class Server:
         answered `failed` with `message`."""
         self.door.refuse(message)
         for rid, pend in list(self.pending.items()):
-            self.reply(
-                pend.identity, {"type": "failed", "id": rid, "message": message, "kind": kind}
-            )
+            self.reply(pend.identity, Failed(rid, message, kind))
         self.pending.clear()
 
     def turn(self, idle_ms: int, wakeup: SignalWakeup) -> None:
@@ -94,45 +105,37 @@ class Server:
             wakeup.drain()
         self.sweep_clients()
 
-    def handle(self, identity: bytes, msg: dict) -> None:
-        """One client message (checked against its schema by the door; pings it answers)."""
-        kind = msg["type"]
-        if kind == "cancel":
-            if msg["id"] in self.pending and self.pending[msg["id"]].identity == identity:
-                self.end(msg["id"], "the client cancelled the request", "cancelled")
-        elif kind == "stats":
-            self.reply(
-                identity, {"type": "stats_reply", "id": msg["id"], "stats": self.orch.stats()}
-            )
-        elif kind == "metrics":
-            self.reply(
-                identity,
-                {"type": "metrics_reply", "id": msg["id"], "text": self.orch.metrics_text()},
-            )
-        elif kind == "generate":
+    def handle(self, identity: bytes, msg: ClientRequest) -> None:
+        """One client request (checked against its schema by the door; pings it answers)."""
+        if isinstance(msg, Cancel):
+            if msg.id in self.pending and self.pending[msg.id].identity == identity:
+                self.end(msg.id, "the client cancelled the request", "cancelled")
+        elif isinstance(msg, Stats):
+            self.reply(identity, StatsReply(msg.id, self.orch.stats()))
+        elif isinstance(msg, Metrics):
+            self.reply(identity, MetricsReply(msg.id, self.orch.metrics_text()))
+        elif isinstance(msg, Generate):
             self.admit(identity, msg)
         else:
-            log.warning("dropped a client message of type %r", kind)
+            log.warning("dropped a client message of type %r", msg.NAME)
 
-    def admit(self, identity: bytes, msg: dict) -> None:
-        rid = msg["id"]
+    def admit(self, identity: bytes, msg: Generate) -> None:
+        rid = msg.id
         try:
             if rid in self.pending:
                 raise ValueError(f"request id {rid!r} is already in use")
             seqs = self.orch.make_sequences(
                 rid,
-                msg.get("prompts"),
-                msg.get("prompt_ids"),
-                msg["params"],
-                chat=msg.get("chat", False),
-                messages=msg.get("messages"),
+                msg.prompts,
+                msg.prompt_ids,
+                msg.params,
+                chat=msg.chat,
+                messages=msg.messages,
             )
         except (ValueError, TypeError) as exc:
-            self.reply(
-                identity, {"type": "failed", "id": rid, "message": str(exc), "kind": "value"}
-            )
+            self.reply(identity, Failed(rid, str(exc), "value"))
             return
-        self.pending[rid] = Pending(identity, msg["stream"], seqs)
+        self.pending[rid] = Pending(identity, msg.stream, seqs)
         self.orch.submit(seqs)
 
     def dispatch(self, events: list[Event]) -> None:
@@ -143,34 +146,20 @@ class Server:
                 continue
             if event.kind is EventKind.DELTA and pend.stream and (event.token_ids or event.text):
                 self.reply(
-                    pend.identity,
-                    {
-                        "type": "delta",
-                        "id": seq.request_id,
-                        "index": seq.index,
-                        "token_ids": event.token_ids,
-                        "text": event.text,
-                    },
+                    pend.identity, Delta(seq.request_id, seq.index, event.token_ids, event.text)
                 )
             if (
                 event.kind is EventKind.FINAL
                 and all(s.stats.t_end is not None for s in pend.seqs)  # each one retired
             ):
                 del self.pending[seq.request_id]
-                self.reply(
-                    pend.identity,
-                    {
-                        "type": "final",
-                        "id": seq.request_id,
-                        "outputs": [s.output() for s in pend.seqs],
-                    },
-                )
+                self.reply(pend.identity, Final(seq.request_id, [s.output() for s in pend.seqs]))
 
     def end(self, rid: str, message: str, kind: str) -> None:
         """End a request before its final reply: the scheduler drops it, the client is told."""
         pend = self.pending.pop(rid)
         self.orch.cancel(rid)
-        self.reply(pend.identity, {"type": "failed", "id": rid, "message": message, "kind": kind})
+        self.reply(pend.identity, Failed(rid, message, kind))
 
     def sweep_clients(self) -> None:
         """Cancel the requests of clients that stopped pinging (gone without a word). The

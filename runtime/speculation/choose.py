@@ -8,6 +8,7 @@ decided, stream), so every TP rank makes the same choice and a seed reproduces i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from runtime.speculation import rng
 from runtime.speculation.acceptance import accept_rejection, accept_tokens, greedy_accept
 from runtime.speculation.sampling import sample_from, warp_probs
 from runtime.speculation.vocab import DraftVocab
+
+if TYPE_CHECKING:
+    from runtime.control.commands import Sampling
 
 
 @dataclass(frozen=True)
@@ -28,15 +32,16 @@ class BatchSampling:
     filtered: bool = True  # some row uses top-k or top-p (needs the vocabulary sort)
 
     @classmethod
-    def of(cls, params: list[dict], device: torch.device) -> BatchSampling:
-        temps = [float(p["temperature"]) for p in params]
+    def of(cls, params: list[Sampling], device: torch.device) -> BatchSampling:
+        """The settings of a batch's rows (one request's each: runtime.control.commands)."""
+        temps = [p.temperature for p in params]
         return cls(
             temperature=to_device(temps, torch.float32, device),
-            top_k=to_device([int(p["top_k"] or 0) for p in params], torch.long, device),
-            top_p=to_device([float(p["top_p"]) for p in params], torch.float32, device),
-            seed=to_device([int(p["seed"]) for p in params], torch.long, device),
+            top_k=to_device([p.top_k for p in params], torch.long, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            seed=to_device([p.seed for p in params], torch.long, device),
             greedy=all(t == 0 for t in temps),
-            filtered=any(int(p["top_k"] or 0) > 0 or float(p["top_p"]) < 1.0 for p in params),
+            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         )
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ problem: a MemoryError naming the keys, which rank 0 reports as a usage error.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +26,9 @@ from runtime.config import TandemConfig
 from runtime.models.arch.cache import blocks_for
 from runtime.models.runners.kv_budget import GIB, RESERVE, block_bytes, device_memory
 from runtime.models.runners.prefill_runner import long_chunk_bytes
+
+if TYPE_CHECKING:
+    from runtime.models.arch.base import CausalLM
 
 
 class PoolTooSmallElsewhere(Exception):
@@ -33,7 +38,7 @@ class PoolTooSmallElsewhere(Exception):
 
 def pool_blocks(
     config: TandemConfig,
-    models: dict[str, object],
+    models: dict[str, CausalLM],
     device: torch.device,
     bridge: dist.ProcessGroup | None,
 ) -> int:
@@ -72,16 +77,16 @@ def step_bytes(config: TandemConfig, model) -> int:
 
 
 def local_blocks(
-    config: TandemConfig, models: dict[str, object], device: torch.device, per_request: int
+    config: TandemConfig, models: dict[str, CausalLM], device: torch.device, per_request: int
 ) -> tuple[int, str, str]:
     """(blocks this worker can hold, the model whose budget limits them, what limits them:
     for the error message)."""
     rt = config.runtime
-    costs = {
-        key: block_bytes(model, rt.kv_block_size, rt.kv_cache_dtype)
-        for key, model in models.items()
-    }
-    costs = {key: cost for key, cost in costs.items() if cost is not None}
+    costs: dict[str, int] = {}  # per model: one block's bytes (None: no paged cache)
+    for key, model in models.items():
+        cost = block_bytes(model, rt.kv_block_size, rt.kv_cache_dtype)
+        if cost is not None:
+            costs[key] = cost
     first = next(iter(models), "target")
     if not costs:  # transformers fallback models keep a cache per slot
         return rt.max_batch_size * per_request, first, "the transformers fallback's slots"

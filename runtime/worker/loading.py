@@ -65,11 +65,8 @@ def load_shards(
         draft.vocab = None if cross else _draft_vocab(config, draft_model)
     if target_model is not None:
         spec_cfg = config.speculation  # verify steps: pending + k draft tokens
-        ks = (
-            [spec_cfg.draft_len]
-            if spec_cfg.fixed_draft_len
-            else list(range(1, spec_cfg.max_draft_len + 1))
-        )
+        fixed = spec_cfg.fixed_draft_len
+        ks = [fixed] if fixed else list(range(1, spec_cfg.max_draft_len + 1))
         target = _shard(
             config,
             TargetShard,
@@ -81,7 +78,8 @@ def load_shards(
             num_blocks,
             progress,
         )
-        if config.target.tp_size > 1:  # verify without gathering the vocabulary if greedy
+        if config.target.tp_size > 1 and groups.target_tp is not None:
+            # verify without gathering the vocabulary if greedy
             target.vocab_parallel = VocabParallel.of(target_model, groups.target_tp)
     return draft, target, num_blocks
 
@@ -95,7 +93,7 @@ def _load_target(
 ):
     from runtime.models import load_model
 
-    if not spec.hosts_target:
+    if spec.target_tp_rank is None:  # no target shard here
         return None
     cfg = config.target
     tp = TPInfo(groups.target_tp, spec.target_tp_rank, cfg.tp_size)
@@ -120,7 +118,7 @@ def _load_draft(
 ):
     from runtime.models import load_model
 
-    if not spec.hosts_draft:
+    if spec.draft_tp_rank is None:  # no draft shard here
         return None
     draft_cfg, target_cfg = config.draft, config.target
     same = (draft_cfg.model, draft_cfg.dtype, draft_cfg.devices, draft_cfg.quantization) == (
@@ -167,7 +165,7 @@ def _shard(
     step_lens: list[int],
     device: torch.device,
     rank: int,
-    num_blocks: int,
+    num_blocks: int | None,
     progress: ProgressReporter | None = None,
 ):
     """A shard with its pool of num_blocks KV blocks; steps of these lengths run as CUDA

@@ -69,6 +69,7 @@ def take_drafts(
             tokens, probs = draft.take_window(slot, k)
         else:
             i = rest.index(slot)
+            assert rest_tokens is not None  # the slot is one of `rest`
             tokens = rest_tokens[i]
             probs = None if rest_probs is None else rest_probs[i]
         rows_t.append(tokens)

@@ -3,6 +3,7 @@
 Control arrives over ZeroMQ (msgpack, runtime.control.protocol); bulk tensors (draft tokens, the
 accept verdict) move between the groups over torch.distributed on the worker's device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,17 +19,47 @@ import torch
 import zmq
 
 from parallel import groups as pgroups
-from parallel.topology import Topology, WorkerSpec
-from runtime.control import auth, commands, protocol
 from runtime.config import TandemConfig, load_config
+from runtime.control import auth, protocol
+from runtime.control.commands import (
+    Command,
+    CrossDraftCommand,
+    CrossVerifyCommand,
+    PrefillCommand,
+    ReleaseCommand,
+    Reply,
+    RoundCommand,
+    RoundReply,
+    StepAck,
+    StepCommand,
+)
 from runtime.control.heartbeat import Pulse
 from runtime.control.progress import ProgressReporter
+from runtime.control.protocol import (
+    Done,
+    Error,
+    Heartbeat,
+    Hello,
+    Init,
+    Message,
+    ProtocolError,
+    Ready,
+    Shutdown,
+)
 from runtime.control.signals import SignalWakeup
 from runtime.worker.cross import draft_cross, verify_cross
 from runtime.worker.kv_pool import PoolTooSmallElsewhere
 from runtime.worker.loading import load_shards
-from runtime.worker.round import (NextWork, RoundParts, decode_target_only, drop_stale_ahead,
-                                  prefill, speculate, speculate_overlapped, work_ahead)
+from runtime.worker.round import (
+    NextWork,
+    RoundParts,
+    decode_target_only,
+    drop_stale_ahead,
+    prefill,
+    speculate,
+    speculate_overlapped,
+    work_ahead,
+)
 
 log = logging.getLogger("tandem.worker")
 
@@ -43,28 +74,25 @@ class WorkerExit(Exception):
         self.reported = reported
 
 
-SIGNAL_GRACE_S = 5.0   # after SIGINT/SIGTERM, wait this long for the orchestrator's shutdown
-ERROR_GRACE_S = 3.0    # after reporting an error, as long (launcher.bootstrap.DEAD_GRACE_S)
-EXIT_USAGE = 2         # the config asks for what this device cannot hold (the CLI's code)
+SIGNAL_GRACE_S = 5.0  # after SIGINT/SIGTERM, wait this long for the orchestrator's shutdown
+ERROR_GRACE_S = 3.0  # after reporting an error, as long (launcher.bootstrap.DEAD_GRACE_S)
+EXIT_USAGE = 2  # the config asks for what this device cannot hold (the CLI's code)
 
 
 class Worker:
+    """A worker's end of the control plane, before init and after: its socket, the signals
+    that stop it, the orchestrator's liveness (by its Pulse, from init on). `start` loads the
+    shards and returns the serving loop (Serving), built whole."""
+
     def __init__(self, rank: int, world_size: int, sock: zmq.Socket, address: str, store):
         self.rank = rank
         self.world_size = world_size
         self.sock = sock
         self.address = address
-        self.store = store                      # the rendezvous store: the workers' world
-        self.config: TandemConfig | None = None
-        self.topology: Topology | None = None
-        self.spec: WorkerSpec | None = None
-        self.groups: pgroups.Groups | None = None
-        self.parts: RoundParts | None = None    # what a round touches on this rank
-        self.next_work: NextWork | None = None  # the announced next round, to start ahead
-        self.device = torch.device("cpu")
-        self.pulse: Pulse | None = None
+        self.store = store  # the rendezvous store: the workers' world
+        self.pulse: Pulse | None = None  # from init on
         self.signalled_at: float | None = None
-        self.wakeup = SignalWakeup()      # entered by run_worker: a signal ends recv's wait
+        self.wakeup = SignalWakeup()  # entered by run_worker: a signal ends recv's wait
         self._poller: zmq.Poller | None = None
 
     def on_signal(self, signum, _frame) -> None:
@@ -76,10 +104,10 @@ class Worker:
             self.signalled_at = time.monotonic()
 
     # --- control plane -------------------------------------------------------------------
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Message) -> None:
         self.sock.send(protocol.encode(msg, auth.control_key()))
 
-    def recv(self, timeout_s: float) -> dict:
+    def recv(self, timeout_s: float) -> Message:
         """Next valid message from the orchestrator; WorkerExit when it has gone silent
         (before init: no message within timeout_s; after: no beacon beat for timeout_s)."""
         deadline = time.monotonic() + timeout_s
@@ -135,83 +163,135 @@ class Worker:
         return max(10, int(1000 * min(waits)) + 1)
 
     # --- startup -------------------------------------------------------------------------
-    def start(self, startup_timeout_s: float) -> None:
-        self.send({"type": "hello", "rank": self.rank, "pid": os.getpid(),
-                   "host": socket.gethostname()})
+    def start(self, startup_timeout_s: float) -> Serving:
+        """Hello, init, the process groups and the shards; ready. Returns the serving loop."""
+        self.send(Hello(self.rank, os.getpid(), socket.gethostname()))
         msg = self.recv(startup_timeout_s)
-        if msg["type"] != "init":
-            raise WorkerExit(f"expected init, got {msg['type']}")
-        self.config = load_config(msg["config"], check_files=False, check_devices=False)
-        self.pulse = Pulse(self.sock.context, self.rank, msg["pulse"], msg["heartbeat"],
-                           self.config.runtime.heartbeat_s)
-        self.topology = self.config.topology()
-        self.topology.check_world_size(self.world_size)
-        self.spec = self.topology.worker(self.rank)
-        self.groups = pgroups.build_groups(self.topology, self.rank, self.store,
-                                           self.config.runtime.step_timeout_s)
-        self.device = self.spec.device.torch_device
-        if self.device.type == "cuda":
-            if self.spec.device.node is None:
+        if not isinstance(msg, Init):
+            raise WorkerExit(f"expected init, got {msg.NAME}")
+        config = load_config(msg.config, check_files=False, check_devices=False)
+        self.pulse = Pulse(
+            self.sock.context, self.rank, msg.pulse, msg.heartbeat, config.runtime.heartbeat_s
+        )
+        topology = config.topology()
+        topology.check_world_size(self.world_size)
+        spec = topology.worker(self.rank)
+        groups = pgroups.build_groups(
+            topology, self.rank, self.store, config.runtime.step_timeout_s
+        )
+        device = spec.device.torch_device
+        if device.type == "cuda":
+            if spec.device.node is None:
                 # ids without a node (unlike n1:0) are global; each node counts from 0
-                self.device = torch.device("cuda", self.device.index % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
+                device = torch.device("cuda", device.index % torch.cuda.device_count())
+            torch.cuda.set_device(device)
             # cuDNN attention builds a new plan for every new KV length (tens of ms each);
             # the KV length changes every round, so use the flash / memory-efficient kernels
             torch.backends.cuda.enable_cudnn_sdp(False)
         else:  # CPU workers share the host's cores, each on its own block of them
-            torch.set_num_threads(_bind_cpu_block(self.topology.workers.index(self.spec),
-                                                  len(self.topology.workers)))
+            torch.set_num_threads(
+                _bind_cpu_block(
+                    topology.workers.index(spec), len(topology.workers), config.runtime.cpu_threads
+                )
+            )
         try:
-            draft, target, kv_blocks = load_shards(self.config, self.spec, self.groups,
-                                                   self.device, self.rank,
-                                                   ProgressReporter(self.send, self.rank))
-        except PoolTooSmallElsewhere as exc:   # the worker whose budget it is says why
+            draft, target, kv_blocks = load_shards(
+                config, spec, groups, device, self.rank, ProgressReporter(self.send, self.rank)
+            )
+        except PoolTooSmallElsewhere as exc:  # the worker whose budget it is says why
             self.await_shutdown(ERROR_GRACE_S)
             raise WorkerExit(f"rank {self.rank}: {exc}", EXIT_USAGE, reported=True) from None
         except MemoryError as exc:
             # a KV cache over its budget (runtime.models.runners.kv_budget): the config's problem,
             # which rank 0 names in one line (exit 2); a crash's traceback would say nothing
-            self.send({"type": "error", "rank": self.rank, "step": -1, "kind": "usage",
-                       "message": _usage_message(str(exc))})
+            self.send(Error(self.rank, -1, _usage_message(str(exc)), kind="usage"))
             self.await_shutdown(ERROR_GRACE_S)
             raise WorkerExit(f"rank {self.rank}: {exc}", EXIT_USAGE, reported=True) from None
         except Exception as exc:
-            self.send({"type": "error", "rank": self.rank, "step": -1,
-                       "message": f"rank {self.rank} failed to load: {type(exc).__name__}: {exc}"})
+            self.send(
+                Error(
+                    self.rank, -1, f"rank {self.rank} failed to load: {type(exc).__name__}: {exc}"
+                )
+            )
             raise
-        self.parts = RoundParts(draft, target, self.groups.bridge,
-                                self.topology.draft_leader, self.topology.target_leader,
-                                self.rank, self.device, self.config.speculation.acceptance,
-                                profile=os.environ.get("TANDEM_PROFILE") == "1",
-                                overlap=self.config.overlapped)
-        self.send({"type": "ready", "rank": self.rank, "kv_blocks": kv_blocks,
-                   "shares_blocks": all(s.tables is not None for s in (draft, target)
-                                        if s is not None)})
+        parts = RoundParts(
+            draft,
+            target,
+            groups.bridge,
+            topology.draft_leader,
+            topology.target_leader,
+            self.rank,
+            device,
+            config.speculation.acceptance,
+            profile=os.environ.get("TANDEM_PROFILE") == "1",
+            overlap=config.overlapped,
+        )
+        self.send(
+            Ready(
+                self.rank,
+                kv_blocks,
+                all(s.tables is not None for s in (draft, target) if s is not None),
+            )
+        )
+        return Serving(self, config, parts, self.pulse)
+
+    def await_shutdown(self, timeout_s: float) -> None:
+        """After reporting an error, wait (at most timeout_s, or until the orchestrator goes
+        silent) for its shutdown, so that it can name the cause to the clients first: MPICH's
+        hydra tears the whole job down as soon as a rank exits after another one died."""
+        deadline = time.monotonic() + timeout_s
+        while (
+            time.monotonic() < deadline
+            and self.pulse is not None
+            and self.pulse.orchestrator_silent_s < 3 * self.pulse.period_s
+        ):
+            if self.sock.poll(100):
+                try:
+                    if isinstance(protocol.decode(self.sock.recv(), auth.control_key()), Shutdown):
+                        return
+                except ProtocolError:
+                    pass
+
+    def close(self) -> None:
+        if self.pulse is not None:
+            self.pulse.stop()
+
+
+class Serving:
+    """A started worker: the step commands from rank 0, each run on this rank's round parts
+    (runtime.worker.round), until shutdown."""
+
+    def __init__(self, worker: Worker, config: TandemConfig, parts: RoundParts, pulse: Pulse):
+        self.worker = worker
+        self.rank = worker.rank
+        self.config = config
+        self.parts = parts  # what a round touches on this rank
+        self.pulse = pulse
+        self.next_work: NextWork | None = None  # the announced next round, to start ahead
 
     # --- serving loop --------------------------------------------------------------------
     def serve(self) -> None:
         silent_s = max(10.0, 10 * self.config.runtime.heartbeat_s)
         while True:
-            msg = self.recv(silent_s)
-            kind = msg["type"]
-            if kind == "heartbeat":
+            msg = self.worker.recv(silent_s)
+            if isinstance(msg, Heartbeat):
                 continue
-            if kind == "shutdown":
+            if isinstance(msg, Shutdown):
                 return
-            step = msg.get("step", -1)
-            self.pulse.active_at = time.monotonic()   # beats at the working pace from its next
+            step = msg.step if isinstance(msg, StepCommand) else -1
+            self.pulse.active_at = time.monotonic()  # beats at the working pace from its next
             try:
                 result = self.handle(msg)
             except Exception as exc:
                 # tell the orchestrator first and let it tell the clients before this rank
                 # writes a word or exits: under mpirun either may end every rank at once
-                self.send({"type": "error", "rank": self.rank, "step": step,
-                           "message": f"rank {self.rank}: {type(exc).__name__}: {exc}"})
-                self.await_shutdown(ERROR_GRACE_S)
+                self.worker.send(
+                    Error(self.rank, step, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+                )
+                self.worker.await_shutdown(ERROR_GRACE_S)
                 log.error("rank %d step %d failed:\n%s", self.rank, step, traceback.format_exc())
                 raise
-            self.send({"type": "done", "rank": self.rank, "step": step,
-                       "result": result.to_map()})
+            self.worker.send(Done(self.rank, step, result))
             self.work_ahead()
 
     def work_ahead(self) -> None:
@@ -220,45 +300,34 @@ class Worker:
         if nxt is not None:
             failure = work_ahead(self.parts, nxt)
             if failure is not None:
-                log.warning("rank %d: work ahead failed: %s: %s", self.rank,
-                            type(failure).__name__, failure)
+                log.warning(
+                    "rank %d: work ahead failed: %s: %s", self.rank, type(failure).__name__, failure
+                )
 
-    def await_shutdown(self, timeout_s: float) -> None:
-        """After reporting an error, wait (at most timeout_s, or until the orchestrator goes
-        silent) for its shutdown, so that it can name the cause to the clients first: MPICH's
-        hydra tears the whole job down as soon as a rank exits after another one died."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.pulse is not None and \
-                self.pulse.orchestrator_silent_s < 3 * self.pulse.period_s:
-            if self.sock.poll(100):
-                try:
-                    if protocol.decode(self.sock.recv(), auth.control_key())["type"] == \
-                            "shutdown":
-                        return
-                except protocol.ProtocolError:
-                    pass
-
-    def handle(self, msg: dict) -> commands.RoundReply | commands.StepAck:
+    def handle(self, msg: Message) -> Reply:
         """Dispatch one command: prefill, release, or a round (runtime.worker.round)."""
-        cmd = commands.command(msg)
-        drop_stale_ahead(self.parts, cmd.k if isinstance(cmd, commands.RoundCommand) else None)
+        if not isinstance(msg, Command):
+            raise ProtocolError(f"not a step command: {msg.NAME!r}")
+        cmd = msg
+        drop_stale_ahead(self.parts, cmd.k if isinstance(cmd, RoundCommand) else None)
         shards = [s for s in (self.parts.draft, self.parts.target) if s is not None]
         max_k = self.config.speculation.max_draft_len
-        if isinstance(cmd, commands.CrossDraftCommand):
+        if isinstance(cmd, CrossDraftCommand):
             if not 1 <= cmd.k <= max_k:
                 raise ValueError(f"draft_cross.k must be in 1..{max_k}, got {cmd.k}")
             return draft_cross(self.parts, cmd)
-        if isinstance(cmd, commands.CrossVerifyCommand):
+        if isinstance(cmd, CrossVerifyCommand):
             if any(len(p) > max_k for p in cmd.proposals):
                 raise ValueError(f"verify_cross: more than {max_k} proposals for a slot")
             return self._with_cached(verify_cross(self.parts, cmd), cmd.slots, shards)
-        if isinstance(cmd, commands.ReleaseCommand):
+        if isinstance(cmd, ReleaseCommand):
             for shard in shards:
                 shard.release(cmd.slots)
-            return commands.StepAck()
-        if isinstance(cmd, commands.PrefillCommand):
-            result = prefill(self.parts, cmd.slots, cmd.prompts, cmd.params, cmd.cached,
-                             cmd.tables, cmd.final)
+            return StepAck()
+        if isinstance(cmd, PrefillCommand):
+            result = prefill(
+                self.parts, cmd.slots, cmd.prompts, cmd.params, cmd.cached, cmd.tables, cmd.final
+            )
             return self._with_cached(result, cmd.slots, shards)
         self._check_round(cmd)
         for shard in shards:
@@ -269,13 +338,12 @@ class Worker:
             result = speculate_overlapped(self.parts, cmd.slots, cmd.k, cmd.next_k)
         else:
             result = speculate(self.parts, cmd.slots, cmd.k)
-        if self.config.runtime.draft_ahead:   # started by work_ahead once result is sent
+        if self.config.runtime.draft_ahead:  # started by work_ahead once result is sent
             self.next_work = NextWork(cmd.slots, cmd.next_k)
         return self._with_cached(result, cmd.slots, shards)
 
     @staticmethod
-    def _with_cached(result: commands.RoundReply, slots: list[int], shards: list
-                     ) -> commands.RoundReply:
+    def _with_cached(result: RoundReply, slots: list[int], shards: list) -> RoundReply:
         """The reply with, per slot, the positions every shard of this rank caches (a draft
         with another tokenizer counts its own positions, in its own tables: not reported)."""
         shards = [s for s in shards if not getattr(s, "cross", False)]
@@ -284,7 +352,7 @@ class Worker:
         cached = [min(column) for column in zip(*(s.cached(slots) for s in shards))]
         return dataclasses.replace(result, cached=cached)
 
-    def _check_round(self, cmd: commands.RoundCommand) -> None:
+    def _check_round(self, cmd: RoundCommand) -> None:
         """Every number of a round command in its range."""
         max_k, max_len = self.config.speculation.max_draft_len, self.config.runtime.max_seq_len
         if not 0 <= cmd.k <= max_k:
@@ -292,30 +360,28 @@ class Worker:
         if not 0 <= cmd.next_k <= max_k:
             raise ValueError(f"round.next_k must be in 0..{max_k}, got {cmd.next_k}")
         if cmd.k == 0 and not 1 <= cmd.steps <= max_len:
-            raise ValueError(f"round.steps of a target-only round must be in 1..{max_len}, "
-                             f"got {cmd.steps}")
-
-    def close(self) -> None:
-        if self.pulse is not None:
-            self.pulse.stop()
+            raise ValueError(
+                f"round.steps of a target-only round must be in 1..{max_len}, got {cmd.steps}"
+            )
 
 
-def _bind_cpu_block(position: int, workers: int) -> int:
-    """This CPU worker's torch thread count: its share of the cores this process may use
-    (worker `position` of `workers`, equal blocks). With TANDEM_CPU_AFFINITY=1 it is also
-    pinned there (it and the threads it starts from now on), so that draft and target each
-    keep a core and its caches. Off by default: on a host shared with other busy processes
-    a pinned worker cannot leave a core they crowd (measured in docs/configuration.md,
-    "Overlapped speculation"). With fewer cores than workers (or a worker past this host's
-    cores, as on several nodes) nothing is pinned."""
+def _bind_cpu_block(position: int, workers: int, threads: int | None = None) -> int:
+    """This CPU worker's torch thread count: `threads` (runtime.cpu_threads) when given, else
+    its share of the cores this process may use (worker `position` of `workers`, equal
+    blocks), at least 1. With TANDEM_CPU_AFFINITY=1 it is also pinned to its block (it and
+    the threads it starts from now on), so that draft and target each keep a core and its
+    caches. Off by default: on a host shared with other busy processes a pinned worker
+    cannot leave a core they crowd (measured in docs/configuration.md, "Overlapped
+    speculation"). With fewer cores than workers (or a worker past this host's cores, as on
+    several nodes) nothing is pinned."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     per = len(allowed) // workers if allowed else (os.cpu_count() or 1) // workers
     if per < 1:
-        return 1
-    block = allowed[position * per:(position + 1) * per]
+        return threads or 1
+    block = allowed[position * per : (position + 1) * per]
     if block and os.environ.get("TANDEM_CPU_AFFINITY") == "1":
         os.sched_setaffinity(0, block)
-    return per
+    return threads or per
 
 
 def _usage_message(text: str) -> str:
@@ -327,9 +393,11 @@ def _usage_message(text: str) -> str:
 
 def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: float) -> int:
     """Entry of every worker rank, whatever launched it. Returns the exit code."""
-    logging.basicConfig(level=os.environ.get("TANDEM_LOG", "WARNING"),
-                        format=f"[tandem rank {rank}] %(levelname)s %(message)s")
-    early: list[float] = []   # a signal while joining the world: no traceback, noted below
+    logging.basicConfig(
+        level=os.environ.get("TANDEM_LOG", "WARNING"),
+        format=f"[tandem rank {rank}] %(levelname)s %(message)s",
+    )
+    early: list[float] = []  # a signal while joining the world: no traceback, noted below
 
     def on_early_signal(signum, _frame) -> None:
         log.info("rank %d: received signal %d while starting", rank, signum)
@@ -340,7 +408,7 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
     store = pgroups.init_world(rank, world_size, init_method, startup_timeout_s)
     address, key = pgroups.broadcast_control(None)
     pgroups.end_startup_world()
-    if key is not None:             # rank 0's key for this launch (no key file configured)
+    if key is not None:  # rank 0's key for this launch (no key file configured)
         auth.use_control_key(key)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
@@ -356,14 +424,17 @@ def run_worker(rank: int, world_size: int, init_method: str, startup_timeout_s: 
     code = 0
     try:
         with worker.wakeup:
-            worker.start(startup_timeout_s)
-            worker.serve()
+            worker.start(startup_timeout_s).serve()
     except WorkerExit as exc:
         # stopped as asked, or rank 0 tells the user why: only a surprise is a warning
-        log.log(logging.INFO if exc.code == 0 or exc.reported else logging.WARNING,
-                "rank %d: %s", rank, exc)
+        log.log(
+            logging.INFO if exc.code == 0 or exc.reported else logging.WARNING,
+            "rank %d: %s",
+            rank,
+            exc,
+        )
         code = exc.code
-    except Exception:
+    except Exception:  # noqa: BLE001 - a crash: its traceback logged, exit 1
         log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
         code = 1
     finally:

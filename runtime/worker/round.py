@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.transfer import bridge_broadcast
-from runtime.control.commands import TARGET_LEADER, WORKER, RoundReply
+from runtime.control.commands import TARGET_LEADER, WORKER, RoundReply, Sampling
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.adaptive import takes_bonus
 from runtime.worker import overlap
@@ -51,6 +51,14 @@ class RoundParts:
     def reports(self) -> bool:
         return self.rank == self.target_leader
 
+    @property
+    def shard(self) -> DraftShard | TargetShard:
+        """The target's shard here, else the draft's (every worker hosts one)."""
+        shard = self.target or self.draft
+        if shard is None:
+            raise RuntimeError(f"rank {self.rank} hosts neither the draft nor the target")
+        return shard
+
 
 @dataclass(frozen=True)
 class NextWork:
@@ -67,8 +75,7 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
     leader's committed tokens per slot ([accepted drafts] + [correction or bonus token])."""
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     batch, dev = len(slots), parts.device
-    shard = parts.target or parts.draft
-    need_q = parts.acceptance == "logits" and not shard.sampling(slots).greedy
+    need_q = parts.acceptance == "logits" and not parts.shard.sampling(slots).greedy
     # 1. draft: k proposals per slot (drafted ahead while the last verdict travelled, or now)
     draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)  # [B, k]
     draft_probs = None  # [B, k, V] q
@@ -87,10 +94,9 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
     # 3. target: one forward over pending + k drafts; accept a prefix, add one token of its own
     verdict = torch.zeros(batch, 2, dtype=torch.long, device=dev)  # [B, 2]
     if parts.target is not None:
-        accepted, next_token = parts.target.verify(
-            slots, draft_tokens, draft_probs if need_q else None
+        verdict = torch.stack(
+            parts.target.verify(slots, draft_tokens, draft_probs if need_q else None), dim=1
         )
-        verdict = torch.stack([accepted, next_token], dim=1)
     clock.lap("verify_s")
     # 4. target -> draft; 5. both commit
     drafts, accepted, next_tokens = _verdict_to_all(parts, draft_tokens, verdict, clock)
@@ -112,15 +118,15 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     target's held logits verify its first token next round."""
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     batch, dev, draft, target = len(slots), parts.device, parts.draft, parts.target
-    greedy = (target or draft).sampling(slots).greedy
+    greedy = parts.shard.sampling(slots).greedy
     bonus = takes_bonus(greedy, parts.acceptance)  # else held logits
     need_q = parts.acceptance == "logits" and not greedy
     # 1. draft: this window (drafted during the last round where the slot was kept)
     sent = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)  # [B, k] drafts, [B] ready
     draft_probs = None  # [B, k, V] q
     if draft is not None:
-        draft_tokens, draft_probs, ready = overlap.take_drafts(draft, slots, k)
-        sent = torch.cat([draft_tokens, to_device([[int(r)] for r in ready], torch.long, dev)], 1)
+        drafted, draft_probs, had_window = overlap.take_drafts(draft, slots, k)
+        sent = torch.cat([drafted, to_device([[int(r)] for r in had_window], torch.long, dev)], 1)
     clock.lap("draft_s")
     # 2. draft -> target
     bridge_broadcast(sent, parts.draft_leader, parts.bridge)
@@ -138,10 +144,10 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
             slots, draft_tokens, draft_probs, overlap.window_len(next_k, bonus)
         )
     if target is not None:
-        accepted, next_token, last_logits = target.verify_with_last(
+        accepted_t, next_t, last_logits = target.verify_with_last(
             slots, draft_tokens, draft_probs if need_q else None
         )
-        verdict = torch.stack([accepted, next_token], dim=1)
+        verdict = torch.stack([accepted_t, next_t], dim=1)
     clock.lap("verify_or_next_window_s")
     # 4. target -> draft; 5. both commit: kept slots keep the next window (draft), held ones
     # the target's last logits
@@ -150,6 +156,7 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     if draft is not None:
         overlap.commit_draft(draft, slots, drafts, accepted, next_tokens, held, window, bonus)
     if target is not None:
+        assert last_logits is not None  # the target verified above
         target.commit_held(slots, accepted, next_tokens, held, last_logits)
     tokens = [
         d[:a] if hold else d[:a] + [n] for d, a, n, hold in zip(drafts, accepted, next_tokens, held)
@@ -180,7 +187,7 @@ def prefill(
     parts: RoundParts,
     slots: list[int],
     prompts: list[list[int]],
-    params: list[dict],
+    params: list[Sampling],
     cached: list[int],
     tables: list[list[int]],
     final: list[bool],
@@ -196,16 +203,17 @@ def prefill(
     chunks = [i for i, f in enumerate(final) if not f]
     first = torch.zeros(len(ends), 1, dtype=torch.long, device=parts.device)  # [F, 1]
     draft = parts.draft if parts.draft is not None and not parts.draft.cross else None
+    columns = (slots, prompts, params, cached, tables)
     if draft is not None:  # (a draft with another tokenizer starts at its first round)
         if chunks:
-            draft.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
+            draft.prefill(*_rows(chunks, *columns))
         if ends:
-            draft.prefill(*_rows(ends, slots, prompts, params, cached, tables), through=True)
+            draft.prefill(*_rows(ends, *columns), through=True)
     if parts.target is not None:
         if chunks:
-            parts.target.prefill(*_rows(chunks, slots, prompts, params, cached, tables))
+            parts.target.prefill(*_rows(chunks, *columns))
         if ends:
-            first = parts.target.prefill_first(*_rows(ends, slots, prompts, params, cached, tables))
+            first = parts.target.prefill_first(*_rows(ends, *columns))
     clock.lap("prefill_s")
     rows: list[list[int]] = []
     if ends:
@@ -215,7 +223,7 @@ def prefill(
             if shard is not None:
                 shard.append_decoded([slots[i] for i in ends], rows)
     clock.lap("first_token_transfer_s")
-    tokens = [[] for _ in slots]
+    tokens: list[list[int]] = [[] for _ in slots]
     for i, row in zip(ends, rows):
         tokens[i] = row
     return _result(parts, start, clock, tokens, [0] * len(slots))
@@ -226,12 +234,29 @@ def _q_width(parts: RoundParts) -> int:
     differently widens its q to it: runtime.speculation.vocab)."""
     if parts.target is not None:
         return parts.target.model.vocab_size
-    return parts.draft.q_width
+    shard = parts.shard
+    assert isinstance(shard, DraftShard)  # no target here: the draft's
+    return shard.q_width
 
 
-def _rows(index: list[int], *columns: list | None) -> list[list | None]:
-    """Those rows of each column (None or an empty column stays None: nothing sent)."""
-    return [[column[i] for i in index] if column else None for column in columns]
+def _rows(
+    index: list[int],
+    slots: list[int],
+    prompts: list[list[int]],
+    params: list[Sampling],
+    cached: list[int],
+    tables: list[list[int]],
+) -> tuple[
+    list[int], list[list[int]], list[Sampling] | None, list[int] | None, list[list[int]] | None
+]:
+    """Those rows of a prefill's columns (an empty column stays None: the shard's default)."""
+    return (
+        [slots[i] for i in index],
+        [prompts[i] for i in index],
+        [params[i] for i in index] if params else None,
+        [cached[i] for i in index] if cached else None,
+        [tables[i] for i in index] if tables else None,
+    )
 
 
 def _verdict_to_all(
@@ -281,17 +306,17 @@ def work_ahead(parts: RoundParts, nxt: NextWork) -> Exception | None:
     proposals when the next round drafts, else the target's first DECODE_AHEAD_STEPS of a
     target-only round. A failure drops the work (the next round works on command) and is
     returned for the log."""
-    shard = parts.draft if nxt.k > 0 else parts.target
-    if shard is None:
-        return None
+    draft, target = parts.draft, parts.target
     try:
-        if nxt.k > 0:  # slots with a next window (overlap) have their drafts already
-            slots = [s for s in nxt.slots if s not in parts.draft.windows]
+        if nxt.k > 0 and draft is not None:  # slots with a next window have their drafts
+            slots = [s for s in nxt.slots if s not in draft.windows]
             if slots:
-                parts.draft.propose_ahead(slots, nxt.k)
-        else:
-            parts.target.decode_ahead(nxt.slots, DECODE_AHEAD_STEPS)
+                draft.propose_ahead(slots, nxt.k)
+        elif nxt.k == 0 and target is not None:
+            target.decode_ahead(nxt.slots, DECODE_AHEAD_STEPS)
     except Exception as exc:  # noqa: BLE001 - logged by the caller, the work dropped
-        shard.drop_ahead()
+        shard = draft if nxt.k > 0 else target
+        if shard is not None:
+            shard.drop_ahead()
         return exc
     return None

@@ -4,8 +4,11 @@ tokens, and work done ahead of its round is an Extension record)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
+from runtime.control.commands import Sampling
 from runtime.models.arch.base import is_paged
 from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
@@ -60,36 +63,49 @@ class ModelShard:
             model, device, num_slots, max_step_len, cuda_graphs, prefill_graphs
         )
 
-    def forward_rows(
-        self, slots: list[int], rows: list[list[int]], logits: bool = True
-    ) -> torch.Tensor | None:
-        """Append ragged `rows` to each slot's cache; returns logits [B, T, V] (None with
-        logits=False: prompts, whose KV is all that is kept)."""
+    def forward_rows(self, slots: list[int], rows: list[list[int]]) -> torch.Tensor:
+        """Append ragged `rows` to each slot's cache; returns logits [B, T, V]."""
+        return self._step(slots, *self._ragged(rows))
+
+    def feed_rows(self, slots: list[int], rows: list[list[int]]) -> None:
+        """Append ragged `rows` to each slot's cache (prompts: their KV is all that is kept;
+        StepRunner.prefill)."""
+        self.runner.prefill(*self._append(slots, *self._ragged(rows)))
+
+    def _ragged(self, rows: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """rows padded into ids [B, T] on the device, and each row's length."""
         width = max(len(r) for r in rows)
         ids = to_device([r + [0] * (width - len(r)) for r in rows], torch.long, self.device)
-        return self._step(slots, ids, [len(r) for r in rows], logits)
+        return ids, [len(r) for r in rows]
 
     def _step(
-        self,
-        slots: list[int],
-        ids: torch.Tensor,
-        n_valid: list[int] | None = None,
-        logits: bool | str = True,
-    ) -> torch.Tensor | None:
-        """ids [B, T] on the device, appended at each slot's cache_len; logits [B, T, V]
-        (None when not wanted: StepRunner.prefill; "last": each row's at its last valid
-        token [B, V], StepRunner.prefill_last)."""
+        self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None = None
+    ) -> torch.Tensor:
+        """ids [B, T] on the device, appended at each slot's cache_len; logits [B, T, V]."""
+        return self.runner.run(*self._append(slots, ids, n_valid))
+
+    def _step_last(self, slots: list[int], ids: torch.Tensor, n_valid: list[int]) -> torch.Tensor:
+        """_step for a prompt's end: each row's logits at its last valid token [B, V]
+        (StepRunner.prefill_last)."""
+        return self.runner.prefill_last(*self._append(slots, ids, n_valid))
+
+    def _append(
+        self, slots: list[int], ids: torch.Tensor, n_valid: list[int] | None
+    ) -> tuple[torch.Tensor, list[int] | torch.Tensor, list[int], list[int]]:
+        """A step's arguments to the runner: the ids (as the model takes them), the rows'
+        tables (slots for a model with its own cache), each row's start (its slot's
+        cache_len, now advanced by n_valid: default, every id) and n_valid."""
         if n_valid is None:
             n_valid = [ids.shape[1]] * len(slots)
         starts = self.slots.append(
             slots, n_valid, None if self.tables is None else self.tables.capacity
         )
         rows = slots if self.tables is None else self.tables.rows(slots)
-        if logits == "last":
-            return self.runner.prefill_last(ids, rows, starts, n_valid)
-        if not logits:
-            return self.runner.prefill(ids, rows, starts, n_valid)
-        return self.runner.run(ids, rows, starts, n_valid)
+        return self._inputs(ids), rows, starts, n_valid
+
+    def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids as the model takes them."""
+        return ids
 
     def sampling(self, slots: list[int]) -> BatchSampling:
         return BatchSampling.of([self.slots[s].sampling for s in slots], self.device)
@@ -102,7 +118,7 @@ class ModelShard:
         self,
         slots: list[int],
         prompts: list[list[int]],
-        params: list[dict] | None = None,
+        params: list[Sampling] | None = None,
         cached: list[int] | None = None,
         tables: list[list[int]] | None = None,
         through: bool = False,
@@ -120,13 +136,13 @@ class ModelShard:
             if len(p) > (0 if through else 1)
         ]
         if rows:
-            self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
+            self.feed_rows([s for s, _ in rows], [r for _, r in rows])
 
     def _start(
         self,
         slots: list[int],
         prompts: list[list[int]],
-        params: list[dict] | None,
+        params: list[Sampling] | None,
         cached: list[int] | None,
         tables: list[list[int]] | None,
     ) -> list[int]:
@@ -195,7 +211,7 @@ class DraftShard(ModelShard):
     cross = False  # another tokenizer: own fixed block tables, synced from text
 
     def resync(
-        self, slots: list[int], keep: list[int], tokens: list[list[int]], params: list[dict]
+        self, slots: list[int], keep: list[int], tokens: list[list[int]], params: list[Sampling]
     ) -> None:
         """A draft with another tokenizer (cross): each slot's sequence becomes its first
         keep[i] cached positions and tokens[i] (keep 0: a new sequence, sampled with
@@ -207,28 +223,21 @@ class DraftShard(ModelShard):
                 self.slots.rewind(slot, n, row)
         rows = [(s, r[:-1]) for s, r in zip(slots, tokens) if len(r) > 1]
         if rows:
-            self.forward_rows([s for s, _ in rows], [r for _, r in rows], logits=False)
+            self.feed_rows([s for s, _ in rows], [r for _, r in rows])
 
     @property
     def q_width(self) -> int:
         """The width of the q it sends: the target's vocab_size."""
         return self.model.vocab_size if self.vocab is None else self.vocab.width
 
-    def _step(
-        self,
-        slots: list[int],
-        ids: torch.Tensor,
-        n_valid: list[int] | None = None,
-        logits: bool | str = True,
-    ) -> torch.Tensor | None:
-        if self.vocab is not None:
-            ids = self.vocab.inputs(ids)
-        return super()._step(slots, ids, n_valid, logits)
+    def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids clamped into the draft's embedding (a draft padded differently)."""
+        return ids if self.vocab is None else self.vocab.inputs(ids)
 
     @property
     def windows(self) -> dict[int, Extension]:
         """slot -> its next window (one row), drafted while the target verified the last."""
-        return self.carried
+        return cast("dict[int, Extension]", self.carried)
 
     def propose_ahead(self, slots: list[int], k: int) -> None:
         marks = self.slots.mark(slots)

@@ -22,11 +22,11 @@ a full cache cut short); the round that takes it extends the slots' caches over 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import torch
 
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+from runtime.control.commands import GREEDY, Sampling
 
 
 @dataclass
@@ -34,7 +34,7 @@ class SlotState:
     committed: int = 0
     cache_len: int = 0
     pending: list[int] = field(default_factory=list)
-    sampling: dict = field(default_factory=lambda: dict(GREEDY))
+    sampling: Sampling = GREEDY
 
 
 class Mark(NamedTuple):
@@ -86,16 +86,14 @@ class SlotBook:
         return self.states[slot]
 
     # --- a sequence's life ---------------------------------------------------------------
-    def start(self, slot: int, tokens: list[int], sampling: dict, cached: int = 0) -> None:
+    def start(self, slot: int, tokens: list[int], sampling: Sampling, cached: int = 0) -> None:
         """A sequence (re)starts: its first `cached` positions are in the cache already (a
         prefix hit, earlier chunks of its prompt), `tokens` follow them; all committed, the
         last pending. The prefill that follows caches the others (append)."""
         self.check(slot)
         if cached < 0 or not tokens:
             raise ValueError(f"slot {slot}: {cached} cached positions and {len(tokens)} tokens")
-        self.states[slot] = SlotState(
-            cached + len(tokens), cached, [tokens[-1]], {key: sampling[key] for key in GREEDY}
-        )
+        self.states[slot] = SlotState(cached + len(tokens), cached, [tokens[-1]], sampling)
 
     def rewind(self, slot: int, keep: int, tokens: list[int]) -> None:
         """The sequence is now its first `keep` cached positions and `tokens` (a draft with
@@ -165,7 +163,7 @@ class SlotBook:
         for slot, mark in zip(slots, marks):
             self.states[slot].cache_len = mark.cache_len
 
-    def fits(self, ext: Extension | None, slots: list[int]) -> bool:
+    def fits(self, ext: Extension | None, slots: list[int]) -> TypeGuard[Extension]:
         """Whether `ext` extends exactly these slots, which stand where it started."""
         return ext is not None and ext.slots == slots and ext.marks == self.mark(slots)
 

@@ -4,8 +4,11 @@ ahead, and the held logits of overlapped rounds."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
+from runtime.control.commands import Sampling
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.acceptance import accept_choices
 from runtime.speculation.choose import BatchSampling, target_verify
@@ -23,10 +26,10 @@ class TargetShard(ModelShard):
     ahead: Extension | None = None
 
     @property
-    def held(self) -> dict:
+    def held(self) -> dict[int, torch.Tensor]:
         """slot -> logits [V(local)] of its next token, held after a kept overlapped round
         (the slot then has no pending token; runtime.worker.overlap)."""
-        return self.carried
+        return cast("dict[int, torch.Tensor]", self.carried)
 
     def verify(
         self, slots: list[int], draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None
@@ -114,7 +117,7 @@ class TargetShard(ModelShard):
         self,
         slots: list[int],
         prompts: list[list[int]],
-        params: list[dict] | None = None,
+        params: list[Sampling] | None = None,
         cached: list[int] | None = None,
         tables: list[list[int]] | None = None,
     ) -> torch.Tensor:
@@ -124,10 +127,7 @@ class TargetShard(ModelShard):
         round rejecting every draft takes). Commit it with append_decoded (on the draft
         too)."""
         self._start(slots, prompts, params, cached, tables)
-        rows = prompts
-        width = max(len(r) for r in rows)
-        ids = to_device([r + [0] * (width - len(r)) for r in rows], torch.long, self.device)
-        logits = self._step(slots, ids, [len(r) for r in rows], logits="last")  # [B, V]
+        logits = self._step_last(slots, *self._ragged(prompts))  # [B, V]
         return self._pick(logits[:, None], self.sampling(slots), self.committed_index(slots))
 
     def _pick(

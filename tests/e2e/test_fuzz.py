@@ -4,6 +4,7 @@ long; frames that are no valid message are dropped without a reply; a well-forme
 with a bad argument gets a `failed` reply of kind "value" naming the argument. Afterwards
 the server still answers, with the same output as before. The workers' control sockets
 listen on loopback only."""
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,9 @@ import zmq
 
 from launcher.bootstrap import control_bind
 from runtime import Client
-from runtime.control import protocol
+from runtime.control import protocol, wire
 from runtime.control.pool import WorkerPool
-from tests import checkpoints, launch
+from tests import launch
 from tests.processes import socket_inodes
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,9 +49,13 @@ def server(tokenized_pair, tmp_path_factory):
     cfg.write_text(yaml.safe_dump(config))
     err_path = root / "stderr.txt"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(launch.command("spawn", 2, ["serve", str(cfg)]),
-                                stdout=subprocess.DEVNULL, stderr=err,
-                                start_new_session=True, env=launch.clean_env())
+        proc = subprocess.Popen(
+            launch.command("spawn", 2, ["serve", str(cfg)]),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+            env=launch.clean_env(),
+        )
     client = Client(address, dead_after_s=120)
     try:
         client.info(timeout_s=120)
@@ -75,8 +80,10 @@ def server(tokenized_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(server):
     """Outputs before any fuzzing."""
-    return (server.client.generate(prompt_token_ids=PROMPT_IDS, max_new_tokens=12).token_ids,
-            server.client.generate(TEXT, max_new_tokens=12).text)
+    return (
+        server.client.generate(prompt_token_ids=PROMPT_IDS, max_new_tokens=12).token_ids,
+        server.client.generate(TEXT, max_new_tokens=12).text,
+    )
 
 
 # --- a raw client --------------------------------------------------------------------------
@@ -93,6 +100,11 @@ def dealer(address: str):
         context.term()
 
 
+def read(frame: bytes) -> dict:
+    """The map of a reply (checked as the Client checks it)."""
+    return wire.to_wire(protocol.decode(frame))
+
+
 def replies(sock, timeout_s: float) -> list[dict]:
     """Every reply that arrives within timeout_s."""
     out, deadline = [], time.monotonic() + timeout_s
@@ -100,7 +112,7 @@ def replies(sock, timeout_s: float) -> list[dict]:
         left = deadline - time.monotonic()
         if left <= 0 or not sock.poll(int(left * 1000)):
             return out
-        out.append(protocol.decode(sock.recv()))
+        out.append(read(sock.recv()))
 
 
 def wait_reply(sock, rid: str, timeout_s: float = 30.0, others: list | None = None) -> dict:
@@ -109,7 +121,7 @@ def wait_reply(sock, rid: str, timeout_s: float = 30.0, others: list | None = No
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if sock.poll(100):
-            reply = protocol.decode(sock.recv())
+            reply = read(sock.recv())
             if reply["id"] != rid:
                 if others is not None:
                     others.append(reply)
@@ -130,13 +142,18 @@ def alive(sock, tag: str) -> None:
     assert reply["type"] == "pong"
 
 
-DROP = object()     # generate(field=DROP): leave the field out
+DROP = object()  # generate(field=DROP): leave the field out
 
 
 def generate(**fields) -> dict:
     """A generate message (valid unless `fields` say otherwise)."""
-    msg = {"type": "generate", "id": fields.pop("id", "g"), "stream": False,
-           "prompt_ids": [PROMPT_IDS], "params": {"max_new_tokens": 4}}
+    msg = {
+        "type": "generate",
+        "id": fields.pop("id", "g"),
+        "stream": False,
+        "prompt_ids": [PROMPT_IDS],
+        "params": {"max_new_tokens": 4},
+    }
     msg.update(fields)
     return {key: value for key, value in msg.items() if value is not DROP}
 
@@ -163,11 +180,15 @@ def test_reference_output(server, reference):
 
 def test_random_bytes(server):
     rng = random.Random(1234)
-    frames = [bytes(rng.getrandbits(8) for _ in range(rng.choice([0, 1, 2, 5, 17, 300, 4000])))
-              for _ in range(300)]
+    frames = [
+        bytes(rng.getrandbits(8) for _ in range(rng.choice([0, 1, 2, 5, 17, 300, 4000])))
+        for _ in range(300)
+    ]
     # random bytes behind a valid map prefix reach deeper into the decoder
-    frames += [b"\x86\xa4type\xa8generate" + bytes(rng.getrandbits(8) for _ in range(60))
-               for _ in range(100)]
+    frames += [
+        b"\x86\xa4type\xa8generate" + bytes(rng.getrandbits(8) for _ in range(60))
+        for _ in range(100)
+    ]
     assert_dropped(server, frames, "random")
 
 
@@ -208,8 +229,8 @@ def test_deep_nesting(server):
     for _ in range(40):
         deep_map = {"x": deep_map}
     frames = [
-        b"\x91" * 100_000 + b"\x01",                                    # 100k nested arrays
-        b"\x81\xa1x" * 50_000 + b"\x01",                                # 50k nested maps
+        b"\x91" * 100_000 + b"\x01",  # 100k nested arrays
+        b"\x81\xa1x" * 50_000 + b"\x01",  # 50k nested maps
         msgpack.packb(generate(id="deep1", prompt_ids=nested(30, [1]))),
         msgpack.packb(generate(id="deep2", params=deep_map)),
         msgpack.packb({"type": "ping", "id": "deep3", "x": nested(20)}),
@@ -219,11 +240,11 @@ def test_deep_nesting(server):
 
 def test_huge_declared_lengths(server):
     frames = [
-        b"\xdd\xff\xff\xff\xff",                       # array32 of 4 G elements, no data
-        b"\xdd\x03\xff\xff\xff\x01\x02\x03",           # array32 of 67 M elements, 3 given
-        b"\xdf\xff\xff\xff\xff\xa4type",               # map32 of 4 G pairs
-        b"\xdb\xff\xff\xff\xff" + b"x" * 100,          # str32 of 4 GiB
-        b"\xc6\x7f\xff\xff\xff" + b"x" * 100,          # bin32 of 2 GiB
+        b"\xdd\xff\xff\xff\xff",  # array32 of 4 G elements, no data
+        b"\xdd\x03\xff\xff\xff\x01\x02\x03",  # array32 of 67 M elements, 3 given
+        b"\xdf\xff\xff\xff\xff\xa4type",  # map32 of 4 G pairs
+        b"\xdb\xff\xff\xff\xff" + b"x" * 100,  # str32 of 4 GiB
+        b"\xc6\x7f\xff\xff\xff" + b"x" * 100,  # bin32 of 2 GiB
         b"\x82\xa4type\xa4ping\xa2id\xdb\x10\x00\x00\x00abc",  # id: str32 of 256 MiB
         # 1.5 M empty lists in one frame: would cost ~100 MB of Python objects
         b"\xdd" + (3 << 19).to_bytes(4, "big") + b"\x90" * (3 << 19),
@@ -240,13 +261,15 @@ def test_extension_types(server):
         msgpack.packb(generate(id="ext1", params={"max_new_tokens": msgpack.ExtType(5, b"x")})),
         # a reserved (negative) extension type where a token id belongs
         msgpack.packb(generate(id="ext2", prompt_ids=[[123456789]])).replace(
-            msgpack.packb(123456789), b"\xd4\xfb1"),
+            msgpack.packb(123456789), b"\xd4\xfb1"
+        ),
         msgpack.packb({"type": "ping", "id": msgpack.Timestamp(0)}, datetime=False),
     ]
     assert_dropped(server, frames, "ext")
-    with dealer(server.address) as sock:         # a timestamp where an integer belongs
-        reply = ask(sock, generate(id="ts", params={"max_new_tokens": 4,
-                                                    "seed": msgpack.Timestamp(3)}))
+    with dealer(server.address) as sock:  # a timestamp where an integer belongs
+        reply = ask(
+            sock, generate(id="ts", params={"max_new_tokens": 4, "seed": msgpack.Timestamp(3)})
+        )
         assert reply["type"] == "failed" and "seed" in reply["message"], reply
 
 
@@ -262,12 +285,16 @@ def test_non_string_keys(server):
     assert_dropped(server, frames, "keys")
 
 
-WRONG = [1, -1, 2 ** 63, 1.5, math.nan, True, None, "s", b"bytes", [], [1], [[1]], {}, {"a": 1}]
+WRONG = [1, -1, 2**63, 1.5, math.nan, True, None, "s", b"bytes", [], [1], [[1]], {}, {"a": 1}]
 
 
-def _types_ok(field: str, value) -> bool:
-    types = protocol.SCHEMAS["generate"][field]
-    return isinstance(value, types) and not (isinstance(value, bool) and types is not bool)
+def _types_ok(msg: dict) -> bool:
+    """Whether the message's fields have their types (runtime.control.wire's check)."""
+    try:
+        protocol.from_wire(msg)
+    except protocol.ProtocolError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("field", ["id", "prompts", "prompt_ids", "params", "stream", "chat"])
@@ -283,7 +310,7 @@ def test_wrong_types_in_every_generate_field(server, field):
             if field == "prompts":
                 msg.pop("prompt_ids")
             msg[field] = value
-            if not _types_ok(field, value):
+            if not _types_ok(msg):
                 sock.send(msgpack.packb(msg, use_bin_type=True))
                 dropped.append(value)
             else:
@@ -294,30 +321,33 @@ def test_wrong_types_in_every_generate_field(server, field):
         alive(sock, f"types-{field}")
 
 
-@pytest.mark.parametrize("params,name", [
-    ({"max_new_tokens": -1}, "max_new_tokens"),
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"max_new_tokens": "4"}, "max_new_tokens"),
-    ({"max_new_tokens": 1.5}, "max_new_tokens"),
-    ({"max_new_tokens": True}, "max_new_tokens"),
-    ({"max_new_tokens": 2 ** 63 - 1}, "max_new_tokens"),
-    ({"max_new_tokens": MAX_SEQ_LEN}, "max_new_tokens"),
-    ({"max_new_tokens": 4, "temperature": math.nan}, "temperature"),
-    ({"max_new_tokens": 4, "temperature": math.inf}, "temperature"),
-    ({"max_new_tokens": 4, "temperature": -0.5}, "temperature"),
-    ({"max_new_tokens": 4, "temperature": "hot"}, "temperature"),
-    ({"max_new_tokens": 4, "top_p": math.nan}, "top_p"),
-    ({"max_new_tokens": 4, "top_p": 0.0}, "top_p"),
-    ({"max_new_tokens": 4, "top_p": 1.5}, "top_p"),
-    ({"max_new_tokens": 4, "top_k": -3}, "top_k"),
-    ({"max_new_tokens": 4, "top_k": 2.5}, "top_k"),
-    ({"max_new_tokens": 4, "seed": -1}, "seed"),
-    ({"max_new_tokens": 4, "seed": "x"}, "seed"),
-    ({"max_new_tokens": 4, "stop": [1, 2]}, "stop"),
-    ({"max_new_tokens": 4, "stop": [""]}, "stop"),
-    ({"max_new_tokens": 4, "stop": 5}, "stop"),
-    ({"max_new_tokens": 4, "frequency_penalty": 1.0}, "frequency_penalty"),
-])
+@pytest.mark.parametrize(
+    "params,name",
+    [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": "4"}, "max_new_tokens"),
+        ({"max_new_tokens": 1.5}, "max_new_tokens"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"max_new_tokens": 2**63 - 1}, "max_new_tokens"),
+        ({"max_new_tokens": MAX_SEQ_LEN}, "max_new_tokens"),
+        ({"max_new_tokens": 4, "temperature": math.nan}, "temperature"),
+        ({"max_new_tokens": 4, "temperature": math.inf}, "temperature"),
+        ({"max_new_tokens": 4, "temperature": -0.5}, "temperature"),
+        ({"max_new_tokens": 4, "temperature": "hot"}, "temperature"),
+        ({"max_new_tokens": 4, "top_p": math.nan}, "top_p"),
+        ({"max_new_tokens": 4, "top_p": 0.0}, "top_p"),
+        ({"max_new_tokens": 4, "top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": 4, "top_k": -3}, "top_k"),
+        ({"max_new_tokens": 4, "top_k": 2.5}, "top_k"),
+        ({"max_new_tokens": 4, "seed": -1}, "seed"),
+        ({"max_new_tokens": 4, "seed": "x"}, "seed"),
+        ({"max_new_tokens": 4, "stop": [1, 2]}, "stop"),
+        ({"max_new_tokens": 4, "stop": [""]}, "stop"),
+        ({"max_new_tokens": 4, "stop": 5}, "stop"),
+        ({"max_new_tokens": 4, "frequency_penalty": 1.0}, "frequency_penalty"),
+    ],
+)
 def test_bad_argument_gets_value_failure_naming_it(server, params, name):
     with dealer(server.address) as sock:
         reply = ask(sock, generate(id="bad", params=params))
@@ -325,22 +355,25 @@ def test_bad_argument_gets_value_failure_naming_it(server, params, name):
     assert name in reply["message"], reply
 
 
-@pytest.mark.parametrize("fields,name", [
-    ({"prompt_ids": [[1, 10 ** 9]]}, "prompt_token_ids"),       # out of the vocabulary
-    ({"prompt_ids": [[1, -1]]}, "prompt_token_ids"),
-    ({"prompt_ids": [[1, 2 ** 63]]}, "prompt_token_ids"),
-    ({"prompt_ids": [[1, True]]}, "prompt_token_ids"),
-    ({"prompt_ids": [[1, 2.0]]}, "prompt_token_ids"),
-    ({"prompt_ids": [[1, "2"]]}, "prompt_token_ids"),
-    ({"prompt_ids": [[]]}, "prompt_token_ids"),
-    ({"prompt_ids": [1, 2, 3]}, "prompt_token_ids"),
-    ({"prompt_ids": []}, "prompt"),
-    ({"prompt_ids": [[1] * (MAX_SEQ_LEN + 1)]}, "runtime.max_seq_len"),
-    ({"prompt_ids": DROP, "prompts": [""]}, "prompt"),
-    ({"prompt_ids": DROP, "prompts": [7]}, "prompt"),
-    ({"prompt_ids": DROP, "prompts": ["x" * 100_000]}, "runtime.max_seq_len"),   # too long
-    ({"prompts": ["hello"]}, "exactly one"),                                # both given
-])
+@pytest.mark.parametrize(
+    "fields,name",
+    [
+        ({"prompt_ids": [[1, 10**9]]}, "prompt_token_ids"),  # out of the vocabulary
+        ({"prompt_ids": [[1, -1]]}, "prompt_token_ids"),
+        ({"prompt_ids": [[1, 2**63]]}, "prompt_token_ids"),
+        ({"prompt_ids": [[1, True]]}, "prompt_token_ids"),
+        ({"prompt_ids": [[1, 2.0]]}, "prompt_token_ids"),
+        ({"prompt_ids": [[1, "2"]]}, "prompt_token_ids"),
+        ({"prompt_ids": [[]]}, "prompt_token_ids"),
+        ({"prompt_ids": [1, 2, 3]}, "prompt_token_ids"),
+        ({"prompt_ids": []}, "prompt"),
+        ({"prompt_ids": [[1] * (MAX_SEQ_LEN + 1)]}, "runtime.max_seq_len"),
+        ({"prompt_ids": DROP, "prompts": [""]}, "prompt"),
+        ({"prompt_ids": DROP, "prompts": [7]}, "prompt"),
+        ({"prompt_ids": DROP, "prompts": ["x" * 100_000]}, "runtime.max_seq_len"),  # too long
+        ({"prompts": ["hello"]}, "exactly one"),  # both given
+    ],
+)
 def test_bad_prompt_gets_value_failure(server, fields, name):
     msg = generate(id="badp", **fields)
     with dealer(server.address) as sock:
@@ -352,24 +385,35 @@ def test_bad_prompt_gets_value_failure(server, fields, name):
 def test_unknown_and_foreign_message_types(server):
     """Types the server does not take from clients: unknown ones, and the workers' own
     (a client cannot shut the engine down or inject steps)."""
-    frames = [msgpack.packb(m) for m in (
-        {"type": "exec", "id": "x"}, {"type": "", "id": "x"}, {"type": None},
-        {"type": 1}, {"type": ["generate"]}, {},
-        {"type": "shutdown"},
-        {"type": "init", "config": {}, "heartbeat": "tcp://127.0.0.1:1"},
-        {"type": "round", "step": 1, "slots": [0], "k": 4},
-        {"type": "error", "rank": 1, "step": 1, "message": "boom"},
-        {"type": "done", "rank": 1, "step": 1, "result": {}},
-        {"type": "final", "id": "x", "outputs": []},
-        {"type": "cancel", "id": "not-mine"},
-    )]
+    frames = [
+        msgpack.packb(m)
+        for m in (
+            {"type": "exec", "id": "x"},
+            {"type": "", "id": "x"},
+            {"type": None},
+            {"type": 1},
+            {"type": ["generate"]},
+            {},
+            {"type": "shutdown"},
+            {"type": "init", "config": {}, "heartbeat": "tcp://127.0.0.1:1"},
+            {"type": "round", "step": 1, "slots": [0], "k": 4},
+            {"type": "error", "rank": 1, "step": 1, "message": "boom"},
+            {"type": "done", "rank": 1, "step": 1, "result": {}},
+            {"type": "final", "id": "x", "outputs": []},
+            {"type": "cancel", "id": "not-mine"},
+        )
+    ]
     assert_dropped(server, frames, "types")
 
 
 def test_multipart_garbage(server):
-    frames = [[b"a", b"b"], [b"", b"", b""], [b"\x00" * 10] * 20,
-              [msgpack.packb({"type": "ping", "id": "mp"}), b"tail"],
-              [b"", msgpack.packb({"type": "ping", "id": "mp2"})]]
+    frames = [
+        [b"a", b"b"],
+        [b"", b"", b""],
+        [b"\x00" * 10] * 20,
+        [msgpack.packb({"type": "ping", "id": "mp"}), b"tail"],
+        [b"", msgpack.packb({"type": "ping", "id": "mp2"})],
+    ]
     assert_dropped(server, frames, "multipart")
 
 
@@ -390,7 +434,7 @@ def test_request_id_reuse_and_cancel_of_others(server):
         a.send(msgpack.packb(generate(id="dup", params={"max_new_tokens": 40})))
         reply = ask(a, generate(id="dup"))
         assert reply["type"] == "failed" and "already in use" in reply["message"]
-        b.send(msgpack.packb({"type": "cancel", "id": "dup"}))     # not b's request
+        b.send(msgpack.packb({"type": "cancel", "id": "dup"}))  # not b's request
         final = wait_reply(a, "dup")
         assert final["type"] == "final" and len(final["outputs"][0]["token_ids"]) == 40
 
@@ -422,11 +466,11 @@ def test_pool_binds_loopback_by_default(monkeypatch):
 def _listening() -> dict[str, tuple[str, int]]:
     """socket inode -> (local address, port) of every listening TCP socket."""
     out = {}
-    for path, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+    for path, _width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
         with open(path) as fh:
             for line in fh.read().splitlines()[1:]:
                 cols = line.split()
-                if cols[3] == "0A":          # LISTEN
+                if cols[3] == "0A":  # LISTEN
                     host, port = cols[1].split(":")
                     out[cols[9]] = (host, int(port, 16))
     return out
@@ -436,7 +480,7 @@ def _external_ip() -> str | None:
     """A non-loopback IPv4 address of this host, if it has one."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("10.255.255.255", 1))       # no packet is sent
+            probe.connect(("10.255.255.255", 1))  # no packet is sent
             ip = probe.getsockname()[0]
     except OSError:
         return None
@@ -452,7 +496,7 @@ def test_control_sockets_unreachable_from_outside(server):
     mine = [listening[i] for i in socket_inodes(server.proc.pid) if i in listening]
     server_port = int(server.address.rsplit(":", 1)[1])
     assert server_port in {port for _, port in mine}, mine
-    assert len(mine) >= 4, mine            # control ROUTER, beacon PUB, store, server
+    assert len(mine) >= 4, mine  # control ROUTER, beacon PUB, store, server
     for host, port in mine:
         assert host == "0100007F", f"port {port} listens on {host}, not 127.0.0.1"
     ip = _external_ip()

@@ -255,8 +255,8 @@ def test_prefix_hits_with_tensor_parallel_on_both_sides(pair, greedy, tmp_path):
 
 # --- chunked prefill: prompts over several steps, beside running streams ----------------------
 def test_chunked_prefill_stays_greedy_exact(pair, greedy, tmp_path):
-    """runtime.max_prefill_tokens 3: prompts arriving while a stream decodes are prefilled 3
-    tokens a step past their prefix hits (an idle server prefills whole prompts); all
+    """runtime.max_prefill_tokens 3: prompts are prefilled 3 tokens a step past their prefix
+    hits, the stream's own while nothing decodes too, the others' while it decodes; all
     greedy-exact, nothing leaked."""
     cfg = write(tmp_path, pair, max_prefill_tokens=3)
     with Engine.launch(cfg) as eng:

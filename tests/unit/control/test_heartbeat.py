@@ -59,7 +59,7 @@ def test_an_idle_pulse_beats_less_often_and_says_so():
             got, end = [], time.monotonic() + seconds
             while time.monotonic() < end:
                 if control.poll(10):
-                    got.append(protocol.decode(control.recv_multipart()[-1])["next_s"])
+                    got.append(protocol.decode(control.recv_multipart()[-1]).next_s)
             return got
 
         time.sleep(4 * period)  # no step since the start: idle now

@@ -41,7 +41,8 @@ def dealer(pool: WorkerPool, rank: int) -> zmq.Socket:
 
 
 def send(sock: zmq.Socket, pool: WorkerPool, msg: dict) -> None:
-    sock.send(protocol.encode(msg, pool.key))
+    """The message of a map (runtime.control.wire.from_wire), signed as the pool expects."""
+    sock.send(protocol.encode(protocol.from_wire(msg), pool.key))
 
 
 def pulse(pool: WorkerPool) -> zmq.Socket:
@@ -84,7 +85,7 @@ def test_stalled_orchestrator_does_not_misread_live_workers(pool, call):
             pool.idle(0)
         else:
             with pytest.raises(EngineDeadError, match="did not answer 'done'"):
-                pool.wait_for("done", 0.5)  # times out waiting, not on heartbeats
+                pool.wait_for(protocol.Done, 0.5)  # times out waiting, not on heartbeats
         assert pool.dead is None or "heartbeat" not in pool.dead
     finally:
         stop.set()
@@ -103,7 +104,7 @@ def test_error_after_stall_is_not_blamed_on_a_live_rank(pool):
         send(beats, pool, {"type": "heartbeat", "rank": 2})
         time.sleep(0.2)  # all three are queued
         with pytest.raises(EngineDeadError) as info:
-            pool.wait_for("done", 5.0, step=1)
+            pool.wait_for(protocol.Done, 5.0, step=1)
         assert str(info.value) == "rank 1: boom", str(info.value)
     finally:
         sock.close(0)
@@ -169,7 +170,7 @@ def test_local_worker_that_is_not_our_child_is_named_at_once(orphan, call):
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {orphan}\) (died|exited)"):
             if call == "wait_for":
-                pool.wait_for("done", 20)
+                pool.wait_for(protocol.Done, 20)
             else:
                 while time.monotonic() - start < 20:
                     pool.idle(50)
@@ -188,8 +189,8 @@ def test_the_beacon_thread_reads_the_pulses_of_an_idle_pool(pool):
     try:
         before = dict(pool.last_seen)
         for _ in range(5):
-            sock.send(protocol.encode({"type": "heartbeat", "rank": 1}, pool.key))
-            sock.send(protocol.encode({"type": "heartbeat", "rank": 2}, b"not the key"))
+            sock.send(protocol.encode(protocol.Heartbeat(1), pool.key))
+            sock.send(protocol.encode(protocol.Heartbeat(2), b"not the key"))
             time.sleep(0.1)
         deadline = time.monotonic() + 5
         while pool.last_seen[1] == before[1] and time.monotonic() < deadline:
@@ -226,7 +227,7 @@ def test_a_failure_is_blamed_on_a_rank_only_once_its_promised_heartbeat_is_overd
         time.sleep(2.1)
         send(sock, pool, {"type": "error", "rank": 1, "step": 1, "message": "rank 1: boom"})
         with pytest.raises(EngineDeadError) as info:
-            pool.wait_for("done", 5.0, step=1)
+            pool.wait_for(protocol.Done, 5.0, step=1)
         blamed = str(info.value).startswith("rank 2 sent no heartbeat")
         assert blamed == (rank2_next_s == 1.0), str(info.value)
     finally:

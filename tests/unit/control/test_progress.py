@@ -29,8 +29,8 @@ class Clock:
         return self.now
 
 
-def progress(rank: int, phase: str, done: int, total: int) -> dict:
-    return {"type": "progress", "rank": rank, "phase": phase, "done": done, "total": total}
+def progress(rank: int, phase: str, done: int, total: int) -> protocol.Progress:
+    return protocol.Progress(rank, phase, done, total)
 
 
 def plain(clock: Clock | None = None) -> tuple[StartupDisplay, io.StringIO]:
@@ -43,7 +43,7 @@ def lines(out: io.StringIO) -> list[str]:
     return out.getvalue().splitlines()
 
 
-def feed(display: StartupDisplay, *messages: dict) -> None:
+def feed(display: StartupDisplay, *messages: protocol.WorkerMessage | None) -> None:
     for msg in messages:
         display.observe(msg)
 
@@ -59,12 +59,12 @@ STARTUP = [
     progress(1, "weights", 30, 30),
     progress(1, "graphs", 0, 4),
     progress(1, "graphs", 4, 4),
-    {"type": "ready", "rank": 1},
+    protocol.Ready(1),
     progress(2, "weights", 20, 20),
     progress(2, "graphs", 0, 4),
     None,
     progress(2, "graphs", 4, 4),
-    {"type": "ready", "rank": 2},
+    protocol.Ready(2),
 ]
 
 
@@ -82,14 +82,14 @@ def test_reporter_throttles_and_sums_its_parts():
     target(10, 10)  # a part's end is always sent
     draft(5, 5)
     reporter.callback("graphs")(0, 7)  # another phase: sent at once
-    assert [(m["phase"], m["done"], m["total"]) for m in sent] == [
+    assert [(m.phase, m.done, m.total) for m in sent] == [
         ("weights", 0, 10),
         ("weights", 2, 10),
         ("weights", 10, 15),
         ("weights", 15, 15),
         ("graphs", 0, 7),
     ]
-    assert all(m["rank"] == 3 and m["type"] == "progress" for m in sent)
+    assert all(m.rank == 3 and isinstance(m, protocol.Progress) for m in sent)
     for msg in sent:
         assert protocol.decode(protocol.encode(msg)) == msg
     with pytest.raises(ValueError, match="unknown startup phase"):
@@ -97,10 +97,12 @@ def test_reporter_throttles_and_sums_its_parts():
 
 
 def test_progress_schema():
+    wire = {"type": "progress", "rank": 1, "phase": "weights", "done": 1, "total": 2}
+    assert protocol.from_wire(wire) == progress(1, "weights", 1, 2)
     with pytest.raises(protocol.ProtocolError, match="missing field 'total'"):
-        protocol.check({"type": "progress", "rank": 1, "phase": "weights", "done": 1})
+        protocol.from_wire({k: v for k, v in wire.items() if k != "total"})
     with pytest.raises(protocol.ProtocolError, match="progress.done"):
-        protocol.check(progress(1, "weights", "1", 2))
+        protocol.from_wire(dict(wire, done="1"))
 
 
 def test_plain_lines_each_phase_once_in_order():
@@ -128,9 +130,9 @@ def test_no_graphs_phase_without_captures():
         display,
         progress(1, "weights", 0, 3),
         progress(2, "weights", 3, 3),
-        {"type": "ready", "rank": 2},
+        protocol.Ready(2),
         progress(1, "weights", 3, 3),
-        {"type": "ready", "rank": 1},
+        protocol.Ready(1),
     )
     assert [line.split(" in ")[0] for line in lines(out)] == [
         "tandem: loading weights (2 workers)",
@@ -191,8 +193,8 @@ def test_bad_messages_are_dropped():
         progress(1, "compiling", 0, 1),
         progress(1, "weights", 3, 2),
         progress(9, "weights", 0, 1),
-        {"type": "ready", "rank": 9},
-        {"type": "heartbeat", "rank": 1},
+        protocol.Ready(9),
+        protocol.Heartbeat(1),
     )
     assert lines(out) == []
 
@@ -224,8 +226,8 @@ def test_slow_notice_in_bar_mode_keeps_the_bar():
         display,
         progress(1, "weights", 4, 4),
         progress(2, "weights", 4, 4),
-        {"type": "ready", "rank": 1},
-        {"type": "ready", "rank": 2},
+        protocol.Ready(1),
+        protocol.Ready(2),
     )
     assert out.getvalue().rstrip().splitlines()[-1].startswith("tandem: ready: 2 workers")
 
@@ -274,13 +276,13 @@ def test_pool_passes_progress_to_the_display_while_waiting_for_ready():
     def workers() -> None:
         for msg in STARTUP:
             if msg is not None:
-                socks[msg["rank"]].send(protocol.encode(msg, pool.key))
+                socks[msg.rank].send(protocol.encode(msg, pool.key))
 
     display, out = plain()
     sender = threading.Thread(target=workers, daemon=True)
     try:
         sender.start()
-        ready = pool.wait_for("ready", 10.0, watch=display.observe)
+        ready = pool.wait_for(protocol.Ready, 10.0, watch=display.observe)
         sender.join(5)
     finally:
         for sock in socks.values():

@@ -3,10 +3,12 @@ sent, round trips through msgpack, malformed ones refused with ProtocolError."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgpack
 import pytest
 
-from runtime.control import commands, protocol
+from runtime.control import protocol, wire
 from runtime.control.commands import (
     TARGET_LEADER,
     WORKER,
@@ -14,16 +16,18 @@ from runtime.control.commands import (
     ReleaseCommand,
     RoundCommand,
     RoundReply,
+    Sampling,
     StepAck,
 )
-from runtime.control.protocol import ProtocolError
+from runtime.control.protocol import Done, ProtocolError
 
 pytestmark = pytest.mark.timeout(30)
 
-PARAMS = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 3}
+PARAMS = Sampling(0.7, 0, 0.9, 3)
+PARAMS_MAP = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 3}
 
 
-def wire(msg: dict, key: bytes | None = None) -> dict:
+def through(msg: protocol.Message, key: bytes | None = None) -> protocol.Message:
     return protocol.decode(protocol.encode(msg, key), key)
 
 
@@ -42,21 +46,27 @@ def wire(msg: dict, key: bytes | None = None) -> dict:
     ],
 )
 def test_commands_round_trip(cmd):
-    msg = wire(dict(cmd.to_msg(), step=7), b"k" * 32)
-    assert commands.command(msg) == cmd and type(cmd).from_msg(msg) == cmd
+    stamped = replace(cmd, step=7)
+    assert through(stamped, b"k" * 32) == stamped
 
 
 def test_round_command_sends_every_field_and_reads_the_short_form():
-    assert RoundCommand([0], 4, 2).to_msg() == {
+    assert wire.to_wire(RoundCommand([0], 4, 2)) == {
         "type": "round",
+        "step": 0,
         "slots": [0],
         "k": 4,
         "steps": 1,
         "next_k": 2,
         "tables": [],
     }
-    short = wire({"type": "round", "step": 1, "slots": [0], "k": 4})
-    assert RoundCommand.from_msg(short) == RoundCommand([0], 4, next_k=4, steps=1)
+    short = protocol.from_wire({"type": "round", "step": 1, "slots": [0], "k": 4})
+    assert short == RoundCommand([0], 4, next_k=4, steps=1, step=1)
+
+
+def test_a_prefill_sends_sampling_params_as_maps():
+    sent = wire.to_wire(PrefillCommand([0], [[1, 2]], [PARAMS], step=1))
+    assert sent["params"] == [PARAMS_MAP] and sent["cached"] == [0] and sent["final"] == [True]
 
 
 @pytest.mark.parametrize(
@@ -66,13 +76,20 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
         ({"type": "round", "step": 1, "slots": [0], "k": "4"}, "round.k"),
         ({"type": "round", "step": 1, "slots": [0], "k": 4, "next_k": 1.5}, "round.next_k"),
         ({"type": "round", "step": 1, "slots": [0], "k": 4, "draft": 1}, "unknown fields"),
+        ({"type": "round", "slots": [0], "k": 4}, "missing field 'step'"),
         ({"type": "release", "step": 1, "slots": ["0"]}, "release.slots"),
         (
             {"type": "prefill", "step": 1, "slots": [0], "prompts": [[1]], "params": []},
             "differ in length",
         ),
         (
-            {"type": "prefill", "step": 1, "slots": [0], "prompts": [[1.0]], "params": [PARAMS]},
+            {
+                "type": "prefill",
+                "step": 1,
+                "slots": [0],
+                "prompts": [[1.0]],
+                "params": [PARAMS_MAP],
+            },
             "prefill.prompts",
         ),
         (
@@ -80,14 +97,24 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
                 "type": "prefill",
                 "step": 1,
                 "slots": [0],
+                "prompts": [[1]],
+                "params": [dict(PARAMS_MAP, top_p=2.0)],
+            },
+            "params out of range",
+        ),
+        (
+            {
+                "type": "prefill",
+                "step": 1,
+                "slots": [0],
                 "prompts": [[1, 2]],
-                "params": [PARAMS],
+                "params": [PARAMS_MAP],
                 "cached": [-1],
             },
             "prefill.cached",
         ),
         (
-            {"type": "prefill", "step": 1, "slots": [0], "prompts": [[]], "params": [PARAMS]},
+            {"type": "prefill", "step": 1, "slots": [0], "prompts": [[]], "params": [PARAMS_MAP]},
             "non-empty",
         ),
         (
@@ -96,7 +123,7 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
                 "step": 1,
                 "slots": [0],
                 "prompts": [[1]],
-                "params": [PARAMS],
+                "params": [PARAMS_MAP],
                 "final": [False],
             },
             "a chunk: at least 2",
@@ -107,7 +134,7 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
                 "step": 1,
                 "slots": [0],
                 "prompts": [[1]],
-                "params": [PARAMS],
+                "params": [PARAMS_MAP],
                 "final": [1],
             },
             "prefill.final",
@@ -118,7 +145,7 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
                 "step": 1,
                 "slots": [0],
                 "prompts": [[1]],
-                "params": [PARAMS],
+                "params": [PARAMS_MAP],
                 "tables": [[1], [2]],
             },
             "tables differ in length",
@@ -127,18 +154,15 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
             {"type": "round", "step": 1, "slots": [0], "k": 4, "tables": [[1], []]},
             "tables differ in length",
         ),
-        ({"type": "shutdown"}, "not a step command"),
-        ({"type": "hello", "rank": 1, "pid": 2, "host": "h"}, "not a step command"),
+        (
+            {"type": "verify_cross", "step": 1, "slots": [0], "proposals": [[1]]},
+            "missing field 'tables'",
+        ),
     ],
 )
 def test_malformed_commands_are_refused(msg, match):
     with pytest.raises(ProtocolError, match=match):
-        commands.command(msg)
-
-
-def test_a_command_of_another_kind_is_refused():
-    with pytest.raises(ProtocolError, match="expected a round command"):
-        RoundCommand.from_msg(dict(ReleaseCommand([0]).to_msg(), step=1))
+        protocol.decode(msgpack.packb(msg))
 
 
 LEADER = RoundReply(
@@ -150,13 +174,12 @@ LEADER = RoundReply(
     "reply", [LEADER, RoundReply(WORKER, 0.5), RoundReply(TARGET_LEADER, 1.0, {}, [[7]], [0], [])]
 )
 def test_round_replies_round_trip_in_a_done_message(reply):
-    msg = wire({"type": "done", "rank": 2, "step": 4, "result": reply.to_map()}, b"k" * 32)
-    got = RoundReply.from_map(msg["result"])
-    assert got == reply and got.reports == (reply.role == TARGET_LEADER)
+    got = through(Done(2, 4, reply), b"k" * 32)
+    assert got == Done(2, 4, reply) and got.result.reports == (reply.role == TARGET_LEADER)
 
 
 def test_replies_carry_every_field_and_a_kind():
-    assert RoundReply(WORKER, 0.5).to_map() == {
+    assert wire.to_wire(Done(1, 1, RoundReply(WORKER, 0.5)))["result"] == {
         "kind": "round",
         "role": "worker",
         "worker_s": 0.5,
@@ -166,19 +189,19 @@ def test_replies_carry_every_field_and_a_kind():
         "overlapped": [],
         "cached": [],
     }
-    assert (
-        StepAck.from_map(
-            wire({"type": "done", "rank": 1, "step": 1, "result": StepAck().to_map()})["result"]
-        )
-        == StepAck()
-    )
+    assert wire.to_wire(Done(1, 1, StepAck()))["result"] == {"kind": "ack"}
+    assert through(Done(1, 1, StepAck())) == Done(1, 1, StepAck())
+
+
+def done(result) -> dict:
+    return {"type": "done", "rank": 2, "step": 4, "result": result}
 
 
 @pytest.mark.parametrize(
     "change,match",
     [
-        ({"kind": "ack"}, "expected a round reply"),
-        ({"kind": None}, "expected a round reply"),
+        ({"kind": "ack"}, "ack reply: unknown fields"),
+        ({"kind": None}, "expected kind 'round' or 'ack'"),
         ({"role": "leader"}, "unknown role"),
         ({"worker_s": "0.1"}, "worker_s"),
         ({"tokens": [[1, 2.5], [9]]}, "tokens"),
@@ -191,24 +214,24 @@ def test_replies_carry_every_field_and_a_kind():
     ],
 )
 def test_malformed_round_replies_are_refused(change, match):
-    result = dict(LEADER.to_map(), **change)
+    result = dict(wire.to_wire(Done(2, 4, LEADER))["result"], **change)
     with pytest.raises(ProtocolError, match=match):
-        RoundReply.from_map(result)
+        protocol.decode(msgpack.packb(done(result)))
 
 
 @pytest.mark.parametrize(
-    "field", ["role", "worker_s", "timing", "tokens", "accepted", "overlapped"]
+    "field", ["role", "worker_s", "timing", "tokens", "accepted", "overlapped", "cached"]
 )
 def test_a_round_reply_missing_a_field_is_refused(field):
-    result = LEADER.to_map()
+    result = wire.to_wire(Done(2, 4, LEADER))["result"]
     del result[field]
     with pytest.raises(ProtocolError, match=f"missing field '{field}'"):
-        RoundReply.from_map(msgpack.unpackb(msgpack.packb(result)))
+        protocol.decode(msgpack.packb(done(result)))
 
 
 def test_only_the_target_leader_reports_tokens():
-    result = dict(RoundReply(WORKER, 0.1).to_map(), tokens=[[1]], accepted=[0])
+    result = dict(wire.to_wire(Done(2, 4, RoundReply(WORKER, 0.1)))["result"])
     with pytest.raises(ProtocolError, match="only the target leader"):
-        RoundReply.from_map(result)
-    with pytest.raises(ProtocolError, match="expected a ack reply"):
-        StepAck.from_map([])
+        protocol.from_wire(done(dict(result, tokens=[[1]], accepted=[0])))
+    with pytest.raises(ProtocolError, match="done.result: expected a map"):
+        protocol.from_wire(done([]))

@@ -3,6 +3,7 @@ steps sleep past every liveness threshold: a long step silences neither a client
 server, and every path that ends a request tells its client, streamed or not.
 
 The thresholds are made short here (client timeout, dead_after_s); the defaults stay."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,13 @@ class FakeSeq:
     stats: SeqStats = field(default_factory=SeqStats)
 
     def output(self) -> dict:
-        return {"index": self.index, "text": "", "token_ids": list(self.generated),
-                "finish_reason": self.finish_reason, "stats": {}}
+        return {
+            "index": self.index,
+            "text": "",
+            "token_ids": list(self.generated),
+            "finish_reason": self.finish_reason,
+            "stats": {},
+        }
 
 
 class SlowOrchestrator:
@@ -53,15 +59,19 @@ class SlowOrchestrator:
         self.cancelled: list[str] = []
 
     def info(self) -> dict:
-        return {"vocab_size": 100, "max_seq_len": 64, "has_tokenizer": False,
-                "model": "fake", "server": [socket.gethostname(), os.getpid()],
-                "processes": {}}
+        return {
+            "vocab_size": 100,
+            "max_seq_len": 64,
+            "has_tokenizer": False,
+            "model": "fake",
+            "server": [socket.gethostname(), os.getpid()],
+            "processes": {},
+        }
 
     def make_sequences(self, rid, prompts, prompt_ids, params, chat=False, messages=None):
         if prompt_ids is None:
             raise ValueError("prompt: this fake takes prompt_token_ids only")
-        return [FakeSeq(rid, i, ids, params["max_new_tokens"])
-                for i, ids in enumerate(prompt_ids)]
+        return [FakeSeq(rid, i, ids, params["max_new_tokens"]) for i, ids in enumerate(prompt_ids)]
 
     def submit(self, seqs) -> None:
         self.seqs.extend(seqs)
@@ -105,8 +115,7 @@ class SlowOrchestrator:
 class Served:
     """A Server over a SlowOrchestrator on a thread, at a fresh ipc address."""
 
-    def __init__(self, tmp_path, step_s: float, client_timeout_s: float = 3.0,
-                 start: bool = True):
+    def __init__(self, tmp_path, step_s: float, client_timeout_s: float = 3.0, start: bool = True):
         self.address = f"ipc://{tmp_path}/server.sock"
         self.context = zmq.Context()
         self.door = ClientDoor(self.address, self.context)
@@ -158,20 +167,23 @@ class RawClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: protocol.Message) -> None:
         self.sock.send(protocol.encode(msg))
 
     def generate(self, rid: str, max_new_tokens: int = 3, stream: bool = False) -> None:
-        self.send({"type": "generate", "id": rid, "prompt_ids": [[1, 2, 3]], "stream": stream,
-                   "params": {"max_new_tokens": max_new_tokens}})
+        self.send(
+            protocol.Generate(
+                rid, {"max_new_tokens": max_new_tokens}, stream, prompt_ids=[[1, 2, 3]]
+            )
+        )
 
-    def replies(self, timeout_s: float) -> list[dict]:
+    def replies(self, timeout_s: float) -> list[protocol.Message]:
         """Every reply until a terminal one (final or failed), waiting at most timeout_s."""
         out, deadline = [], time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.sock.poll(50):
                 out.append(protocol.decode(self.sock.recv()))
-                if out[-1]["type"] in ("final", "failed"):
+                if isinstance(out[-1], (protocol.Final, protocol.Failed)):
                     return out
         raise AssertionError(f"no terminal reply within {timeout_s} s: {out}")
 
@@ -203,9 +215,10 @@ def test_pings_are_answered_during_a_step(served):
     with Client(s.address) as client:
         client.info()
         waiting = threading.Thread(
-            target=client.generate, kwargs={"prompt_token_ids": [1], "max_new_tokens": 1})
+            target=client.generate, kwargs={"prompt_token_ids": [1], "max_new_tokens": 1}
+        )
         waiting.start()
-        time.sleep(0.5)             # the step has begun
+        time.sleep(0.5)  # the step has begun
         start = time.monotonic()
         assert client.info(timeout_s=1.0)["model"] == "fake"
         assert time.monotonic() - start < 0.5
@@ -216,10 +229,13 @@ def test_requests_sent_while_the_workers_load_are_served_once_ready(served):
     s = served(step_s=0.0, start=False)
     with Client(s.address) as client:
         with pytest.raises(EngineDeadError, match="still starting"):
-            client.info(timeout_s=0.6)     # `starting`: alive, not ready
+            client.info(timeout_s=0.6)  # `starting`: alive, not ready
         result = {}
-        waiting = threading.Thread(target=lambda: result.setdefault(
-            "out", client.generate(prompt_token_ids=[1], max_new_tokens=1)))
+        waiting = threading.Thread(
+            target=lambda: result.setdefault(
+                "out", client.generate(prompt_token_ids=[1], max_new_tokens=1)
+            )
+        )
         waiting.start()
         time.sleep(0.5)
         s.start()
@@ -234,8 +250,8 @@ def test_a_silent_clients_request_is_cancelled_and_told(served):
     try:
         raw.generate("r1", max_new_tokens=1000)
         reply = raw.replies(5.0)[-1]
-        assert reply["type"] == "failed" and reply["kind"] == "cancelled", reply
-        assert "sent nothing" in reply["message"]
+        assert isinstance(reply, protocol.Failed) and reply.kind == "cancelled", reply
+        assert "sent nothing" in reply.message
     finally:
         raw.close()
     assert s.orch.cancelled == ["r1"]
@@ -246,9 +262,9 @@ def test_a_cancel_is_answered(served):
     raw = RawClient(s.address)
     try:
         raw.generate("r1", max_new_tokens=1000, stream=True)
-        raw.send({"type": "cancel", "id": "r1"})
+        raw.send(protocol.Cancel("r1"))
         reply = raw.replies(5.0)[-1]
-        assert reply["type"] == "failed" and reply["kind"] == "cancelled", reply
+        assert isinstance(reply, protocol.Failed) and reply.kind == "cancelled", reply
     finally:
         raw.close()
 
@@ -272,8 +288,13 @@ def test_shutdown_during_a_step_fails_the_request(served, stream):
                 client.generate(prompt_token_ids=[1], max_new_tokens=50)
 
 
-@pytest.mark.parametrize("error,match", [(EngineDeadError("rank 2 died"), "rank 2 died"),
-                                         (RuntimeError("a bug"), "server failed.*a bug")])
+@pytest.mark.parametrize(
+    "error,match",
+    [
+        (EngineDeadError("rank 2 died"), "rank 2 died"),
+        (RuntimeError("a bug"), "server failed.*a bug"),
+    ],
+)
 def test_a_failing_step_fails_the_request(served, error, match):
     s = served(step_s=0.2)
     s.orch.fail = error
@@ -292,7 +313,7 @@ def test_requests_after_serving_ended_are_refused(served):
     try:
         raw.generate("late")
         reply = raw.replies(5.0)[-1]
-        assert reply["type"] == "failed" and reply["kind"] == "dead", reply
+        assert isinstance(reply, protocol.Failed) and reply.kind == "dead", reply
     finally:
         raw.close()
 
@@ -300,6 +321,6 @@ def test_requests_after_serving_ended_are_refused(served):
 def test_a_request_ended_by_the_sweep_raises_request_cancelled(served):
     """The Client names a cancellation as such (not as a bad argument)."""
     s = served(step_s=0.05, client_timeout_s=0.5)
-    with Client(s.address, ping_s=1000.0) as client:   # it never pings: judged gone
+    with Client(s.address, ping_s=1000.0) as client:  # it never pings: judged gone
         with pytest.raises(RequestCancelledError, match="sent nothing"):
             client.generate(prompt_token_ids=[1], max_new_tokens=60)

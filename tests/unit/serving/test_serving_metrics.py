@@ -1,12 +1,14 @@
 """The Prometheus metrics of runtime/serving/metrics.py + prometheus.py, fed a scripted stream
 of scheduler events (the calls the scheduler makes, in its order) and read back through the
 text exposition, parsed by prometheus_client's own parser."""
+
 from __future__ import annotations
 
 import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.control.commands import WORKER, RoundReply
 from runtime.serving.metrics import ServingMetrics
 
 pytestmark = pytest.mark.timeout(30)
@@ -32,12 +34,21 @@ def value(values: dict, name: str, **labels) -> float:
 # i of the batch has one k (round 1 is target-only, two decode steps); EOS cut request 1's
 # last round short.
 STREAM = [
-    {"prompt": 5, "rounds": [(4, 4, 5, 0.0), (0, 0, 2, 0.02), (4, 0, 1, 0.01)],
-     "reason": "length", "ttft": 0.03, "e2e": 0.2},
-    {"prompt": 3, "rounds": [(4, 2, 3, 0.0), (0, 0, 2, 0.04), (4, 3, 2, 0.03)],
-     "reason": "stop", "ttft": 0.5, "e2e": 1.5},
-    {"prompt": 7, "rounds": [(4, 0, 1, 0.0)], "reason": "cancelled", "ttft": 0.01,
-     "e2e": 0.05},
+    {
+        "prompt": 5,
+        "rounds": [(4, 4, 5, 0.0), (0, 0, 2, 0.02), (4, 0, 1, 0.01)],
+        "reason": "length",
+        "ttft": 0.03,
+        "e2e": 0.2,
+    },
+    {
+        "prompt": 3,
+        "rounds": [(4, 2, 3, 0.0), (0, 0, 2, 0.04), (4, 3, 2, 0.03)],
+        "reason": "stop",
+        "ttft": 0.5,
+        "e2e": 1.5,
+    },
+    {"prompt": 7, "rounds": [(4, 0, 1, 0.0)], "reason": "cancelled", "ttft": 0.01, "e2e": 0.05},
 ]
 
 
@@ -49,7 +60,7 @@ def feed(metrics: ServingMetrics, stream: list[dict]) -> None:
     for i in range(max(len(r["rounds"]) for r in stream)):
         live = [r for r in stream if i < len(r["rounds"])]
         start = metrics.round_begins()
-        metrics.round_ends(start, {1: {"worker_s": 0.001}}, live[0]["rounds"][i][0])
+        metrics.round_ends(start, {1: RoundReply(WORKER, 0.001)}, live[0]["rounds"][i][0])
         for request in live:
             k, accepted, tokens, gap = request["rounds"][i]
             if i == 0:
@@ -74,13 +85,15 @@ def test_counters_sum_the_stream_exactly():
     assert value(values, "spec_decode_num_drafts_total") == 5
     assert value(values, "spec_decode_num_target_only_rounds_total") == 2
     # position i counts the drafting rounds that kept draft token i: accepted 4, 0, 2, 3, 0
-    assert [value(values, "spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-            for i in range(4)] == [3, 3, 2, 1]
+    assert [
+        value(values, "spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        for i in range(4)
+    ] == [3, 3, 2, 1]
     for reason, count in (("length", 1), ("stop", 1), ("cancelled", 1)):
         assert value(values, "request_success_total", finished_reason=reason) == count
     assert value(values, "num_requests_running") == 2
     assert value(values, "num_requests_waiting") == 5
-    assert value(values, "spec_decode_draft_len") == 4   # the last round's k
+    assert value(values, "spec_decode_draft_len") == 4  # the last round's k
     assert types[P + "request_success"] == "counter"
     assert types[P + "num_requests_running"] == "gauge"
     assert types[P + "time_to_first_token_seconds"] == "histogram"
@@ -97,11 +110,12 @@ def test_histograms_hold_each_observation():
     # one observation per token after the first delivery, each gap / tokens delivered
     assert value(values, "inter_token_latency_seconds_count") == 2 + 1 + 2 + 2
     # 0.02 / 2 and 0.01 / 1 lie in the 10 ms bucket, 0.04 / 2 and 0.03 / 2 above it
-    assert value(values, "inter_token_latency_seconds_sum") == pytest.approx(0.02 + 0.01 +
-                                                                             0.04 + 0.03)
+    assert value(values, "inter_token_latency_seconds_sum") == pytest.approx(
+        0.02 + 0.01 + 0.04 + 0.03
+    )
     assert value(values, "inter_token_latency_seconds_bucket", le="0.01") == 2 + 1
     assert value(values, "inter_token_latency_seconds_bucket", le="+Inf") == 7
-    assert value(values, "round_duration_seconds_count") == 3   # rounds of the batch
+    assert value(values, "round_duration_seconds_count") == 3  # rounds of the batch
 
 
 def test_cancelled_while_queued_counts_without_a_latency():

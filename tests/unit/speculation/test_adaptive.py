@@ -162,28 +162,28 @@ class RecordingPool:
     def __init__(self, accept: list[float]):
         self.commands, self.accept, self.rng = [], accept, random.Random(1)
 
-    def command(self, msg: dict, timeout_s: float) -> dict:
+    def command(self, cmd, timeout_s: float) -> dict:
         from runtime.control import commands
 
-        self.commands.append(msg)
-        if msg["type"] == "prefill":  # each sequence's first token
-            n = len(msg["slots"])
+        self.commands.append(cmd)
+        if isinstance(cmd, commands.PrefillCommand):  # each sequence's first token
+            n = len(cmd.slots)
             return {
                 0: commands.RoundReply(
                     commands.TARGET_LEADER, 0.0, tokens=[[7]] * n, accepted=[0] * n
-                ).to_map()
+                )
             }
-        if msg["type"] != "round":
-            return {0: commands.StepAck().to_map()}
+        if not isinstance(cmd, commands.RoundCommand):
+            return {0: commands.StepAck()}
         accepted, tokens = [], []
-        for _ in msg["slots"]:
+        for _ in cmd.slots:
             a = 0
-            while a < msg["k"] and self.rng.random() < self.accept[a]:
+            while a < cmd.k and self.rng.random() < self.accept[a]:
                 a += 1
             accepted.append(a)
-            tokens.append([7] * (msg.get("steps", 1) if msg["k"] == 0 else a + 1))
+            tokens.append([7] * (cmd.steps if cmd.k == 0 else a + 1))
         reply = commands.RoundReply(commands.TARGET_LEADER, 0.0, tokens=tokens, accepted=accepted)
-        return {0: reply.to_map()}
+        return {0: reply}
 
 
 def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
@@ -207,9 +207,9 @@ def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
     while sched.has_work:
         plan = sched.schedule()
         sched.update(plan, executor.run(plan))
-    rounds = [c for c in pool.commands if c["type"] == "round"]
+    rounds = [c for c in pool.commands if c.NAME == "round"]
     pairs = list(zip(rounds, rounds[1:]))
-    assert all(0 <= c["next_k"] <= 8 for c in rounds)
-    assert all(b["k"] == a["next_k"] for a, b in pairs if a["slots"] == b["slots"])
-    assert any(a["slots"] != b["slots"] for a, b in pairs)  # one finished first
-    assert len({c["k"] for c in rounds}) > 1  # k did change
+    assert all(0 <= c.next_k <= 8 for c in rounds)
+    assert all(b.k == a.next_k for a, b in pairs if a.slots == b.slots)
+    assert any(a.slots != b.slots for a, b in pairs)  # one finished first
+    assert len({c.k for c in rounds}) > 1  # k did change

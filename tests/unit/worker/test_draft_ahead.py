@@ -1,17 +1,19 @@
 """DraftShard.propose_ahead / take_ahead: drafting the next round before its command arrives
 must give exactly the proposals (and states) of drafting on command."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from runtime.control.commands import Sampling
 from runtime.models import load_model
 from runtime.worker.shards import DraftShard
 
 pytestmark = pytest.mark.timeout(120)
 
 CPU = torch.device("cpu")
-SAMPLED = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "seed": 7}
+SAMPLED = Sampling(0.8, 0, 1.0, 7)
 
 
 def shard(path: str, acceptance: str = "tokens") -> DraftShard:
@@ -38,7 +40,7 @@ def test_ahead_equals_on_command(llama_path, acceptance):
         assert got == want
         if acceptance == "logits":
             torch.testing.assert_close(got_q, want_q)
-        ahead.propose_ahead(slots, 4)        # the next round's k: fewer, or continued to more
+        ahead.propose_ahead(slots, 4)  # the next round's k: fewer, or continued to more
     ahead.drop_ahead()
     assert [vars(s) for s in ahead.slots] == [vars(s) for s in plain.slots]
 
@@ -46,10 +48,10 @@ def test_ahead_equals_on_command(llama_path, acceptance):
 def test_mismatch_restores_states(llama_path):
     s = shard(llama_path)
     before = [vars(st).copy() for st in s.slots]
-    s.propose_ahead([0, 2], 2)     # the work is in the record; the states stay as they were
+    s.propose_ahead([0, 2], 2)  # the work is in the record; the states stay as they were
     assert s.ahead is not None and [vars(st) for st in s.slots] == before
-    assert s.take_ahead([0], 2) is None            # other slots: dropped
+    assert s.take_ahead([0], 2) is None  # other slots: dropped
     assert [vars(st) for st in s.slots] == before
     s.propose_ahead([0, 2], 2)
-    s.drop_ahead()                                 # prefill/release arrived instead
+    s.drop_ahead()  # prefill/release arrived instead
     assert [vars(st) for st in s.slots] == before and s.ahead is None

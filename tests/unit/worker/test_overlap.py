@@ -3,13 +3,14 @@ bridge a no-op. Greedy output (and sampled output under `acceptance: tokens`) mu
 target's own token for token whatever the draft,
 with rows of one batch kept and rejected in the same round, k changing between rounds and a
 sequence joining while others hold next windows."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from runtime.control.commands import Sampling
 from runtime.models import load_model
-from runtime.worker import overlap
 from runtime.worker.round import RoundParts, speculate_overlapped
 from runtime.worker.shards import DraftShard
 from runtime.worker.target_shard import TargetShard
@@ -18,38 +19,45 @@ from tests.checkpoints import build_checkpoint, build_near_draft
 pytestmark = pytest.mark.timeout(180)
 
 CPU = torch.device("cpu")
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
-SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+GREEDY = Sampling(0.0, 0, 1.0, 0)
+SAMPLED = Sampling(1.0, 0, 1.0, 0)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [3, 1, 4, 1, 5, 9, 2]]
 
 
 @pytest.fixture(scope="module")
 def pair(llama_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("overlap")
-    return {"near": build_near_draft(llama_path, root / "near", noise=0.05),
-            "other": build_checkpoint(root / "other", seed=9), "same": llama_path}
+    return {
+        "near": build_near_draft(llama_path, root / "near", noise=0.05),
+        "other": build_checkpoint(root / "other", seed=9),
+        "same": llama_path,
+    }
 
 
 def shards(draft_path: str, target_path: str, acceptance: str = "tokens") -> RoundParts:
-    draft = DraftShard(load_model(draft_path, torch.float32, CPU), CPU, 4, 96, acceptance,
-                       max_step_len=2)
-    target = TargetShard(load_model(target_path, torch.float32, CPU), CPU, 4, 96, acceptance,
-                         max_step_len=9)
+    draft = DraftShard(
+        load_model(draft_path, torch.float32, CPU), CPU, 4, 96, acceptance, max_step_len=2
+    )
+    target = TargetShard(
+        load_model(target_path, torch.float32, CPU), CPU, 4, 96, acceptance, max_step_len=9
+    )
     return RoundParts(draft, target, None, 0, 0, 0, CPU, acceptance, overlap=True)
 
 
 def target_alone(target_path: str, prompt: list[int], n: int, params=GREEDY) -> list[int]:
     """The target alone: one token per decode step (sampled: with the uniforms of its
     position, rng.STREAM_TARGET, as a round's corrections and bonus tokens use them)."""
-    target = TargetShard(load_model(target_path, torch.float32, CPU), CPU, 1, 96, "tokens",
-                         max_step_len=2)
+    target = TargetShard(
+        load_model(target_path, torch.float32, CPU), CPU, 1, 96, "tokens", max_step_len=2
+    )
     target.prefill([0], [prompt], [params])
     tokens = target.decode([0], n)[0].tolist()
     return tokens
 
 
-def run(parts: RoundParts, ks: list[int], join_at: int = 2, params=GREEDY
-        ) -> tuple[dict, list[list[bool]]]:
+def run(
+    parts: RoundParts, ks: list[int], join_at: int = 2, params=GREEDY
+) -> tuple[dict, list[list[bool]]]:
     """Rounds of speculate_overlapped with draft lengths ks (the next round's announced as
     next_k); the third prompt joins before round `join_at`. Returns slot -> committed
     tokens, and each round's overlapped flags (its window drafted during the last verify)."""
@@ -77,12 +85,12 @@ def test_greedy_equals_target_whatever_the_draft(pair, draft):
     for slot, prompt in zip([0, 2, 3], PROMPTS):
         assert out[slot] == target_alone(pair["same"], prompt, len(out[slot])), slot
     flat = [flag for flags in kept for flag in flags]
-    if draft == "same":        # every window kept: each round after a slot's first has one
+    if draft == "same":  # every window kept: each round after a slot's first has one
         assert kept[:3] == [[False, False], [True, True], [True, True, False]]
         assert all(flat[7:])
-    if draft == "other":       # a draft that is never right keeps nothing
+    if draft == "other":  # a draft that is never right keeps nothing
         assert not any(flat)
-    if draft == "near":        # rows of one round kept and rejected side by side
+    if draft == "near":  # rows of one round kept and rejected side by side
         assert any(any(f) and not all(f) for f in kept), kept
 
 
@@ -97,7 +105,7 @@ def test_sampled_tokens_acceptance_equals_the_targets_own_samples(pair, draft):
     for slot, prompt in zip([0, 2, 3], PROMPTS):
         assert out[slot] == target_alone(pair["same"], prompt, len(out[slot]), SAMPLED), slot
     flat = [flag for flags in kept for flag in flags]
-    if draft == "same":        # coupled uniforms: the draft samples what the target does
+    if draft == "same":  # coupled uniforms: the draft samples what the target does
         assert all(flat[7:]), kept
 
 
@@ -119,10 +127,9 @@ def test_windows_survive_a_prefill_and_go_with_a_release(pair, params):
     for shard in (parts.draft, parts.target):
         shard.release([2])
     assert set(parts.draft.windows) == {0} and set(parts.target.held) == held - {2}
-    parts.draft.drop_windows()              # a target-only round: back to a pending token
+    parts.draft.drop_windows()  # a target-only round: back to a pending token
     state = parts.draft.slots[0]
-    assert not parts.draft.windows and state.cache_len + len(state.pending) == \
-        state.committed
+    assert not parts.draft.windows and state.cache_len + len(state.pending) == state.committed
 
 
 def test_profiled_round_reports_cpu_time_beside_wall_time(pair):
@@ -165,5 +172,5 @@ def test_cpu_workers_get_disjoint_core_blocks_only_when_asked(monkeypatch):
     last = in_thread(len(allowed) - 1, len(allowed))
     assert last == {"threads": 1, "cores": [allowed[-1]]}
     assert in_thread(len(allowed), len(allowed)) == {"threads": 1, "cores": allowed}  # past
-    assert in_thread(0, len(allowed) + 1)["threads"] == 1                              # crowded
-    assert sorted(os.sched_getaffinity(0)) == allowed       # this thread was never touched
+    assert in_thread(0, len(allowed) + 1)["threads"] == 1  # crowded
+    assert sorted(os.sched_getaffinity(0)) == allowed  # this thread was never touched

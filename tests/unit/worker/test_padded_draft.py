@@ -1,11 +1,13 @@
 """DraftShard with a DraftVocab (a draft padded differently from the target): proposals stay
 below the tokenizer's size whatever its logits favour, q is the target's width (drafted on
 command, ahead, or as an overlapped window), and ids its embedding lacks are read clamped."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from runtime.control.commands import Sampling
 from runtime.models import load_model
 from runtime.speculation.vocab import DraftVocab
 from runtime.worker import overlap
@@ -14,8 +16,8 @@ from runtime.worker.shards import DraftShard
 pytestmark = pytest.mark.timeout(120)
 
 CPU = torch.device("cpu")
-SAMPLED = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "seed": 3}
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+SAMPLED = Sampling(1.5, 0, 1.0, 3)
+GREEDY = Sampling(0.0, 0, 1.0, 0)
 LIMIT = 40
 
 
@@ -23,7 +25,7 @@ def shard(path: str, params: dict, width: int) -> DraftShard:
     """The tiny Llama (vocab 96) as a draft: the tokenizer has LIMIT tokens, the target
     `width` rows; the draft's rows >= LIMIT are made to win every choice."""
     model = load_model(path, torch.float32, CPU)
-    with torch.no_grad():     # rows >= LIMIT: 4 x rows below (the largest logit is positive)
+    with torch.no_grad():  # rows >= LIMIT: 4 x rows below (the largest logit is positive)
         head = model.lm_head.weight
         head[LIMIT:] = 4 * head[: head.shape[0] - LIMIT]
     s = DraftShard(model, CPU, 2, 64, "logits", max_step_len=2)
@@ -45,7 +47,7 @@ def test_proposals_stay_below_the_tokenizer(llama_path, params, width):
             assert q is None
         else:
             assert q.shape == (2, 4, width) and (q[..., LIMIT:] == 0).all()
-        s.commit(slots, tokens.tolist(), [2, 1], [width - 1, 3])   # target padding ids
+        s.commit(slots, tokens.tolist(), [2, 1], [width - 1, 3])  # target padding ids
     s.propose_ahead(slots, 3)
     tokens, q = s.take_ahead(slots, 5)
     assert tokens.shape == (2, 5) and tokens.max() < LIMIT

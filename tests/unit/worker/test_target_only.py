@@ -1,11 +1,13 @@
 """Target-only rounds (draft_len auto, k = 0): the target decodes several tokens on one
 command. They must be exactly the tokens verify rounds with every draft rejected would take,
 and leave both shards' states as if those tokens had been committed one by one."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from runtime.control.commands import Sampling
 from runtime.models import load_model
 from runtime.worker.shards import DraftShard
 from runtime.worker.target_shard import TargetShard
@@ -13,8 +15,8 @@ from runtime.worker.target_shard import TargetShard
 pytestmark = pytest.mark.timeout(120)
 
 CPU = torch.device("cpu")
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
-SAMPLED = {"temperature": 0.9, "top_k": 0, "top_p": 0.95, "seed": 11}
+GREEDY = Sampling(0.0, 0, 1.0, 0)
+SAMPLED = Sampling(0.9, 0, 0.95, 11)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
 SLOTS = [0, 2]
 
@@ -29,11 +31,14 @@ def states(shard):
     return [(s.committed, s.cache_len, list(s.pending)) for s in shard.slots]
 
 
-@pytest.mark.parametrize("acceptance,params", [("tokens", GREEDY), ("tokens", SAMPLED),
-                                               ("logits", SAMPLED)])
+@pytest.mark.parametrize(
+    "acceptance,params", [("tokens", GREEDY), ("tokens", SAMPLED), ("logits", SAMPLED)]
+)
 def test_decode_equals_rounds_that_reject_every_draft(llama_path, acceptance, params):
-    alone, rounds = make(TargetShard, llama_path, params, acceptance), \
-        make(TargetShard, llama_path, params, acceptance)
+    alone, rounds = (
+        make(TargetShard, llama_path, params, acceptance),
+        make(TargetShard, llama_path, params, acceptance),
+    )
     rows = alone.decode(SLOTS, 5).tolist()
     alone.append_decoded(SLOTS, rows)
     expected = [[] for _ in SLOTS]
@@ -48,10 +53,11 @@ def test_decode_equals_rounds_that_reject_every_draft(llama_path, acceptance, pa
             row.append(tok)
     assert rows == expected
     assert states(alone) == states(rounds)
-    drafts = torch.tensor([[1, 2, 3], [4, 5, 6]])   # the caches hold the same positions too
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6]])  # the caches hold the same positions too
     p = torch.full((2, 3, vocab), 1 / vocab) if acceptance == "logits" else None
-    assert [t.tolist() for t in alone.verify(SLOTS, drafts, p)] == \
-        [t.tolist() for t in rounds.verify(SLOTS, drafts, p)]
+    assert [t.tolist() for t in alone.verify(SLOTS, drafts, p)] == [
+        t.tolist() for t in rounds.verify(SLOTS, drafts, p)
+    ]
 
 
 def test_draft_takes_the_decoded_tokens_as_pending(llama_path):
@@ -60,10 +66,13 @@ def test_draft_takes_the_decoded_tokens_as_pending(llama_path):
     handed = make(DraftShard, llama_path, GREEDY)
     rows = [[20, 21, 22], [30, 31, 32]]
     handed.append_decoded(SLOTS, rows)
-    assert [s.pending for s in (handed.slots[0], handed.slots[2])] == \
-        [[7, 20, 21, 22], [12, 30, 31, 32]]
-    fresh = DraftShard(load_model(llama_path, torch.float32, CPU), CPU, 4, 64, "tokens",
-                       max_step_len=5)
+    assert [s.pending for s in (handed.slots[0], handed.slots[2])] == [
+        [7, 20, 21, 22],
+        [12, 30, 31, 32],
+    ]
+    fresh = DraftShard(
+        load_model(llama_path, torch.float32, CPU), CPU, 4, 64, "tokens", max_step_len=5
+    )
     fresh.prefill(SLOTS, [p + r for p, r in zip(PROMPTS, rows)], [GREEDY, GREEDY])
     assert handed.propose(SLOTS, 3)[0].tolist() == fresh.propose(SLOTS, 3)[0].tolist()
     assert [s[:2] for s in states(handed)] == [s[:2] for s in states(fresh)]
@@ -108,7 +117,7 @@ def test_steps_decoded_ahead_are_dropped_by_other_work(llama_path):
     assert ahead.decode(SLOTS[:1], 2).tolist() == plain.decode(SLOTS[:1], 2).tolist()
     assert states(ahead) == states(plain)
     drafts = torch.tensor([[1, 2], [3, 4]])
-    for shard in (plain, ahead):   # a verify round, committed, between ahead and decode
+    for shard in (plain, ahead):  # a verify round, committed, between ahead and decode
         if shard is ahead:
             shard.decode_ahead(SLOTS, 2)
         accepted, nxt = shard.verify(SLOTS, drafts)
@@ -116,15 +125,16 @@ def test_steps_decoded_ahead_are_dropped_by_other_work(llama_path):
     assert ahead.decode(SLOTS, 2).tolist() == plain.decode(SLOTS, 2).tolist()
     ahead.decode_ahead(SLOTS, 2)
     ahead.drop_ahead()
-    assert [t.tolist() for t in ahead.verify(SLOTS, drafts)] == \
-        [t.tolist() for t in plain.verify(SLOTS, drafts)]
+    assert [t.tolist() for t in ahead.verify(SLOTS, drafts)] == [
+        t.tolist() for t in plain.verify(SLOTS, drafts)
+    ]
     assert states(ahead) == states(plain)
 
 
 def test_decode_ahead_past_the_cache_does_nothing(llama_path):
     shard = make(TargetShard, llama_path, GREEDY)
     before = states(shard)
-    shard.decode_ahead(SLOTS, 100)     # beyond the 64-position cache: not now
+    shard.decode_ahead(SLOTS, 100)  # beyond the 64-position cache: not now
     assert shard.ahead is None and states(shard) == before
 
 
@@ -133,10 +143,14 @@ def test_the_first_token_comes_with_the_prefill(llama_path):
     step would (greedy: the argmax at the last prompt token; sampled: the same draw as a
     decode step at that index); committed like a target-only round, the slot stands where a
     prefill and one decode step leave it."""
-    for params in (GREEDY, {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "seed": 5}):
-        first_way, decode_way = (TargetShard(load_model(llama_path, torch.float32, CPU), CPU,
-                                             num_slots=4, max_seq_len=64) for _ in range(2))
-        first = first_way.prefill_first(SLOTS, PROMPTS, [params, params])          # [B, 1]
+    for params in (GREEDY, Sampling(0.9, 0, 1.0, 5)):
+        first_way, decode_way = (
+            TargetShard(
+                load_model(llama_path, torch.float32, CPU), CPU, num_slots=4, max_seq_len=64
+            )
+            for _ in range(2)
+        )
+        first = first_way.prefill_first(SLOTS, PROMPTS, [params, params])  # [B, 1]
         decode_way.prefill(SLOTS, PROMPTS, [params, params])
         assert first.tolist() == decode_way.decode(SLOTS, 1).tolist()
         rows = first.tolist()
@@ -148,8 +162,7 @@ def test_the_first_token_comes_with_the_prefill(llama_path):
         assert first_way.decode(SLOTS, 3).tolist() == decode_way.decode(SLOTS, 3).tolist()
 
 
-def test_a_prefill_leaves_both_models_with_the_whole_prompt_and_the_first_token_pending(
-        llama_path):
+def test_a_prefill_leaves_both_models_with_the_whole_prompt_and_the_first_token_pending(llama_path):
     """runtime.worker.round.prefill on one worker hosting both models: a prompt's end is
     cached whole by the draft too (every rank reports the whole prompt cached, so its last
     block can be indexed even when the request ends at its first token); a chunk keeps its
@@ -160,8 +173,9 @@ def test_a_prefill_leaves_both_models_with_the_whole_prompt_and_the_first_token_
     target = TargetShard(load_model(llama_path, torch.float32, CPU), CPU, 4, 64)
     parts = RoundParts(draft, target, None, 0, 0, 0, CPU, "tokens")
     long = [3, 4, 5, 6, 7, 8, 9]
-    reply = prefill(parts, SLOTS, [PROMPTS[0], long[:4]], [GREEDY, GREEDY], [0, 0], [],
-                    [True, False])
+    reply = prefill(
+        parts, SLOTS, [PROMPTS[0], long[:4]], [GREEDY, GREEDY], [0, 0], [], [True, False]
+    )
     first = reply.tokens[0]
     assert len(first) == 1 and reply.tokens[1] == []
     for shard in (draft, target):
