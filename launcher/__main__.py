@@ -8,6 +8,6 @@ import sys
 # "CPU threads"). A policy already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from launcher.cli import main  # noqa: E402 - after the wait policy
+from launcher.cli import main
 
 sys.exit(main())

@@ -1,6 +1,7 @@
 """Bring the whole system up from rank 0 (and tear it down): start workers where this launch
 form requires it, join the world group, hand out the control address, build the groups and
 wait until every worker has loaded its shards."""
+
 from __future__ import annotations
 
 import datetime
@@ -12,21 +13,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Collection
 
 import zmq
 
 from launcher.discovery import LaunchEnv
 from parallel.topology import LaunchError, Topology
-from runtime.control import auth
 from runtime.config import TandemConfig
-from runtime.errors import EngineDeadError
+from runtime.control import auth
 from runtime.control.pool import WorkerPool
 from runtime.control.progress import StartupDisplay, rank_labels
+from runtime.errors import EngineDeadError
 
 log = logging.getLogger("tandem.launcher")
-DEAD_GRACE_S = 3.0   # after a failure: how long shutdown waits for a worker before SIGKILL
+DEAD_GRACE_S = 3.0  # after a failure: how long shutdown waits for a worker before SIGKILL
 
 
 class StartupUsageError(EngineDeadError):
@@ -40,7 +41,7 @@ class Cluster:
     topology: Topology
     context: zmq.Context
     pool: WorkerPool
-    store: object              # the rendezvous store, which the workers' world still uses
+    store: object  # the rendezvous store, which the workers' world still uses
     procs: list[subprocess.Popen] = field(default_factory=list)
     mpi_children: object | None = None
 
@@ -70,18 +71,30 @@ def _pgroups():
     return groups
 
 
-def _child_command(rank_arg: list[str], world_size: int, init_method: str,
-                   config: TandemConfig) -> list[str]:
-    return [sys.executable, "-m", "launcher", "worker", *rank_arg,
-            "--world-size", str(world_size), "--init-method", init_method,
-            "--startup-timeout", str(config.runtime.startup_timeout_s)]
+def _child_command(
+    rank_arg: list[str], world_size: int, init_method: str, config: TandemConfig
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "launcher",
+        "worker",
+        *rank_arg,
+        "--world-size",
+        str(world_size),
+        "--init-method",
+        init_method,
+        "--startup-timeout",
+        str(config.runtime.startup_timeout_s),
+    ]
 
 
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def _spawn_workers(topology: Topology, init_method: str, config: TandemConfig,
-                   procs: list[subprocess.Popen]) -> None:
+def _spawn_workers(
+    topology: Topology, init_method: str, config: TandemConfig, procs: list[subprocess.Popen]
+) -> None:
     """Start a worker process per worker rank, each appended to `procs` at once. SIGINT and
     SIGTERM are held meanwhile: Popen's fork hooks (logging's among them) would swallow the
     KeyboardInterrupt of a Ctrl-C that came during a fork, with a traceback. A held signal
@@ -89,10 +102,10 @@ def _spawn_workers(topology: Topology, init_method: str, config: TandemConfig,
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         for rank in topology.worker_ranks:
-            cmd = _child_command(["--rank", str(rank)], topology.world_size, init_method,
-                                 config)
-            procs.append(subprocess.Popen(cmd, preexec_fn=lambda: _die_with_parent(held),
-                                          env=_child_env()))
+            cmd = _child_command(["--rank", str(rank)], topology.world_size, init_method, config)
+            procs.append(
+                subprocess.Popen(cmd, preexec_fn=lambda: _die_with_parent(held), env=_child_env())
+            )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
@@ -109,7 +122,7 @@ def _die_with_parent(mask) -> None:  # pragma: no cover - runs in the child befo
     # installs its own handlers (worker.process), so one that lands while its interpreter
     # starts (importing site) cannot crash it with a traceback; rank 0 then ends it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # the worker gets SIGTERM again
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # the worker gets SIGTERM again
     try:
         import ctypes
 
@@ -133,10 +146,14 @@ def _procs_liveness(procs: list[subprocess.Popen], topology: Topology):
         for rank, proc in zip(topology.worker_ranks, procs):
             code = proc.poll() if rank not in exclude else None
             if code is not None:
-                how = f"was killed by {_signal_name(-code)}" if code < 0 else \
-                    f"exited with code {code}"
+                how = (
+                    f"was killed by {_signal_name(-code)}"
+                    if code < 0
+                    else f"exited with code {code}"
+                )
                 return f"rank {rank} (pid {proc.pid}) {how}"
         return None
+
     return check
 
 
@@ -157,8 +174,13 @@ def _listen_loopback(port: int = 0) -> socket.socket:
     return sock
 
 
-def _join_world(init_method: str, world_size: int, timeout_s: float,
-                listener: socket.socket | None, joined: list) -> None:
+def _join_world(
+    init_method: str,
+    world_size: int,
+    timeout_s: float,
+    listener: socket.socket | None,
+    joined: list,
+) -> None:
     """Rank 0 joins the startup world (parallel.groups); its rendezvous store goes into
     `joined`. torch's TCPStore server listens on every interface; given a loopback listener,
     rank 0 hosts the store on that socket instead (the other ranks reach it at 127.0.0.1
@@ -167,14 +189,25 @@ def _join_world(init_method: str, world_size: int, timeout_s: float,
     if listener is not None:
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], world_size,
-                              is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=False, master_listen_fd=listener.detach())
+        store = dist.TCPStore(
+            "127.0.0.1",
+            listener.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
     joined.append(_pgroups().init_world(0, world_size, init_method, timeout_s, store))
 
 
-def _init_world_watching(init_method: str, world_size: int, timeout_s: float,
-                         liveness, listener: socket.socket | None = None):
+def _init_world_watching(
+    init_method: str,
+    world_size: int,
+    timeout_s: float,
+    liveness,
+    listener: socket.socket | None = None,
+):
     """Join the startup world; with children of our own, fail fast if one dies first.
     Returns the rendezvous store (the workers' world meets there: keep it while serving)."""
     errors: list[BaseException] = []
@@ -213,7 +246,7 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
     display = StartupDisplay.for_stderr(rank_labels(topology), quiet)
     # the rendezvous store listens on loopback whenever the ranks meet at 127.0.0.1
     listener = None
-    if env.init_method is None:            # spawn, mpi-spawn: rank 0 picks the port
+    if env.init_method is None:  # spawn, mpi-spawn: rank 0 picks the port
         listener = _listen_loopback()
         init_method = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     else:
@@ -231,19 +264,28 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
         elif env.method not in ("torchrun", "mpi"):
             raise LaunchError(f"rank 0 cannot start under launch method {env.method!r}")
         liveness = _procs_liveness(procs, topology) if procs else None
-        store = _init_world_watching(init_method, topology.world_size, rt.startup_timeout_s,
-                                     liveness, listener)
+        store = _init_world_watching(
+            init_method, topology.world_size, rt.startup_timeout_s, liveness, listener
+        )
         # no key file: a random key for this launch, so that no other local process can
         # forge a worker's frames; the workers get it with the address
         key = None if auth.control_key() is not None else auth.launch_key()
-        pool = WorkerPool(topology.worker_ranks, context, bind=control_bind(),
-                          heartbeat_s=rt.heartbeat_s,
-                          dead_after_s=max(10.0, 10 * rt.heartbeat_s), liveness=liveness,
-                          key=key)
-        log.info("control plane at %s (%s)", pool.address,
-                 "key file" if key is None else "key of this launch")
+        pool = WorkerPool(
+            topology.worker_ranks,
+            context,
+            bind=control_bind(),
+            heartbeat_s=rt.heartbeat_s,
+            dead_after_s=max(10.0, 10 * rt.heartbeat_s),
+            liveness=liveness,
+            key=key,
+        )
+        log.info(
+            "control plane at %s (%s)",
+            pool.address,
+            "key file" if key is None else "key of this launch",
+        )
         _pgroups().broadcast_control(pool.address, key)
-        _pgroups().end_startup_world()   # the workers build their groups among themselves
+        _pgroups().end_startup_world()  # the workers build their groups among themselves
         pool.handshake(config.to_dict(), rt.startup_timeout_s)
         try:
             pool.await_ready(rt.startup_timeout_s, watch=display.observe)
@@ -260,7 +302,7 @@ def start_cluster(config: TandemConfig, env: LaunchEnv, quiet: bool = False) -> 
             proc.kill()
             proc.wait()
         context.destroy(linger=0)
-        if listener is not None and listener.fileno() != -1:   # not handed to the store yet
+        if listener is not None and listener.fileno() != -1:  # not handed to the store yet
             listener.close()
         raise
     return Cluster(config, topology, context, pool, store, procs)

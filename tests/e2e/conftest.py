@@ -1,4 +1,5 @@
 """Fixtures shared by the end-to-end tests (launches, faults, serving)."""
+
 import pytest
 
 from tests import checkpoints

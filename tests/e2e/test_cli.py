@@ -1,5 +1,6 @@
 """The `tandem` command line: bad input exits 2 naming the problem before any worker starts;
 the built-in demo prints real text."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,13 @@ def tiny(tmp_path_factory):
 
 
 def tandem(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True,
-                          text=True, timeout=timeout, env=launch.clean_env())
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=launch.clean_env(),
+    )
 
 
 def write(tmp_path, config: dict) -> str:
@@ -38,21 +44,26 @@ def write(tmp_path, config: dict) -> str:
 
 
 def base(target) -> dict:
-    return {"draft": {"model": target, "devices": ["cpu:0"], "dtype": "float32"},
-            "target": {"model": target, "devices": ["cpu:1"], "dtype": "float32"}}
+    return {
+        "draft": {"model": target, "devices": ["cpu:0"], "dtype": "float32"},
+        "target": {"model": target, "devices": ["cpu:1"], "dtype": "float32"},
+    }
 
 
-@pytest.mark.parametrize("mutate,key", [
-    (lambda c: c.update(bogus=1), "bogus"),
-    (lambda c: c["draft"].update(devices=[]), "draft.devices"),
-    (lambda c: c["target"].update(devices=["cpu:1", "cpu:1"]), "target.devices"),
-    (lambda c: c.update(speculation={"draft_len": 0}), "speculation.draft_len"),
-    (lambda c: c.update(speculation={"acceptance": "maybe"}), "speculation.acceptance"),
-    (lambda c: c["draft"].update(model="/does/not/exist"), "draft.model"),
-    (lambda c: c["draft"].update(dtype="float8"), "draft.dtype"),
-    (lambda c: c.update(runtime={"max_batch_size": "8"}), "runtime.max_batch_size"),
-    (lambda c: c["target"].update(devices=[0]), "target.devices"),
-])
+@pytest.mark.parametrize(
+    "mutate,key",
+    [
+        (lambda c: c.update(bogus=1), "bogus"),
+        (lambda c: c["draft"].update(devices=[]), "draft.devices"),
+        (lambda c: c["target"].update(devices=["cpu:1", "cpu:1"]), "target.devices"),
+        (lambda c: c.update(speculation={"draft_len": 0}), "speculation.draft_len"),
+        (lambda c: c.update(speculation={"acceptance": "maybe"}), "speculation.acceptance"),
+        (lambda c: c["draft"].update(model="/does/not/exist"), "draft.model"),
+        (lambda c: c["draft"].update(dtype="float8"), "draft.dtype"),
+        (lambda c: c.update(runtime={"max_batch_size": "8"}), "runtime.max_batch_size"),
+        (lambda c: c["target"].update(devices=[0]), "target.devices"),
+    ],
+)
 def test_bad_config_exits_2_naming_the_key(mutate, key, tiny, tmp_path):
     config = base(tiny[0])
     mutate(config)
@@ -72,14 +83,23 @@ def test_vocab_mismatch_is_a_config_error(tiny, tmp_path):
 
 def test_bad_request_arguments_exit_2(tiny, tmp_path):
     cfg = write(tmp_path, base(tiny[0]))
-    cases = ((["--prompt-ids", "1,x"], "--prompt-ids"),
-             (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
-             (["--prompt-ids", "1", "--top-p", "0"], "--top-p"),
-             (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"))
+    cases = (
+        (["--prompt-ids", "1,x"], "--prompt-ids"),
+        (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--prompt-ids", "1", "--top-p", "0"], "--top-p"),
+        (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"),
+    )
     # started at once (each is one busy core: an interpreter importing torch), then checked
-    procs = [subprocess.Popen([sys.executable, "-m", "launcher", "run", cfg, *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=launch.clean_env()) for args, _ in cases]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "launcher", "run", cfg, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=launch.clean_env(),
+        )
+        for args, _ in cases
+    ]
     try:
         for proc, (args, name) in zip(procs, cases):
             _, err = proc.communicate(timeout=120)
@@ -92,8 +112,7 @@ def test_bad_request_arguments_exit_2(tiny, tmp_path):
 
 
 def test_token_outside_vocab_exits_2(tiny, tmp_path):
-    res = launch.run("spawn", 3, ["run", write(tmp_path, base(tiny[0])), "--prompt-ids",
-                                  "1,96"])
+    res = launch.run("spawn", 3, ["run", write(tmp_path, base(tiny[0])), "--prompt-ids", "1,96"])
     assert res.returncode == 2 and "outside the vocabulary" in res.stderr
 
 
@@ -118,27 +137,42 @@ def _wait_for(proc, when: str, timeout_s: float = 120) -> None:
         return
     for line in proc.stderr:
         if line.startswith("tandem: ready: "):
-            time.sleep(0.5)    # a few rounds in
+            time.sleep(0.5)  # a few rounds in
             return
     raise AssertionError(f"tandem run ended before it was ready: {proc.wait()}")
 
 
-@pytest.mark.parametrize("when, gap_s", [("starting", 0.0), ("starting", 0.3),
-                                          ("generating", 0.0)])
+@pytest.mark.parametrize("when, gap_s", [("starting", 0.0), ("starting", 0.3), ("generating", 0.0)])
 def test_json_survives_a_second_sigint(tiny, tmp_path, when, gap_s):
     """`timeout -s INT` signals the process and then its group: tandem run --json still
     prints its one object per prompt (what was generated, finish_reason cancelled) and
     exits at once, with every worker gone."""
-    model = checkpoints.build_checkpoint(tmp_path / "no-eos", "llama", seed=0,
-                                         eos_token_id=None)   # generates all 500 tokens
+    model = checkpoints.build_checkpoint(
+        tmp_path / "no-eos", "llama", seed=0, eos_token_id=None
+    )  # generates all 500 tokens
     config = dict(base(model), runtime={"max_seq_len": 512})
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", write(tmp_path, config),
-                             "--prompt-ids", "1,2,3", "--max-new-tokens", "500", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=launch.clean_env())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "run",
+            write(tmp_path, config),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "500",
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=launch.clean_env(),
+    )
     try:
         _wait_for(proc, when)
-        os.kill(proc.pid, signal.SIGINT)      # as timeout does: the process, then its group
+        os.kill(proc.pid, signal.SIGINT)  # as timeout does: the process, then its group
         time.sleep(gap_s)
         os.killpg(proc.pid, signal.SIGINT)
         start = time.monotonic()
@@ -168,11 +202,31 @@ def test_cpu_demo_config_runs_offline(tmp_path):
     """examples/configs/cpu-demo.yaml after the Quickstart's install only: no Hugging Face
     cache, the Hub offline (its model is builtin:smollm2-135m)."""
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "cpu-demo.yaml"
-    env = dict(launch.clean_env(), HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
-               HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))
-    res = subprocess.run([sys.executable, "-m", "launcher", "run", str(config), "--prompt",
-                          "The capital of France is", "--max-new-tokens", "6", "--json"],
-                         capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    env = dict(
+        launch.clean_env(),
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_CACHE=str(tmp_path / "hf" / "hub"),
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "run",
+            str(config),
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     assert len(out["token_ids"]) == 6 and out["text"].strip(), out

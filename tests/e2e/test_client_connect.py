@@ -2,6 +2,7 @@
 one that reached something there (a server gone silent, or something that is no tandem
 server) still gets the long silence limit; info(timeout_s=...) waits for a server that is
 still starting, and a Client that found nobody works once a server is there."""
+
 from __future__ import annotations
 
 import socket
@@ -40,8 +41,11 @@ def fails_fast(call, address: str, detail: str) -> None:
 def test_nothing_on_a_tcp_port(call):
     address = f"tcp://127.0.0.1:{free_port()}"
     with Client(address) as client:
-        calls = {"info": client.info, "stats": client.stats,
-                 "generate": lambda: client.generate("hi", max_new_tokens=2)}
+        calls = {
+            "info": client.info,
+            "stats": client.stats,
+            "generate": lambda: client.generate("hi", max_new_tokens=2),
+        }
         fails_fast(calls[call], address, f"no connection within {CONNECT_TIMEOUT_S:g} s")
 
 
@@ -49,8 +53,11 @@ def test_no_ipc_socket_file_then_a_server(tmp_path):
     """The verdict is the call's, not the client's: once a server listens, calls work."""
     address = f"ipc://{tmp_path}/server.sock"
     with Client(address) as client:
-        fails_fast(lambda: client.generate(prompt_token_ids=[1, 2], max_new_tokens=2),
-                   address, f"no socket file {tmp_path}/server.sock")
+        fails_fast(
+            lambda: client.generate(prompt_token_ids=[1, 2], max_new_tokens=2),
+            address,
+            f"no socket file {tmp_path}/server.sock",
+        )
         server = ping_server(address)
         try:
             assert client.info()["model"] == "fake"
@@ -61,8 +68,7 @@ def test_no_ipc_socket_file_then_a_server(tmp_path):
 def test_info_with_a_timeout_waits_for_a_starting_server(tmp_path):
     address = f"ipc://{tmp_path}/server.sock"
     servers: list[PingServer] = []
-    starter = threading.Timer(CONNECT_TIMEOUT_S + 1.5,
-                              lambda: servers.append(ping_server(address)))
+    starter = threading.Timer(CONNECT_TIMEOUT_S + 1.5, lambda: servers.append(ping_server(address)))
     starter.start()
     try:
         with Client(address) as client:
@@ -104,27 +110,38 @@ def test_a_server_heard_once_gets_the_silence_limit_then_is_found_again(tmp_path
     server = ping_server(address)
     with Client(address, dead_after_s=CONNECT_TIMEOUT_S + 3) as client:
         client.info()
-        server.close()                                   # silent from now on
+        server.close()  # silent from now on
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="silent for"):
             client.generate("hi", max_new_tokens=2)
         assert time.monotonic() - start > CONNECT_TIMEOUT_S + 1.5
-        with pytest.raises(EngineDeadError, match="silent for"):   # while it stays silent
+        with pytest.raises(EngineDeadError, match="silent for"):  # while it stays silent
             client.info()
-        server = ping_server(address)    # it answers again: the client finds it (no
-        try:                             # permanent 503 in an HTTP front over it)
+        server = ping_server(address)  # it answers again: the client finds it (no
+        try:  # permanent 503 in an HTTP front over it)
             assert client.info()["model"] == "fake"
         finally:
             server.close()
 
 
-@pytest.mark.parametrize("ids, max_new, pattern", [
-    ([[1] * 64], 1, r"^prompt_token_ids: the prompt is 64 tokens, too long for "
-                    r"runtime\.max_seq_len \(64\)"),
-    ([[1] * 4, [1] * 70], 1, r"^prompt_token_ids: prompt 2 is 70 tokens"),
-    ([[1] * 60], 8, r"^max_new_tokens: the prompt \(60 tokens\) \+ max_new_tokens \(8\) "
-                    r"exceeds runtime\.max_seq_len \(64\); at most 4 new tokens fit"),
-])
+@pytest.mark.parametrize(
+    "ids, max_new, pattern",
+    [
+        (
+            [[1] * 64],
+            1,
+            r"^prompt_token_ids: the prompt is 64 tokens, too long for "
+            r"runtime\.max_seq_len \(64\)",
+        ),
+        ([[1] * 4, [1] * 70], 1, r"^prompt_token_ids: prompt 2 is 70 tokens"),
+        (
+            [[1] * 60],
+            8,
+            r"^max_new_tokens: the prompt \(60 tokens\) \+ max_new_tokens \(8\) "
+            r"exceeds runtime\.max_seq_len \(64\); at most 4 new tokens fit",
+        ),
+    ],
+)
 def test_prompt_ids_that_cannot_fit_are_refused_before_sending(tmp_path, ids, max_new, pattern):
     """The client checks token-id prompts against the server's runtime.max_seq_len with the
     orchestrator's own check (params.check_fits): the same message, nothing sent."""
@@ -132,7 +149,8 @@ def test_prompt_ids_that_cannot_fit_are_refused_before_sending(tmp_path, ids, ma
     try:
         with Client(server.address) as client:
             with pytest.raises(ValueError, match=pattern):
-                client.generate(prompt_token_ids=ids if len(ids) > 1 else ids[0],
-                                max_new_tokens=max_new)
+                client.generate(
+                    prompt_token_ids=ids if len(ids) > 1 else ids[0], max_new_tokens=max_new
+                )
     finally:
         server.close()

@@ -1,6 +1,7 @@
 """The client watches the server's processes on its host (the table in the server's pong):
 when a worker dies and the server goes down before it can say so (MPICH's hydra may kill it
 within milliseconds), the pending calls still raise EngineDeadError naming that rank."""
+
 from __future__ import annotations
 
 import os
@@ -16,14 +17,20 @@ from runtime import EngineDeadError
 from runtime.api.client import WORKER_DEATH_GRACE_S, Client
 from tests.fake_server import PingServer
 
-pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open")]
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open"),
+]
 
 
 def orphan() -> int:
     """A process on this host that is not our child."""
-    out = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, timeout=10)
+    out = subprocess.run(
+        ["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     return int(out.stdout.strip())
 
 
@@ -37,9 +44,16 @@ def kill(pid: int) -> None:
 def fake_server(server_pid: int, worker_pid: int) -> PingServer:
     """Answers pings with a process table (server pid, rank 1's pid) and nothing else."""
     host = socket.gethostname()
-    return PingServer({"vocab_size": 100, "max_seq_len": 64, "has_tokenizer": False,
-                       "model": "fake", "server": [host, server_pid],
-                       "processes": {"1": [host, worker_pid]}})
+    return PingServer(
+        {
+            "vocab_size": 100,
+            "max_seq_len": 64,
+            "has_tokenizer": False,
+            "model": "fake",
+            "server": [host, server_pid],
+            "processes": {"1": [host, worker_pid]},
+        }
+    )
 
 
 @pytest.mark.parametrize("server_dies", [True, False])
@@ -72,11 +86,11 @@ def test_pending_call_names_the_dead_local_worker(server_dies):
         if server_dies:
             assert "the server exited before it reported it" in str(failure[0])
             assert took < 1.0
-        else:   # a live server gets the grace period to report it itself
+        else:  # a live server gets the grace period to report it itself
             assert f"within {WORKER_DEATH_GRACE_S:.0f} s" in str(failure[0])
             assert WORKER_DEATH_GRACE_S - 0.5 < took < WORKER_DEATH_GRACE_S + 1.5
         with pytest.raises(EngineDeadError, match=f"rank 1 \\(pid {worker_pid}\\) died"):
-            client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=4)   # at once
+            client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=4)  # at once
     finally:
         client.close()
         server.close()
@@ -125,6 +139,7 @@ def test_no_process_table_no_watch():
 def test_a_call_leaves_at_once():
     """A message handed to the I/O thread wakes it: even with an hour-long poll interval, each
     call is answered at once (the fake server answers pings)."""
+
     class SlowPollClient(Client):
         POLL_MS = 3_600_000
 

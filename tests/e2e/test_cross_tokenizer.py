@@ -4,6 +4,7 @@ letters of "abc" (13 tokens) and a draft speaking characters (5 tokens), tiny ra
 verifies them with `acceptance: tokens`. In one launch: greedy output equals transformers'
 greedy output of the target alone, token for token; sampled output follows the target's
 exact distribution (chi-square of the first two generated tokens)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +17,7 @@ from tests.tiny_tokenizers import save_text_tokenizer
 
 pytestmark = pytest.mark.timeout(400)
 
-VOCAB = 13                 # "<unk>", a, b, c, aa .. cc
+VOCAB = 13  # "<unk>", a, b, c, aa .. cc
 PROMPTS = [[4, 1, 7, 2], [9], [1, 2, 3, 12, 5, 6, 11, 10]]
 NEW_TOKENS = 20
 SAMPLES = 1500
@@ -37,15 +38,15 @@ def pair(tmp_path_factory):
 def test_cross_tokenizer_draft_is_exact(pair, tmp_path):
     draft, target = pair
     reference = [checkpoints.hf_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
-    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_len=6,
-                              max_batch_size=256)
+    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_len=6, max_batch_size=256)
     with Engine.launch(cfg) as engine:
         outs = engine.generate(prompt_token_ids=PROMPTS, max_new_tokens=NEW_TOKENS)
         assert [o.token_ids for o in outs] == reference
         # the draft's proposals reached the target (mapped to its words), one was kept
         assert sum(sum(o.stats["accepted_per_position"]) for o in outs) > 0
-        sampled = engine.generate(prompt_token_ids=[PROMPTS[0]] * SAMPLES, max_new_tokens=3,
-                                  seed=7, **SETTING)
+        sampled = engine.generate(
+            prompt_token_ids=[PROMPTS[0]] * SAMPLES, max_new_tokens=3, seed=7, **SETTING
+        )
     counts = np.zeros((VOCAB, VOCAB))
     for out in sampled:
         counts[out.token_ids[0], out.token_ids[1]] += 1

@@ -3,13 +3,14 @@ user runs it, twice on an empty GGUF cache: it prints text, says what it shows (
 target) and where speed-ups are shown, echoes its prompt, warns of nothing; the first start
 converts the GGUF into the cache, the second reads only the cache (nothing in it is
 rewritten), starts faster and answers the same."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
 
-from runtime.models.loading import disk_cache, gguf_cache
+from runtime.models.loading import disk_cache
 from tests import launch
 
 pytestmark = pytest.mark.timeout(600)
@@ -33,8 +34,9 @@ def start(monkeypatch, cache) -> tuple[str, float]:
 
 def entries(cache) -> dict[str, int]:
     """Every file of the cache and its mtime: a cache hit writes none of them."""
-    return {str(p.relative_to(cache)): p.stat().st_mtime_ns
-            for p in cache.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(cache)): p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()
+    }
 
 
 def test_the_second_demo_start_reads_the_cache(monkeypatch, tmp_path):

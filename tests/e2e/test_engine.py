@@ -1,4 +1,5 @@
 """The Python handle: Engine.launch, generate, stream, argument errors, a dead engine."""
+
 from __future__ import annotations
 
 import math
@@ -28,12 +29,13 @@ def launched(tokenized_pair, tmp_path_factory):
     checks its launch), with what its launch showed: (engine, seconds the launch took, its
     dead_after_s right after the launch). The other tests use it with the Client's default
     silence limit (30 s) put back."""
-    cfg = launch.write_config(tmp_path_factory.mktemp("cfg") / "c.yaml", *tokenized_pair,
-                              max_seq_len=128)
+    cfg = launch.write_config(
+        tmp_path_factory.mktemp("cfg") / "c.yaml", *tokenized_pair, max_seq_len=128
+    )
     start = time.monotonic()
     with ImpatientEngine.launch(cfg) as eng:
         took, dead_after_s = time.monotonic() - start, eng.dead_after_s
-        eng.dead_after_s = 30.0                     # generating may be silent longer
+        eng.dead_after_s = 30.0  # generating may be silent longer
         yield eng, took, dead_after_s
 
 
@@ -51,8 +53,7 @@ def test_generate_text_equals_target_greedy(engine, tokenized_pair):
     assert out.token_ids == checkpoints.hf_greedy(tokenized_pair[1], ids, 20)
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     assert out.finish_reason == "length"
-    assert {"acceptance_rate", "mean_accepted_tokens", "rounds", "tokens_per_s"} <= set(
-        out.stats)
+    assert {"acceptance_rate", "mean_accepted_tokens", "rounds", "tokens_per_s"} <= set(out.stats)
 
 
 def test_lists_in_lists_out(engine):
@@ -75,29 +76,31 @@ def test_stream_concatenates_to_generate(engine):
 def test_stop_string_ends_text(engine):
     full = engine.generate("Numbers:", max_new_tokens=30)
     text = full.text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
     out = engine.generate("Numbers:", max_new_tokens=30, stop=[stop])
     assert out.finish_reason == "stop"
     assert out.text == text[: text.find(stop)]
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
-    streamed = "".join(d.text for d in engine.stream("Numbers:", max_new_tokens=30,
-                                                     stop=[stop]))
+    streamed = "".join(d.text for d in engine.stream("Numbers:", max_new_tokens=30, stop=[stop]))
     assert streamed == out.text
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"prompt": ""}, "prompt"),
-    ({"prompt_token_ids": []}, "prompt_token_ids"),
-    ({"prompt_token_ids": [1, 10 ** 6]}, "prompt_token_ids"),
-    ({"prompt": "x", "max_new_tokens": 1000}, "max_new_tokens"),
-    ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
-    ({"prompt": "x", "temperature": -1.0}, "temperature"),
-    ({"prompt": "x", "temperature": math.nan}, "temperature"),
-    ({"prompt": "x", "top_p": 0.0}, "top_p"),
-    ({"prompt": "x", "top_k": -2}, "top_k"),
-    ({"prompt": "x", "frequency": 2}, "frequency"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, 10**6]}, "prompt_token_ids"),
+        ({"prompt": "x", "max_new_tokens": 1000}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "x", "temperature": -1.0}, "temperature"),
+        ({"prompt": "x", "temperature": math.nan}, "temperature"),
+        ({"prompt": "x", "top_p": 0.0}, "top_p"),
+        ({"prompt": "x", "top_k": -2}, "top_k"),
+        ({"prompt": "x", "frequency": 2}, "frequency"),
+    ],
+)
 def test_bad_arguments_raise_value_error(engine, kwargs, name):
     with pytest.raises(ValueError, match=name):
         engine.generate(**kwargs)
@@ -105,8 +108,9 @@ def test_bad_arguments_raise_value_error(engine, kwargs, name):
 
 def test_bad_config_raises_before_any_process(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("draft: {model: /nope, devices: [cpu:0]}\ntarget: {model: /nope, "
-                   "devices: [cpu:1]}\n")
+    cfg.write_text(
+        "draft: {model: /nope, devices: [cpu:0]}\ntarget: {model: /nope, devices: [cpu:1]}\n"
+    )
     start = time.monotonic()
     with pytest.raises(ConfigError, match="draft.model"):
         Engine.launch(str(cfg))
@@ -154,7 +158,7 @@ def test_launch_waits_for_a_slow_startup_then_restores_the_liveness_limit(launch
     """Loading (and on GPUs capturing CUDA graphs) may outlast the silence allowed to a
     running server: launch waits up to the startup timeout instead."""
     eng, took, dead_after_s = launched
-    assert took > 0.2                               # the startup took longer than the limit
+    assert took > 0.2  # the startup took longer than the limit
     assert dead_after_s == 0.2
     out = eng.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
     assert len(out.token_ids) == 4

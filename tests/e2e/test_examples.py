@@ -1,5 +1,6 @@
 """examples/quickstart.py runs as the README says, on the built-in demo model; CPU smoke runs
 of examples/cpu/overlap_bench.py, examples/gpu/serving_kv.py and examples/gpu/serving_mixed.py."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(300)
 def test_quickstart_runs():
-    res = subprocess.run([sys.executable, "examples/quickstart.py"], cwd=ROOT, text=True,
-                         capture_output=True, timeout=280)
+    res = subprocess.run(
+        [sys.executable, "examples/quickstart.py"],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=280,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
     assert lines[0].startswith("'The three primary colors are' -> ")
@@ -33,9 +39,23 @@ def test_overlap_bench_runs(tmp_path):
     from runtime.models.loading.synthetic import build_pair
 
     build_pair(str(tmp_path), "tiny", 1, eps=0.0)
-    res = subprocess.run([sys.executable, "examples/cpu/overlap_bench.py", str(tmp_path),
-                          "--calls", "1", "--new-tokens", "12", "--prompt-len", "8"],
-                         cwd=ROOT, text=True, capture_output=True, timeout=280)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "examples/cpu/overlap_bench.py",
+            str(tmp_path),
+            "--calls",
+            "1",
+            "--new-tokens",
+            "12",
+            "--prompt-len",
+            "8",
+        ],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=280,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     on, off, ratio = res.stdout.splitlines()[-3:]
     assert on.startswith("overlap on : ") and off.startswith("overlap off: ")
@@ -62,11 +82,34 @@ def test_serving_kv_runs(tmp_path):
     prefix (32 tokens, two whole blocks), a fresh one nothing; the concurrent call generates
     every token without preemptions; the table has a row per measurement."""
     out = tmp_path / "kv.json"
-    res = subprocess.run([sys.executable, "examples/gpu/serving_kv.py", "ttft", "serve",
-                          "--synthetic", "tiny", "--device", "cpu", "--prompt-len", "32",
-                          "--suffix-len", "8", "--runs", "1", "--concurrency", "2",
-                          "--new-tokens", "4", "--out", str(out)],
-                         cwd=ROOT, text=True, capture_output=True, timeout=280)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "examples/gpu/serving_kv.py",
+            "ttft",
+            "serve",
+            "--synthetic",
+            "tiny",
+            "--device",
+            "cpu",
+            "--prompt-len",
+            "32",
+            "--suffix-len",
+            "8",
+            "--runs",
+            "1",
+            "--concurrency",
+            "2",
+            "--new-tokens",
+            "4",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=280,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     ttft, serve = results["ttft"], results["serve-2-32"]
@@ -75,8 +118,11 @@ def test_serving_kv_runs(tmp_path):
     assert serve["generated_tokens"] == 8 and serve["num_preemptions"] == 0
     assert serve["kv_blocks_total"] > 0 and serve["tokens_per_s"] > 0
     rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
-    assert [r.split(" | ")[0] for r in rows[1:]] == ["| ttft cached", "| ttft uncached",
-                                                     "| serve-2-32"]
+    assert [r.split(" | ")[0] for r in rows[1:]] == [
+        "| ttft cached",
+        "| ttft uncached",
+        "| serve-2-32",
+    ]
 
 
 @pytest.mark.timeout(180)
@@ -85,12 +131,34 @@ def test_serving_mixed_runs(tmp_path):
     two steady streams outlast two long prompts, chunked 16 tokens a step; both windows have
     gaps, every long request finishes with its TTFT, and the table has both windows."""
     out = tmp_path / "mixed.json"
-    res = subprocess.run([sys.executable, "examples/gpu/serving_mixed.py", "--synthetic",
-                          "tiny", "--device", "cpu", "--streams", "2", "--stream-new-tokens",
-                          "4000", "--long-prompt-len", "64", "--long-count", "2",
-                          "--long-every", "0.2", "--max-prefill-tokens", "16",
-                          "--out", str(out)],
-                         cwd=ROOT, text=True, capture_output=True, timeout=170)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "examples/gpu/serving_mixed.py",
+            "--synthetic",
+            "tiny",
+            "--device",
+            "cpu",
+            "--streams",
+            "2",
+            "--stream-new-tokens",
+            "4000",
+            "--long-prompt-len",
+            "64",
+            "--long-count",
+            "2",
+            "--long-every",
+            "0.2",
+            "--max-prefill-tokens",
+            "16",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=170,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert {"settings", "versions", "hardware", "date"} <= set(report)

@@ -15,6 +15,7 @@ Detection bounds (runtime/pool.py, runtime/worker.py, launcher/bootstrap.py):
   exit when torchrun/mpirun tear the job down, or when the beacon has been silent for the
   heartbeat bound.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,8 @@ pytestmark = pytest.mark.timeout(150)
 
 DRAFT = ("cpu:0",)
 TARGET = ("cpu:1",)
-W = 3                      # orchestrator + draft worker + target worker
-LONG = 1500                # new tokens: keeps a request in flight for seconds
+W = 3  # orchestrator + draft worker + target worker
+LONG = 1500  # new tokens: keeps a request in flight for seconds
 PROMPT = [1, 5, 9, 13]
 
 
@@ -47,8 +48,9 @@ PROMPT = [1, 5, 9, 13]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     # no EOS: every request runs to max_new_tokens, so it is surely in flight when we strike
-    target = checkpoints.build_checkpoint(root / "target", "llama", seed=0, eos_token_id=None,
-                                          max_position_embeddings=2048)   # max_seq_len below
+    target = checkpoints.build_checkpoint(
+        root / "target", "llama", seed=0, eos_token_id=None, max_position_embeddings=2048
+    )  # max_seq_len below
     draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
     # valid config.json (config validation passes), weights file cut in half: loading fails
     broken = root / "broken"
@@ -59,10 +61,12 @@ def models(tmp_path_factory):
     return {"target": target, "draft": draft, "broken": str(broken)}
 
 
-def config(models, tmp_path, draft="draft", target="target", devices=(DRAFT, TARGET),
-           **runtime) -> str:
-    return launch.write_config(tmp_path / "c.yaml", models[draft], models[target], *devices,
-                               max_seq_len=2048, **runtime)
+def config(
+    models, tmp_path, draft="draft", target="target", devices=(DRAFT, TARGET), **runtime
+) -> str:
+    return launch.write_config(
+        tmp_path / "c.yaml", models[draft], models[target], *devices, max_seq_len=2048, **runtime
+    )
 
 
 # --- `tandem serve` under a launch form ---------------------------------------------------
@@ -74,12 +78,15 @@ class Served:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-faults-"))
         self.address = f"ipc://{self.dir}/server.sock"
         self.err_path = self.dir / "stderr.txt"
-        cmd = launch.command(form, world, ["serve", cfg, "--address", self.address],
-                             mpi_args)
+        cmd = launch.command(form, world, ["serve", cfg, "--address", self.address], mpi_args)
         with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=err, stderr=err,   # hydra: stdout
-                                         start_new_session=True,
-                                         env=launch.clean_env())
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=err,
+                stderr=err,  # hydra: stdout
+                start_new_session=True,
+                env=launch.clean_env(),
+            )
         self.pids: set[int] = {self.proc.pid}
         self.ranks: dict[int, int] = {}
         self.client: Client | None = None
@@ -92,12 +99,13 @@ class Served:
                 self.client.info(timeout_s=2)
                 break
             except EngineDeadError:
-                assert self.proc.poll() is None, f"{self.form} serve exited " \
-                    f"{self.proc.returncode}:\n{self.stderr()[-3000:]}"
+                assert self.proc.poll() is None, (
+                    f"{self.form} serve exited {self.proc.returncode}:\n{self.stderr()[-3000:]}"
+                )
                 assert time.monotonic() < deadline, f"{self.form} serve did not start"
         self.ranks = ranks_of(self.proc.pid, self.world)
         self.pids |= descendants(self.proc.pid) | set(self.ranks.values())
-        self.client.dead_after_s = 10.0       # from now on, silence is death
+        self.client.dead_after_s = 10.0  # from now on, silence is death
         return self.client
 
     def stderr(self) -> str:
@@ -108,8 +116,9 @@ class Served:
         try:
             code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.form} did not exit within {timeout_s} s:\n"
-                                 f"{self.stderr()[-3000:]}") from None
+            raise AssertionError(
+                f"{self.form} did not exit within {timeout_s} s:\n{self.stderr()[-3000:]}"
+            ) from None
         return code, time.monotonic() - start
 
     def close(self) -> None:
@@ -174,9 +183,9 @@ def test_engine_killed_worker_mid_request(victim, models, tmp_path):
         start = time.monotonic()
         with pytest.raises(EngineDeadError):
             engine.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
-        assert time.monotonic() - start < 10          # at the latest when the server exits
+        assert time.monotonic() - start < 10  # at the latest when the server exits
         assert engine._process.wait(30) == 1
-        start = time.monotonic()                      # gone: calls fail at once
+        start = time.monotonic()  # gone: calls fail at once
         with pytest.raises(EngineDeadError):
             engine.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
         assert time.monotonic() - start < 1
@@ -204,7 +213,7 @@ def test_serve_killed_worker_under_launcher(form, models, tmp_path):
         named = f"rank 2 (pid {victim}) died"
         took, error = drain(stream)
         if form == "torchrun":
-            assert named in err, err[-3000:]                            # tandem's rank 0
+            assert named in err, err[-3000:]  # tandem's rank 0
             assert re.search(r"rank\s*: 2 \(local_rank: 2\)\s*\n\s*exitcode\s*: -9", err)
             assert took < 10 and named in error, error
         else:
@@ -212,8 +221,10 @@ def test_serve_killed_worker_under_launcher(form, models, tmp_path):
             # watches the server's local processes, does
             assert named in error, (error, err[-3000:])
             assert took < 10
-            print(f"mpirun: {'the client' if 'before it reported' in error else 'rank 0'} "
-                  f"named the dead rank ({took:.1f} s)")
+            print(
+                f"mpirun: {'the client' if 'before it reported' in error else 'rank 0'} "
+                f"named the dead rank ({took:.1f} s)"
+            )
     finally:
         served.close()
 
@@ -222,12 +233,24 @@ def test_run_killed_worker_exits_1_naming_it(models, tmp_path):
     """`tandem run` (spawn) whose target worker dies mid-generation: the draft rank's
     collective raises and reports; rank 0 names the dead rank and exits 1."""
     err_path = tmp_path / "stderr.txt"
-    cmd = launch.command("spawn", W, ["run", config(models, tmp_path), "--prompt-ids",
-                                      "1,5,9,13", "--max-new-tokens", str(LONG), "--json"])
+    cmd = launch.command(
+        "spawn",
+        W,
+        [
+            "run",
+            config(models, tmp_path),
+            "--prompt-ids",
+            "1,5,9,13",
+            "--max-new-tokens",
+            str(LONG),
+            "--json",
+        ],
+    )
     env = dict(launch.clean_env(), TANDEM_LOG="INFO")
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True, env=env
+        )
     pids = {proc.pid}
     try:
         deadline = time.monotonic() + 120
@@ -237,7 +260,7 @@ def test_run_killed_worker_exits_1_naming_it(models, tmp_path):
             time.sleep(0.1)
         ranks = ranks_of(proc.pid, W)
         pids |= set(ranks.values())
-        time.sleep(0.5)                                # generating now
+        time.sleep(0.5)  # generating now
         os.kill(ranks[2], signal.SIGKILL)
         start = time.monotonic()
         out, _ = proc.communicate(timeout=30)
@@ -285,12 +308,12 @@ def test_engine_stopped_worker_is_dead_within_heartbeat_bound(models, tmp_path):
         stream = in_flight(engine)
         os.kill(ranks[1], signal.SIGSTOP)
         took, error = drain(stream)
-        assert 5 < took < 15, (took, error)            # heartbeat bound: 10 s
+        assert 5 < took < 15, (took, error)  # heartbeat bound: 10 s
         assert "rank 1 sent no heartbeat" in error, error
         with pytest.raises(EngineDeadError):
             engine.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
         assert engine._process.wait(30) == 1
-        wait_gone(pids, 30)                            # the stopped worker was killed too
+        wait_gone(pids, 30)  # the stopped worker was killed too
 
 
 def test_step_timeout_bounds_a_stuck_collective(models, tmp_path):
@@ -321,8 +344,14 @@ def test_run_with_unloadable_checkpoint_exits_1(models, tmp_path):
 def test_engine_launch_with_unloadable_checkpoint_raises(models, tmp_path, capfd):
     """The server's own error line reaches the EngineDeadError (and its stderr ours), as
     soon as the server exits: long before runtime.startup_timeout_s."""
-    cfg = config(models, tmp_path, target="broken", draft="broken", devices=(DRAFT, DRAFT),
-                 startup_timeout_s=600)
+    cfg = config(
+        models,
+        tmp_path,
+        target="broken",
+        draft="broken",
+        devices=(DRAFT, DRAFT),
+        startup_timeout_s=600,
+    )
     before = set(descendants(os.getpid()))
     start = time.monotonic()
     with pytest.raises(EngineDeadError) as info:
@@ -335,8 +364,11 @@ def test_engine_launch_with_unloadable_checkpoint_raises(models, tmp_path, capfd
 
 
 # --- 5. shutdown by signal ---------------------------------------------------------------
-@pytest.mark.parametrize("sig,busy", [(signal.SIGTERM, True), (signal.SIGINT, False)],
-                         ids=["SIGTERM-busy", "SIGINT-idle"])   # each signal, each state
+@pytest.mark.parametrize(
+    "sig,busy",
+    [(signal.SIGTERM, True), (signal.SIGINT, False)],
+    ids=["SIGTERM-busy", "SIGINT-idle"],
+)  # each signal, each state
 def test_serve_stops_on_signal(sig, busy, models, tmp_path):
     """SIGTERM to `tandem serve` (kill); SIGINT to its whole process group (Ctrl-C in a
     terminal: the workers get it too and wait for the orchestrator's shutdown)."""

@@ -6,6 +6,7 @@ device, and a float checkpoint quantized on load as a TP 2 target whose rank 0 s
 device with an FP8 draft. Sampling with FP8 draft and target follows the FP8 target's
 distribution (the chi-square check of test_spec_sampling). And `tandem bench
 --quantization fp8`."""
+
 from __future__ import annotations
 
 import json
@@ -31,14 +32,26 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8_models")
     target = checkpoints.build_checkpoint(root / "target", "llama", seed=0)
     fp8_target, fp8_reference = fp8_checkpoints.write_fp8(target, root / "ct", "ct-channel-static")
-    return {"target": target, "near": checkpoints.build_near_draft(target, root / "near", 0.05),
-            "fp8_target": fp8_target, "fp8_reference": fp8_reference,
-            "quantized_reference": fp8_checkpoints.write_quantized_reference(
-                target, root / "quantized")}
+    return {
+        "target": target,
+        "near": checkpoints.build_near_draft(target, root / "near", 0.05),
+        "fp8_target": fp8_target,
+        "fp8_reference": fp8_reference,
+        "quantized_reference": fp8_checkpoints.write_quantized_reference(
+            target, root / "quantized"
+        ),
+    }
 
 
-def write_config(path, draft: str, target: str, draft_devices, target_devices,
-                 draft_quantization=None, target_quantization=None) -> str:
+def write_config(
+    path,
+    draft: str,
+    target: str,
+    draft_devices,
+    target_devices,
+    draft_quantization=None,
+    target_quantization=None,
+) -> str:
     cfg = launch.write_config(path, draft, target, draft_devices, target_devices, draft_len=3)
     data = yaml.safe_load(open(cfg))
     data["draft"]["quantization"] = draft_quantization
@@ -54,18 +67,26 @@ def reference(model_dir: str) -> list[list[int]]:
 def test_stored_fp8_target_equals_its_own_greedy(models, tmp_path):
     """compressed-tensors FP8 target (per-channel weights, static input scales) on cpu:1,
     float draft on cpu:0."""
-    cfg = write_config(tmp_path / "c.yaml", models["near"], models["fp8_target"],
-                       ["cpu:0"], ["cpu:1"])
+    cfg = write_config(
+        tmp_path / "c.yaml", models["near"], models["fp8_target"], ["cpu:0"], ["cpu:1"]
+    )
     outs = launch.run_json("spawn", 3, run_args(cfg, NEW_TOKENS))
     assert [o["token_ids"] for o in outs] == reference(models["fp8_reference"])
-    assert sum(o["stats"]["acceptance_rate"] for o in outs) > 0   # the draft is used
+    assert sum(o["stats"]["acceptance_rate"] for o in outs) > 0  # the draft is used
 
 
 def test_quantized_tp2_target_colocated_with_fp8_draft(models, tmp_path):
     """quantization: fp8 on float checkpoints: the target TP 2 on cpu:0, cpu:1 (its scales
     sharded with its weights), the draft quantized too and sharing cpu:0."""
-    cfg = write_config(tmp_path / "c.yaml", models["near"], models["target"], ["cpu:0"],
-                       ["cpu:0", "cpu:1"], "fp8", "fp8")
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        models["near"],
+        models["target"],
+        ["cpu:0"],
+        ["cpu:0", "cpu:1"],
+        "fp8",
+        "fp8",
+    )
     outs = launch.run_json("spawn", 3, run_args(cfg, NEW_TOKENS))
     assert [o["token_ids"] for o in outs] == reference(models["quantized_reference"])
 
@@ -74,8 +95,13 @@ def test_sampling_follows_the_fp8_target(tmp_path_factory, tmp_path):
     """Logits acceptance, FP8 draft (quantized on load) and FP8 target (fbgemm, per-channel,
     dynamic activations): the samples follow the dequantized target, not the draft."""
     root = tmp_path_factory.mktemp("fp8_vocab24")
-    kw = dict(vocab_size=sampling.VOCAB, initializer_range=0.08, eos_token_id=None,
-              bos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=sampling.VOCAB,
+        initializer_range=0.08,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     target = checkpoints.build_checkpoint(root / "target", "llama", seed=10, **kw)
     draft = checkpoints.build_checkpoint(root / "draft", "llama", seed=11, **kw)
     fp8_target, target_ref = fp8_checkpoints.write_fp8(target, root / "fbgemm", "fbgemm")
@@ -87,9 +113,13 @@ def test_sampling_follows_the_fp8_target(tmp_path_factory, tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
     setting = sampling.SETTINGS[0]
     with Engine.launch(cfg) as engine:
-        outs = engine.generate(prompt_token_ids=[sampling.PROMPT] * sampling.SAMPLES,
-                               max_new_tokens=2, seed=7, **setting)
-    counts = np.zeros((sampling.VOCAB, sampling.VOCAB))     # (first, second) token
+        outs = engine.generate(
+            prompt_token_ids=[sampling.PROMPT] * sampling.SAMPLES,
+            max_new_tokens=2,
+            seed=7,
+            **setting,
+        )
+    counts = np.zeros((sampling.VOCAB, sampling.VOCAB))  # (first, second) token
     for out in outs:
         counts[out.token_ids[0], out.token_ids[1]] += 1
     target_p = sampling.exact_joint(target_ref, setting)
@@ -104,10 +134,31 @@ def test_bench_quantization_fp8(tmp_path):
     weights, their float32 scales and the float32 head."""
     out = tmp_path / "bench.json"
     res = subprocess.run(
-        [sys.executable, "-m", "launcher", "bench", "--synthetic", "tiny", "--device", "cpu",
-         "--quantization", "fp8", "--modes", "target,spec,hf", "--prompt-len", "8",
-         "--new-tokens", "8", "--out", str(out)],
-        capture_output=True, text=True, timeout=240, env=launch.clean_env())
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "bench",
+            "--synthetic",
+            "tiny",
+            "--device",
+            "cpu",
+            "--quantization",
+            "fp8",
+            "--modes",
+            "target,spec,hf",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=launch.clean_env(),
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["settings"]["quantization"] == "fp8"
@@ -117,5 +168,4 @@ def test_bench_quantization_fp8(tmp_path):
     assert rows["hf"]["note"] == "float32 weights, not FP8" and "not FP8" in res.stdout
     # tiny: 4 layers of 36864 FP8 weights + 512 scales (4 bytes) + 2 norms of 64 (4 bytes),
     # the final norm and the untied 256 x 64 head in float32 (the input embedding not read)
-    assert report["target_weight_bytes"] == 4 * (36864 + 4 * 512 + 4 * 128) + 4 * 64 + \
-        4 * 256 * 64
+    assert report["target_weight_bytes"] == 4 * (36864 + 4 * 512 + 4 * 128) + 4 * 64 + 4 * 256 * 64

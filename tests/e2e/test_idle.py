@@ -4,6 +4,7 @@ every worker block on their sockets instead of polling, so each one's CPU time o
 under 1 % of a core, and their main threads sleep for seconds: the server's until a
 heartbeat could be too old (the Beacon's thread reads the heartbeats), a worker's until the
 orchestrator's silence limit. A signal still stops the idle server at once."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,8 @@ from tests.processes import descendants, kill_all, ranks_of, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
-WORLD = 3             # the server and two workers (draft on cpu:0, target on cpu:1)
-MEASURE_S = 10.0      # 1 % of a core is 10 clock ticks of 10 ms over this
+WORLD = 3  # the server and two workers (draft on cpu:0, target on cpu:1)
+MEASURE_S = 10.0  # 1 % of a core is 10 clock ticks of 10 ms over this
 SETTLE_S = 2.0
 # The issue's limit: under 1 % of a core each. On this kind of virtual machine each wake-up
 # from a long sleep costs milliseconds (the code that runs next is cold), so what counts is
@@ -38,7 +39,7 @@ MAX_MAIN_WAKEUPS = {"server": 1.0, "worker": 1.0}
 def cpu_ticks(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])          # utime + stime
+    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def main_thread_switches(pid: int) -> int:
@@ -54,11 +55,15 @@ def served(tokenized_pair, tmp_path_factory):
     address = f"ipc://{root}/server.sock"
     log_path = root / "serve.log"
     env = dict(launch.clean_env(), TANDEM_LAUNCH="spawn")
-    env.pop("OMP_NUM_THREADS")     # as a user runs it: torch's own thread pools
+    env.pop("OMP_NUM_THREADS")  # as a user runs it: torch's own thread pools
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", cfg, "--address",
-                                 address], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "serve", cfg, "--address", address],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
     pids = {proc.pid}
     try:
         with Client(address) as client:
@@ -90,10 +95,13 @@ def test_an_idle_server_and_its_workers_use_no_cpu(served):
     time.sleep(MEASURE_S)
     took = time.monotonic() - start
     share = {rank: (cpu_ticks(pid) - ticks[rank]) / tick / took for rank, pid in ranks.items()}
-    wakeups = {rank: (main_thread_switches(pid) - switches[rank]) / took
-               for rank, pid in ranks.items()}
-    report = ", ".join(f"rank {r}: {100 * share[r]:.1f} % of a core, main thread "
-                       f"{wakeups[r]:.1f} wake-ups/s" for r in sorted(ranks))
+    wakeups = {
+        rank: (main_thread_switches(pid) - switches[rank]) / took for rank, pid in ranks.items()
+    }
+    report = ", ".join(
+        f"rank {r}: {100 * share[r]:.1f} % of a core, main thread {wakeups[r]:.1f} wake-ups/s"
+        for r in sorted(ranks)
+    )
     print(f"idle over {took:.1f} s: {report}")
     for rank in ranks:
         role = "server" if rank == 0 else "worker"
@@ -103,11 +111,11 @@ def test_an_idle_server_and_its_workers_use_no_cpu(served):
 
 def test_a_signal_stops_the_idle_server_at_once(served):
     proc, ranks = served
-    time.sleep(SETTLE_S)             # surely blocked in its idle wait
+    time.sleep(SETTLE_S)  # surely blocked in its idle wait
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(30)
     took = time.monotonic() - start
     assert code == 0
     assert took < 5.0, took
-    wait_gone(ranks.values(), 10)      # the workers end with it
+    wait_gone(ranks.values(), 10)  # the workers end with it

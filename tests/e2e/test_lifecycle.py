@@ -12,6 +12,7 @@ The out-of-process launches all start at once (fixture `launches`) and load whil
 first test launches its own Engine: the file takes about as long as its slowest launch
 under that load, not the sum of seven.
 """
+
 from __future__ import annotations
 
 import gc
@@ -33,13 +34,13 @@ from tests.processes import descendants, kill_all, ranks_of, read, running, wait
 
 pytestmark = pytest.mark.timeout(180)
 
-DEVICES = (("cpu:0",), ("cpu:0",))   # draft and target on one device: server + 1 worker
+DEVICES = (("cpu:0",), ("cpu:0",))  # draft and target on one device: server + 1 worker
 WORLD = 2
-LONG = 1000                          # new tokens of a model with no EOS: many seconds
+LONG = 1000  # new tokens of a model with no EOS: many seconds
 PROMPT = [1, 5, 9, 13]
-READY_S = 120                        # a launch on two busy cores, six at once
-GONE_S = 10                          # the bound: owner ended -> no process of its launch
-WAKE_S = 1.0                         # the bound: close() -> every waiting call raised
+READY_S = 120  # a launch on two busy cores, six at once
+GONE_S = 10  # the bound: owner ended -> no process of its launch
+WAKE_S = 1.0  # the bound: close() -> every waiting call raised
 
 # The launching program: launches an Engine, prints its server's pid, then ends as the test
 # tells it on stdin: "return" (without close), "raise", "collect" (drops the Engine, then
@@ -74,10 +75,15 @@ class Owner:
     def __init__(self, cfg: str, err_path: Path):
         self.err_path = err_path
         with open(err_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", OWNER, cfg], text=True,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, env=launch.clean_env(),
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", OWNER, cfg],
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=launch.clean_env(),
+                start_new_session=True,
+            )
         self.pids = {self.proc.pid}
         self.server: int | None = None
         self.ranks: dict[int, int] = {}
@@ -118,9 +124,13 @@ class Served:
         self.address = f"ipc://{root}/served.sock"
         self.log = root / "served.log"
         cmd = f"'{sys.executable}' -m launcher serve '{cfg}' --address '{self.address}'"
-        shell = subprocess.run(["sh", "-c", f"{cmd} >'{self.log}' 2>&1 & echo $!"],
-                               capture_output=True, text=True, timeout=30,
-                               env=launch.clean_env())
+        shell = subprocess.run(
+            ["sh", "-c", f"{cmd} >'{self.log}' 2>&1 & echo $!"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=launch.clean_env(),
+        )
         self.pid = int(shell.stdout.strip())
         self.pids = {self.pid}
 
@@ -146,8 +156,9 @@ class Served:
 def cfg(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("lifecycle")
     # no EOS: every request runs to max_new_tokens, so a long one surely waits
-    model = checkpoints.build_checkpoint(root / "model", "llama", seed=0, eos_token_id=None,
-                                         max_position_embeddings=2048)
+    model = checkpoints.build_checkpoint(
+        root / "model", "llama", seed=0, eos_token_id=None, max_position_embeddings=2048
+    )
     return launch.write_config(root / "c.yaml", model, model, *DEVICES, max_seq_len=2048)
 
 
@@ -217,10 +228,12 @@ def assert_woken(callers: dict[str, Caller], closed_at: float) -> None:
 
 
 def assert_calls_raise_at_once(client: Client) -> None:
-    calls = {"generate": lambda: client.generate(prompt_token_ids=PROMPT, max_new_tokens=2),
-             "stream": lambda: next(client.stream(prompt_token_ids=PROMPT, max_new_tokens=2)),
-             "info": lambda: client.info(timeout_s=30),
-             "stats": lambda: client.stats(timeout_s=30)}
+    calls = {
+        "generate": lambda: client.generate(prompt_token_ids=PROMPT, max_new_tokens=2),
+        "stream": lambda: next(client.stream(prompt_token_ids=PROMPT, max_new_tokens=2)),
+        "info": lambda: client.info(timeout_s=30),
+        "stats": lambda: client.stats(timeout_s=30),
+    }
     for name, call in calls.items():
         start = time.monotonic()
         with pytest.raises(EngineClosedError, match="is closed"):
@@ -238,30 +251,31 @@ def wait_waiting(client: Client, calls: int) -> None:
 
 def test_close_wakes_a_waiting_generate_and_stream(engine):
     stream = engine.stream(prompt_token_ids=PROMPT, max_new_tokens=LONG)
-    next(stream)                                          # in flight
-    callers = {"generate": Caller(lambda: engine.generate(prompt_token_ids=PROMPT,
-                                                          max_new_tokens=LONG)),
-               "stream": Caller(lambda: [d for d in stream])}
+    next(stream)  # in flight
+    callers = {
+        "generate": Caller(lambda: engine.generate(prompt_token_ids=PROMPT, max_new_tokens=LONG)),
+        "stream": Caller(lambda: [d for d in stream]),
+    }
     wait_waiting(engine, 2)
     closed_at = time.monotonic()
     engine.close()
     assert_woken(callers, closed_at)
     assert engine.closed
     assert_calls_raise_at_once(engine)
-    engine.close()                                        # twice: nothing happens
-    assert engine._process.poll() is not None             # close() stopped the server
+    engine.close()  # twice: nothing happens
+    assert engine._process.poll() is not None  # close() stopped the server
 
 
 def test_close_wakes_calls_waiting_for_a_server_that_never_answers(tmp_path):
     """A plain Client, nobody serving its address: info, stats, generate and stream all
     wait (generate and stream for the server's facts first)."""
     client = Client(f"ipc://{tmp_path}/nobody.sock", dead_after_s=60)
-    callers = {"info": Caller(lambda: client.info(timeout_s=60)),
-               "stats": Caller(lambda: client.stats(timeout_s=60)),
-               "generate": Caller(lambda: client.generate(prompt_token_ids=PROMPT,
-                                                          max_new_tokens=2)),
-               "stream": Caller(lambda: list(client.stream(prompt_token_ids=PROMPT,
-                                                           max_new_tokens=2)))}
+    callers = {
+        "info": Caller(lambda: client.info(timeout_s=60)),
+        "stats": Caller(lambda: client.stats(timeout_s=60)),
+        "generate": Caller(lambda: client.generate(prompt_token_ids=PROMPT, max_new_tokens=2)),
+        "stream": Caller(lambda: list(client.stream(prompt_token_ids=PROMPT, max_new_tokens=2))),
+    }
     wait_waiting(client, 4)
     closed_at = time.monotonic()
     client.close()
@@ -276,7 +290,7 @@ def test_a_collected_client_is_closed(tmp_path):
     ref, thread = weakref.ref(client), client._thread
     del client
     gc.collect()
-    deadline = time.monotonic() + 2          # its I/O thread may hold it for a moment
+    deadline = time.monotonic() + 2  # its I/O thread may hold it for a moment
     while ref() is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ref() is None
@@ -296,8 +310,9 @@ def test_the_server_ends_with_its_owner(launches, how):
         owner.proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
     code = owner.proc.wait(GONE_S)
     wait_gone(launched, GONE_S - (time.monotonic() - start))
-    expected = {"return": 0, "raise": 1, "sigterm": -signal.SIGTERM,
-                "sigkill": -signal.SIGKILL}[how]
+    expected = {"return": 0, "raise": 1, "sigterm": -signal.SIGTERM, "sigkill": -signal.SIGKILL}[
+        how
+    ]
     assert code == expected, owner.stderr()
     if how == "raise":
         assert "RuntimeError: the program failed" in owner.stderr()
@@ -323,24 +338,23 @@ def test_a_collected_engine_stops_its_server(launches):
     owner.tell("collect")
     assert owner.readline(GONE_S) == "collected", owner.stderr()
     wait_gone(launched, GONE_S)
-    assert owner.proc.poll() is None                      # while the program runs on
+    assert owner.proc.poll() is None  # while the program runs on
     owner.tell("end")
     assert owner.proc.wait(GONE_S) == 0, owner.stderr()
 
 
 def test_a_users_serve_outlives_its_shell(launches):
     served = launches[1]
-    client = served.wait_ready()                          # the shell exited long ago
+    client = served.wait_ready()  # the shell exited long ago
     try:
         assert client.info(timeout_s=10)["max_seq_len"] == 2048
         # a plain Client's close() wakes a real waiting call too
-        caller = Caller(lambda: client.generate(prompt_token_ids=PROMPT,
-                                                max_new_tokens=LONG))
+        caller = Caller(lambda: client.generate(prompt_token_ids=PROMPT, max_new_tokens=LONG))
         wait_waiting(client, 1)
         closed_at = time.monotonic()
         client.close()
         assert_woken({"generate": caller}, closed_at)
-        with Client(served.address) as again:             # the server serves on
+        with Client(served.address) as again:  # the server serves on
             out = again.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
             assert len(out.token_ids) == 4
     finally:

@@ -5,6 +5,7 @@ The tokenizer has 90 tokens, the target 96 rows. The wide draft has 192 rows who
 96.. are 3x its real rows, so unrestricted it would propose ids the target's embedding lacks
 nearly every time; the narrow draft has 90 rows, and the target, whose rows 90..95 copy
 rows 0..5 enlarged, emits padding ids that the draft must read (clamped)."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.timeout(400)
 
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25], [1, 40], [1, 77, 3, 8, 60, 61, 62, 63, 64, 65, 2, 33]]
 NEW_TOKENS = 24
-TOKENS = 90     # the tokenizer's size; the target has 96 rows
+TOKENS = 90  # the tokenizer's size; the target has 96 rows
 
 
 def _edit(path, out, rows: int, edit) -> str:
@@ -38,22 +39,26 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("padded")
     base = checkpoints.build_checkpoint(root / "base", "llama", seed=0)
 
-    def pad_wins(head):                       # target rows 90..95: 1.5x rows 0..5
+    def pad_wins(head):  # target rows 90..95: 1.5x rows 0..5
         head[TOKENS:] = 1.5 * head[: 96 - TOKENS]
+
     target = _edit(base, root / "target", 96, pad_wins)
     near = checkpoints.build_near_draft(target, root / "near", noise=0.05)
 
-    def wide_wins(head):                      # rows 96..191: 3x rows 0..95
+    def wide_wins(head):  # rows 96..191: 3x rows 0..95
         head[96:] = 3 * head[:96]
-    return {"target": target,
-            "wide": _edit(near, root / "wide", 192, wide_wins),
-            "narrow": _edit(near, root / "narrow", TOKENS, lambda head: None)}
+
+    return {
+        "target": target,
+        "wide": _edit(near, root / "wide", 192, wide_wins),
+        "narrow": _edit(near, root / "narrow", TOKENS, lambda head: None),
+    }
 
 
 @pytest.mark.parametrize("draft", ["wide", "narrow"])
 def test_padded_draft_greedy_equals_target(draft, models, tmp_path):
     reference = [checkpoints.hf_greedy(models["target"], p, NEW_TOKENS) for p in PROMPTS]
-    assert max(max(r) for r in reference) >= TOKENS    # the target emits padding ids
+    assert max(max(r) for r in reference) >= TOKENS  # the target emits padding ids
     cfg = launch.write_config(tmp_path / "c.yaml", models[draft], models["target"])
     args = ["run", cfg, "--max-new-tokens", str(NEW_TOKENS)]
     for prompt in PROMPTS:

@@ -6,6 +6,7 @@ tokens (sampling is keyed by absolute position).
 Three launches: the module's engine (prefix caching on, blocks of 4 tokens, draft and target
 on two devices: overlapped rounds, two worker ranks reporting `cached`), a tiny KV pool (one
 worker rank), and prefix caching off (the sampled comparison)."""
+
 from __future__ import annotations
 
 import threading
@@ -20,7 +21,7 @@ from tests import checkpoints, launch
 pytestmark = pytest.mark.timeout(400)
 
 BLOCK = 4
-COMMON = [1] + [(7 * i + 3) % 90 + 3 for i in range(33)]       # 34 tokens: 8 full blocks
+COMMON = [1] + [(7 * i + 3) % 90 + 3 for i in range(33)]  # 34 tokens: 8 full blocks
 TAILS = [[40, 41, 42], [50, 9, 60, 61, 70], [33, 44], [80, 81, 82, 83, 84, 85]]
 NEW = 24
 SAMPLED = {"temperature": 1.5, "top_p": 0.95, "seed": 1234, "max_new_tokens": 20}
@@ -40,7 +41,8 @@ def hf_model(pair):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(
-        pair[1], torch_dtype=torch.float32).eval()
+        pair[1], torch_dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,7 @@ def greedy(hf_model):
         if key not in cache:
             cache[key] = checkpoints.hf_generate(hf_model, prompt, n)
         return cache[key]
+
     return reference
 
 
@@ -100,8 +103,7 @@ def test_prefix_hits_keep_greedy_exact(engine, greedy):
     assert first.token_ids == greedy(COMMON + TAILS[0], NEW)
     assert first.stats["cached_prompt_tokens"] == 0
     # the others at once: each finds the first's blocks of the common prefix
-    rest = engine.generate(prompt_token_ids=[COMMON + t for t in TAILS[1:]],
-                           max_new_tokens=NEW)
+    rest = engine.generate(prompt_token_ids=[COMMON + t for t in TAILS[1:]], max_new_tokens=NEW)
     for out, tail in zip(rest, TAILS[1:]):
         assert out.token_ids == greedy(COMMON + tail, NEW)
         assert out.stats["cached_prompt_tokens"] == len(COMMON) // BLOCK * BLOCK
@@ -120,8 +122,9 @@ def test_prefix_hits_keep_greedy_exact(engine, greedy):
     assert stats["prefix_cache_hit_rate"] > 0
     text = engine.metrics()
     assert metric(text, "tandem:prefix_cache_hits_total") > 0
-    assert metric(text, "tandem:prefix_cache_queries_total") >= \
-        metric(text, "tandem:prefix_cache_hits_total")
+    assert metric(text, "tandem:prefix_cache_queries_total") >= metric(
+        text, "tandem:prefix_cache_hits_total"
+    )
     assert metric(text, "tandem:kv_cache_usage_perc") == 0
 
 
@@ -131,11 +134,12 @@ def test_abandoned_and_invalid_requests_leak_no_blocks(engine, greedy):
 
     def abandon(i: int) -> None:
         try:
-            stream = engine.stream(prompt_token_ids=COMMON + [10 + i, 11 + i, 12 + i],
-                                   max_new_tokens=90)
+            stream = engine.stream(
+                prompt_token_ids=COMMON + [10 + i, 11 + i, 12 + i], max_new_tokens=90
+            )
             for n, _ in enumerate(stream):
                 if n == 1 + i % 3:
-                    break                     # the generator is dropped: a cancel goes out
+                    break  # the generator is dropped: a cancel goes out
             del stream
             done.append(("abandoned", i))
         except Exception as exc:  # noqa: BLE001 - reported below
@@ -151,7 +155,7 @@ def test_abandoned_and_invalid_requests_leak_no_blocks(engine, greedy):
 
     def complete(i: int) -> None:
         try:
-            prompt = COMMON[:12 + 5 * i] + [60 + i]
+            prompt = COMMON[: 12 + 5 * i] + [60 + i]
             out = engine.generate(prompt_token_ids=prompt, max_new_tokens=30)
             if out.token_ids != greedy(prompt, 30):
                 errors.append(AssertionError(f"complete({i}): not greedy"))
@@ -160,9 +164,11 @@ def test_abandoned_and_invalid_requests_leak_no_blocks(engine, greedy):
             errors.append(exc)
 
     cancelled = metric(engine.metrics(), CANCELLED)
-    bad = [{"prompt_token_ids": COMMON + [10 ** 6], "max_new_tokens": 5},   # out of vocab
-           {"prompt": "no tokenizer here", "max_new_tokens": 5},          # refused by server
-           {"prompt_token_ids": COMMON, "max_new_tokens": 5, "top_p": 0.0}]
+    bad = [
+        {"prompt_token_ids": COMMON + [10**6], "max_new_tokens": 5},  # out of vocab
+        {"prompt": "no tokenizer here", "max_new_tokens": 5},  # refused by server
+        {"prompt_token_ids": COMMON, "max_new_tokens": 5, "top_p": 0.0},
+    ]
     threads = [threading.Thread(target=abandon, args=(i,)) for i in range(5)]
     threads += [threading.Thread(target=invalid, args=(kw,)) for kw in bad]
     threads += [threading.Thread(target=complete, args=(i,)) for i in range(3)]
@@ -188,11 +194,17 @@ def test_abandoned_and_invalid_requests_leak_no_blocks(engine, greedy):
 def test_a_tiny_pool_preempts_and_stays_exact(pair, greedy, tmp_path):
     """A KV pool just above one request of max_seq_len and 4 concurrent long generations:
     requests are preempted and readmitted, their outputs still the target's greedy ones."""
-    same = (("cpu:0",), ("cpu:0",))                      # one worker rank, no overlap
+    same = (("cpu:0",), ("cpu:0",))  # one worker rank, no overlap
     probe = write(tmp_path, pair, same, max_seq_len=96, max_batch_size=4)
     per_request = -(-load_config(probe).kv_seq_len // BLOCK) * BLOCK
-    cfg = write(tmp_path, pair, same, max_seq_len=96, max_batch_size=4,
-                kv_cache_tokens=per_request + 2 * BLOCK)
+    cfg = write(
+        tmp_path,
+        pair,
+        same,
+        max_seq_len=96,
+        max_batch_size=4,
+        kv_cache_tokens=per_request + 2 * BLOCK,
+    )
     assert load_config(cfg).runtime.kv_cache_tokens == per_request + 2 * BLOCK
     # (prompts whose greedy continuations hold no EOS within `new` tokens)
     prompts = [[1, 5 + i, 9, 13 + 2 * i, 17, 21, 25 + i, 30] for i in (0, 1, 3, 7)]
@@ -204,7 +216,7 @@ def test_a_tiny_pool_preempts_and_stays_exact(pair, greedy, tmp_path):
         text = eng.metrics()
     for out, prompt in zip(outs, prompts):
         assert out.token_ids == greedy(prompt, new)
-    assert all(len(o.token_ids) == new for o in outs)      # no EOS: all long generations
+    assert all(len(o.token_ids) == new for o in outs)  # no EOS: all long generations
     assert stats["num_preemptions"] > 0
     assert sum(o.stats["preemptions"] for o in outs) == stats["num_preemptions"]
     assert stats["kv_blocks_used"] == 0
@@ -227,8 +239,9 @@ def test_prefix_hits_do_not_change_sampled_tokens(engine, pair, greedy, tmp_path
     assert on[3].stats["cached_prompt_tokens"] == (len(SAMPLE_PROMPTS[1]) - 1) // BLOCK * BLOCK
     assert on[0].token_ids == on[1].token_ids and on[2].token_ids == on[3].token_ids
     # really sampled: not the greedy continuation
-    assert any(o.token_ids != greedy(p, SAMPLED["max_new_tokens"])
-               for o, p in zip(on[::2], SAMPLE_PROMPTS))
+    assert any(
+        o.token_ids != greedy(p, SAMPLED["max_new_tokens"]) for o, p in zip(on[::2], SAMPLE_PROMPTS)
+    )
     with Engine.launch(write(tmp_path, pair, prefix_caching=False)) as eng:
         off = sampled_runs(eng)
         stats = wait_idle(eng)
@@ -244,8 +257,7 @@ def test_prefix_hits_with_tensor_parallel_on_both_sides(pair, greedy, tmp_path):
     cfg = write(tmp_path, pair, devices=(("cpu:0", "cpu:1"), ("cpu:2", "cpu:3")))
     with Engine.launch(cfg) as eng:
         first = eng.generate(prompt_token_ids=COMMON + TAILS[0], max_new_tokens=NEW)
-        rest = eng.generate(prompt_token_ids=[COMMON + t for t in TAILS[1:3]],
-                            max_new_tokens=NEW)
+        rest = eng.generate(prompt_token_ids=[COMMON + t for t in TAILS[1:3]], max_new_tokens=NEW)
         assert first.token_ids == greedy(COMMON + TAILS[0], NEW)
         for out, tail in zip(rest, TAILS[1:3]):
             assert out.token_ids == greedy(COMMON + tail, NEW)
@@ -261,7 +273,7 @@ def test_chunked_prefill_stays_greedy_exact(pair, greedy, tmp_path):
     cfg = write(tmp_path, pair, max_prefill_tokens=3)
     with Engine.launch(cfg) as eng:
         stream = eng.stream(prompt_token_ids=COMMON + TAILS[0], max_new_tokens=80)
-        got = list(next(stream).token_ids)            # decoding now
+        got = list(next(stream).token_ids)  # decoding now
         prompts = [COMMON + t for t in TAILS[1:]]
         outs = eng.generate(prompt_token_ids=prompts, max_new_tokens=NEW)
         for out, prompt in zip(outs, prompts):

@@ -2,6 +2,7 @@
 Engine one and the OpenAI one, `config.yaml` and the port swapped for a test's) and the
 `tandem run` lines of its command-line snippet. (The Quickstart's two commands are what CI
 runs; the launch forms are the e2e tests' own subject.)"""
+
 from __future__ import annotations
 
 import re
@@ -27,32 +28,36 @@ def block(lang: str, marker: str) -> str:
 
 @pytest.fixture(scope="module")
 def config(tokenized_pair, tmp_path_factory) -> str:
-    return launch.write_config(tmp_path_factory.mktemp("readme") / "config.yaml",
-                               *tokenized_pair, max_seq_len=128)
+    return launch.write_config(
+        tmp_path_factory.mktemp("readme") / "config.yaml", *tokenized_pair, max_seq_len=128
+    )
 
 
 def test_python_snippet_runs(config, tmp_path):
     code = block("python", "Engine.launch").replace('"config.yaml"', repr(config))
-    res = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True,
-                         timeout=240, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", code], text=True, capture_output=True, timeout=240, cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip()
 
 
 def test_command_line_snippet_runs(config, tmp_path):
-    lines = [line.split("#")[0].strip() for line in
-             block("bash", "tandem run config.yaml").splitlines()]
+    lines = [
+        line.split("#")[0].strip() for line in block("bash", "tandem run config.yaml").splitlines()
+    ]
     runs = [line for line in lines if line.startswith("tandem run config.yaml")]
     assert len(runs) >= 2
     for line in runs + ["tandem run --print-config"]:
         args = line.replace("config.yaml", config).split()[1:]
         args = [a.strip('"') for a in args]
-        if "--prompt" in args:        # the shell would have joined the quoted prompt
+        if "--prompt" in args:  # the shell would have joined the quoted prompt
             i = args.index("--prompt") + 1
             j = next((n for n in range(i, len(args)) if args[n].startswith("--")), len(args))
             args[i:j] = [" ".join(args[i:j])]
-        res = subprocess.run([TANDEM, *args], text=True, capture_output=True, timeout=240,
-                             cwd=tmp_path)
+        res = subprocess.run(
+            [TANDEM, *args], text=True, capture_output=True, timeout=240, cwd=tmp_path
+        )
         assert res.returncode == 0, (line, res.stderr[-3000:])
         assert res.stdout.strip(), line
 
@@ -60,14 +65,22 @@ def test_command_line_snippet_runs(config, tmp_path):
 def test_openai_snippet_runs(config, tmp_path):
     port = launch.free_port()
     log = tmp_path / "serve.log"
-    proc = launch.start_serve(config, f"tcp://127.0.0.1:{launch.free_port()}", "--http",
-                       f"127.0.0.1:{port}", "--served-model-name", "my-model", log_path=log)
+    proc = launch.start_serve(
+        config,
+        f"tcp://127.0.0.1:{launch.free_port()}",
+        "--http",
+        f"127.0.0.1:{port}",
+        "--served-model-name",
+        "my-model",
+        log_path=log,
+    )
     try:
         launch.wait_http(f"http://127.0.0.1:{port}/v1", proc, log)
         code = block("python", "from openai import OpenAI").replace("8000", str(port))
         code += "\nprint(out.choices[0].text)\n"
-        res = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True,
-                             timeout=120, cwd=tmp_path)
+        res = subprocess.run(
+            [sys.executable, "-c", code], text=True, capture_output=True, timeout=120, cwd=tmp_path
+        )
         assert res.returncode == 0, res.stderr[-3000:]
     finally:
         assert launch.stop(proc) == 0

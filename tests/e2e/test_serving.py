@@ -1,6 +1,7 @@
 """Serving many clients at once from one `tandem serve`: in-flight batching with queueing,
 per-request sampling, streaming, cancellation (closed streams, vanished clients), batched
 throughput, and a clean SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,7 @@ MAX_BATCH = 8
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     # long positions so that one request can outlast the server's 10 s client timeout
-    target = checkpoints.build_with_tokenizer(root / "target", seed=3,
-                                              max_position_embeddings=4096)
+    target = checkpoints.build_with_tokenizer(root / "target", seed=3, max_position_embeddings=4096)
     draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
     return draft, target
 
@@ -34,15 +34,18 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
-    cfg = launch.write_config(root / "c.yaml", *models, max_batch_size=MAX_BATCH,
-                              max_seq_len=2048)
+    cfg = launch.write_config(root / "c.yaml", *models, max_batch_size=MAX_BATCH, max_seq_len=2048)
     address = f"ipc://{root}/server.sock"
     log_path = root / "serve.log"
     env = dict(launch.clean_env(), TANDEM_LAUNCH="spawn")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "launcher", "serve", cfg, "--address",
-                                 address], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "serve", cfg, "--address", address],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
     client = Client(address)
     try:
         client.info(timeout_s=180)
@@ -66,8 +69,9 @@ def tokenizer(models):
     return transformers.AutoTokenizer.from_pretrained(models[1])
 
 
-def hf_greedy_many(model_path: str, prompts: list[list[int]], new_tokens: list[int]
-                   ) -> list[list[int]]:
+def hf_greedy_many(
+    model_path: str, prompts: list[list[int]], new_tokens: list[int]
+) -> list[list[int]]:
     """checkpoints.hf_greedy for several prompts, loading the model once."""
     import torch
     import transformers
@@ -92,9 +96,24 @@ def idle(stats: dict) -> bool:
     return stats["running"] == 0 and stats["queued"] == 0
 
 
-WORDS = ("the river", "a small cat", "numbers", "tomorrow we", "in the old house", "why",
-         "green light over the harbour", "seven", "once", "music and", "a long time ago in",
-         "she said", "data", "clouds", "the end of the road is near", "hello")
+WORDS = (
+    "the river",
+    "a small cat",
+    "numbers",
+    "tomorrow we",
+    "in the old house",
+    "why",
+    "green light over the harbour",
+    "seven",
+    "once",
+    "music and",
+    "a long time ago in",
+    "she said",
+    "data",
+    "clouds",
+    "the end of the road is near",
+    "hello",
+)
 
 
 def make_requests(tokenizer) -> list[dict]:
@@ -111,11 +130,14 @@ def make_requests(tokenizer) -> list[dict]:
             req = {"prompt": text}
             ids = tokenizer.encode(text)
         kwargs = {"max_new_tokens": 10 + (i * 7) % 40}
-        if i % 2:   # sampled rounds cost more on the CPU (49152-token vocabulary): shorter
+        if i % 2:  # sampled rounds cost more on the CPU (49152-token vocabulary): shorter
             kwargs["max_new_tokens"] = 8 + i % 9
-            kwargs.update(temperature=(0.6, 0.9, 1.0, 1.3)[i % 4 // 2 + (i // 8) * 2],
-                          top_k=(None, 20)[i % 3 % 2], top_p=(1.0, 0.9)[(i // 3) % 2],
-                          seed=100 + i)
+            kwargs.update(
+                temperature=(0.6, 0.9, 1.0, 1.3)[i % 4 // 2 + (i // 8) * 2],
+                top_k=(None, 20)[i % 3 % 2],
+                top_p=(1.0, 0.9)[(i // 3) % 2],
+                seed=100 + i,
+            )
         else:
             kwargs["temperature"] = 0.0
         reqs.append({"req": req, "ids": ids, "kwargs": kwargs})
@@ -159,8 +181,11 @@ def test_sixteen_concurrent_streams(server, models, tokenizer):
     assert max_queued[0] > 0, "16 requests on 8 slots never queued"
 
     greedy = [i for i, r in enumerate(reqs) if r["kwargs"]["temperature"] == 0]
-    want = hf_greedy_many(models[1], [reqs[i]["ids"] for i in greedy],
-                          [reqs[i]["kwargs"]["max_new_tokens"] for i in greedy])
+    want = hf_greedy_many(
+        models[1],
+        [reqs[i]["ids"] for i in greedy],
+        [reqs[i]["kwargs"]["max_new_tokens"] for i in greedy],
+    )
     client = server["client"]
     for i, deltas in enumerate(results):
         assert deltas is not None and len(deltas) > 1, (i, deltas)
@@ -176,18 +201,18 @@ def test_sixteen_concurrent_streams(server, models, tokenizer):
             alone = client.generate(**reqs[i]["req"], **reqs[i]["kwargs"])
             assert ids == alone.token_ids, i
             assert text == alone.text, i
-            assert len(ids) == reqs[i]["kwargs"]["max_new_tokens"] or \
-                alone.finish_reason == "stop"
+            assert len(ids) == reqs[i]["kwargs"]["max_new_tokens"] or alone.finish_reason == "stop"
     wait_until(client, idle, 10)
 
 
 def test_batched_throughput_beats_sequential(server):
     client = server["client"]
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(3, 30))]
-               for _ in range(MAX_BATCH)]
+    prompts = [
+        [rng.randrange(3, 40000) for _ in range(rng.randrange(3, 30))] for _ in range(MAX_BATCH)
+    ]
     kwargs = {"max_new_tokens": 40, "temperature": 0.0}
-    client.generate(prompt_token_ids=prompts[0], max_new_tokens=4)   # warm
+    client.generate(prompt_token_ids=prompts[0], max_new_tokens=4)  # warm
 
     start = time.perf_counter()
     sequential = [client.generate(prompt_token_ids=p, **kwargs) for p in prompts]
@@ -208,9 +233,11 @@ def test_batched_throughput_beats_sequential(server):
 
     assert [o.token_ids for o in outs] == [o.token_ids for o in sequential]
     tokens = sum(len(o.token_ids) for o in outs)
-    print(f"\n{len(prompts)} requests, {tokens} tokens: sequential {t_sequential:.2f} s "
-          f"({tokens / t_sequential:.0f} tok/s), concurrent {t_batched:.2f} s "
-          f"({tokens / t_batched:.0f} tok/s)")
+    print(
+        f"\n{len(prompts)} requests, {tokens} tokens: sequential {t_sequential:.2f} s "
+        f"({tokens / t_sequential:.0f} tok/s), concurrent {t_batched:.2f} s "
+        f"({tokens / t_batched:.0f} tok/s)"
+    )
     assert t_batched < t_sequential, (t_batched, t_sequential)
 
 
@@ -231,8 +258,9 @@ def test_chatty_clients_do_not_starve_the_rounds(server):
     try:
         time.sleep(0.3)
         start = time.monotonic()
-        out = server["client"].generate(prompt_token_ids=[7, 8, 9], max_new_tokens=24,
-                                        temperature=0)
+        out = server["client"].generate(
+            prompt_token_ids=[7, 8, 9], max_new_tokens=24, temperature=0
+        )
         took = time.monotonic() - start
     finally:
         stop.set()
@@ -268,13 +296,18 @@ for delta in client.stream(prompt_token_ids=[[11, 12, 13], [14, 15]], max_new_to
 def test_vanished_client_gets_cancelled(server):
     client = server["client"]
     before = client.stats()
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server["address"]],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env=launch.clean_env(), cwd=os.getcwd())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_SCRIPT, server["address"]],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=launch.clean_env(),
+        cwd=os.getcwd(),
+    )
     try:
         assert proc.stdout.readline().strip() == "delta"
         assert client.stats()["running"] == 2
-        os.killpg(proc.pid, signal.SIGKILL)   # gone without a word: no cancel is sent
+        os.killpg(proc.pid, signal.SIGKILL)  # gone without a word: no cancel is sent
         proc.wait(10)
         killed = time.monotonic()
         after = wait_until(client, idle, 20, poll_s=0.2)
@@ -295,7 +328,7 @@ def test_requests_beyond_max_batch_size_queue(server):
     next(stream)
     stats = client.stats()
     assert stats["running"] == MAX_BATCH and stats["queued"] == 4, stats
-    stream.close()   # cancels the running and the queued sequences
+    stream.close()  # cancels the running and the queued sequences
     wait_until(client, idle, 5)
 
 

@@ -2,10 +2,10 @@
 (SIGSTOP) for longer than the server's client timeout and the client's silence limit, as a
 long prefill on a busy machine holds a step; every request still completes. And a taken
 server.address is a usage error before any worker loads."""
+
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +22,7 @@ from tests.processes import descendants
 
 pytestmark = pytest.mark.timeout(300)
 
-STALL_S = 4.0        # longer than client_timeout_s (1 s) and the Client's dead_after_s (2 s)
+STALL_S = 4.0  # longer than client_timeout_s (1 s) and the Client's dead_after_s (2 s)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,7 @@ def served(tokenized_pair, tmp_path_factory):
     proc = launch.start_serve(cfg, address, "--http", f"127.0.0.1:{port}", log_path=log)
     try:
         launch.wait_http(f"http://127.0.0.1:{port}", proc, log)
-        yield {"proc": proc, "address": address, "url": f"http://127.0.0.1:{port}/v1",
-               "log": log}
+        yield {"proc": proc, "address": address, "url": f"http://127.0.0.1:{port}/v1", "log": log}
     finally:
         launch.stop(proc)
         launch.assert_group_gone(proc.pid)
@@ -55,10 +54,10 @@ def stall_workers(proc: subprocess.Popen, seconds: float) -> None:
 
 
 def http_completion(url: str, prompt: str, max_tokens: int) -> dict:
-    body = json.dumps({"model": "target", "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/completions", body,
-                                 {"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "target", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    ).encode()
+    req = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())
 
@@ -86,9 +85,11 @@ def test_requests_outlive_a_stalled_step(served):
                 results[name] = exc
             first.set()
 
-        calls = {"stream": streamed,
-                 "generate": lambda: client.generate(prompt, max_new_tokens=n).token_ids,
-                 "http": lambda: http_completion(served["url"], prompt, n)}
+        calls = {
+            "stream": streamed,
+            "generate": lambda: client.generate(prompt, max_new_tokens=n).token_ids,
+            "http": lambda: http_completion(served["url"], prompt, n),
+        }
         threads = [threading.Thread(target=run, args=item) for item in calls.items()]
         for t in threads:
             t.start()
@@ -100,7 +101,7 @@ def test_requests_outlive_a_stalled_step(served):
         assert results["generate"] == want, results
         http = results["http"]
         assert isinstance(http, dict) and http["usage"]["completion_tokens"] == len(want), http
-        assert client.info()["max_seq_len"] == 256   # still alive, not judged dead
+        assert client.info()["max_seq_len"] == 256  # still alive, not judged dead
     assert "cancelling request" not in open(served["log"]).read()
 
 
@@ -115,9 +116,13 @@ def test_a_taken_server_address_is_a_usage_error(tokenized_pair, tmp_path, flag)
             config["server"] = {"address": address}
         open(cfg, "w").write(yaml.safe_dump(config))
         start = time.monotonic()
-        res = subprocess.run([sys.executable, "-m", "launcher", "serve", cfg, *args],
-                             capture_output=True, text=True, timeout=60,
-                             env=dict(launch.clean_env(), TANDEM_LAUNCH="spawn"))
+        res = subprocess.run(
+            [sys.executable, "-m", "launcher", "serve", cfg, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(launch.clean_env(), TANDEM_LAUNCH="spawn"),
+        )
         took = time.monotonic() - start
     assert res.returncode == 2, res.stderr[-2000:]
     name = flag or "server.address"

@@ -3,6 +3,7 @@ target's own transformers greedy output token for token (float32, CPU).
 
 Cases and launch forms are paired, not crossed: each case runs under two forms and each form
 under three cases (how a process is launched and what a round computes are independent)."""
+
 from __future__ import annotations
 
 import pytest
@@ -59,29 +60,35 @@ def test_pairs_cover_every_launch_form_evenly():
 @pytest.mark.parametrize("case,form", PAIRS)
 def test_greedy_equals_target(case, form, models, reference, tmp_path):
     draft, target, k, draft_devices, target_devices, _ = CASES[case]
-    cfg = launch.write_config(tmp_path / "c.yaml", models[draft], models[target],
-                              draft_devices, target_devices, draft_len=k)
+    cfg = launch.write_config(
+        tmp_path / "c.yaml",
+        models[draft],
+        models[target],
+        draft_devices,
+        target_devices,
+        draft_len=k,
+    )
     if case in NO_OVERLAP:
         launch.set_speculation(cfg, overlap=False)
-    outs = launch.run_json(form, launch.world_size(draft_devices, target_devices),
-                           run_args(cfg, NEW_TOKENS))
+    outs = launch.run_json(
+        form, launch.world_size(draft_devices, target_devices), run_args(cfg, NEW_TOKENS)
+    )
     assert [o["token_ids"] for o in outs] == reference(target)
     for out in outs:
         stats = out["stats"]
-        assert set(stats) >= {"acceptance_rate", "mean_accepted_tokens", "rounds",
-                              "tokens_per_s"}
+        assert set(stats) >= {"acceptance_rate", "mean_accepted_tokens", "rounds", "tokens_per_s"}
         assert out["finish_reason"] in ("length", "stop")
         # the first token comes before the last: tokens_per_s counts them all
         assert 0 < stats["time_to_first_token_s"] < len(out["token_ids"]) / stats["tokens_per_s"]
         # every round tests draft token 1, and token i+1 only when it kept token i
         positions = stats["accepted_per_position"]
-        assert stats["tested_draft_tokens"] == stats["rounds"] + sum(positions[:k - 1])
+        assert stats["tested_draft_tokens"] == stats["rounds"] + sum(positions[: k - 1])
         if case.startswith("draft-is-target"):
             assert stats["acceptance_rate"] > 0.9
         overlapped = not (set(draft_devices) & set(target_devices)) and case not in NO_OVERLAP
         if not overlapped:
             assert stats["overlapped_rounds"] == 0
-        elif case == "draft-is-target-apart":   # every window kept but the last one's
+        elif case == "draft-is-target-apart":  # every window kept but the last one's
             assert stats["overlapped_rounds"] >= stats["rounds"] - 1
     rates = [o["stats"]["acceptance_rate"] for o in outs]
     if case == "disagreeing-draft":
@@ -100,8 +107,9 @@ def run_args(cfg: str, new_tokens: int) -> list[str]:
 
 def run_auto(models, draft: str, new_tokens: int, tmp_path) -> list[dict]:
     """`draft_len: auto`, draft on cpu:0 and the target on cpu:1, spawn launch."""
-    cfg = launch.write_config(tmp_path / "c.yaml", models[draft], models["target"],
-                              ["cpu:0"], ["cpu:1"], draft_len="auto")
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", models[draft], models["target"], ["cpu:0"], ["cpu:1"], draft_len="auto"
+    )
     return launch.run_json("spawn", 3, run_args(cfg, new_tokens))
 
 

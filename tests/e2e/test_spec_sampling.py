@@ -5,6 +5,7 @@ two generated tokens per setting; chi-square against the exact distribution comp
 target alone (transformers' logits and warpers). A control checks the same samples against the
 draft's distribution and must reject it, so the test would notice the draft leaking through.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,13 @@ SETTINGS = [
 ]
 
 
-KW = dict(vocab_size=VOCAB, initializer_range=0.08, eos_token_id=None, bos_token_id=None,
-          pad_token_id=None)
+KW = dict(
+    vocab_size=VOCAB,
+    initializer_range=0.08,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def build_target(root) -> str:
@@ -65,16 +71,17 @@ def model_and_warpers(model_dir: str, setting: dict):
     return model, warpers
 
 
-def exact_joint(model_dir: str, setting: dict, prompt: list[int] = PROMPT,
-                vocab: int = VOCAB) -> np.ndarray:
+def exact_joint(
+    model_dir: str, setting: dict, prompt: list[int] = PROMPT, vocab: int = VOCAB
+) -> np.ndarray:
     """[V, V] probability of (first, second) generated token after `prompt` under the model
     alone (V = vocab, the model's vocab_size)."""
     model, warpers = model_and_warpers(model_dir, setting)
     ids = torch.tensor([prompt + [x] for x in range(vocab)])
     with torch.no_grad():
-        logits = model(ids).logits                                # [V, P+1, V]
+        logits = model(ids).logits  # [V, P+1, V]
     first = warpers(ids[:1, :-1], logits[:1, -2]).softmax(-1)[0]  # [V]
-    second = warpers(ids, logits[:, -1]).softmax(-1)              # [V, V]
+    second = warpers(ids, logits[:, -1]).softmax(-1)  # [V, V]
     return (first[:, None] * second).double().numpy()
 
 
@@ -84,7 +91,7 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     expected = probs * counts.sum()
     small = expected < 5
     if counts[probs == 0].sum() > 0:
-        return 0.0                                   # a sample where the model gives zero
+        return 0.0  # a sample where the model gives zero
     obs = np.append(counts[~small], counts[small].sum())
     exp = np.append(expected[~small], expected[small].sum())
     keep = exp > 0
@@ -92,13 +99,13 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp).pvalue)
 
 
-def sample_pairs(engine, setting: dict, seed: int, new_tokens: int = 2
-                 ) -> tuple[np.ndarray, int]:
+def sample_pairs(engine, setting: dict, seed: int, new_tokens: int = 2) -> tuple[np.ndarray, int]:
     """Counts of (first, second) generated token, and the rounds overlapped. The first token
     comes with the prefill, the second from a round; a third makes a second round, whose
     window the draft drafted during the first's verify (overlap)."""
-    outs = engine.generate(prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=new_tokens,
-                           seed=seed, **setting)
+    outs = engine.generate(
+        prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=new_tokens, seed=seed, **setting
+    )
     counts = np.zeros((VOCAB, VOCAB))
     for out in outs:
         assert len(out.token_ids) == new_tokens
@@ -106,23 +113,34 @@ def sample_pairs(engine, setting: dict, seed: int, new_tokens: int = 2
     return counts, sum(out.stats["overlapped_rounds"] for out in outs)
 
 
-@pytest.mark.parametrize("acceptance,draft_devices,target_devices,draft_kind,k,budget", [
-    # runtime.max_prefill_tokens 23: most prompts are prefilled over two scheduler steps
-    # (23 = 4 x 5 + 3), beside the rounds of the requests already running
-    ("tokens", ["cpu:0"], ["cpu:1"], "random", 3, 23),
-    ("logits", ["cpu:0"], ["cpu:1"], "random", 3, None),
-    ("logits", ["cpu:0"], ["cpu:1", "cpu:2"], "random", 3, None),  # draft TP 1, target TP 2
-    ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"], "random", 3, None),  # draft TP 2, target TP 1
-    # overlapped rounds kept (held logits; `tokens` keeps the bonus: test_overlap_sampling)
-    ("logits", ["cpu:0"], ["cpu:1"], "near", 1, None),
-])
-def test_sampled_output_follows_target(acceptance, draft_devices, target_devices, draft_kind,
-                                       k, budget, pair, tmp_path):
+@pytest.mark.parametrize(
+    "acceptance,draft_devices,target_devices,draft_kind,k,budget",
+    [
+        # runtime.max_prefill_tokens 23: most prompts are prefilled over two scheduler steps
+        # (23 = 4 x 5 + 3), beside the rounds of the requests already running
+        ("tokens", ["cpu:0"], ["cpu:1"], "random", 3, 23),
+        ("logits", ["cpu:0"], ["cpu:1"], "random", 3, None),
+        ("logits", ["cpu:0"], ["cpu:1", "cpu:2"], "random", 3, None),  # draft TP 1, target TP 2
+        ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"], "random", 3, None),  # draft TP 2, target TP 1
+        # overlapped rounds kept (held logits; `tokens` keeps the bonus: test_overlap_sampling)
+        ("logits", ["cpu:0"], ["cpu:1"], "near", 1, None),
+    ],
+)
+def test_sampled_output_follows_target(
+    acceptance, draft_devices, target_devices, draft_kind, k, budget, pair, tmp_path
+):
     drafts, target = pair
     draft = drafts[draft_kind]
-    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, draft_devices,
-                              target_devices, draft_len=k, max_batch_size=256,
-                              max_prefill_tokens=budget)
+    cfg = launch.write_config(
+        tmp_path / "c.yaml",
+        draft,
+        target,
+        draft_devices,
+        target_devices,
+        draft_len=k,
+        max_batch_size=256,
+        max_prefill_tokens=budget,
+    )
     launch.set_speculation(cfg, acceptance=acceptance)
     with Engine.launch(cfg) as engine:
         # each acceptance mode meets every setting once: the one-device-each layouts plain
@@ -131,9 +149,10 @@ def test_sampled_output_follows_target(acceptance, draft_devices, target_devices
         settings = SETTINGS[1:3] if tp else [SETTINGS[0], SETTINGS[3]]
         settings = settings[:1] if draft_kind == "near" else settings
         for i, setting in enumerate(settings):
-            counts, overlapped = sample_pairs(engine, setting, seed=1000 * i,
-                                              new_tokens=3 if draft_kind == "near" else 2)
-            if draft_kind == "near":    # disjoint devices overlap (speculation.overlap auto)
+            counts, overlapped = sample_pairs(
+                engine, setting, seed=1000 * i, new_tokens=3 if draft_kind == "near" else 2
+            )
+            if draft_kind == "near":  # disjoint devices overlap (speculation.overlap auto)
                 assert overlapped > SAMPLES // 4, overlapped
             target_p = exact_joint(target, setting)
             draft_p = exact_joint(draft, setting)
@@ -142,10 +161,13 @@ def test_sampled_output_follows_target(acceptance, draft_devices, target_devices
             p_second = chi_square_p(counts.sum(0), target_p.sum(0))
             assert min(p_joint, p_first, p_second) > 1e-3, (setting, p_joint, p_first, p_second)
             assert chi_square_p(counts, draft_p) < 1e-6, "test cannot tell draft from target"
-        again = engine.generate(prompt_token_ids=PROMPT, max_new_tokens=6, seed=5,
-                                **SETTINGS[0])
-        assert engine.generate(prompt_token_ids=PROMPT, max_new_tokens=6, seed=5,
-                               **SETTINGS[0]).token_ids == again.token_ids
+        again = engine.generate(prompt_token_ids=PROMPT, max_new_tokens=6, seed=5, **SETTINGS[0])
+        assert (
+            engine.generate(
+                prompt_token_ids=PROMPT, max_new_tokens=6, seed=5, **SETTINGS[0]
+            ).token_ids
+            == again.token_ids
+        )
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
@@ -155,8 +177,9 @@ def test_family_sampled_output_follows_target(arch, tmp_path):
     sliding layers on both sides of the speculation."""
     target = checkpoints.build_checkpoint(tmp_path / "target", arch, seed=10, **KW)
     draft = checkpoints.build_checkpoint(tmp_path / "draft", arch, seed=11, **KW)
-    cfg = launch.write_config(tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"],
-                              draft_len=3, max_batch_size=256)
+    cfg = launch.write_config(
+        tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"], draft_len=3, max_batch_size=256
+    )
     launch.set_speculation(cfg, acceptance="logits")
     setting = SETTINGS[3]
     with Engine.launch(cfg) as engine:

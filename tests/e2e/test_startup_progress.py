@@ -1,6 +1,7 @@
 """Startup progress of a real `tandem run` (spawn launch, two CPU workers): each phase is
 reported once, in order; plain lines when stderr is a pipe or with --quiet, tqdm bars on a
 terminal (a pseudo-terminal here)."""
+
 from __future__ import annotations
 
 import os
@@ -28,15 +29,35 @@ def config(tmp_path_factory) -> str:
 
 def tandem_run(config: str, *flags: str, tty: bool) -> tuple[int, str]:
     """(exit code, stderr) of `tandem run`, its stderr a pipe or a pseudo-terminal."""
-    args = [sys.executable, "-m", "launcher", "run", config, "--prompt-ids", "1,2",
-            "--max-new-tokens", "3", *flags]
+    args = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "run",
+        config,
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "3",
+        *flags,
+    ]
     if not tty:
-        res = launch.run("spawn", 3, ["run", config, "--prompt-ids", "1,2",
-                                      "--max-new-tokens", "3", *flags], timeout=TIMEOUT_S)
+        res = launch.run(
+            "spawn",
+            3,
+            ["run", config, "--prompt-ids", "1,2", "--max-new-tokens", "3", *flags],
+            timeout=TIMEOUT_S,
+        )
         return res.returncode, res.stderr
     master, slave = pty.openpty()
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=slave, start_new_session=True, env=launch.clean_env())
+    proc = subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+        start_new_session=True,
+        env=launch.clean_env(),
+    )
     os.close(slave)
     chunks: list[bytes] = []
 
@@ -44,11 +65,12 @@ def tandem_run(config: str, *flags: str, tty: bool) -> tuple[int, str]:
         while True:
             try:
                 data = os.read(master, 65536)
-            except OSError:          # EIO: every writer (workers too) has closed it
+            except OSError:  # EIO: every writer (workers too) has closed it
                 return
             if not data:
                 return
             chunks.append(data)
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
@@ -56,7 +78,9 @@ def tandem_run(config: str, *flags: str, tty: bool) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        raise AssertionError(f"tandem run timed out:\n{b''.join(chunks).decode()[-3000:]}")
+        raise AssertionError(
+            f"tandem run timed out:\n{b''.join(chunks).decode()[-3000:]}"
+        ) from None
     finally:
         reader.join(10)
         os.close(master)
@@ -73,13 +97,16 @@ def phase_lines(stderr: str) -> list[str]:
     return out
 
 
-EXPECTED = ["tandem: loading weights (2 workers)",       # no CUDA graphs on CPU
-            "tandem: loading weights: 42/42 tensors",     # 21 per worker
-            "tandem: ready: 2 workers"]
+EXPECTED = [
+    "tandem: loading weights (2 workers)",  # no CUDA graphs on CPU
+    "tandem: loading weights: 42/42 tensors",  # 21 per worker
+    "tandem: ready: 2 workers",
+]
 
 
-@pytest.mark.parametrize("flags, tty", [((), False), (("--quiet",), True)],
-                         ids=["pipe", "quiet-terminal"])
+@pytest.mark.parametrize(
+    "flags, tty", [((), False), (("--quiet",), True)], ids=["pipe", "quiet-terminal"]
+)
 def test_plain_lines_each_phase_once_in_order(config, flags, tty):
     code, stderr = tandem_run(config, *flags, tty=tty)
     assert code == 0, stderr[-3000:]

@@ -4,6 +4,7 @@ One gloo world of 3 ranks is spawned per module; it runs every checkpoint varian
 (ranks 0-1, a group of their own) and then TP 3. Each rank compares its TP logits with a TP 1
 model it loads itself and writes what it saw to a JSON file; the tests below check those.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 F32 = torch.float32
 CPU = torch.device("cpu")
 TOL = 1e-5
-WORLD_TIMEOUT_S = 240          # whole spawned world, start to join
+WORLD_TIMEOUT_S = 240  # whole spawned world, start to join
 # gloo: a rank stuck in a collective fails instead of hanging. Generous, because rank 2 waits
 # in its first TP 3 collective while ranks 0-1 run the TP 2 phase.
 COLLECTIVE_TIMEOUT_S = 120
@@ -40,15 +41,24 @@ VARIANTS = {
     # 4 heads / 2 KV: TP 2 splits the KV heads; vocab 97 pads the last shard; 4 heads: TP 3 error
     "llama_v97": ("llama", dict(vocab_size=97)),
     # 4 heads / 1 KV (replicated on TP 2), o_proj / down_proj biases, 2 safetensors shards
-    "llama_bias_sharded": ("llama", dict(num_key_value_heads=1, attention_bias=True,
-                                         mlp_bias=True, sharded=True)),
+    "llama_bias_sharded": (
+        "llama",
+        dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True, sharded=True),
+    ),
     # 6 heads / 1 KV (replicated: TP 2 x2, TP 3 x3), q/k/v biases, tied, vocab 97, MLP 100
-    "qwen2_tied": ("qwen2", dict(vocab_size=97, hidden_size=96, num_attention_heads=6,
-                                 num_key_value_heads=1, intermediate_size=100,
-                                 tie_word_embeddings=True)),
+    "qwen2_tied": (
+        "qwen2",
+        dict(
+            vocab_size=97,
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=1,
+            intermediate_size=100,
+            tie_word_embeddings=True,
+        ),
+    ),
     # 6 heads / 3 KV: TP 3 splits the KV heads; TP 2 cannot shard 3 KV heads (error)
-    "llama_6h3kv": ("llama", dict(hidden_size=96, num_attention_heads=6,
-                                  num_key_value_heads=3)),
+    "llama_6h3kv": ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)),
     # sliding window under TP 2
     "mistral_window": ("mistral", dict(sliding_window=4)),
 }
@@ -59,6 +69,7 @@ TP3_ERR = ["llama_v97"]
 
 
 # ------------------------------------------------------------------------------ child side
+
 
 class _SliceRecorder:
     def __init__(self, part, name: str, log: list):
@@ -101,14 +112,14 @@ def _tokens(seed: int, n: int, vocab: int) -> list[int]:
 
 def _calls(vocab: int) -> list[list[tuple[int, int, list[int]]]]:
     """forward_extend calls, each a ragged batch of rows (slot, start_pos, ids)."""
-    t = lambda seed, n: _tokens(seed, n, vocab)                               # noqa: E731
+    t = lambda seed, n: _tokens(seed, n, vocab)  # noqa: E731
     return [
-        [(0, 0, t(1, 7))],                                    # prefill
-        [(0, 7, t(2, 1))],                                    # incremental
+        [(0, 0, t(1, 7))],  # prefill
+        [(0, 7, t(2, 1))],  # incremental
         [(1, 0, t(3, 5)), (2, 0, t(4, 3)), (0, 8, t(5, 2))],  # ragged batch, mixed phases
-        [(0, 10, t(6, 4))],                                   # draft tokens (k = 4)
-        [(0, 11, t(7, 3)), (1, 5, t(8, 1))],                  # rollback slot 0 to 11
-        [(0, 14, t(9, 1)), (2, 3, t(10, 4))],                 # continue after the rollback
+        [(0, 10, t(6, 4))],  # draft tokens (k = 4)
+        [(0, 11, t(7, 3)), (1, 5, t(8, 1))],  # rollback slot 0 to 11
+        [(0, 14, t(9, 1)), (2, 3, t(10, 4))],  # continue after the rollback
     ]
 
 
@@ -117,9 +128,12 @@ def _extend(model, rows) -> tuple[torch.Tensor, list[torch.Tensor]]:
     input_ids = torch.full((len(rows), width), -1, dtype=torch.long)
     for b, (_, _, ids) in enumerate(rows):
         input_ids[b, : len(ids)] = torch.tensor(ids)
-    out = model.forward_extend(input_ids, torch.tensor([r[0] for r in rows]),
-                               torch.tensor([r[1] for r in rows]),
-                               torch.tensor([len(r[2]) for r in rows]))
+    out = model.forward_extend(
+        input_ids,
+        torch.tensor([r[0] for r in rows]),
+        torch.tensor([r[1] for r in rows]),
+        torch.tensor([len(r[2]) for r in rows]),
+    )
     return out, [out[b, : len(ids)] for b, (_, _, ids) in enumerate(rows)]
 
 
@@ -129,8 +143,7 @@ def _run_case(path: str, tp: TPInfo) -> dict:
     ref = load_model(path, F32, CPU)
     log: list = []
     original = weights_mod.SafetensorsWeights._handle
-    weights_mod.SafetensorsWeights._handle = (
-        lambda self, p: _HandleRecorder(original(self, p), log))
+    weights_mod.SafetensorsWeights._handle = lambda self, p: _HandleRecorder(original(self, p), log)
     try:
         model = load_model(path, F32, CPU, tp)
     finally:
@@ -152,7 +165,7 @@ def _run_case(path: str, tp: TPInfo) -> dict:
     (_, want), (local_full, got) = _extend(ref, rows), _extend(local, rows)
     v0, v1 = local.lm_head.vocab_start, local.lm_head.vocab_stop
     real = max(0, min(v1, vocab) - v0)
-    local_diff = (got[0][:, :real] - want[0][:, v0:v0 + real]).abs().max().item()
+    local_diff = (got[0][:, :real] - want[0][:, v0 : v0 + real]).abs().max().item()
     padding_is_neg_inf = bool(torch.isneginf(got[0][:, real:]).all())
 
     attn = model.model.layers[0].self_attn
@@ -161,14 +174,25 @@ def _run_case(path: str, tp: TPInfo) -> dict:
     full_shapes = {name: list(p.shape) for name, p in ref.named_parameters()}
     local_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     return dict(
-        diffs=diffs, shapes=shapes, vocab=vocab, local_shape=list(local_full.shape),
-        local_diff=local_diff, padding_is_neg_inf=padding_is_neg_inf,
-        vocab_slice=[v0, v1], n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
-        q_heads=list(plan.q_heads), kv_heads=list(plan.kv_heads),
-        kv_replicas=plan.kv_replicas, intermediate=list(plan.intermediate),
+        diffs=diffs,
+        shapes=shapes,
+        vocab=vocab,
+        local_shape=list(local_full.shape),
+        local_diff=local_diff,
+        padding_is_neg_inf=padding_is_neg_inf,
+        vocab_slice=[v0, v1],
+        n_heads=attn.n_heads,
+        n_kv_heads=attn.n_kv_heads,
+        q_heads=list(plan.q_heads),
+        kv_heads=list(plan.kv_heads),
+        kv_replicas=plan.kv_replicas,
+        intermediate=list(plan.intermediate),
         cache_shape=list(attn.kv_cache.k_cache.shape),
         tied=model.lm_head.weight is model.model.embed_tokens.weight,
-        reads=log, tp_shards=tp_shards, full_shapes=full_shapes, local_shapes=local_shapes,
+        reads=log,
+        tp_shards=tp_shards,
+        full_shapes=full_shapes,
+        local_shapes=local_shapes,
     )
 
 
@@ -183,8 +207,12 @@ def _child(rank: int, world_size: int, port: int, phases: list, out_dir: str) ->
     result: dict = {}
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
         # every rank creates every group (new_group is collective over the world)
         groups = [dist.new_group(list(range(size)), backend="gloo") for size, _, _ in phases]
         for (size, cases, expect_error), group in zip(phases, groups):
@@ -214,22 +242,26 @@ def _child(rank: int, world_size: int, port: int, phases: list, out_dir: str) ->
 
 # ----------------------------------------------------------------------------- parent side
 
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_world(size: int, phases: list, out_dir: Path,
-              timeout_s: float = WORLD_TIMEOUT_S) -> list[dict]:
+def run_world(
+    size: int, phases: list, out_dir: Path, timeout_s: float = WORLD_TIMEOUT_S
+) -> list[dict]:
     """Spawn `size` gloo ranks running _child; always join (or terminate, then kill) them."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, size, port, phases, str(out_dir)),
-                         daemon=True) for r in range(size)]
+    procs = [
+        ctx.Process(target=_child, args=(r, size, port, phases, str(out_dir)), daemon=True)
+        for r in range(size)
+    ]
     try:
         for p in procs:
             p.start()
@@ -249,8 +281,10 @@ def run_world(size: int, phases: list, out_dir: Path,
     results = []
     for r in range(size):
         f = out_dir / f"rank{r}.json"
-        assert f.exists(), f"rank {r} wrote no result (hung ranks: {hung}, exit codes: " \
-                           f"{[p.exitcode for p in procs]})"
+        assert f.exists(), (
+            f"rank {r} wrote no result (hung ranks: {hung}, exit codes: "
+            f"{[p.exitcode for p in procs]})"
+        )
         res = json.loads(f.read_text())
         assert "__error__" not in res, f"rank {r} failed:\n{res['__error__']}"
         results.append(res)
@@ -277,6 +311,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def world(checkpoints, tmp_path_factory) -> list[dict]:
     """One spawned world of 3 ranks: TP 2 over ranks 0-1 (rank 2 goes straight on), then
     TP 3 over all; spawning once saves two interpreter starts."""
+
     def pick(names):
         return {n: checkpoints[n] for n in names}
 
@@ -299,6 +334,7 @@ def _world(request, size: int) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------ tests
+
 
 @pytest.mark.parametrize("size,name", [(2, n) for n in TP2_OK] + [(3, n) for n in TP3_OK])
 def test_logits_match_tp1(request, size, name):
@@ -334,20 +370,36 @@ def test_gather_logits_false_returns_local_vocab_slice(tp2, tp3):
 
 def test_kv_heads_split_and_replicated(tp2, tp3):
     def layout(world, name):
-        return [(r[name]["n_heads"], r[name]["n_kv_heads"], tuple(r[name]["q_heads"]),
-                 tuple(r[name]["kv_heads"]), r[name]["kv_replicas"]) for r in world]
+        return [
+            (
+                r[name]["n_heads"],
+                r[name]["n_kv_heads"],
+                tuple(r[name]["q_heads"]),
+                tuple(r[name]["kv_heads"]),
+                r[name]["kv_replicas"],
+            )
+            for r in world
+        ]
 
     # 4 heads / 2 KV on TP 2: split
     assert layout(tp2, "llama_v97") == [(2, 1, (0, 2), (0, 1), 1), (2, 1, (2, 4), (1, 2), 1)]
     # 4 heads / 1 KV on TP 2: replicated twice
-    assert layout(tp2, "llama_bias_sharded") == [(2, 1, (0, 2), (0, 1), 2),
-                                                 (2, 1, (2, 4), (0, 1), 2)]
+    assert layout(tp2, "llama_bias_sharded") == [
+        (2, 1, (0, 2), (0, 1), 2),
+        (2, 1, (2, 4), (0, 1), 2),
+    ]
     # 6 heads / 1 KV on TP 3: replicated three times
-    assert layout(tp3, "qwen2_tied") == [(2, 1, (0, 2), (0, 1), 3), (2, 1, (2, 4), (0, 1), 3),
-                                         (2, 1, (4, 6), (0, 1), 3)]
+    assert layout(tp3, "qwen2_tied") == [
+        (2, 1, (0, 2), (0, 1), 3),
+        (2, 1, (2, 4), (0, 1), 3),
+        (2, 1, (4, 6), (0, 1), 3),
+    ]
     # 6 heads / 3 KV on TP 3: split
-    assert layout(tp3, "llama_6h3kv") == [(2, 1, (0, 2), (0, 1), 1), (2, 1, (2, 4), (1, 2), 1),
-                                          (2, 1, (4, 6), (2, 3), 1)]
+    assert layout(tp3, "llama_6h3kv") == [
+        (2, 1, (0, 2), (0, 1), 1),
+        (2, 1, (2, 4), (1, 2), 1),
+        (2, 1, (4, 6), (2, 3), 1),
+    ]
 
 
 def test_kv_cache_sized_per_rank(tp2, tp3):
@@ -383,9 +435,12 @@ def test_each_rank_reads_only_its_slices(tp2, tp3):
                     assert got == want, (name, tensor, got, want)
             # the big ones are always sharded, never read in full (k/v_proj may be whole when
             # a single KV head is replicated onto every rank)
-            for tensor in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                           "model.layers.1.mlp.gate_proj.weight",
-                           "model.layers.0.self_attn.o_proj.weight"):
+            for tensor in (
+                "model.embed_tokens.weight",
+                "model.layers.0.self_attn.q_proj.weight",
+                "model.layers.1.mlp.gate_proj.weight",
+                "model.layers.0.self_attn.o_proj.weight",
+            ):
                 assert tensor in shards, (name, tensor)
                 [(kind, got, full)] = [(k, g, f) for k, n, g, f in reads if n == tensor]
                 assert kind == "slice" and math.prod(got) < math.prod(full), (name, tensor, got)
@@ -405,7 +460,7 @@ def test_heads_not_dividing_raise_in_ranks(tp2, tp3):
     for res in tp2:
         msg = res["llama_6h3kv"]["error"]
         assert msg and "num_key_value_heads 3" in msg and "size 2" in msg, msg
-        assert "llama_6h3kv" in msg, msg                     # names the model (its path)
+        assert "llama_6h3kv" in msg, msg  # names the model (its path)
     for res in tp3:
         msg = res["llama_v97"]["error"]
         assert msg and "num_attention_heads 4" in msg and "size 3" in msg, msg

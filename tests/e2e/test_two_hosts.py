@@ -11,6 +11,7 @@ that SIGKILL to namespace 2's torchrun agent takes its ranks with it (launcher/o
 and then the whole job; the second that a killed target rank raises EngineDeadError at the
 client within 10 s and every rank exits. Root only; every process (tagged by an environment
 variable) and both namespaces are removed afterwards, whatever happened."""
+
 from __future__ import annotations
 
 import json
@@ -27,13 +28,13 @@ from pathlib import Path
 import pytest
 
 from tests import checkpoints, launch
-from tests.processes import kill_all, ranks_of, read, running, socket_inodes, wait_gone
+from tests.processes import kill_all, ranks_of, read, socket_inodes, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 5, 9, 13, 17], [1, 40, 2, 33]]
 NEW_TOKENS = 16
-TAG = "TANDEM_TWO_HOSTS_RUN"        # set on every process of this test: the cleanup's net
+TAG = "TANDEM_TWO_HOSTS_RUN"  # set on every process of this test: the cleanup's net
 
 # a client in namespace 1: "generate" prints the token ids of PROMPTS; "stream" prints
 # "streaming" once a long request runs, then how its end came as JSON
@@ -88,8 +89,20 @@ class Host:
 
     def command(self, argv: list[str]) -> list[str]:
         """argv run in this namespace under its own host name (the pid stays argv's)."""
-        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.hostname, *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns,
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.hostname,
+            *argv,
+        ]
 
 
 def _ip(*args: str) -> None:
@@ -119,8 +132,7 @@ def hosts():
         pytest.skip("needs `ip` (iproute2) and `unshare` (util-linux)")
     run = f"{os.getpid() % 100000}"
     net = f"10.213.{os.getpid() % 250 + 1}"
-    pair = [Host(f"tandem{run}n{i}", f"{net}.{i}", f"tdm{run}v{i}", f"tandem-n{i}")
-            for i in (1, 2)]
+    pair = [Host(f"tandem{run}n{i}", f"{net}.{i}", f"tdm{run}v{i}", f"tandem-n{i}") for i in (1, 2)]
     tag = secrets.token_hex(8)
     try:
         _setup(pair)
@@ -161,16 +173,29 @@ def setup(hosts, tmp_path_factory):
     pair, tag = hosts
     root = tmp_path_factory.mktemp("two-hosts")
     # no EOS: a long request surely runs when a rank is killed
-    target = checkpoints.build_checkpoint(root / "target", "llama", seed=0, eos_token_id=None,
-                                          max_position_embeddings=2048)
+    target = checkpoints.build_checkpoint(
+        root / "target", "llama", seed=0, eos_token_id=None, max_position_embeddings=2048
+    )
     draft = checkpoints.build_near_draft(target, root / "draft", noise=0.05)
-    cfg = launch.write_config(root / "c.yaml", draft, target, ["cpu:0"],
-                              ["n1:cpu:0", "n1:cpu:1"], draft_len=3, max_seq_len=2048)
+    cfg = launch.write_config(
+        root / "c.yaml",
+        draft,
+        target,
+        ["cpu:0"],
+        ["n1:cpu:0", "n1:cpu:1"],
+        draft_len=3,
+        max_seq_len=2048,
+    )
     key = root / "key"
     key.write_text(secrets.token_hex(32))
     key.chmod(0o600)
-    env = dict(launch.clean_env(), TANDEM_AUTH_KEY_FILE=str(key), PYTHONPATH=str(ROOT),
-               TANDEM_CONTROL_HOST=pair[0].addr, **{TAG: tag})
+    env = dict(
+        launch.clean_env(),
+        TANDEM_AUTH_KEY_FILE=str(key),
+        PYTHONPATH=str(ROOT),
+        TANDEM_CONTROL_HOST=pair[0].addr,
+        **{TAG: tag},
+    )
     reference = checkpoints.GreedyReference({"target": target}, PROMPTS, NEW_TOKENS)
     return pair, cfg, env, reference("target"), root
 
@@ -186,22 +211,50 @@ class Job:
         self.address = f"tcp://127.0.0.1:{serve}"
         self.agents = []
         for node, host in enumerate(self.pair):
-            argv = [sys.executable, str(launch.BIN / "torchrun"), "--nnodes=2",
-                    f"--node-rank={node}", "--nproc-per-node=2",
-                    f"--master-addr={self.pair[0].addr}", f"--master-port={master}",
-                    "-m", "launcher", "serve", cfg, "--address", self.address]
+            argv = [
+                sys.executable,
+                str(launch.BIN / "torchrun"),
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc-per-node=2",
+                f"--master-addr={self.pair[0].addr}",
+                f"--master-port={master}",
+                "-m",
+                "launcher",
+                "serve",
+                cfg,
+                "--address",
+                self.address,
+            ]
             with open(self.err[node], "w") as out:
-                self.agents.append(subprocess.Popen(
-                    host.command(argv), stdout=out, stderr=out, start_new_session=True,
-                    env=dict(self.env, GLOO_SOCKET_IFNAME=host.ifname)))
+                self.agents.append(
+                    subprocess.Popen(
+                        host.command(argv),
+                        stdout=out,
+                        stderr=out,
+                        start_new_session=True,
+                        env=dict(self.env, GLOO_SOCKET_IFNAME=host.ifname),
+                    )
+                )
         self.ranks: dict[int, int] = {}
 
-    def client(self, mode: str, prompts=PROMPTS, new_tokens: int = NEW_TOKENS
-               ) -> subprocess.Popen:
-        argv = [sys.executable, "-c", CLIENT, self.address, mode, json.dumps(prompts),
-                str(new_tokens)]
-        return subprocess.Popen(self.pair[0].command(argv), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=self.env)
+    def client(self, mode: str, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> subprocess.Popen:
+        argv = [
+            sys.executable,
+            "-c",
+            CLIENT,
+            self.address,
+            mode,
+            json.dumps(prompts),
+            str(new_tokens),
+        ]
+        return subprocess.Popen(
+            self.pair[0].command(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+        )
 
     def find_ranks(self) -> dict[int, int]:
         for agent in self.agents:
@@ -210,8 +263,9 @@ class Job:
         return self.ranks
 
     def stderr(self) -> str:
-        return "\n".join(f"--- namespace {i + 1}:\n{read(p)[-3000:]}"
-                         for i, p in enumerate(self.err))
+        return "\n".join(
+            f"--- namespace {i + 1}:\n{read(p)[-3000:]}" for i, p in enumerate(self.err)
+        )
 
     def wait_all_gone(self, timeout_s: float) -> None:
         for agent in self.agents:
@@ -284,22 +338,30 @@ def test_greedy_output_through_a_client_on_host_1(job, setup):
 
 def test_unsigned_frame_from_host_2_is_dropped(job):
     ports = _listening_ports(job.ranks[0], job.pair[0].addr)
-    assert len(ports) >= 2, ports      # the control and heartbeat sockets (and the beacon)
-    stranger = subprocess.run(job.pair[1].command([sys.executable, "-c", STRANGER,
-                                                   job.pair[0].addr, *map(str, ports)]),
-                              capture_output=True, text=True, timeout=60, env=job.env)
+    assert len(ports) >= 2, ports  # the control and heartbeat sockets (and the beacon)
+    stranger = subprocess.run(
+        job.pair[1].command([sys.executable, "-c", STRANGER, job.pair[0].addr, *map(str, ports)]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=job.env,
+    )
     assert stranger.returncode == 0, stranger.stderr
     deadline = time.monotonic() + 10
     while "frame signature does not match" not in read(job.err[0]):
         assert time.monotonic() < deadline, job.stderr()
         time.sleep(0.2)
-    assert "dropped a worker frame" in read(job.err[0]) or \
-        "dropped a heartbeat frame" in read(job.err[0])
-    client = job.client("metrics")                     # and counted, as Prometheus shows
+    assert "dropped a worker frame" in read(job.err[0]) or "dropped a heartbeat frame" in read(
+        job.err[0]
+    )
+    client = job.client("metrics")  # and counted, as Prometheus shows
     text = json.loads(_line(client, 60))
     client.wait(10)
-    dropped = [float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("tandem:control_frames_dropped_total ")]
+    dropped = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("tandem:control_frames_dropped_total ")
+    ]
     assert dropped and dropped[0] >= 1, text
 
 

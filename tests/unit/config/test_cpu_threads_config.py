@@ -1,5 +1,6 @@
 """runtime.cpu_threads: null (auto, the default) or an int >= 1, each CPU worker's intra-op
 threads; anything else is a ConfigError that names the key."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,11 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def config(runtime: dict | None = None) -> dict:
-    return {"draft": {"model": "/m/d", "devices": ["cpu:0"]},
-            "target": {"model": "/m/t", "devices": ["cpu:0"]},
-            "runtime": dict(runtime or {})}
+    return {
+        "draft": {"model": "/m/d", "devices": ["cpu:0"]},
+        "target": {"model": "/m/t", "devices": ["cpu:0"]},
+        "runtime": dict(runtime or {}),
+    }
 
 
 def load(cfg: dict):
@@ -29,7 +32,7 @@ def test_auto_is_the_default():
 def test_a_thread_count_is_kept(value):
     cfg = load(config({"cpu_threads": value}))
     assert cfg.runtime.cpu_threads == value
-    assert load(cfg.to_dict()).runtime.cpu_threads == value     # --print-config round trip
+    assert load(cfg.to_dict()).runtime.cpu_threads == value  # --print-config round trip
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2", "auto", True, [2]])

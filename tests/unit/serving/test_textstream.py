@@ -31,7 +31,7 @@ def test_stop_string_truncates_text_and_tokens():
     stream = TextStream(ByteTokenizer(), stop=("STOP",))
     kept, stopped = stream.add(ids("hello ST"))
     assert not stopped and kept == ids("hello ST")
-    assert stream.delta(final=False) == "hello "      # "ST" held back: may start STOP
+    assert stream.delta(final=False) == "hello "  # "ST" held back: may start STOP
     kept, stopped = stream.add(ids("OP and more"))
     assert stopped and kept == ids("OP")
     assert stream.text == "hello "

@@ -2,6 +2,7 @@
 (runtime.cpu_threads, else the worker's share of the allowed cores, at least 1), and the
 OpenMP wait policy that `python -m launcher` puts in the environment before torch loads
 (PASSIVE: idle threads sleep instead of spinning), unless the user set one."""
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ def cores(monkeypatch):
 
     def allow(n: int) -> None:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+
     return allow
 
 
@@ -31,14 +33,14 @@ def test_auto_is_the_workers_share_of_the_cores(cores):
     cores(8)
     assert _bind_cpu_block(0, 1) == 8
     assert [_bind_cpu_block(i, 2) for i in range(2)] == [4, 4]
-    assert [_bind_cpu_block(i, 3) for i in range(3)] == [2, 2, 2]      # 8 // 3
+    assert [_bind_cpu_block(i, 3) for i in range(3)] == [2, 2, 2]  # 8 // 3
 
 
 def test_the_key_sets_the_threads_whatever_the_share(cores):
     cores(8)
     assert _bind_cpu_block(0, 2, 1) == 1
     assert _bind_cpu_block(1, 2, 3) == 3
-    assert _bind_cpu_block(0, 1, 16) == 16       # more than the cores: as asked
+    assert _bind_cpu_block(0, 1, 16) == 16  # more than the cores: as asked
 
 
 def test_fewer_cores_than_workers(cores):
@@ -63,9 +65,14 @@ def _entry(**env: str) -> tuple[str, str]:
     """Run `python -m launcher --version` in a fresh interpreter, then import torch there;
     the policy in its environment after the entry, and libgomp's settings (on stderr)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    proc = subprocess.run([sys.executable, "-c", _ENTRY], cwd=ROOT, capture_output=True,
-                          text=True, timeout=150,
-                          env={**base, "OMP_DISPLAY_ENV": "VERBOSE", **env})
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENTRY],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**base, "OMP_DISPLAY_ENV": "VERBOSE", **env},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     policy = [line for line in proc.stdout.splitlines() if line.startswith("policy:")]
     return policy[-1].split(":", 1)[1].strip(), proc.stderr
@@ -74,7 +81,7 @@ def _entry(**env: str) -> tuple[str, str]:
 def test_the_entry_makes_idle_threads_sleep():
     policy, omp = _entry()
     assert policy == "PASSIVE"
-    if "GOMP_SPINCOUNT" in omp:           # torch's libgomp: it read the policy as it loaded
+    if "GOMP_SPINCOUNT" in omp:  # torch's libgomp: it read the policy as it loaded
         assert "GOMP_SPINCOUNT = '0'" in omp, omp
 
 
