@@ -7,6 +7,8 @@ the scratch block, and the byte counts the budget and the pool sizing use."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -230,7 +232,8 @@ def test_bytes_count_scales_and_one_byte_values(soft_llama):
     # 2 layers x K,V x 2 KV heads x 16 positions x (16 values x 4 bytes | 16 x 1 + a scale)
     assert block_bytes(model, 16) == 2 * 2 * 2 * 16 * 16 * 4
     assert block_bytes(model, 16, "fp8") == 2 * 2 * 2 * 16 * (16 + 4)
-    assert block_bytes(object(), 16, "fp8") is None and cache_bytes(object(), 1, 16) is None
+    fallback = SimpleNamespace(paged=False)  # a CausalLM that allocates its own cache
+    assert block_bytes(fallback, 16, "fp8") is None and cache_bytes(fallback, 1, 16) is None
     with pytest.raises(ValueError, match="kv_dtype"):
         KVCache(1, 16, 1, 16, torch.float32, kv_dtype="int8")
 
