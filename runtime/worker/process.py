@@ -188,12 +188,9 @@ class Worker:
             # cuDNN attention builds a new plan for every new KV length (tens of ms each);
             # the KV length changes every round, so use the flash / memory-efficient kernels
             torch.backends.cuda.enable_cudnn_sdp(False)
-        else:  # CPU workers share the host's cores, each on its own block of them
-            torch.set_num_threads(
-                _bind_cpu_block(
-                    topology.workers.index(spec), len(topology.workers), config.runtime.cpu_threads
-                )
-            )
+        else:  # CPU workers share the host's cores (each pinned to its block when asked)
+            _bind_cpu_block(topology.workers.index(spec), len(topology.workers))
+            torch.set_num_threads(_cpu_threads(config.runtime.cpu_threads))
         try:
             draft, target, kv_blocks = load_shards(
                 config, spec, groups, device, self.rank, ProgressReporter(self.send, self.rank)
@@ -365,23 +362,33 @@ class Serving:
             )
 
 
-def _bind_cpu_block(position: int, workers: int, threads: int | None = None) -> int:
-    """This CPU worker's torch thread count: `threads` (runtime.cpu_threads) when given, else
-    its share of the cores this process may use (worker `position` of `workers`, equal
-    blocks), at least 1. With TANDEM_CPU_AFFINITY=1 it is also pinned to its block (it and
-    the threads it starts from now on), so that draft and target each keep a core and its
-    caches. Off by default: on a host shared with other busy processes a pinned worker
-    cannot leave a core they crowd (measured in docs/configuration.md, "Overlapped
+# runtime.cpu_threads: null. Measured with the demo on 2 cores (docs/configuration.md, "CPU
+# threads"): one thread is as fast alone as two (the worker's share of the cores), and beside
+# a busy neighbour it waits on no teammate; more threads pay for batched work of larger models
+AUTO_CPU_THREADS = 1
+
+
+def _cpu_threads(configured: int | None) -> int:
+    """A CPU worker's intra-op threads: runtime.cpu_threads, else AUTO_CPU_THREADS."""
+    return AUTO_CPU_THREADS if configured is None else configured
+
+
+def _bind_cpu_block(position: int, workers: int) -> int:
+    """This CPU worker's share of the cores this process may use (worker `position` of
+    `workers`, equal blocks), at least 1. With TANDEM_CPU_AFFINITY=1 it is also pinned to its
+    block (it and the threads it starts from now on), so that draft and target each keep a
+    core and its caches. Off by default: on a host shared with other busy processes a pinned
+    worker cannot leave a core they crowd (measured in docs/configuration.md, "Overlapped
     speculation"). With fewer cores than workers (or a worker past this host's cores, as on
     several nodes) nothing is pinned."""
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     per = len(allowed) // workers if allowed else (os.cpu_count() or 1) // workers
     if per < 1:
-        return threads or 1
+        return 1
     block = allowed[position * per : (position + 1) * per]
     if block and os.environ.get("TANDEM_CPU_AFFINITY") == "1":
         os.sched_setaffinity(0, block)
-    return threads or per
+    return per
 
 
 def _usage_message(text: str) -> str:

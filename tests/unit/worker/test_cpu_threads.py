@@ -1,7 +1,7 @@
 """CPU workers' threads (docs/configuration.md, "CPU threads"): the intra-op thread count
-(runtime.cpu_threads, else the worker's share of the allowed cores, at least 1), and the
-OpenMP wait policy that `python -m launcher` puts in the environment before torch loads
-(PASSIVE: idle threads sleep instead of spinning), unless the user set one."""
+(runtime.cpu_threads, else 1, whatever the cores), and the OpenMP wait policy that
+`python -m launcher run|serve|worker` puts in the environment before torch loads (PASSIVE:
+idle threads sleep instead of spinning), unless the user set one."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.worker.process import _bind_cpu_block
+from runtime.worker.process import _bind_cpu_block, _cpu_threads
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,29 +29,29 @@ def cores(monkeypatch):
     return allow
 
 
-def test_auto_is_the_workers_share_of_the_cores(cores):
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_auto_is_one_thread_whatever_the_cores(cores, n):
+    cores(n)
+    assert _cpu_threads(None) == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 16])
+def test_the_key_sets_the_threads_whatever_the_cores(cores, threads):
+    cores(2)
+    assert _cpu_threads(threads) == threads  # 16: more than the cores, as asked
+
+
+def test_the_share_of_the_cores_with_fewer_cores_than_workers(cores):
+    """The block a worker is pinned to with TANDEM_CPU_AFFINITY=1 (the threads are apart)."""
     cores(8)
-    assert _bind_cpu_block(0, 1) == 8
-    assert [_bind_cpu_block(i, 2) for i in range(2)] == [4, 4]
     assert [_bind_cpu_block(i, 3) for i in range(3)] == [2, 2, 2]  # 8 // 3
-
-
-def test_the_key_sets_the_threads_whatever_the_share(cores):
-    cores(8)
-    assert _bind_cpu_block(0, 2, 1) == 1
-    assert _bind_cpu_block(1, 2, 3) == 3
-    assert _bind_cpu_block(0, 1, 16) == 16  # more than the cores: as asked
-
-
-def test_fewer_cores_than_workers(cores):
     cores(2)
     assert [_bind_cpu_block(i, 3) for i in range(3)] == [1, 1, 1]
-    assert _bind_cpu_block(2, 3, 2) == 2
 
 
 _ENTRY = """
 import os, runpy, sys
-sys.argv = ["tandem", "--version"]
+sys.argv = ["tandem", *sys.argv[1:]]
 try:
     runpy.run_module("launcher", run_name="__main__", alter_sys=True)
 except SystemExit:
@@ -61,12 +61,12 @@ import torch                        # its OpenMP runtime loads now, and shows it
 """
 
 
-def _entry(**env: str) -> tuple[str, str]:
-    """Run `python -m launcher --version` in a fresh interpreter, then import torch there;
-    the policy in its environment after the entry, and libgomp's settings (on stderr)."""
+def _entry(*argv: str, **env: str) -> tuple[str, str]:
+    """Run `python -m launcher ARGV` in a fresh interpreter, then import torch there; the
+    policy in its environment after the entry, and libgomp's settings (on stderr)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     proc = subprocess.run(
-        [sys.executable, "-c", _ENTRY],
+        [sys.executable, "-c", _ENTRY, *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -78,15 +78,24 @@ def _entry(**env: str) -> tuple[str, str]:
     return policy[-1].split(":", 1)[1].strip(), proc.stderr
 
 
-def test_the_entry_makes_idle_threads_sleep():
-    policy, omp = _entry()
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_the_entry_makes_idle_threads_sleep(command):
+    policy, omp = _entry(command, "--help")
     assert policy == "PASSIVE"
     if "GOMP_SPINCOUNT" in omp:  # torch's libgomp: it read the policy as it loaded
         assert "GOMP_SPINCOUNT = '0'" in omp, omp
 
 
 def test_a_users_own_policy_wins():
-    policy, omp = _entry(OMP_WAIT_POLICY="ACTIVE")
+    policy, omp = _entry("worker", "--help", OMP_WAIT_POLICY="ACTIVE")
     assert policy == "ACTIVE"
     if "GOMP_SPINCOUNT" in omp:
         assert "OMP_WAIT_POLICY = 'ACTIVE'" in omp and "GOMP_SPINCOUNT = '0'" not in omp, omp
+
+
+def test_bench_keeps_torchs_defaults():
+    """`python -m launcher bench` times its in-process modes as `tandem bench` does."""
+    policy, omp = _entry("bench", "--help")
+    assert policy == "None"
+    if "GOMP_SPINCOUNT" in omp:
+        assert "GOMP_SPINCOUNT = '0'" not in omp, omp
