@@ -137,11 +137,15 @@ class ClientDoor:
 
     def _send_outbox(self) -> None:
         while self._outbox:
-            identity, msg = self._outbox.popleft()
-            try:
-                self._sock.send_multipart([identity, protocol.encode(msg, self.key)], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                log.warning("could not reply to a client: %s", exc)
+            self._send(*self._outbox.popleft())
+
+    def _send(self, identity: bytes, msg) -> None:
+        """One frame to a client; a client whose queue is full (or gone) loses it, the
+        thread goes on."""
+        try:
+            self._sock.send_multipart([identity, protocol.encode(msg, self.key)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("could not reply to a client: %s", exc)
 
     def _refuse_waiting(self) -> None:
         if self._refusal is None:
@@ -182,6 +186,5 @@ class ClientDoor:
             self._inbox.append((identity, msg))
             return True
         info = self.info
-        pong = Starting(msg.id) if info is None else Pong(msg.id, info)
-        self._sock.send_multipart([identity, protocol.encode(pong, self.key)], zmq.NOBLOCK)
+        self._send(identity, Starting(msg.id) if info is None else Pong(msg.id, info))
         return False

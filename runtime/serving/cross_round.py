@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from runtime.control import commands
 from runtime.control.pool import WorkerPool
-from runtime.serving.executor import Executor, cached, leader, round_replies
+from runtime.serving.executor import Executor, leader, round_replies
 from runtime.serving.metrics import ServingMetrics
 from runtime.serving.plan import RoundPlan, StepReplies
 from runtime.serving.sequence import Sequence
@@ -70,11 +70,7 @@ class CrossExecutor(Executor):
         proposals = [p[: self.max_k] for p in proposals]
         width = max(len(p) for p in proposals)
         command = commands.CrossVerifyCommand(slots, proposals, plan.growth)
-        results = self.send(command)
-        replies.round_cost_s = self.metrics.round_ends(start, results, width)
-        answers = round_replies(results)
-        replies.round, replies.round_cached = leader(answers), cached(answers, len(slots))
-        replies.round_k = width
+        self._took_round(replies, start, self.send(command), width, len(slots))
 
     def _propose(
         self, slots: list[int], seqs: list[Sequence], committed: list[list[int]], k: int

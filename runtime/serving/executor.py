@@ -56,11 +56,22 @@ class Executor:
         """The round; `firsts`: first tokens of the rows that join it (the workers have
         them)."""
         start = self.metrics.round_begins()
-        results = self.send(plan.command())
-        replies.round_cost_s = self.metrics.round_ends(start, results, plan.k)
+        self._took_round(replies, start, self.send(plan.command()), plan.k, len(plan.seqs))
+        replies.round_steps = plan.steps
+
+    def _took_round(
+        self,
+        replies: StepReplies,
+        start: float,
+        results: dict[int, commands.Reply],
+        k: int,
+        rows: int,
+    ) -> None:
+        """A round's results (k: proposals verified per row, the most) into `replies`."""
+        replies.round_cost_s = self.metrics.round_ends(start, results, k)
         answers = round_replies(results)
-        replies.round, replies.round_cached = leader(answers), cached(answers, len(plan.seqs))
-        replies.round_k, replies.round_steps = plan.k, plan.steps
+        replies.round, replies.round_cached = leader(answers), cached(answers, rows)
+        replies.round_k = k
 
 
 def round_replies(results: dict[int, commands.Reply]) -> list[commands.RoundReply]:
