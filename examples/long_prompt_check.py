@@ -314,7 +314,7 @@ def chunk_costs(draft: str, target: str, prompt: list[int], budgets: list[int]) 
     """Print what each budget's prefill commands cost over `prompt` (one thread, CPU s)."""
     import torch
 
-    from runtime.bench.modes import TandemTarget
+    from runtime.bench.tandem_modes import TandemTarget
 
     torch.set_num_threads(1)
     length = len(prompt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -111,8 +112,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="run tandem's decode/verify steps eagerly (runtime.cuda_graphs false)",
     )
     _add_kv_arguments(p)
+    p.add_argument(
+        "--sampling",
+        type=_sampling_json,
+        default={},
+        help="sampling arguments of the spec modes' requests as JSON, e.g. "
+        '\'{"repetition_penalty": 1.2, "logprobs": 5}\' (default: greedy, nothing else); '
+        "the other modes refuse any",
+    )
     p.add_argument("--out", default=None, help="write the JSON report here (default: none)")
     return p
+
+
+def _sampling_json(text: str) -> dict:
+    """--sampling: a JSON map of sampling arguments (runtime.params), checked."""
+    from runtime.params import SamplingParams
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON map of sampling arguments")
+    try:
+        SamplingParams.from_kwargs(**value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,6 +241,7 @@ def main(args) -> int:
         max_seq_len=args.max_seq_len,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        sampling=args.sampling,
     )
     _quiet_libraries()
     try:

@@ -260,7 +260,7 @@ class _Endpoints:
 
     def _bind_http(self, http, metrics) -> None:
         if http is not None:
-            from runtime.api.http_api import bind_http
+            from runtime.api.http_address import bind_http
 
             try:
                 self.http_sock = bind_http(*http)
@@ -320,6 +320,7 @@ def _serve(
                 bound.http_sock,
                 served_model_name,
                 auth_key_file=config.server.auth_key_file,
+                tokenizer_path=config.tokenizer_path,
             )
             bound.front.start()
             print(f"tandem: HTTP API at {bound.front.url}", file=sys.stderr, flush=True)

@@ -3,59 +3,156 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
-PARAM_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+MAX_LOGPROBS = 20  # OpenAI's most top_logprobs (the server's cap: server.max_logprobs)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling arguments, with vLLM's SamplingParams meanings."""
+
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids ascending
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # top alternatives per generated token (0: the chosen alone)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    n: int = 1  # independent samples of each prompt
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> SamplingParams:
-        unknown = sorted(set(kwargs) - set(PARAM_NAMES))
-        if unknown:
-            raise ValueError(f"unknown argument(s) {unknown}; known: {list(PARAM_NAMES)}")
-        values = {k: v for k, v in kwargs.items() if v is not None or k in ("top_k", "seed")}
-        stop = values.get("stop", ())
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop: expected a string or a list of strings, got {stop!r}")
-        values["stop"] = tuple(stop)
-        params = cls(**values)
-        params.validate()
-        return params
+        return sampling_params(**kwargs)
 
     def validate(self) -> None:
-        _int("max_new_tokens", self.max_new_tokens, minimum=1)
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature: expected a finite number >= 0, got {t!r}")
-        if self.top_k is not None:
-            _int("top_k", self.top_k, minimum=0)
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
-            raise ValueError(f"top_p: expected a number in (0, 1], got {p!r}")
-        if self.seed is not None:
-            _int("seed", self.seed, minimum=0)
-        if any(not s for s in self.stop):
-            raise ValueError("stop: stop strings must be non-empty")
+        check(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def bias(self) -> dict[int, float]:
+        return dict(self.logit_bias)
+
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["stop"] = list(self.stop)
-        return d
+        return params_dict(self)
+
+
+PARAM_NAMES = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(**kwargs) -> SamplingParams:
+    """Checked params from keyword arguments (None leaves an argument at its default)."""
+    unknown = sorted(set(kwargs) - set(PARAM_NAMES))
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown}; known: {list(PARAM_NAMES)}")
+    values = {k: v for k, v in kwargs.items() if v is not None}
+    values["stop"] = _strings("stop", values.get("stop", ()))
+    values["stop_token_ids"] = _ids("stop_token_ids", values.get("stop_token_ids", ()))
+    values["logit_bias"] = _bias(values.get("logit_bias", ()))
+    params = SamplingParams(**values)
+    check(params)
+    return params
+
+
+def check(p: SamplingParams) -> None:
+    """A ValueError naming the first argument out of its range."""
+    _int("max_new_tokens", p.max_new_tokens, minimum=0 if p.prompt_logprobs is not None else 1)
+    _number("temperature", p.temperature, 0, math.inf)
+    if p.top_k is not None:
+        _int("top_k", p.top_k, minimum=0)
+    _number("top_p", p.top_p, 0, 1, low_open=True)
+    if p.seed is not None:
+        _int("seed", p.seed, minimum=0)
+    if any(not s for s in p.stop):
+        raise ValueError("stop: stop strings must be non-empty")
+    _number("min_p", p.min_p, 0, 1)
+    _number("presence_penalty", p.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
+    _number("frequency_penalty", p.frequency_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
+    _number("repetition_penalty", p.repetition_penalty, 0, math.inf, low_open=True)
+    _int("min_tokens", p.min_tokens, minimum=0)
+    if p.min_tokens > p.max_new_tokens:
+        raise ValueError(
+            f"min_tokens: {p.min_tokens} is more than max_new_tokens ({p.max_new_tokens})"
+        )
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if not isinstance(getattr(p, name), bool):
+            raise ValueError(f"{name}: expected true or false, got {getattr(p, name)!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, name)
+        if value is not None:
+            _int(name, value, minimum=0)  # the cap is the server's (server.max_logprobs)
+    _int("n", p.n, minimum=1)
+
+
+def params_dict(p: SamplingParams) -> dict:
+    """Plain data (lists for tuples, logit_bias as {id: bias}): what a client sends."""
+    d = asdict(p)
+    d["stop"], d["stop_token_ids"] = list(p.stop), list(p.stop_token_ids)
+    d["logit_bias"] = {str(t): b for t, b in p.logit_bias}
+    return d
+
+
+def _strings(name: str, value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise ValueError(f"{name}: expected a string or a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _ids(name: str, value) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise ValueError(f"{name}: expected a list of token ids, got {value!r}")
+    return tuple(value)
+
+
+def _bias(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as OpenAI sends it ({"50256": -100}) or as pairs -> (id, bias) by id."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(k, b) for k, b in items]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"logit_bias: expected a map of token ids to biases, got {value!r}"
+        ) from None
+    out = {}
+    for key, bias in pairs:
+        token = key
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id")
+        _number(f"logit_bias[{key}]", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < low or value > high or (low_open and value == low):
+        if high == math.inf:
+            relation = ">" if low_open else ">="
+            raise ValueError(f"{name}: expected a finite number {relation} {low:g}, got {value!r}")
+        left = "(" if low_open else "["
+        raise ValueError(f"{name}: expected a number in {left}{low:g}, {high:g}], got {value!r}")
 
 
 def _int(name: str, value, minimum: int) -> None:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from runtime.models import load_model
 from runtime.models.loading.synthetic import build_pair
 from runtime.models.runners.step_runner import StepRunner
-from runtime.worker.shards import DraftShard
+from runtime.worker.draft_shard import DraftShard
 from runtime.worker.target_shard import TargetShard
 
 SLOTS, CACHE_LEN, K = 4, 640, 4

@@ -30,7 +30,8 @@ from runtime.bench.metrics import copy_bandwidth
 from runtime.models.arch import fused
 from runtime.models.arch.attention import grouped_attention
 from runtime.models.arch.cache import ExtendBatch, KVCache, blocks_for
-from runtime.models.arch.fused import fp8_quantize_rows, stack_heads
+from runtime.models.arch.elementwise import stack_heads
+from runtime.models.arch.fp8_elementwise import fp8_quantize_rows
 from runtime.models.kernels import attention as kernel_module
 from runtime.models.kernels.attention import slot_attention
 

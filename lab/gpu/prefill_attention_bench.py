@@ -67,10 +67,10 @@ def parse() -> argparse.Namespace:
 ARGS = parse()
 import triton  # noqa: E402
 
-from runtime.models.arch import fused  # noqa: E402
+from runtime.models.arch import fp8_elementwise  # noqa: E402
 from runtime.models.arch.attention import grouped_attention  # noqa: E402
 from runtime.models.arch.cache import ExtendBatch, KVCache, blocks_for  # noqa: E402
-from runtime.models.arch.fused import stack_heads  # noqa: E402
+from runtime.models.arch.elementwise import stack_heads  # noqa: E402
 from runtime.models.kernels import prefill_attention as kernel  # noqa: E402
 
 DEV = torch.device(ARGS.device)
@@ -115,7 +115,7 @@ def pool(
     cache = KVCache(rows * m, block_size, n_kv, dim, dtype, DEV, "fp8" if fp8 else "auto")
     if fp8:
         for data, scale in ((cache.k_cache, cache.k_scale), (cache.v_cache, cache.v_scale)):
-            d, s = fused.fp8_quantize_kv(torch.randn(*data.shape, device=DEV) * 2)
+            d, s = fp8_elementwise.fp8_quantize_kv(torch.randn(*data.shape, device=DEV) * 2)
             data.copy_(d)
             scale.copy_(s)
     else:

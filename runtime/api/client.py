@@ -36,7 +36,7 @@ from runtime.api.client_io import (
     _close_client,
     _run_closers,
 )
-from runtime.api.outputs import GenerationOutput, StreamDelta
+from runtime.api.outputs import GenerationOutput, StreamDelta, entries
 from runtime.control import auth
 from runtime.control.protocol import (
     Cancel,
@@ -262,11 +262,8 @@ class Client(ClientIO):
                     break
         finally:
             self._close_waiter(msg.id)
-        outs = [
-            GenerationOutput(o["text"], o["token_ids"], o["finish_reason"], o["stats"])
-            for o in sorted(reply.outputs, key=lambda o: o["index"])
-        ]
-        return outs[0] if single else outs
+        outs = [GenerationOutput.of(o) for o in sorted(reply.outputs, key=lambda o: o["index"])]
+        return outs[0] if single and len(outs) == 1 else outs
 
     def stream(
         self, prompt=None, *, prompt_token_ids=None, chat: bool = False, **kwargs
@@ -285,7 +282,9 @@ class Client(ClientIO):
                     finished = True
                     return
                 if isinstance(reply, Delta):
-                    yield StreamDelta(reply.text, reply.token_ids, reply.index)
+                    yield StreamDelta(
+                        reply.text, reply.token_ids, reply.index, entries(reply.logprobs)
+                    )
         finally:
             self._close_waiter(msg.id)
             if not finished and self._dead is None and not self._closed.is_set():

@@ -1,7 +1,8 @@
 """`tandem bench`: target alone, tandem speculation and transformers baselines side by side.
 
-modes.py runs each mode, metrics.py measures and derives the figures (c, theoretical speedup,
-roofline), runner.py puts them together, report.py prints the table and writes the JSON.
+modes.py lists the modes and times them (tandem_modes.py and hf_modes.py run them), metrics.py
+measures and holds the formulas (c, theoretical speedup, roofline), figures.py derives each
+row's figures, runner.py puts them together, report.py prints the table and writes the JSON.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ then `spec` and `spec-sequential` (overlap on and off: both Engines up at once, 
 batch sizes each, their timed calls taking turns), then the transformers modes; each phase
 frees its models before the next loads. Every mode gets `warmup` untimed calls of the same
 shape before `repeats` timed ones (the median is kept). settings.py resolves the settings
-into the pair and the Engine config (prefix caching off unless asked for: it says why).
+into the pair and the Engine config (prefix caching off unless asked for: it says why);
+figures.py derives the figures of the table from the rows and the measured step costs.
 """
 
 from __future__ import annotations
@@ -18,17 +19,9 @@ from dataclasses import asdict
 import torch
 
 from runtime.bench import metrics
-from runtime.bench.modes import (
-    MODES,
-    HFAssisted,
-    HFGenerate,
-    Outcome,
-    Skipped,
-    TandemSpec,
-    free_memory,
-    timed_side_by_side,
-    worker_backends,
-)
+from runtime.bench.figures import derive
+from runtime.bench.hf_modes import HFAssisted, HFGenerate
+from runtime.bench.modes import MODES, Outcome, Skipped, free_memory, timed_side_by_side
 from runtime.bench.report import hardware, now, row, versions
 from runtime.bench.settings import (  # noqa: F401
     BenchSettings,
@@ -38,6 +31,7 @@ from runtime.bench.settings import (  # noqa: F401
     _torch_device,
     resolve,
 )
+from runtime.bench.tandem_modes import TandemSpec, worker_backends
 from runtime.bench.tp_target import TargetJob, measure, run_tensor_parallel
 
 C_SOURCE = (
@@ -73,24 +67,6 @@ def _ok_row(name: str, bsz: int, out: Outcome, **values) -> dict:
         **extra,
         **values,
     )
-
-
-def _decode_efficiency(r: dict, base: dict | None) -> None:
-    """decode_efficiency: the decode steps' speed-up over the target's (each call's wall time
-    less its first token) over the theoretical speed-up. With long prompts the first token
-    is much of a call, and `efficiency` counts it; this does not."""
-    first = (r.get("time_to_first_token_s") or [None])[0]
-    base_first = ((base or {}).get("time_to_first_token_s") or [None])[0]
-    if (
-        base is None
-        or None in (first, base_first, r.get("theoretical_speedup"))
-        or not base["tokens_per_s"]
-    ):
-        return
-    spec_s = (r["wall_s"] - first) / r["generated_tokens"]
-    target_s = (base["wall_s"] - base_first) / base["generated_tokens"]
-    if spec_s > 0:
-        r["decode_efficiency"] = target_s / spec_s / r["theoretical_speedup"]
 
 
 class Bench:
@@ -161,30 +137,9 @@ class Bench:
     def _in_process(self, st: Setup) -> None:
         if not {"target", "spec", "spec-sequential"} & set(self.s.modes):
             return
-        kmax = _kmax(st.draft_len)
         self.progress("measuring the copy bandwidth")
         self.info["copy_bandwidth_bytes_per_s"] = metrics.copy_bandwidth(st.target_device)
-        job = TargetJob(
-            path=st.target,
-            dtype=str(st.target_dtype).removeprefix("torch."),
-            quantization=st.target_quantization,
-            devices=[str(d) if d.type == "cuda" else "cpu" for d in st.target_devices],
-            max_batch=max(self.s.batch_sizes),
-            cache_len=self.s.prompt_len + self.s.new_tokens + kmax + 1,
-            max_step_len=kmax + 1,
-            cuda_graphs=self.s.cuda_graphs,
-            prompts=self.prompts,
-            batch_sizes=self.s.batch_sizes,
-            new_tokens=self.s.new_tokens,
-            warmup=self.s.warmup,
-            repeats=self.s.repeats,
-            run_target="target" in self.s.modes,
-            verify_ks=(list(range(1, kmax + 1)) if st.draft_len == "auto" else [kmax])
-            if {"spec", "spec-sequential"} & set(self.s.modes)
-            else [],
-            position=self.s.prompt_len + self.s.new_tokens // 2,
-            cpu_threads=metrics.worker_cpu_threads(st.draft_device, st.target_devices),
-        )
+        job = self._target_job(st)
         where = f"on {st.target_tp} TP ranks" if st.target_tp > 1 else "in-process"
         self.progress(f"target phase {where}: loading")
         try:
@@ -209,6 +164,32 @@ class Bench:
             self.info["c_source"] = f"not measured: {report['steps']}"
         elif report["steps"]:
             self._draft_costs(st, job, report["steps"])
+
+    def _target_job(self, st: Setup) -> TargetJob:
+        """The target phase's work: the `target` mode if asked for, and the verify steps'
+        costs at each k the spec modes may use."""
+        kmax = _kmax(st.draft_len)
+        return TargetJob(
+            path=st.target,
+            dtype=str(st.target_dtype).removeprefix("torch."),
+            quantization=st.target_quantization,
+            devices=[str(d) if d.type == "cuda" else "cpu" for d in st.target_devices],
+            max_batch=max(self.s.batch_sizes),
+            cache_len=self.s.prompt_len + self.s.new_tokens + kmax + 1,
+            max_step_len=kmax + 1,
+            cuda_graphs=self.s.cuda_graphs,
+            prompts=self.prompts,
+            batch_sizes=self.s.batch_sizes,
+            new_tokens=self.s.new_tokens,
+            warmup=self.s.warmup,
+            repeats=self.s.repeats,
+            run_target="target" in self.s.modes,
+            verify_ks=(list(range(1, kmax + 1)) if st.draft_len == "auto" else [kmax])
+            if {"spec", "spec-sequential"} & set(self.s.modes)
+            else [],
+            position=self.s.prompt_len + self.s.new_tokens // 2,
+            cpu_threads=metrics.worker_cpu_threads(st.draft_device, st.target_devices),
+        )
 
     def _draft_costs(self, st: Setup, job: TargetJob, target_steps: dict) -> None:
         from runtime.models import load_model
@@ -238,150 +219,70 @@ class Bench:
             self.info["c_source"] = f"not measured: {type(exc).__name__}: {exc}"
         free_memory()
 
-    # -- derived figures ----------------------------------------------------------------------
-    def _derive(self, st: Setup) -> None:
-        target = {
-            r["batch_size"]: r for r in self.rows if r["mode"] == "target" and r["status"] == "ok"
-        }
-        bw = self.info.get("copy_bandwidth_bytes_per_s")
-        wbytes = self.info.get("target_weight_bytes")
-        for r in self.rows:
-            if r["status"] != "ok":
-                continue
-            bsz = r["batch_size"]
-            ref = self.tokens.get(("target", bsz))
-            if r["mode"] != "target" and ref is not None:
-                r["tokens_equal_target"] = self.tokens.get((r["mode"], bsz)) == ref
-            if r["mode"].startswith("hf") and (st.target_quantization or st.draft_quantization):
-                r["note"] = f"{str(st.target_dtype).removeprefix('torch.')} weights, not FP8"
-            base = target.get(bsz)
-            if (
-                r["mode"] != "target"
-                and base is not None
-                and base["tokens_per_s"]
-                and r["tokens_per_s"]
-            ):
-                r["speedup_over_target"] = r["tokens_per_s"] / base["tokens_per_s"]
-            if r["mode"] == "target" and bw and wbytes:
-                seconds_per_step = r["wall_s"] / (r["generated_tokens"] / bsz)
-                r["roofline_fraction"] = (wbytes / bw) / seconds_per_step
-                self._decode_roofline(r, bw, wbytes)
-            if r["mode"].startswith("spec") and bsz in self.step_costs:
-                self._spec_figures(r, st, self.step_costs[bsz])
-                _decode_efficiency(r, base)
-        self._overlap_figures(st)
-
-    def _decode_roofline(self, r: dict, bw: float, wbytes: int) -> None:
-        """decode_roofline_fraction: the decode steps' byte limit (the weights plus each row's
-        KV at the mean context, prompt + new_tokens / 2) over their measured time, the
-        call's wall time less its first token (long prompts: the prefill is not decoding)."""
-        kv_position = self.info.get("target_kv_position_bytes")
-        ttft = r.get("time_to_first_token_s") or [None]
-        steps = r["generated_tokens"] // r["batch_size"] - 1
-        if not kv_position or ttft[0] is None or steps < 1:
-            return
-        context = self.s.prompt_len + self.s.new_tokens / 2
-        step_bytes = wbytes + kv_position * context * r["batch_size"]
-        r["decode_roofline_fraction"] = (step_bytes / bw) / ((r["wall_s"] - ttft[0]) / steps)
-
-    def _overlap_figures(self, st: Setup) -> None:
-        """On each `spec` row that has a `spec-sequential` one beside it: overlap on / off
-        (measured, and by the model at the row's alpha, k and c)."""
-        sequential = {
-            r["batch_size"]: r
-            for r in self.rows
-            if r["mode"] == "spec-sequential" and r["status"] == "ok" and r["tokens_per_s"]
-        }
-        for r in self.rows:
-            off = sequential.get(r["batch_size"])
-            if r["mode"] != "spec" or r["status"] != "ok" or off is None:
-                continue
-            r["overlap_speedup"] = r["tokens_per_s"] / off["tokens_per_s"]
-            note = f"overlap {r['overlap_speedup']:.2f}x off"
-            if st.draft_len != "auto" and r.get("alpha") is not None and r.get("c"):
-                r["theoretical_overlap_speedup"] = metrics.theoretical_overlap_speedup(
-                    r["alpha"], int(st.draft_len), r["c"]
-                )
-                note += f" (model {r['theoretical_overlap_speedup']:.2f}x)"
-            r["note"] = "; ".join(filter(None, (r.get("note"), note)))
-
-    def _spec_figures(self, r: dict, st: Setup, costs: dict) -> None:
-        r.update(
-            draft_step_s=costs["draft_step_s"], target_decode_step_s=costs["target_decode_step_s"]
-        )
-        verify = costs["target_verify_step_s"]
-        alpha = r.get("alpha")
-        if alpha is None and r.get("mean_accepted_tokens") and st.draft_len != "auto":
-            alpha = metrics.alpha_from_tokens_per_round(
-                r["mean_accepted_tokens"], int(st.draft_len)
-            )
-            r["alpha"] = alpha
-        if alpha is None:
-            return
-        # auto: the best fixed k at this alpha (what choosing k each round can at most reach)
-        best = max(
-            (
-                (metrics.theoretical_speedup(alpha, k, costs["draft_step_s"] / v), k)
-                for k, v in verify.items()
-            ),
-            key=lambda x: x[0],
-        )
-        r["theoretical_speedup"], k = best
-        r["c"] = costs["draft_step_s"] / verify[k]
-        r["target_verify_step_s"] = verify[k]
-        if st.draft_len == "auto":
-            r["theoretical_k"] = k
-        if r.get("speedup_over_target") is not None:
-            r["efficiency"] = r["speedup_over_target"] / r["theoretical_speedup"]
-
     # -- everything ---------------------------------------------------------------------------
     def run(self) -> dict:
-        s = self.s
-        st = resolve(s)
+        st = resolve(self.s)
         if st.target_device.type == "cuda":
             torch.cuda.set_device(st.target_device)
         try:
-            self.prompts = make_prompts(st.target, s)
+            self.prompts = make_prompts(st.target, self.s)
             with worker_backends():
                 self._in_process(st)
-            # overlap on and off side by side: both engines up, their calls taking turns
-            self._modes(
-                {
-                    "spec": lambda: TandemSpec(st.engine_config),
-                    "spec-sequential": lambda: TandemSpec(st.engine_config, overlap=False),
-                }
-            )
-            self._modes({"hf": lambda: HFGenerate(st.target, st.target_dtype, st.target_device)})
-            self._modes(
-                {
-                    "hf-compiled": lambda: HFGenerate(
-                        st.target,
-                        st.target_dtype,
-                        st.target_device,
-                        compiled=True,
-                        compile_on_cpu=s.compile_on_cpu,
-                    )
-                }
-            )
-            self._modes(
-                {
-                    "hf-assisted": lambda: HFAssisted(
-                        st.target,
-                        st.draft,
-                        st.target_dtype,
-                        st.target_device,
-                        st.draft_device,
-                        st.draft_len,
-                    )
-                }
-            )
+            self._engine_and_hf_modes(st)
         finally:
             if st.cleanup:
                 shutil.rmtree(st.cleanup, ignore_errors=True)
         order = {m: i for i, m in enumerate(MODES)}
         self.rows.sort(key=lambda r: (r["batch_size"], order[r["mode"]]))
-        self._derive(st)
-        settings = asdict(s)
+        derive(
+            self.rows,
+            st,
+            tokens=self.tokens,
+            info=self.info,
+            step_costs=self.step_costs,
+            context=self.s.prompt_len + self.s.new_tokens / 2,
+        )
+        return self._report(st)
+
+    def _engine_and_hf_modes(self, st: Setup) -> None:
+        """The Engine's modes, then the transformers ones, each phase freeing its models."""
+        # overlap on and off side by side: both engines up, their calls taking turns
+        self._modes(
+            {
+                "spec": lambda: TandemSpec(st.engine_config, sampling=self.s.sampling),
+                "spec-sequential": lambda: TandemSpec(
+                    st.engine_config, overlap=False, sampling=self.s.sampling
+                ),
+            }
+        )
+        self._modes({"hf": lambda: HFGenerate(st.target, st.target_dtype, st.target_device)})
+        self._modes(
+            {
+                "hf-compiled": lambda: HFGenerate(
+                    st.target,
+                    st.target_dtype,
+                    st.target_device,
+                    compiled=True,
+                    compile_on_cpu=self.s.compile_on_cpu,
+                )
+            }
+        )
+        self._modes(
+            {
+                "hf-assisted": lambda: HFAssisted(
+                    st.target,
+                    st.draft,
+                    st.target_dtype,
+                    st.target_device,
+                    st.draft_device,
+                    st.draft_len,
+                )
+            }
+        )
+
+    def _report(self, st: Setup) -> dict:
+        """The report: the settings as resolved, the machine, and the rows."""
+        settings = asdict(self.s)
         settings.update(
             draft=st.draft if not st.cleanup else None,
             target=st.target if not st.cleanup else None,

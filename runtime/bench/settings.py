@@ -57,6 +57,7 @@ class BenchSettings:
     max_seq_len: int | None = None  # None: prompt + new tokens + room (or the config's)
     kv_cache_tokens: int | None = None  # None: the config's, or the Engine's default
     kv_cache_dtype: str | None = None  # auto | fp8; None: the config's, or auto
+    sampling: dict = field(default_factory=dict)  # the spec modes' sampling arguments
 
     def check(self) -> None:
         if (self.config is None) == (self.synthetic is None):
@@ -82,6 +83,9 @@ class BenchSettings:
             )
         if self.target_tp < 1:
             raise ValueError("--target-tp must be >= 1")
+        other = [m for m in self.modes if not m.startswith("spec")]
+        if self.sampling and other:
+            raise ValueError(f"--sampling applies to the spec modes only; drop {other}")
         self.check_kv()
 
     def check_kv(self) -> None:

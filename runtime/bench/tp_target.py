@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from runtime.bench import metrics
-from runtime.bench.modes import TandemTarget, timed, worker_backends
+from runtime.bench.modes import timed
+from runtime.bench.tandem_modes import TandemTarget, worker_backends
 
 
 @dataclass

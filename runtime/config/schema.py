@@ -155,6 +155,8 @@ class ServerConfig(_Checked):
     # a client with requests in flight that sends nothing (it pings every second) for this
     # long is judged gone: its requests are cancelled (runtime.serving.server)
     client_timeout_s: float = _checked(10.0, check.positive_float)
+    max_logprobs: int = _checked(20, check.int_at_least(0))  # logprobs, prompt_logprobs cap
+    max_n: int = _checked(16, check.int_at_least(1))  # samples (n) one request may ask for
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from runtime.control.wire import REQUIRED, Message, ProtocolError, Record, message, record, tagged
+from runtime.control.codecs import ProtocolError
+from runtime.control.wire import REQUIRED, Message, Record, message, record, tagged
 
 TARGET_LEADER = "target_leader"  # reports the round's verdict
 WORKER = "worker"  # any other rank: its time only
@@ -27,10 +28,38 @@ class Sampling(Record):
     top_k: int  # 0: off
     top_p: float  # 1: off
     seed: int
+    min_p: float = 0.0  # 0: off
+    bias_ids: list[int] = field(default_factory=list)  # logit_bias: these token ids ...
+    bias_values: list[float] = field(default_factory=list)  # ... get these added
+    min_tokens: int = 0  # stop_ids are masked until this many tokens were generated
+    stop_ids: list[int] = field(default_factory=list)  # EOS and stop_token_ids
+    output_start: int = 0  # sequence index of the first generated token (the prompt's length)
+    repetition: float = 1.0  # repetition_penalty over prompt and output tokens, 1: off
+    frequency: float = 0.0  # frequency_penalty over output tokens, 0: off
+    presence: float = 0.0  # presence_penalty over output tokens, 0: off
+    prompt: list[int] = field(default_factory=list)  # the prompt, when a penalty reads it
+    output: list[int] = field(default_factory=list)  # generated before this (re)start, ditto
+    logprobs: int = -1  # top alternatives per generated token to report, -1: none
+    prompt_logprobs: int = -1  # ... per prompt token (its prefill reports them), -1: none
 
     def check(self) -> None:
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ProtocolError(f"params out of range: {self}")
+        if (
+            not 0 <= self.min_p <= 1
+            or self.repetition <= 0
+            or min(self.logprobs, self.prompt_logprobs) < -1
+        ):
+            raise ProtocolError(f"params out of range: {self}")
+        if len(self.bias_ids) != len(self.bias_values) or self.min_tokens < 0:
+            raise ProtocolError(
+                f"params: {len(self.bias_ids)} bias ids, {len(self.bias_values)} values"
+            )
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty looks at the tokens so far (the shard keeps their history)."""
+        return self.repetition != 1.0 or self.frequency != 0.0 or self.presence != 0.0
 
     @classmethod
     def of(cls, value: Sampling | Mapping[str, Any]) -> Sampling:
@@ -182,6 +211,12 @@ class RoundReply(Record):
     cached: list[int] = field(
         default_factory=list, metadata=REQUIRED
     )  # per slot (every rank reports it)
+    # per slot, per committed token of a row that asks (else []): the target's logprob of
+    # it, then its top N ids and their logprobs (runtime.speculation.processors.token_logprobs)
+    logprobs: list[list[list[float]]] | None = None
+    # a prefill's, per slot: the records of its chunk's tokens after the first (positions
+    # cached + 1 on), for rows that ask for prompt logprobs (else [])
+    prompt_logprobs: list[list[list[float]]] | None = None
 
     @property
     def reports(self) -> bool:

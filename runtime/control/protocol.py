@@ -15,15 +15,16 @@ from typing import Any
 import msgpack
 
 from runtime.control import auth
+from runtime.control.codecs import MAX_DEPTH, ProtocolError
 from runtime.control.commands import RoundReply, StepAck
-from runtime.control.wire import MAX_DEPTH, Message, ProtocolError, from_wire, message, to_wire
+from runtime.control.wire import Message, from_wire, message, to_wire
 
 __all__ = ["MAX_DEPTH", "Message", "ProtocolError", "decode", "encode", "from_wire"]  # + messages
 
 # Decoding may cost many times a frame's size (an empty list is 1 byte of msgpack, ~64 bytes
 # of Python): frames are capped at 16 MiB (millions of token ids) and the lists and maps of
 # one message at MAX_CONTAINERS, so that one hostile frame costs at most a few hundred MB.
-# Values of any shape nest MAX_DEPTH deep at most (runtime.control.wire.check_shape).
+# Values of any shape nest MAX_DEPTH deep at most (runtime.control.codecs.check_shape).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_CONTAINERS = 100_000
 
@@ -165,6 +166,7 @@ class Delta(ClientReply):
     index: int
     token_ids: list[int]
     text: str
+    logprobs: list[Any] | None = None  # per token: [[id, logprob], ...], the chosen first
 
 
 @message("final")

@@ -16,9 +16,8 @@ None is never a value on the wire. Annotations say what a value may be: int (not
 (an int is read as a float), str, bool, Any, list[X], dict[str, X], a nested record (`record`:
 a map without a tag) or a union of records tagged "kind" (`tagged`: the map names its kind).
 A record's `check` adds what types cannot say (lengths that must agree, ranges); it runs where
-a record is read from the wire. Every failure is a ProtocolError naming the field. Values of
-any shape (Any) are checked for depth and string keys (check_shape); typed ones need not be:
-their types bound both.
+a record is read from the wire. Every failure is a ProtocolError naming the field. How each
+plain value is checked (and values of any shape: check_shape) is runtime.control.codecs'.
 """
 
 from __future__ import annotations
@@ -29,12 +28,15 @@ import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
-MAX_DEPTH = 8  # lists and maps in one another
-
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid message: dropped and logged, never fatal."""
-
+from runtime.control.codecs import (
+    SCALARS,
+    Codec,
+    ListOf,
+    MapOf,
+    ProtocolError,
+    check_shape,
+    expected,
+)
 
 REQUIRED = {"wire": "required"}  # field metadata: a default for senders, not for the wire
 
@@ -120,146 +122,7 @@ def to_wire(msg: Message) -> dict[str, Any]:
     return value
 
 
-def check_shape(value: Any, depth: int = 0) -> None:
-    """No deeper than MAX_DEPTH, every map key a string: the check of values of any shape
-    (Any). Where every field has a type, the types bound both already."""
-    if depth > MAX_DEPTH:
-        raise ProtocolError(f"message nested deeper than {MAX_DEPTH}")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ProtocolError("map keys must be strings")
-            check_shape(item, depth + 1)
-    elif isinstance(value, list):
-        for item in value:
-            if isinstance(item, (dict, list)):
-                check_shape(item, depth + 1)
-
-
 # --- the derived schema ------------------------------------------------------------------
-
-
-class Codec:
-    """How one annotation's values are checked: `load` (from the wire: the value to keep) and
-    `dump` (to the wire: the value to send); ProtocolError naming `where` otherwise."""
-
-    free = False  # holds values of any shape (Any somewhere): their depth and keys to check
-
-    def load(self, value: Any, where: str) -> Any:
-        raise NotImplementedError
-
-    def dump(self, value: Any, where: str) -> Any:
-        raise NotImplementedError
-
-
-def _expected(where: str, what: str, value: Any) -> ProtocolError:
-    return ProtocolError(f"{where}: expected {what}, got {type(value).__name__}")
-
-
-class _Any(Codec):
-    free = True
-
-    def load(self, value: Any, where: str) -> Any:
-        return value
-
-    dump = load
-
-
-class _Int(Codec):
-    def load(self, value: Any, where: str) -> Any:
-        if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
-            raise _expected(where, "int", value)
-        return value
-
-    dump = load
-
-
-class _Float(Codec):
-    def load(self, value: Any, where: str) -> Any:
-        if type(value) is float:
-            return value
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise _expected(where, "float", value)
-        return float(value)
-
-    dump = load
-
-
-class _Exact(Codec):
-    def __init__(self, kind: type):
-        self.kind = kind
-
-    def load(self, value: Any, where: str) -> Any:
-        if not isinstance(value, self.kind):
-            raise _expected(where, self.kind.__name__, value)
-        return value
-
-    dump = load
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
-
-
-class _List(Codec):
-    def __init__(self, item: Codec):
-        self.item = item
-        self.free = item.free
-        # the common lists, checked without a call per item
-        self.ints = isinstance(item, _Int)
-        self.int_rows = isinstance(item, _List) and item.ints
-        self.same = isinstance(item, (_Int, _Exact, _Any)) or self.int_rows
-
-    def load(self, value: Any, where: str) -> Any:
-        if not isinstance(value, list):
-            raise _expected(where, "a list", value)
-        return self._items(value, where, self.item.load)
-
-    def dump(self, value: Any, where: str) -> Any:
-        if not isinstance(value, (list, tuple)):
-            raise _expected(where, "a list", value)
-        return self._items(value, where, self.item.dump)
-
-    def _items(self, value: Any, where: str, convert: Callable[[Any, str], Any]) -> Any:
-        if self.ints:
-            if not _ints(value):
-                raise ProtocolError(f"{where}: expected a list of int")
-            return value
-        if self.int_rows:
-            for row in value:
-                if not isinstance(row, (list, tuple)) or not _ints(row):
-                    raise ProtocolError(f"{where}: expected lists of int")
-            return value
-        out = [convert(v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return value if self.same else out
-
-
-def _ints(values: Any) -> bool:
-    """Whether every item is an int (not a bool): plain ints at C speed, else one by one."""
-    return set(map(type, values)) <= _INT_ONLY or all(map(_is_int, values))
-
-
-_INT_ONLY = {int}
-
-
-class _Map(Codec):
-    """dict[str, X]; dict[str, Any] holds values of any shape (check_shape checks them)."""
-
-    def __init__(self, item: Codec):
-        self.item = item
-        self.free = item.free
-
-    def load(self, value: Any, where: str) -> Any:
-        if not isinstance(value, dict):
-            raise _expected(where, "a map", value)
-        if not self.free:
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise ProtocolError(f"{where}: map keys must be strings")
-                self.item.load(item, f"{where}[{key!r}]")
-        return value
-
-    dump = load
 
 
 class _Nested(Codec):
@@ -272,7 +135,7 @@ class _Nested(Codec):
 
     def dump(self, value: Any, where: str) -> Any:
         if not isinstance(value, self.cls):
-            raise _expected(where, f"a {self.cls.__name__}", value)
+            raise expected(where, f"a {self.cls.__name__}", value)
         return value._schema.dump(value)
 
 
@@ -287,7 +150,7 @@ class _Union(Codec):
 
     def load(self, value: Any, where: str) -> Any:
         if not isinstance(value, dict):
-            raise _expected(where, "a map", value)
+            raise expected(where, "a map", value)
         kind = value.get("kind")
         cls = self.by_kind.get(kind) if isinstance(kind, str) else None
         if cls is None:
@@ -296,28 +159,19 @@ class _Union(Codec):
 
     def dump(self, value: Any, where: str) -> Any:
         if not isinstance(value, self.classes):
-            raise _expected(where, " or ".join(c.__name__ for c in self.classes), value)
+            raise expected(where, " or ".join(c.__name__ for c in self.classes), value)
         return value._schema.dump(value)
-
-
-_SCALARS: dict[Any, Codec] = {
-    Any: _Any(),
-    int: _Int(),
-    float: _Float(),
-    str: _Exact(str),
-    bool: _Exact(bool),
-}
 
 
 def codec(annotation: Any) -> Codec:
     """The check of values of `annotation` (TypeError for one with no wire form)."""
-    if annotation in _SCALARS:
-        return _SCALARS[annotation]
+    if annotation in SCALARS:
+        return SCALARS[annotation]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is list:
-        return _List(codec(args[0]))
+        return ListOf(codec(args[0]))
     if origin is dict and args[0] is str:
-        return _Map(codec(args[1]))
+        return MapOf(codec(args[1]))
     if origin in (types.UnionType, typing.Union) and all(
         isinstance(a, type) and issubclass(a, Record) and a.TAG == "kind" for a in args
     ):
@@ -370,7 +224,7 @@ class Schema:
     def load(self, value: Any, where: str) -> Any:
         """The record of a map (fields checked, then `check`)."""
         if not isinstance(value, dict):
-            raise _expected(where, "a map", value)
+            raise expected(where, "a map", value)
         if self.tag is not None and value.get(self.tag) != self.name:
             got = value.get(self.tag)
             raise ProtocolError(f"{where}: expected a {self.label}, got {got!r}")

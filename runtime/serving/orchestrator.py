@@ -131,6 +131,7 @@ class Orchestrator:
             "max_seq_len": self.config.runtime.max_seq_len,
             "has_tokenizer": self.tokenizer is not None,
             "model": self.config.target.model,
+            "tokenizer": self.config.tokenizer_path,  # the front's token strings (logprobs)
             # where the processes run: a client on this host watches them (runtime.api.client)
             "server": [socket.gethostname(), os.getpid()],
             "processes": {
@@ -191,8 +192,7 @@ class Orchestrator:
         Needs no worker: `tandem run` makes its sequences before any worker starts."""
         self._loaded()
         sampling = SamplingParams.from_kwargs(**params)
-        if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        self._check_vocab(sampling)
         if (prompts is not None) + (prompt_ids is not None) + (messages is not None) != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
         if messages is not None:
@@ -211,7 +211,6 @@ class Orchestrator:
             if prompts is not None
             else "prompt_token_ids"
         )
-        seqs = []
         for i, ids in enumerate(id_lists):
             check_prompt_ids(ids, self.vocab_size)
             check_fits(
@@ -221,20 +220,54 @@ class Orchestrator:
                 name,
                 i if len(id_lists) > 1 else None,
             )
-            # prompt i of a request samples with seed + i: copies of one prompt give
-            # independent samples, and the whole request is reproducible
-            seed = sampling.seed + i if sampling.seed is not None else secrets.randbits(62)
-            seqs.append(
-                Sequence(
-                    request_id,
-                    i,
-                    ids,
-                    sampling,
-                    TextStream(self.tokenizer, sampling.stop),
-                    seed=seed,
-                )
+        return [
+            self._sequence(request_id, i, ids, sampling)
+            for i, ids in self._fan_out(id_lists, sampling.n)
+        ]
+
+    @staticmethod
+    def _fan_out(id_lists: list[list[int]], n: int) -> list[tuple[int, list[int]]]:
+        """(index, prompt): n samples of each prompt, prompt p's j-th at index p * n + j."""
+        return [(p * n + j, ids) for p, ids in enumerate(id_lists) for j in range(n)]
+
+    def _sequence(self, request_id: str, index: int, ids: list[int], sampling) -> Sequence:
+        # sequence i of a request samples with seed + i: copies of one prompt (n samples, or
+        # a prompt given twice) give independent samples, and the whole request is
+        # reproducible
+        seed = sampling.seed + index if sampling.seed is not None else secrets.randbits(62)
+        stream = TextStream(
+            self.tokenizer, sampling.stop, sampling.include_stop_str_in_output,
+            sampling.skip_special_tokens,
+        )  # fmt: skip
+        return Sequence(request_id, index, ids, sampling, stream, seed=seed)
+
+    def _check_vocab(self, sampling: SamplingParams) -> None:
+        """What needs the model or the server: stop strings a tokenizer, token ids the
+        vocabulary, n and logprobs the configured caps."""
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        for name, ids in (
+            ("logit_bias", [t for t, _ in sampling.logit_bias]),
+            ("stop_token_ids", list(sampling.stop_token_ids)),
+        ):
+            for token in ids:
+                if token >= self.vocab_size:
+                    raise ValueError(
+                        f"{name}: token id {token} is outside the vocabulary [0, {self.vocab_size})"
+                    )
+        server = self.config.server
+        if sampling.n > server.max_n:
+            raise ValueError(
+                f"n: {sampling.n} is more than the {server.max_n} samples a request may ask "
+                f"for (server.max_n)"
             )
-        return seqs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(sampling, name)
+            if value is not None and value > server.max_logprobs:
+                raise ValueError(
+                    f"{name}: {value} is more than the {server.max_logprobs} alternatives a "
+                    f"token's logprobs may hold (server.max_logprobs)"
+                )
 
     # --- the one door into serving ------------------------------------------------------
     @property

@@ -88,6 +88,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        eos = frozenset() if seq.params.ignore_eos else frozenset(self.eos)
+        seq.stop_ids = eos | frozenset(seq.params.stop_token_ids)
         self.queue.append(seq)
 
     def cancel(self, request_id: str) -> None:
@@ -168,7 +170,9 @@ class Scheduler:
         while self.queue and self.free_slots:
             seq = self.queue[0]
             tokens = seq.tokens
-            matched = self.blocks.match(tokens[:-1])  # the last token is fed, not cached
+            # the last token is fed, not cached; prompt logprobs need every position's logits
+            scored = seq.prompt_logprobs is not None and None in seq.prompt_logprobs[1:]
+            matched = [] if scored else self.blocks.match(tokens[:-1])
             positions = self._reach(seq.length + 1)  # its prefill brings one token
             if self.blocks.cost(matched, positions) + growth > self.blocks.available:
                 break
@@ -261,12 +265,17 @@ class Scheduler:
             sum(len(c.seq.prompt_ids) for c in chunks if c.final and not c.seq.stats.preemptions),
         )
         events = []
-        for chunk, first, held in zip(chunks, replies.prefill.tokens, replies.prefill_cached):
+        records = replies.prefill.logprobs or [[]] * len(chunks)
+        scored = replies.prefill.prompt_logprobs or [[]] * len(chunks)
+        for chunk, first, held, rec, prompt_rec in zip(
+            chunks, replies.prefill.tokens, replies.prefill_cached, records, scored
+        ):
             seq = chunk.seq
+            seq.take_prompt_logprobs(chunk.cached + 1, prompt_rec)
             seq.prefill_at = chunk.cached + len(chunk.tokens) - 1
             if chunk.final:
                 seq.status = SeqStatus.RUNNING
-                events.append(self._deliver(seq, first))
+                events.append(self._deliver(seq, first, rec))
                 self.metrics.prefill_tokens(len(events[-1].token_ids))
             self._index(seq, held)
         return events + self._retire([c.seq for c in chunks if c.seq.done])
@@ -278,13 +287,16 @@ class Scheduler:
         self.controller.observe(plan.k, verdict.accepted, replies.round_cost_s, replies.round_steps)
         events: list[Event] = []
         finished: list[Sequence] = []
-        rows = zip(plan.seqs, verdict.tokens, verdict.accepted, overlapped, replies.round_cached)
-        for seq, tokens, accepted, kept, held in rows:
+        records = verdict.logprobs or [[]] * len(plan.seqs)
+        rows = zip(
+            plan.seqs, verdict.tokens, verdict.accepted, overlapped, replies.round_cached, records
+        )
+        for seq, tokens, accepted, kept, held, rec in rows:
             if seq.done:  # ended at its first token, in this step's prefill: nothing more
                 continue
             seq.stats.overlapped_rounds += kept
             seq.stats.round_done(replies.round_k, accepted, len(tokens), self.draft_len)
-            events.append(self._deliver(seq, tokens))
+            events.append(self._deliver(seq, tokens, rec))
             self.metrics.committed(replies.round_k, accepted, len(events[-1].token_ids), kept)
             self._index(seq, held)
             if seq.done:
@@ -297,16 +309,19 @@ class Scheduler:
         if cached // self.blocks.block_size > len(seq.table.keys):
             self.blocks.register(seq.table, seq.tokens, cached)
 
-    def _deliver(self, seq: Sequence, tokens: list[int]) -> Event:
-        """Committed tokens to the sequence's output, up to its limits and stops."""
+    def _deliver(self, seq: Sequence, tokens: list[int], records: list[list[float]]) -> Event:
+        """Committed tokens (and their logprob records, if asked) to the sequence's output,
+        up to its limits and stops."""
         room = seq.params.max_new_tokens - len(seq.generated)
         new = tokens[:room]
+        stop_token = False
         for i, tok in enumerate(new):
-            if tok in self.eos:
-                new = new[: i + 1]
+            if tok in seq.stop_ids:
+                new, stop_token = new[: i + 1], True
                 seq.finish("stop")
                 break
-        new, stopped = seq.stream.add(new)
+        checks = len(seq.generated) + len(new) >= seq.params.min_tokens
+        new, stopped = seq.stream.add(new, check=checks, last_is_stop=stop_token)
         if stopped:
             seq.finish("stop")
         if new:
@@ -318,9 +333,10 @@ class Scheduler:
                 self.metrics.delivered(now - (stats.t_last or now), len(new))
             stats.t_last = now
         seq.generated.extend(new)
+        logprobs = seq.take_logprobs(new, records) if seq.logprobs is not None else None
         if not seq.done and len(seq.generated) >= seq.params.max_new_tokens:
             seq.finish("length")
-        return Event(EventKind.DELTA, seq, new, seq.stream.delta(final=seq.done))
+        return Event(EventKind.DELTA, seq, new, seq.stream.delta(final=seq.done), logprobs)
 
     def _retire(self, seqs: list[Sequence]) -> list[Event]:
         events = []

@@ -94,6 +94,10 @@ class Sequence:
     admitted: int = 0  # admission order (the newest is preempted first)
     prefill_at: int = 0  # positions cached: where its prompt's next chunk starts
     stats: SeqStats = field(default_factory=SeqStats)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it: EOS unless ignored, and
+    # stop_token_ids (the workers mask them until min_tokens were generated)
+    logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, ditto
 
     @property
     def tokens(self) -> list[int]:
@@ -115,16 +119,87 @@ class Sequence:
     def worker_params(self) -> Sampling:
         """What the workers sample this sequence with."""
         p = self.params
-        return Sampling(float(p.temperature), int(p.top_k or 0), float(p.top_p), self.seed)
+        penalised = p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+        return Sampling(
+            float(p.temperature),
+            int(p.top_k or 0),
+            float(p.top_p),
+            self.seed,
+            min_p=float(p.min_p),
+            bias_ids=[t for t, _ in p.logit_bias],
+            bias_values=[float(b) for _, b in p.logit_bias],
+            min_tokens=p.min_tokens,
+            stop_ids=sorted(self.stop_ids) if p.min_tokens else [],
+            output_start=len(self.prompt_ids),
+            repetition=float(p.repetition_penalty),
+            frequency=float(p.frequency_penalty),
+            presence=float(p.presence_penalty),
+            prompt=list(self.prompt_ids) if penalised else [],
+            output=list(self.generated) if penalised else [],
+            logprobs=-1 if p.logprobs is None else p.logprobs,
+            prompt_logprobs=-1 if p.prompt_logprobs is None else p.prompt_logprobs,
+        )
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    def take_prompt_logprobs(self, start: int, records: list[list[float]]) -> None:
+        """A prefill chunk's records of the tokens at positions start, start + 1, ... (those
+        past the prompt, a readmitted sequence's output, are not prompt tokens)."""
+        if self.prompt_logprobs is None:
+            return
+        top = self.params.prompt_logprobs or 0
+        for pos, rec in enumerate(records, start):
+            if pos >= len(self.prompt_ids):
+                break
+            self.prompt_logprobs[pos] = _entry(self.prompt_ids[pos], rec, top)
+
+    def take_logprobs(
+        self, tokens: list[int], records: list[list[float]]
+    ) -> list[dict[int, float]]:
+        """The workers' records of tokens this sequence kept (one each, in order) as
+        {token id: logprob}: the chosen token's, then its top `logprobs` alternatives."""
+        top = self.params.logprobs
+        if top is None or self.logprobs is None:
+            return []
+        kept = [_entry(token, rec, top) for token, rec in zip(tokens, records)]
+        self.logprobs.extend(kept)
+        return kept
 
     def output(self) -> dict:
-        return {
+        out = {
             "index": self.index,
             "text": self.stream.text,
             "token_ids": self.generated,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(len(self.prompt_ids), len(self.generated)),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = pairs(self.logprobs)
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [
+                None if e is None else [[t, lp] for t, lp in e.items()]
+                for e in self.prompt_logprobs
+            ]
+        return out
+
+
+def _entry(token: int, rec: list[float], top: int) -> dict[int, float]:
+    """A worker's record (runtime.speculation.processors.token_logprobs) as {token id:
+    logprob}: the chosen token's, then its first `top` alternatives."""
+    width = (len(rec) - 1) // 2
+    entry = {token: rec[0]}
+    for alt, logprob in zip(rec[1 : 1 + top], rec[1 + width : 1 + width + top]):
+        entry.setdefault(int(alt), logprob)
+    return entry
+
+
+def pairs(entries: list[dict[int, float]]) -> list[list[list[float]]]:
+    """{token id: logprob} per token as [[id, logprob], ...] (msgpack maps need str keys)."""
+    return [[[token, lp] for token, lp in entry.items()] for entry in entries]
 
 
 class EventKind(Enum):
@@ -138,3 +213,4 @@ class Event:
     seq: Sequence
     token_ids: list[int]
     text: str
+    logprobs: list[dict[int, float]] | None = None  # per token of token_ids, when asked

@@ -35,7 +35,7 @@ from runtime.control.signals import SignalWakeup
 from runtime.errors import EngineDeadError
 from runtime.serving.client_door import ClientDoor
 from runtime.serving.orchestrator import Orchestrator
-from runtime.serving.sequence import Event, EventKind
+from runtime.serving.sequence import Event, EventKind, pairs
 
 log = logging.getLogger("tandem.server")
 CLIENT_TIMEOUT_S = 10.0  # a client with requests in flight pings every second
@@ -145,8 +145,10 @@ class Server:
             if pend is None:
                 continue
             if event.kind is EventKind.DELTA and pend.stream and (event.token_ids or event.text):
+                logprobs = None if event.logprobs is None else pairs(event.logprobs)
                 self.reply(
-                    pend.identity, Delta(seq.request_id, seq.index, event.token_ids, event.text)
+                    pend.identity,
+                    Delta(seq.request_id, seq.index, event.token_ids, event.text, logprobs),
                 )
             if (
                 event.kind is EventKind.FINAL

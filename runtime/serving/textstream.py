@@ -9,24 +9,46 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    """include_stop: the stop string (or a stop token's text) stays in the text (vLLM's
+    include_stop_str_in_output); skip_special: special tokens leave no text."""
+
+    def __init__(
+        self,
+        tokenizer,
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop, self.skip_special = include_stop, skip_special
         self.ids: list[int] = []
         self.text = ""
         self.emitted = 0  # characters of self.text already handed out
+        self.search_from = 0  # stop strings are looked for from here (min_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-    def add(self, new_ids: list[int]) -> tuple[list[int], bool]:
-        """Append tokens; returns (the tokens kept, whether a stop string ended the text)."""
+    def add(
+        self, new_ids: list[int], check: bool = True, last_is_stop: bool = False
+    ) -> tuple[list[int], bool]:
+        """Append tokens; returns (the tokens kept, whether a stop string ended the text).
+        check: look for stop strings (not before min_tokens: only text that ends after it
+        counts); last_is_stop: the last token is a stop token, whose text is left out unless
+        include_stop."""
         before = len(self.ids)
         self.ids.extend(new_ids)
         self.text = self._decode(self.ids)
+        if last_is_stop and not self.include_stop:
+            self.text = self._decode(self.ids[:-1])
         if not self.stop:
+            return list(new_ids), False
+        if not check:
+            longest = max(len(s) for s in self.stop)
+            self.search_from = max(0, len(self.text) - longest + 1)
             return list(new_ids), False
         hit = self._find_stop(self.text)
         if hit is None:
@@ -38,13 +60,14 @@ class TextStream:
             if cut is not None:
                 kept = self.ids[before:n]
                 self.ids = self.ids[:n]
-                self.text = text[:cut]
+                self.text = text[: cut[1] if self.include_stop else cut[0]]
                 return kept, True
         raise AssertionError("stop string vanished")  # pragma: no cover
 
-    def _find_stop(self, text: str) -> int | None:
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return min(cuts) if cuts else None
+    def _find_stop(self, text: str) -> tuple[int, int] | None:
+        """(start, end) of the first stop string in text past search_from."""
+        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s, self.search_from)) >= 0]
+        return min(hits) if hits else None
 
     def delta(self, final: bool) -> str:
         """Text that is safe to emit now (all of it when final)."""

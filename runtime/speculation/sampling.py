@@ -1,7 +1,8 @@
 """Sampling distributions and exact sampling from them (the core of speculative sampling).
 
-- warp_probs: logits -> the request's sampling distribution (temperature, top-k, top-p exactly
-  as transformers' warpers; temperature 0 = greedy one-hot).
+- warp_probs: processed logits -> the request's sampling distribution (temperature, min-p,
+  top-k, top-p; top-k and top-p exactly as transformers' warpers; temperature 0 = greedy
+  one-hot).
 - sample_from: inverse-CDF sampling driven by given uniforms (see runtime/speculation/rng.py).
 
 The acceptance rules built on these are in runtime/speculation/acceptance.py.
@@ -14,6 +15,8 @@ depend on the batch composition.
 from __future__ import annotations
 
 import torch
+
+from runtime.speculation.processors import min_p_filter
 
 
 def _filter_top_k_top_p(
@@ -52,14 +55,17 @@ def warp_probs(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     filtered: bool = True,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sampling distributions after temperature, top-k, top-p (transformers' warper order).
+    """Sampling distributions after temperature, min-p, top-k, top-p (vLLM's order; without
+    min-p transformers' warpers'). Processed logits (runtime.speculation.processors) come in.
 
     logits: [B, n, V] raw logits, any float dtype (computed in float32)
     temperature: [B] float, 0 means greedy for that row
     top_k: [B] int, 0 disables
     top_p: [B] float, 1.0 disables
     filtered: False promises that no row uses top-k or top-p, skipping the vocabulary sort
+    min_p: [B] float, 0 disables; None: no row uses it
     returns [B, n, V] float32 probabilities; greedy rows are the one-hot of the first argmax.
     """
     B, n, V = logits.shape
@@ -67,6 +73,8 @@ def warp_probs(
     greedy = (temperature <= 0).view(B, 1, 1)
     t = torch.where(temperature > 0, temperature, 1.0).to(torch.float32)  # [B]
     scores = scores / t.view(B, 1, 1)
+    if min_p is not None:
+        scores = min_p_filter(scores, min_p)
     if filtered:
         scores = _filter_top_k_top_p(scores, top_k, top_p)
     probs = scores.softmax(dim=-1)  # [B, n, V]

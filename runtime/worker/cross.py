@@ -28,7 +28,7 @@ from runtime.control.commands import (
     RoundReply,
 )
 from runtime.models.runners.hostcopy import to_device
-from runtime.worker.round import RoundParts
+from runtime.worker.round import RoundParts, remember
 
 
 def draft_cross(parts: RoundParts, cmd: CrossDraftCommand) -> RoundReply:
@@ -55,13 +55,16 @@ def verify_cross(parts: RoundParts, cmd: CrossVerifyCommand) -> RoundReply:
         verdict = _verify_ragged(parts.target, cmd.slots, cmd.proposals)
     bridge_broadcast(verdict, parts.target_leader, parts.bridge)
     accepted, next_tokens = (list(column) for column in zip(*verdict.tolist()))
+    tokens = [p[:a] + [n] for p, a, n in zip(cmd.proposals, accepted, next_tokens)]
+    logprobs: list[list[list[float]]] = []
     if parts.target is not None:
         parts.target.commit(cmd.slots, accepted, next_tokens)
+        remember(parts, cmd.slots, tokens)
+        logprobs = parts.target.take_logprobs([len(t) for t in tokens])
     worker_s = time.perf_counter() - start
     if not parts.reports:
         return RoundReply(WORKER, worker_s)
-    tokens = [p[:a] + [n] for p, a, n in zip(cmd.proposals, accepted, next_tokens)]
-    return RoundReply(TARGET_LEADER, worker_s, {}, tokens, accepted)
+    return RoundReply(TARGET_LEADER, worker_s, {}, tokens, accepted, logprobs=logprobs or None)
 
 
 def _verify_ragged(target, slots: list[int], proposals: list[list[int]]) -> torch.Tensor:

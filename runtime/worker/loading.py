@@ -14,7 +14,7 @@ from parallel.groups import Groups, TPInfo
 from parallel.topology import WorkerSpec
 from runtime.config import TandemConfig
 from runtime.control.progress import ProgressReporter
-from runtime.worker.shards import DraftShard
+from runtime.worker.draft_shard import DraftShard
 from runtime.worker.target_shard import TargetShard
 
 log = logging.getLogger("tandem.worker")

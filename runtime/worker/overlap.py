@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.worker.shards import DraftShard
+from runtime.worker.draft_shard import DraftShard
 
 
 def held_rows(accepted: list[int], k: int, next_k: int, bonus: bool) -> list[bool]:

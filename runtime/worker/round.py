@@ -10,13 +10,13 @@ the draft and the target groups over the bridge group (NCCL on GPU, gloo on CPU)
       -> bridge -> draft               (target leader -> every worker)
     both commit                      caches roll back to the accepted length (length updates)
 
-The worker process (runtime.worker.process) only dispatches commands here.
+The worker process only dispatches commands here (runtime.worker.dispatch).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from runtime.control.commands import TARGET_LEADER, WORKER, RoundReply, Sampling
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.adaptive import takes_bonus
 from runtime.worker import overlap
-from runtime.worker.shards import DraftShard
+from runtime.worker.draft_shard import DraftShard
 from runtime.worker.stepclock import StepClock
 from runtime.worker.target_shard import TargetShard
 
@@ -105,6 +105,7 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
     if parts.target is not None:
         parts.target.commit(slots, accepted, next_tokens)
     tokens = [d[:a] + [n] for d, a, n in zip(drafts, accepted, next_tokens)]
+    remember(parts, slots, tokens)
     return _result(parts, start, clock, tokens, accepted)
 
 
@@ -161,6 +162,7 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     tokens = [
         d[:a] if hold else d[:a] + [n] for d, a, n, hold in zip(drafts, accepted, next_tokens, held)
     ]
+    remember(parts, slots, tokens)
     # per slot: was its window drafted during the last verify
     return _result(parts, start, clock, tokens, accepted, [bool(r) for r in ready.tolist()])
 
@@ -180,6 +182,7 @@ def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> Round
     for shard in (parts.draft, parts.target):
         if shard is not None:
             shard.append_decoded(slots, rows)
+    remember(parts, slots, rows)
     return _result(parts, start, clock, rows, [0] * len(slots))
 
 
@@ -222,11 +225,30 @@ def prefill(
         for shard in (draft, parts.target):
             if shard is not None:
                 shard.append_decoded([slots[i] for i in ends], rows)
+        remember(parts, [slots[i] for i in ends], rows)
     clock.lap("first_token_transfer_s")
     tokens: list[list[int]] = [[] for _ in slots]
-    for i, row in zip(ends, rows):
+    logprobs: list[list[list[float]]] = []
+    firsts = [] if parts.target is None else parts.target.take_logprobs([1] * len(ends))
+    if firsts:
+        logprobs = [[] for _ in slots]
+    for n, (i, row) in enumerate(zip(ends, rows)):
         tokens[i] = row
-    return _result(parts, start, clock, tokens, [0] * len(slots))
+        if firsts:
+            logprobs[i] = firsts[n]
+    reply = _result(parts, start, clock, tokens, [0] * len(slots), logprobs=logprobs or None)
+    if parts.target is not None:
+        scored = parts.target.take_prompt_logprobs(slots)
+        if scored and parts.reports:
+            reply = replace(reply, prompt_logprobs=scored)
+    return reply
+
+
+def remember(parts: RoundParts, slots: list[int], tokens: list[list[int]]) -> None:
+    """The committed tokens join both shards' penalty histories (runtime.worker.history)."""
+    for shard in (parts.draft, parts.target):
+        if shard is not None:
+            shard.history.add(slots, tokens)
 
 
 def _q_width(parts: RoundParts) -> int:
@@ -278,14 +300,27 @@ def _result(
     tokens: list[list[int]],
     accepted: list[int],
     overlapped: list[bool] | None = None,
+    logprobs: list[list[list[float]]] | None = None,
 ) -> RoundReply:
     """The worker's reply: its own time (and phases when profiling); the committed tokens,
-    accepted counts (and overlapped flags) from the target leader only."""
+    accepted counts (and overlapped flags), logprobs of rows that ask for them, from the
+    target leader only."""
     timing = clock.laps if parts.profile else {}
+    if logprobs is None:  # the target's records of the committed tokens
+        lengths = [len(t) for t in tokens]
+        logprobs = [] if parts.target is None else parts.target.take_logprobs(lengths)
     worker_s = time.perf_counter() - start
     if not parts.reports:
         return RoundReply(WORKER, worker_s, timing)
-    return RoundReply(TARGET_LEADER, worker_s, timing, tokens, accepted, overlapped or [])
+    return RoundReply(
+        TARGET_LEADER,
+        worker_s,
+        timing,
+        tokens,
+        accepted,
+        overlapped or [],
+        logprobs=logprobs or None,
+    )
 
 
 def drop_stale_ahead(parts: RoundParts, k: int | None) -> None:

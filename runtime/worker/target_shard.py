@@ -12,8 +12,14 @@ from runtime.control.commands import Sampling
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation.acceptance import accept_choices
 from runtime.speculation.choose import BatchSampling, target_verify
+from runtime.speculation.processors import token_logprobs
 from runtime.worker.shards import ModelShard
 from runtime.worker.slot_state import Extension
+
+
+def _scores(params: list[Sampling] | None) -> bool:
+    """Whether a row of a prefill asks for its prompt's logprobs."""
+    return params is not None and any(p.prompt_logprobs >= 0 for p in params)
 
 
 class TargetShard(ModelShard):
@@ -24,6 +30,10 @@ class TargetShard(ModelShard):
 
     vocab_parallel = None  # parallel.vocab.VocabParallel, or None when logits are full
     ahead: Extension | None = None
+    # this command's logprob records [B, n, 1 + 2N] in position order (take_logprobs)
+    reported: list[torch.Tensor] | None = None
+    # this prefill's records of prompt tokens, per slot that asks (take_prompt_logprobs)
+    prompt_reported: dict[int, list[list[float]]] | None = None
 
     @property
     def held(self) -> dict[int, torch.Tensor]:
@@ -80,15 +90,37 @@ class TargetShard(ModelShard):
         sampling: BatchSampling,
         first_index: torch.Tensor,
         draft_probs: torch.Tensor | None,
+        earlier: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accepted [B], next_token [B]) from the target's logits [B, k+1, V(local)]."""
+        """(accepted [B], next_token [B]) from the target's logits [B, k+1, V(local)];
+        earlier: tokens decided before these positions, not committed yet (decode)."""
+        plain = sampling.greedy and not sampling.processing.active and sampling.logprobs < 0
         if self.vocab_parallel is not None:
-            if sampling.greedy:
+            if plain:
                 return accept_choices(draft_tokens, self.vocab_parallel.argmax(logits))
             logits = self.vocab_parallel.gather(logits)  # [B, k+1, V]
-        return target_verify(
-            draft_tokens, logits, sampling, first_index, self.acceptance, draft_probs
+        accepted, next_token = target_verify(
+            draft_tokens, logits, sampling, first_index, self.acceptance, draft_probs, earlier
         )
+        if sampling.logprobs >= 0:
+            chosen = torch.cat([draft_tokens, next_token[:, None]], dim=1)  # [B, k+1]
+            chosen = chosen.scatter(1, accepted[:, None], next_token[:, None])
+            self._report(token_logprobs(logits, chosen, sampling.logprobs))
+        return accepted, next_token
+
+    def _report(self, record: torch.Tensor) -> None:
+        if self.reported is None:
+            self.reported = []
+        self.reported.append(record)
+
+    def take_logprobs(self, lengths: list[int]) -> list[list[list[float]]]:
+        """The logprob records of this command's committed tokens (the first lengths[i] of
+        row i), [] when no row asked; the records are dropped."""
+        reported, self.reported = self.reported, None
+        if not reported:
+            return []
+        rows = torch.cat(reported, dim=1).tolist()  # [B, n, 1 + 2N]
+        return [row[:n] for row, n in zip(rows, lengths)]
 
     def commit(self, slots: list[int], accepted: list[int], next_tokens: list[int]) -> None:
         for slot, a, nxt in zip(slots, accepted, next_tokens):
@@ -126,21 +158,83 @@ class TargetShard(ModelShard):
         [B, 1] on the device, the target's choice at the index after the prompt (what a
         round rejecting every draft takes). Commit it with append_decoded (on the draft
         too)."""
-        self._start(slots, prompts, params, cached, tables)
-        logits = self._step_last(slots, *self._ragged(prompts))  # [B, V]
+        if _scores(params):
+            self._start(slots, prompts, params, cached, tables)
+            ids, n_valid = self._ragged(prompts)
+            full = self._score(slots, prompts, params, self._step(slots, ids, n_valid))
+            last = to_device([n - 1 for n in n_valid], torch.long, self.device)
+            logits = full[torch.arange(len(slots), device=self.device), last]  # [B, V(local)]
+        else:
+            self._start(slots, prompts, params, cached, tables)
+            logits = self._step_last(slots, *self._ragged(prompts))  # [B, V]
         return self._pick(logits[:, None], self.sampling(slots), self.committed_index(slots))
 
+    def prefill(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        params: list[Sampling] | None = None,
+        cached: list[int] | None = None,
+        tables: list[list[int]] | None = None,
+        through: bool = False,
+    ) -> None:
+        """ModelShard.prefill; rows that ask for prompt logprobs get their tokens' records
+        (take_prompt_logprobs): every position's logits are kept for them."""
+        if not _scores(params):
+            return super().prefill(slots, prompts, params, cached, tables, through)
+        self._start(slots, prompts, params, cached, tables)
+        rows = [p if through else p[:-1] for p in prompts]  # a chunk has 2 tokens at least
+        self._score(slots, prompts, params, self._step(slots, *self._ragged(rows)))
+
+    def _score(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        params: list[Sampling] | None,
+        logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Record the target's logprobs of each asking row's tokens after its first (the
+        logits [B, T, V(local)] at position j score token j + 1); returns the logits."""
+        assert params is not None  # _scores(params)
+        full = logits if self.vocab_parallel is None else self.vocab_parallel.gather(logits)
+        width = max(len(p) for p in prompts) - 1
+        if width <= 0:
+            return logits
+        nxt = to_device(
+            [p[1:] + [0] * (width + 1 - len(p)) for p in prompts], torch.long, self.device
+        )
+        top = max(p.prompt_logprobs for p in params)
+        records = token_logprobs(full[:, :width], nxt, top).tolist()  # [B, width, 1 + 2N]
+        if self.prompt_reported is None:
+            self.prompt_reported = {}
+        for slot, prompt, sampling, row in zip(slots, prompts, params, records):
+            if sampling.prompt_logprobs >= 0:
+                self.prompt_reported[slot] = row[: len(prompt) - 1]
+        return logits
+
+    def take_prompt_logprobs(self, slots: list[int]) -> list[list[list[float]]]:
+        """This prefill's prompt records per slot ([] for a slot that asked none), [] when no
+        slot asked; the records are dropped."""
+        reported, self.prompt_reported = self.prompt_reported, None
+        if not reported:
+            return []
+        return [reported.get(slot, []) for slot in slots]
+
     def _pick(
-        self, logits: torch.Tensor, sampling: BatchSampling, index: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        sampling: BatchSampling,
+        index: torch.Tensor,
+        earlier: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The target's token at sequence index `index` [B] from its logits [B, 1, V(local)]
-        with no drafts to test: [B, 1]."""
-        if sampling.greedy:  # what _choose takes with no drafts, in one kernel
+        with no drafts to test: [B, 1]. earlier: as _choose's."""
+        if sampling.greedy and not sampling.processing.active and sampling.logprobs < 0:
             if self.vocab_parallel is not None:
                 return self.vocab_parallel.argmax(logits)
             return logits.argmax(dim=-1)
         no_drafts = torch.zeros(logits.shape[0], 0, dtype=torch.long, device=self.device)
-        return self._choose(no_drafts, logits, sampling, index, None)[1][:, None]
+        return self._choose(no_drafts, logits, sampling, index, None, earlier)[1][:, None]
 
     # --- target-only rounds ----------------------------------------------------------------
     def decode(self, slots: list[int], steps: int) -> torch.Tensor:
@@ -156,18 +250,20 @@ class TargetShard(ModelShard):
         tokens = [] if done is None else [done]
         first = done.shape[1] if done is not None else 0
         if first < steps:
-            tokens += self._decode_steps(slots, token, first, steps - first)
+            tokens = self._decode_steps(slots, token, tokens, steps - first)
         return torch.cat(tokens, dim=1)  # [B, steps]
 
     def _decode_steps(
-        self, slots: list[int], token: torch.Tensor, done: int, steps: int
+        self, slots: list[int], token: torch.Tensor, tokens: list[torch.Tensor], steps: int
     ) -> list[torch.Tensor]:
-        """`steps` more decode steps after `done` of them, feeding token [B, 1] first."""
-        sampling, first = self.sampling(slots), self.committed_index(slots) + done
-        tokens = []
+        """`steps` more decode steps after `tokens` ([B, m] each, decoded this round and not
+        committed: in the penalties' history), feeding token [B, 1] first."""
+        sampling, tokens = self.sampling(slots), list(tokens)
+        first = self.committed_index(slots) + sum(t.shape[1] for t in tokens)
         for i in range(steps):
             logits = self._step(slots, token)  # [B, 1, V(local)]
-            token = self._pick(logits, sampling, first + i)  # [B, 1]
+            earlier = torch.cat(tokens, dim=1) if tokens and sampling.processing.active else None
+            token = self._pick(logits, sampling, first + i, earlier)  # [B, 1]
             tokens.append(token)
         return tokens
 
@@ -178,6 +274,8 @@ class TargetShard(ModelShard):
         round for the same slots in the same states takes the tokens (decode); anything
         else drops them."""
         self.ahead, marks = None, self.slots.mark(slots)
+        if self.sampling(slots).logprobs >= 0:  # their records belong to the round itself
+            return
         try:
             tokens = self.decode(slots, steps)
         except (ValueError, RuntimeError):  # a full cache, no single pending token: not now

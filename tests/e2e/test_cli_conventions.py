@@ -83,9 +83,9 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def test_every_option_has_help_that_gives_its_default():
-    from launcher.cli import _parser
+    from launcher.cli_parser import build_parser
 
-    for name, sub in _subparsers(_parser()).items():
+    for name, sub in _subparsers(build_parser()).items():
         formatter = sub._get_formatter()
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction):

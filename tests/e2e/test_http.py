@@ -209,7 +209,7 @@ def test_sampling_params_and_stop_match_zmq_client(served):
 @pytest.mark.parametrize(
     "kwargs,param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),  # more samples than the server's cap (16)
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 1000}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
@@ -221,8 +221,9 @@ def test_sampling_params_and_stop_match_zmq_client(served):
         ({"stop": 5}, "stop"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 10**6]}, "prompt"),
-        ({"logprobs": 2}, "logprobs"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"suffix": "x"}, "suffix"),
         ({"extra_body": {"bogus": 1}}, "bogus"),
     ],
 )
@@ -253,7 +254,7 @@ def test_bad_completion_arguments_are_400(served, kwargs, param):
             },
             "messages",
         ),
-        ({"n": 3}, "n"),
+        ({"n": 17}, "n"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
         ({"stream": True, "temperature": -1}, "temperature"),
         ({"temperature": 3}, "temperature"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.bench.runner import _decode_efficiency
+from runtime.bench.figures import _decode_efficiency
 
 
 def test_decode_efficiency_leaves_the_first_token_out():

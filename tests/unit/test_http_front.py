@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP front's request rules without a server (runtime.api.http_args,
-runtime.api.http_api): OpenAI's temperature range, what `stop` accepts, which model names
+"""The OpenAI-compatible HTTP front's request rules without a server (runtime.api.openai_requests,
+runtime.api.http_routes): OpenAI's temperature range, what `stop` accepts, which model names
 it serves."""
 
 from __future__ import annotations
@@ -9,22 +9,23 @@ import math
 
 import pytest
 
-from runtime.api.http_api import _Routes
-from runtime.api.http_args import HttpError, _sampling, _value_error
+from runtime.api.http_routes import Routes
+from runtime.api.openai_errors import HttpError
+from runtime.api.openai_requests import sampling_kwargs, value_error
 from runtime.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 
 
 def _refusal(body: dict) -> HttpError:
-    """The 400 that the front answers for `body`'s sampling arguments (checked in _sampling,
+    """The 400 that the front answers for `body`'s sampling arguments (checked in sampling_kwargs,
     or by SamplingParams as HttpClient.build does, its ValueError turned into HttpError)."""
     try:
-        SamplingParams.from_kwargs(**_sampling(body, "max_tokens"))
+        SamplingParams.from_kwargs(**sampling_kwargs(body, "max_tokens"))
     except HttpError as exc:
         return exc
     except ValueError as exc:
-        return _value_error(exc, "max_tokens", "prompt")
+        return value_error(exc, "max_tokens", "prompt")
     raise AssertionError(f"{body} was accepted")
 
 
@@ -37,11 +38,11 @@ def test_temperature_outside_openais_range_is_400(temperature):
 
 @pytest.mark.parametrize("temperature", [0, 0.0, 0.7, 1, 2, 2.0])
 def test_temperature_in_openais_range_is_passed_on(temperature):
-    assert _sampling({"temperature": temperature}, "max_tokens")["temperature"] == temperature
+    assert sampling_kwargs({"temperature": temperature}, "max_tokens")["temperature"] == temperature
 
 
 def test_temperature_defaults_to_openais():
-    assert _sampling({}, "max_tokens")["temperature"] == 1.0
+    assert sampling_kwargs({}, "max_tokens")["temperature"] == 1.0
 
 
 def test_non_number_temperature_is_400():
@@ -58,24 +59,26 @@ def test_bad_stop_says_a_string_or_a_list_is_accepted(stop):
 
 @pytest.mark.parametrize("stop, expected", [("x", ("x",)), (["x", "y"], ("x", "y"))])
 def test_stop_takes_a_string_or_a_list(stop, expected):
-    assert SamplingParams.from_kwargs(**_sampling({"stop": stop}, "max_tokens")).stop == expected
+    assert (
+        SamplingParams.from_kwargs(**sampling_kwargs({"stop": stop}, "max_tokens")).stop == expected
+    )
 
 
 # --- the served model name -----------------------------------------------------------------
 class _FakeClient:
-    """What _Routes reads of its HttpClient: the server's info, already fetched."""
+    """What Routes reads of its HttpClient: the server's info, already fetched."""
 
     def __init__(self, model: str):
         self._info = {"model": model}
 
 
-def _check(routes: _Routes, name: str):
+def _check(routes: Routes, name: str):
     return asyncio.run(routes.check_model({"model": name}))
 
 
 def test_default_served_name_is_the_targets_file_name_or_its_path():
     path = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-    routes = _Routes(_FakeClient(path), None)
+    routes = Routes(_FakeClient(path), None)
     assert _check(routes, "SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert _check(routes, path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
     with pytest.raises(HttpError) as info:
@@ -84,12 +87,12 @@ def test_default_served_name_is_the_targets_file_name_or_its_path():
 
 
 def test_default_served_name_of_a_checkpoint_directory():
-    routes = _Routes(_FakeClient("/models/llama-8b/"), None)
+    routes = Routes(_FakeClient("/models/llama-8b/"), None)
     assert _check(routes, "llama-8b") == "llama-8b"
 
 
 def test_served_model_name_is_the_only_name():
-    routes = _Routes(_FakeClient("/models/llama-8b"), "tandem")
+    routes = Routes(_FakeClient("/models/llama-8b"), "tandem")
     assert _check(routes, "tandem") == "tandem"
     for other in ("llama-8b", "/models/llama-8b"):
         with pytest.raises(HttpError) as info:

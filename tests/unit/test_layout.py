@@ -113,8 +113,20 @@ def test_one_round_reads_in_one_module():
     tree = ast.parse((ROOT / "runtime" / "worker" / "round.py").read_text())
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {"speculate", "decode_target_only"} <= functions
-    worker = (ROOT / "runtime" / "worker" / "process.py").read_text()
-    assert "bridge_broadcast" not in worker and ".verify(" not in worker
+    for name in ("process.py", "dispatch.py", "control_link.py"):  # they only dispatch
+        worker = (ROOT / "runtime" / "worker" / name).read_text()
+        assert "bridge_broadcast" not in worker and ".verify(" not in worker, name
+
+
+def test_no_product_file_over_400_lines():
+    """A file holds one concern: at most 400 lines (as ruff formats them)."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, long
 
 
 def test_few_environment_variables_each_documented():

@@ -191,7 +191,7 @@ class Attention(nn.Module):
     def _attend(
         self, q: torch.Tensor | NewTokens, batch: ExtendBatch, seq: int, quantize: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """q [B, Hkv, r*T, D] (heads stacked: fused.stack_heads) over the cache -> [B, T, H, D];
+        """q [B, Hkv, r*T, D] (stacked: elementwise.stack_heads) over the cache -> [B, T, H, D];
         or the step's kernels.rope.NewTokens (only where _folds_rope said so). With the
         kernels on: steps of up to SLOT_KERNEL_ROWS stacked rows take the flash-decoding
         kernel, longer ones (prompt chunks) the flash-attention prefill kernel; without them
@@ -297,7 +297,7 @@ def grouped_attention(
     """Grouped-query attention without copying keys/values per query head.
 
     q [B, Hkv, r*T, D] (the r = H / Hkv query heads of each KV head stacked along the query
-    axis: fused.stack_heads); k, v [B, Hkv, L, D]; mask [B, 1, T, L] bool -> [B, T, H, D].
+    axis: elementwise.stack_heads); k, v [B, Hkv, L, D]; mask [B, 1, T, L] bool -> [B, T, H, D].
     Attention reads each KV head once; every query row has its own softmax, so stacking
     changes nothing. scale: of the scores (default D ** -0.5); softcap c: scaled scores
     capped at c * tanh(s / c) before the mask (Gemma 2; SDPA has no such step, so capped

@@ -55,7 +55,7 @@ class KVCache(nn.Module):
 
     kv_dtype "auto": K and V in `dtype` (the activation dtype). "fp8": K and V in e4m3 and
     a float32 scale per position and KV head, k_scale / v_scale [num_blocks + 1, n_kv_heads,
-    block_size]: amax(|x|) / 448 over head_dim (fused.fp8_quantize_kv); a value is
+    block_size]: amax(|x|) / 448 over head_dim (fp8_elementwise.fp8_quantize_kv); a value is
     e4m3.float() * scale. Half the bytes of bf16 K/V plus 8 bytes a position and KV head.
     """
 

@@ -31,7 +31,7 @@ FALLBACK_LACKS = (
 
 class NormPlacement(enum.Enum):
     """Where a decoder layer's RMSNorms sit around its attention and MLP blocks
-    (llama.DecoderLayer picks its forward by it)."""
+    (decoder_layer.DecoderLayer picks its forward by it)."""
 
     PRE = "pre"  # Llama, Qwen, Phi: x + attn(input(x)), then + mlp(post_attention(.))
     POST = "post"  # OLMo 2: x + post_attention(attn(x)), then + post_feedforward(mlp(.))

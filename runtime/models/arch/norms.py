@@ -12,7 +12,7 @@ from runtime.models.arch.model_args import ModelArgs
 
 
 class RMSNorm(nn.Module):
-    fusable = True  # llama.add_then_norm may fold it into fused.add_rms_norm (and FP8)
+    fusable = True  # decoder_layer.add_then_norm may fold it into fused.add_rms_norm (and FP8)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()

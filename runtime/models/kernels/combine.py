@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.models.arch import fused
+from runtime.models.arch import fp8_elementwise
 from runtime.models.kernels.e4m3 import e4m3_rne
 
-FP8_MAX = tl.constexpr(fused.FP8_MAX)  # the largest e4m3 value
+FP8_MAX = tl.constexpr(fp8_elementwise.FP8_MAX)  # the largest e4m3 value
 _ROUND = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 

@@ -1,13 +1,14 @@
 """The FP8 KV cache in the Triton kernels (runtime.models.arch.cache.KVCache, kv_dtype "fp8").
 
 K and V are stored as e4m3 [N+1, Hkv, BS, D] with a float32 scale per position and KV head,
-k_scale / v_scale [N+1, Hkv, BS]. The writers (kernels.rope: the RoPE kernel and the write
-folded into attention's partial kernel) quantize each head's row as fused.fp8_quantize_kv
-does: scale = max(amax, KV_AMAX_FLOOR) / 448, e4m3(x / scale), rounded to nearest-even in
-float32 first (kernels.e4m3: exact under the interpreter too), so a kernel's bytes equal the
-eager path's. The reader (kernels.attention's partial kernel) loads the e4m3 values, casts
-them to the queries' dtype (exact: every e4m3 value is a bf16 / fp16 value) and applies the
-scales in float32: K's to the scores, V's to the probabilities before the P @ V product.
+k_scale / v_scale [N+1, Hkv, BS]. The writers (kernels.rope_kernel: the RoPE kernel, and
+kernels.rope_rows: the write folded into attention's partial kernel) quantize each head's
+row as fused.fp8_quantize_kv does: scale = max(amax, KV_AMAX_FLOOR) / 448, e4m3(x / scale),
+rounded to nearest-even in float32 first (kernels.e4m3: exact under the interpreter too), so
+a kernel's bytes equal the eager path's. The readers (kernels.attention_partial,
+kernels.prefill_kernel) load the e4m3 values, cast them to the queries' dtype (exact: every
+e4m3 value is a bf16 / fp16 value) and apply the scales in float32: K's to the scores, V's
+to the probabilities before the P @ V product.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.models.arch import fused
+from runtime.models.arch import fp8_elementwise
 from runtime.models.kernels.e4m3 import e4m3_rne
 
-FP8_MAX = tl.constexpr(fused.FP8_MAX)
-AMAX_FLOOR = tl.constexpr(fused.KV_AMAX_FLOOR)
+FP8_MAX = tl.constexpr(fp8_elementwise.FP8_MAX)
+AMAX_FLOOR = tl.constexpr(fp8_elementwise.KV_AMAX_FLOOR)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch
 
 from runtime.models.arch.base import CausalLM, is_paged
 from runtime.models.arch.cache import KVCache, blocks_for
-from runtime.models.arch.llama import DecoderLayer
+from runtime.models.arch.decoder_layer import DecoderLayer
 
 GIB = 1024**3
 RESERVE = 0.05  # of total device memory, kept free for activations when no budget is set

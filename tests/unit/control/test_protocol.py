@@ -34,7 +34,7 @@ WIRE = {
     "ping": ({"id"}, set()),
     "stats": ({"id"}, set()),
     "metrics": ({"id"}, set()),
-    "delta": ({"id", "index", "token_ids", "text"}, set()),
+    "delta": ({"id", "index", "token_ids", "text"}, {"logprobs"}),
     "final": ({"id", "outputs"}, set()),
     "failed": ({"id", "message", "kind"}, set()),
     "pong": ({"id", "info"}, set()),
@@ -42,6 +42,10 @@ WIRE = {
     "stats_reply": ({"id", "stats"}, set()),
     "metrics_reply": ({"id", "text"}, set()),
 }
+SAMPLING_EXTRAS = {  # the processors and logprobs: a map may leave them out (off)
+    "min_p", "bias_ids", "bias_values", "min_tokens", "stop_ids", "output_start", "repetition",
+    "frequency", "presence", "prompt", "output", "logprobs", "prompt_logprobs",
+}  # fmt: skip
 REPLY_FIELDS = {"role", "worker_s", "timing", "tokens", "accepted", "overlapped", "cached"}
 
 
@@ -54,9 +58,9 @@ def fields(schema: wire.Schema) -> tuple[set[str], set[str]]:
 
 def test_the_derived_schemas_are_the_wire_as_it_was():
     assert {name: fields(cls._schema) for name, cls in wire.MESSAGES.items()} == WIRE
-    assert fields(commands.RoundReply._schema) == (REPLY_FIELDS, set())
+    assert fields(commands.RoundReply._schema) == (REPLY_FIELDS, {"logprobs", "prompt_logprobs"})
     assert fields(commands.StepAck._schema) == (set(), set())
-    assert fields(Sampling._schema) == ({"temperature", "top_k", "top_p", "seed"}, set())
+    assert fields(Sampling._schema) == ({"temperature", "top_k", "top_p", "seed"}, SAMPLING_EXTRAS)
 
 
 def test_round_trip():

@@ -66,7 +66,10 @@ def test_round_command_sends_every_field_and_reads_the_short_form():
 
 def test_a_prefill_sends_sampling_params_as_maps():
     sent = wire.to_wire(PrefillCommand([0], [[1, 2]], [PARAMS], step=1))
-    assert sent["params"] == [PARAMS_MAP] and sent["cached"] == [0] and sent["final"] == [True]
+    (params,) = sent["params"]
+    assert {k: params[k] for k in PARAMS_MAP} == PARAMS_MAP  # and the processors, off
+    assert Sampling.of(params) == PARAMS
+    assert sent["cached"] == [0] and sent["final"] == [True]
 
 
 @pytest.mark.parametrize(

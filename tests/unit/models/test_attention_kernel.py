@@ -16,7 +16,7 @@ import torch
 from runtime.models.arch.attention import grouped_attention
 from tests import paged
 from runtime.models.arch import fused
-from runtime.models.arch.fused import stack_heads
+from runtime.models.arch.elementwise import stack_heads
 from runtime.models.kernels import attention as kernel, available
 
 assert available(torch.device("cpu"))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.models import load_model
-from runtime.models.arch import fused
+from runtime.models.arch import fp8_elementwise
 from runtime.models.arch.cache import KVCache
 from runtime.models.runners.kv_budget import block_bytes, cache_bytes
 from tests.checkpoints import build_checkpoint
@@ -175,7 +175,7 @@ def test_quantize_round_trip_error_bound():
     x = torch.randn(64, 4, 128, generator=g) * torch.logspace(-6, 3, 64)[:, None, None]
     x[3, 1] = 0.0
     x[5, 2, 7] = 1e4  # an outlier in one row
-    data, scale = fused.fp8_quantize_kv(x)
+    data, scale = fp8_elementwise.fp8_quantize_kv(x)
     assert data.dtype == torch.float8_e4m3fn and scale.shape == (64, 4)
     back = data.float() * scale[..., None]
     bound = torch.maximum(x.abs() / 16, scale[..., None] / 1024) * (1 + 1e-6)
@@ -197,7 +197,9 @@ def test_cache_read_dequantizes_what_writes_stored():
     from tests import paged
 
     batch = paged.batch(cache, table, [0], [20], 20)
-    fused.write_cache_kv8(cache.k_cache, cache.k_scale, batch.write_blocks, batch.write_offsets, x)
+    fp8_elementwise.write_cache_kv8(
+        cache.k_cache, cache.k_scale, batch.write_blocks, batch.write_offsets, x
+    )
     k, _ = cache.read(batch)  # [1, 2, 20, 16]
     want = x.permute(0, 2, 1, 3)
     assert k.dtype == torch.float32

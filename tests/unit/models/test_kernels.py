@@ -14,7 +14,7 @@ import torch
 from runtime.models.arch.attention import grouped_attention
 from runtime.models.arch.cache import ExtendBatch, KVCache
 from runtime.models.arch import fused
-from runtime.models.arch.fused import stack_heads
+from runtime.models.arch.elementwise import stack_heads
 from runtime.models.kernels import available, rope
 from runtime.models.kernels.attention import slot_attention
 from runtime.models.arch.rope import RotaryEmbedding, compute_inv_freq

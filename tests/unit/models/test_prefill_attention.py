@@ -16,10 +16,10 @@ pytestmark = pytest.mark.timeout(300)
 SETUP = r'''
 import sys
 import torch
-from runtime.models.arch import fused
+from runtime.models.arch import fp8_elementwise
 from runtime.models.arch.attention import grouped_attention
 from runtime.models.arch.cache import KVCache, blocks_for
-from runtime.models.arch.fused import stack_heads
+from runtime.models.arch.elementwise import stack_heads
 from runtime.models.kernels import available
 from runtime.models.kernels import prefill_attention as kernel
 from tests import paged
@@ -121,14 +121,14 @@ LOW_PRECISION = (
     SETUP
     + r'''
 def fp8_pool(rows, cache_len, n_kv, dim, dtype, block_size=16):
-    """An FP8 pool of random K/V (fused.fp8_quantize_kv, scales varying by position) and the
-    rows' fixed tables."""
+    """An FP8 pool of random K/V (fp8_elementwise.fp8_quantize_kv, scales varying by position)
+    and the rows' fixed tables."""
     m = blocks_for(cache_len, block_size)
     cache = KVCache(rows * m, block_size, n_kv, dim, dtype, kv_dtype="fp8")
     for data, scale in ((cache.k_cache, cache.k_scale), (cache.v_cache, cache.v_scale)):
         x = torch.randn(rows * m + 1, n_kv, block_size, dim)
         x = x * torch.rand(rows * m + 1, n_kv, block_size, 1) * 4
-        d, s = fused.fp8_quantize_kv(x)
+        d, s = fp8_elementwise.fp8_quantize_kv(x)
         data.copy_(d)
         scale.copy_(s)
     return cache, paged.pool(rows, cache_len, n_kv, dim, dtype, block_size, False)[1]

@@ -13,7 +13,7 @@ from runtime.models import kernels, load_model
 from runtime.models.runners.graphs import batch_buckets, kv_bucket
 from runtime.models.runners.prefill_runner import MAX_TOKENS, PrefillRunner
 from runtime.models.runners.step_runner import StepRunner
-from runtime.worker.shards import DraftShard
+from runtime.worker.draft_shard import DraftShard
 from tests.interpreted import run_interpreted
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from runtime.models import load_model
 from runtime.models.arch.attention import grouped_attention
-from runtime.models.arch.fused import stack_heads
+from runtime.models.arch.elementwise import stack_heads
 from runtime.models.runners.graphs import batch_buckets, kv_bucket
 from runtime.models.runners.kv_budget import cache_bytes, check_kv_budget
 from runtime.models.runners.step_runner import StepRunner
-from runtime.worker.shards import DraftShard
+from runtime.worker.draft_shard import DraftShard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,8 +11,8 @@ import torch
 
 from runtime.control.commands import Sampling
 from runtime.models import load_model
+from runtime.worker.draft_shard import DraftShard
 from runtime.worker.round import RoundParts, speculate_overlapped
-from runtime.worker.shards import DraftShard
 from runtime.worker.target_shard import TargetShard
 from tests.checkpoints import build_checkpoint, build_near_draft
 

@@ -11,7 +11,7 @@ from runtime.control.commands import Sampling
 from runtime.models import load_model
 from runtime.speculation.vocab import DraftVocab
 from runtime.worker import overlap
-from runtime.worker.shards import DraftShard
+from runtime.worker.draft_shard import DraftShard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import torch
 
 from runtime.control.commands import Sampling
 from runtime.models import load_model
-from runtime.worker.shards import DraftShard
+from runtime.worker.draft_shard import DraftShard
 from runtime.worker.target_shard import TargetShard
 
 pytestmark = pytest.mark.timeout(120)
