@@ -321,6 +321,7 @@ def _serve(
                 served_model_name,
                 auth_key_file=config.server.auth_key_file,
                 tokenizer_path=config.tokenizer_path,
+                tool_parser=config.server.tool_parser,
             )
             bound.front.start()
             print(f"tandem: HTTP API at {bound.front.url}", file=sys.stderr, flush=True)

@@ -33,6 +33,8 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives per generated token (0: the chosen alone)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
     n: int = 1  # independent samples of each prompt
+    # one of {"json": schema}, {"regex": str}, {"choice": [str]}, {"grammar": ebnf}
+    structured_outputs: dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> SamplingParams:
@@ -98,6 +100,12 @@ def check(p: SamplingParams) -> None:
         if value is not None:
             _int(name, value, minimum=0)  # the cap is the server's (server.max_logprobs)
     _int("n", p.n, minimum=1)
+    if p.structured_outputs is not None:
+        from runtime.speculation.grammar_spec import parse_structured_outputs
+
+        parse_structured_outputs(p.structured_outputs)
+        if p.min_tokens:  # a complete grammar allows only the stop tokens min_tokens masks
+            raise ValueError("min_tokens: not with structured_outputs (the grammar ends it)")
 
 
 def params_dict(p: SamplingParams) -> dict:

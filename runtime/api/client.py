@@ -37,6 +37,7 @@ from runtime.api.client_io import (
     _run_closers,
 )
 from runtime.api.outputs import GenerationOutput, StreamDelta, entries
+from runtime.api.tool_calls_request import check_tools
 from runtime.control import auth
 from runtime.control.protocol import (
     Cancel,
@@ -226,18 +227,21 @@ class Client(ClientIO):
         return self._ask(Metrics, MetricsReply, timeout_s).text
 
     def _request(
-        self, prompt, prompt_token_ids, kwargs, stream: bool, chat: bool
+        self, prompt, prompt_token_ids, kwargs, stream: bool, chat: bool, tools=None
     ) -> tuple[Generate, bool]:
         params = SamplingParams.from_kwargs(**kwargs).to_dict()
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if tools is not None and not (chat and prompt is not None):
+            raise ValueError("tools: only a chat prompt (chat=True) shows tools")
         rid = self._new_id()
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt)
             if not prompts or not all(isinstance(p, str) and p for p in prompts):
                 raise ValueError("prompt: expected a non-empty string or list of strings")
-            return Generate(rid, params, stream, prompts=prompts, chat=chat), single
+            tools = check_tools(tools) or None
+            return Generate(rid, params, stream, prompts=prompts, chat=chat, tools=tools), single
         lists, single = _id_lists(prompt_token_ids)
         info = self._info or self.info()
         for index, row in enumerate(lists):
@@ -251,9 +255,13 @@ class Client(ClientIO):
             )
         return Generate(rid, params, stream, prompt_ids=lists, chat=chat), single
 
-    def generate(self, prompt=None, *, prompt_token_ids=None, chat: bool = False, **kwargs):
-        """One prompt in, one GenerationOutput out; a list in, a list out."""
-        msg, single = self._request(prompt, prompt_token_ids, kwargs, stream=False, chat=chat)
+    def generate(
+        self, prompt=None, *, prompt_token_ids=None, chat: bool = False, tools=None, **kwargs
+    ):
+        """One prompt in, one GenerationOutput out; a list in, a list out. `chat`: each prompt
+        is a user message through the chat template, which shows `tools` (OpenAI's function
+        tools) when given."""
+        msg, single = self._request(prompt, prompt_token_ids, kwargs, False, chat, tools)
         waiter = self._open(msg)
         try:
             while True:
@@ -266,10 +274,10 @@ class Client(ClientIO):
         return outs[0] if single and len(outs) == 1 else outs
 
     def stream(
-        self, prompt=None, *, prompt_token_ids=None, chat: bool = False, **kwargs
+        self, prompt=None, *, prompt_token_ids=None, chat: bool = False, tools=None, **kwargs
     ) -> Iterator[StreamDelta]:
         """Yields StreamDelta as each round's tokens arrive (index says which prompt)."""
-        msg, _ = self._request(prompt, prompt_token_ids, kwargs, stream=True, chat=chat)
+        msg, _ = self._request(prompt, prompt_token_ids, kwargs, True, chat, tools)
         return self._stream(msg)
 
     def _stream(self, msg: Generate) -> Iterator[StreamDelta]:

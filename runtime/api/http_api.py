@@ -19,7 +19,9 @@ client goes away (a closed stream, a dropped connection) is cancelled on the ser
 
 This module assembles the app and runs it; the rest of the front: runtime/api/http_routes.py
 (the endpoints, a request's life on the server, streaming), openai_requests.py (a request
-body as the engine's arguments), openai_responses.py (OpenAI's response and chunk shapes),
+body as the engine's arguments), openai_structured.py (response_format, structured_outputs
+and a chat's tools: the tool-call format and a forced choice's grammar; the calls themselves:
+tool_calls*.py), openai_responses.py (OpenAI's response and chunk shapes),
 openai_logprobs.py (their logprobs), openai_tokens.py (token strings, loaded on first need),
 openai_errors.py (the error body), http_client.py (the asyncio-friendly Client) and
 http_address.py (listening addresses).
@@ -42,6 +44,7 @@ from runtime.api.http_address import bind_http, connect_address, parse_http_addr
 from runtime.api.http_client import HttpClient
 from runtime.api.http_routes import Routes
 from runtime.api.openai_errors import HttpError
+from runtime.api.tool_calls import PARSERS
 
 log = logging.getLogger("tandem.http")
 
@@ -52,12 +55,16 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 def create_app(
-    client: HttpClient, model_name: str | None = None, tokenizer_path: str | None = None
+    client: HttpClient,
+    model_name: str | None = None,
+    tokenizer_path: str | None = None,
+    tool_parser: str | None = None,
 ) -> FastAPI:
-    """The app; `tokenizer_path`: where the server's tokenizer is (token strings of logprobs;
-    default: the one the server's info() names)."""
+    """The app; `tokenizer_path`: where the server's tokenizer is (token strings of logprobs,
+    the chat template's tool-call format; default: the one the server's info() names);
+    `tool_parser`: server.tool_parser (None: the chat template's format)."""
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
-    routes = Routes(client, model_name, tokenizer_path)
+    routes = Routes(client, model_name, tokenizer_path, tool_parser)
     app.add_exception_handler(HttpError, _http_error)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
@@ -79,13 +86,14 @@ class HttpFront:
         model_name: str | None = None,
         auth_key_file: str | None = None,
         tokenizer_path: str | None = None,
+        tool_parser: str | None = None,
     ):
         import uvicorn
 
         self.sock = sock
         self.url = socket_url(sock)
         self.client = HttpClient(connect_address(address), auth_key_file=auth_key_file)
-        self.app = create_app(self.client, model_name, tokenizer_path)
+        self.app = create_app(self.client, model_name, tokenizer_path, tool_parser)
         level = os.environ.get("TANDEM_LOG", "warning").lower()  # as the logging's level
         if level not in ("critical", "error", "warning", "info", "debug"):  # uvicorn's names
             level = "warning"
@@ -161,6 +169,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="the model id clients name (default: the target model's file or directory name)",
     )
+    parser.add_argument(
+        "--tool-parser",
+        choices=PARSERS,
+        default=None,
+        help="the tool-call format of chat outputs (server.tool_parser; default: the one "
+        "the chat template shows)",
+    )
     return parser
 
 
@@ -181,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    front = HttpFront(args.address, sock, args.model_name, args.auth_key_file)
+    front = HttpFront(
+        args.address, sock, args.model_name, args.auth_key_file, tool_parser=args.tool_parser
+    )
     print(f"tandem: HTTP API at {front.url} (server {args.address})", file=sys.stderr, flush=True)
     front.run_forever()
     return 0

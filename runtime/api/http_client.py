@@ -41,11 +41,19 @@ class HttpClient(Client):
             self._post(Cancel(rid))
 
     def build(
-        self, *, prompt=None, prompt_token_ids=None, messages=None, params: dict, stream: bool
+        self,
+        *,
+        prompt=None,
+        prompt_token_ids=None,
+        messages=None,
+        tools=None,
+        params: dict,
+        stream: bool,
     ) -> Generate:
-        """The generate message (arguments validated here: ValueError names them)."""
+        """The generate message (arguments validated here: ValueError names them); `tools`
+        (checked already) go with `messages`."""
         if messages is not None:
             checked = SamplingParams.from_kwargs(**params).to_dict()
-            return Generate(self._new_id(), checked, stream, messages=messages)
+            return Generate(self._new_id(), checked, stream, messages=messages, tools=tools)
         msg, _ = self._request(prompt, prompt_token_ids, params, stream, chat=False)
         return msg

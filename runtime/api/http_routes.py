@@ -28,6 +28,7 @@ from runtime.api.openai_requests import (
     parse_completion,
 )
 from runtime.api.openai_responses import DONE, ChatShapes, CompletionShapes, ResponseShapes, sse
+from runtime.api.openai_structured import forced_grammar, tool_format
 from runtime.api.openai_tokens import (
     Render,
     TokenizerSource,
@@ -45,11 +46,17 @@ class Routes:
     """The endpoints over one HttpClient."""
 
     def __init__(
-        self, client: HttpClient, model_name: str | None, tokenizer_path: str | None = None
+        self,
+        client: HttpClient,
+        model_name: str | None,
+        tokenizer_path: str | None = None,
+        tool_parser: str | None = None,
     ):
         self.client = client
-        # token strings (logprobs, echo): the server's tokenizer, loaded here on first need
+        # token strings (logprobs, echo) and the chat template (the tool-call format): the
+        # server's tokenizer, loaded here on first need
         self.tokens = TokenizerSource(tokenizer_path)
+        self.tool_parser = tool_parser  # server.tool_parser; None: the chat template's
         # the served model id: `--served-model-name`, else (found on the first request) the
         # target's file or directory name, when its full path is accepted too
         self.model = model_name
@@ -126,7 +133,22 @@ class Routes:
         body = await self.read_body(request)
         check_args(body, CHAT_ARGS, CHAT_OFF_VALUES)
         name = await self.check_model(body)
-        return await self.answer(request, parse_chat(body), ChatShapes, name)
+        req = await self.read_tools(parse_chat(body))
+        return await self.answer(request, req, ChatShapes, name)
+
+    async def read_tools(self, req: OpenAIRequest) -> OpenAIRequest:
+        """A chat request whose tools are called (tool_choice not "none"): its output read
+        in the configured or the chat template's format, a forced choice's grammar set."""
+        tools = req.tools
+        if tools is None or not tools.parses:
+            return req
+        template = None
+        if self.tool_parser is None:
+            strings = await self.tokens.get(await self.info())
+            template = getattr(strings.tokenizer, "chat_template", None)
+        parser = tool_format(tools, self.tool_parser, template)
+        grammar = await asyncio.to_thread(forced_grammar, tools, parser) if tools.forced else None
+        return req.reading_tools(parser, grammar)
 
     async def read_body(self, request: Request) -> dict:
         try:
@@ -239,8 +261,7 @@ class Routes:
                     yield sse(opening)
                 while True:
                     if isinstance(reply, Delta):
-                        chunk = shapes.delta_chunk(reply)
-                        if chunk is not None:
+                        for chunk in shapes.delta_chunks(reply):
                             yield sse(chunk)
                     elif isinstance(reply, (Final, Failed)):
                         done = True

@@ -3,17 +3,21 @@
 defaults, the prompt or messages and the sampling arguments (runtime.params.SamplingParams'
 keywords) they give: completions' logprobs=N and echo become logprobs / prompt_logprobs,
 chat's logprobs + top_logprobs become logprobs; and the engine's refusals turned into 400s
-that name the OpenAI argument. Nothing here talks to the server. docs/serving.md has the
-table of every argument."""
+that name the OpenAI argument. A chat's tools, tool_choice, response_format and vLLM's
+structured_outputs: runtime/api/openai_structured.py. Nothing here talks to the server.
+docs/sampling.md has the table of every argument."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.api.openai_errors import HttpError, engine_unavailable
+from runtime.api.openai_structured import chat_tools, structured_outputs
+from runtime.api.tool_calls_request import ToolRequest
 from runtime.control.protocol import Failed
 from runtime.params import MAX_LOGPROBS
+from runtime.serving.chat import chat_messages_with_tools
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat as well
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the Python API's default is greedy)
@@ -23,11 +27,8 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2] (the Python API takes any fini
 OFF_VALUES: dict[str, tuple] = {
     "best_of": (None, 1),  # vLLM refuses it too
     "suffix": (None, ""),
-    "tools": (None, []),
-    "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),  # OpenAI's legacy functions: refused, as vLLM does
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "prediction": (None,),
     "modalities": (None, ["text"]),
@@ -70,13 +71,15 @@ _COMMON = {
     "stream",
     "stream_options",
     "logprobs",
+    "response_format",
+    "structured_outputs",  # vLLM's extension
     *PASSED_ON,
 }
 _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 COMPLETION_ARGS = _COMMON | {"prompt", "echo"} | set(OFF_VALUES) | _IGNORED
 CHAT_ARGS = (
     _COMMON
-    | {"messages", "max_completion_tokens", "top_logprobs"}
+    | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
     | set(CHAT_OFF_VALUES)
     | _IGNORED
 )
@@ -96,16 +99,36 @@ class OpenAIRequest:
     logprobs: int | None = None  # top alternatives per token shown (None: no logprobs)
     echo: bool = False  # completions: the prompt before each choice's text (and logprobs)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
+    tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
+    tool_parser: str | None = None  # the output is read for tool calls in this format
+    structured_name: str = "structured_outputs"  # the argument that gave structured_outputs
 
     @property
     def params(self) -> dict:
         return self.build_kwargs["params"]
 
     def refusal(self, exc: ValueError) -> HttpError:
-        return value_error(exc, self.max_name, self.prompt_name)
+        return value_error(self._renamed(str(exc)), self.max_name, self.prompt_name)
 
     def failure(self, msg: Failed) -> HttpError:
+        if msg.kind == "value":
+            return self.refusal(ValueError(msg.message))
         return failure(msg, self.max_name, self.prompt_name)
+
+    def reading_tools(self, parser: str, grammar: str | None) -> OpenAIRequest:
+        """This request with its output read for tool calls in `parser`'s format, and, for a
+        forced tool choice, its calls made to follow `grammar` (EBNF)."""
+        if grammar is None:
+            return replace(self, tool_parser=parser)
+        params = {**self.params, "structured_outputs": {"grammar": grammar}}
+        build = {**self.build_kwargs, "params": params}
+        return replace(self, build_kwargs=build, tool_parser=parser, structured_name="tool_choice")
+
+    def _renamed(self, message: str) -> ValueError:
+        """The engine's refusal of structured_outputs, naming the argument that gave it."""
+        if message.startswith("structured_outputs"):
+            message = self.structured_name + message.removeprefix("structured_outputs")
+        return ValueError(message)
 
 
 def parse_completion(body: dict) -> OpenAIRequest:
@@ -113,6 +136,9 @@ def parse_completion(body: dict) -> OpenAIRequest:
     if "prompt" not in body:
         raise HttpError(400, "prompt: this argument is required", "prompt")
     params = sampling_kwargs(body, "max_tokens")
+    structured, source = structured_outputs(body)
+    if structured is not None:
+        params["structured_outputs"] = structured
     echo = _flag(body, "echo")
     top_n = _top_n(body, "logprobs")
     params["logprobs"] = top_n
@@ -124,7 +150,8 @@ def parse_completion(body: dict) -> OpenAIRequest:
             400, "echo: streaming with echo and logprobs is not supported by this server", "echo"
         )
     kwargs = dict(prompt_kwargs(body["prompt"]), params=params)
-    return _request(body, kwargs, "max_tokens", "prompt", top_n, echo)
+    req = _request(body, kwargs, "max_tokens", "prompt", top_n, echo)
+    return replace(req, structured_name=source)
 
 
 def parse_chat(body: dict) -> OpenAIRequest:
@@ -140,8 +167,20 @@ def parse_chat(body: dict) -> OpenAIRequest:
             400, "top_logprobs: logprobs must be set to true to use top_logprobs", "top_logprobs"
         )
     params["logprobs"] = (top_n or 0) if wanted else None
-    kwargs = {"messages": chat_messages(body.get("messages")), "params": params}
-    return _request(body, kwargs, max_name, "messages", params["logprobs"], False)
+    tools = chat_tools(body)
+    structured, source = structured_outputs(body)
+    if structured is not None:
+        if tools.forced:
+            raise HttpError(
+                400,
+                f"tool_choice: a forced tool choice takes no {source} (the calls are the output)",
+                "tool_choice",
+            )
+        params["structured_outputs"] = structured
+    messages = chat_messages(body.get("messages"))
+    kwargs = {"messages": messages, "tools": tools.template_tools(), "params": params}
+    req = _request(body, kwargs, max_name, "messages", params["logprobs"], False)
+    return replace(req, tools=tools, structured_name=source)
 
 
 def _request(
@@ -237,43 +276,12 @@ def _is_number(value) -> bool:
 
 
 def chat_messages(value) -> list[dict]:
-    """OpenAI's messages as the chat template's: {"role", "content": str} each (a developer
-    message is a system message; text parts are joined by newlines)."""
-    if not isinstance(value, list) or not value:
-        raise HttpError(400, "messages: expected a non-empty list of messages", "messages")
-    out = []
-    for i, msg in enumerate(value):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise HttpError(
-                400, f"messages[{i}]: expected an object with a string 'role'", "messages"
-            )
-        role = "system" if msg["role"] == "developer" else msg["role"]
-        out.append({"role": role, "content": _message_content(msg.get("content"), i)})
-    return out
-
-
-def _message_content(content, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                isinstance(part, dict)
-                and part.get("type") == "text"
-                and isinstance(part.get("text"), str)
-            ):
-                parts.append(part["text"])
-            else:
-                raise HttpError(
-                    400, f"messages[{i}].content: only text parts are supported", "messages"
-                )
-        return "\n".join(parts)
-    if not isinstance(content, str):
-        raise HttpError(
-            400, f"messages[{i}].content: expected a string or a list of text parts", "messages"
-        )
-    return content
+    """OpenAI's messages as the chat template's (runtime.serving.chat: a developer message is
+    a system message, text parts are joined by newlines, tool calls and tool results kept)."""
+    try:
+        return chat_messages_with_tools(value)
+    except ValueError as exc:
+        raise HttpError(400, str(exc), "messages") from None
 
 
 def prompt_kwargs(prompt) -> dict:

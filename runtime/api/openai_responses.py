@@ -14,6 +14,7 @@ import uuid
 from runtime.api.openai_logprobs import chat_logprobs, completion_logprobs
 from runtime.api.openai_requests import OpenAIRequest
 from runtime.api.openai_tokens import Render
+from runtime.api.tool_calls import ToolCallStream, parse_tool_calls, tool_finish_reason
 from runtime.control.protocol import Delta
 
 DONE = b"data: [DONE]\n\n"  # a stream's last event
@@ -107,25 +108,34 @@ class ResponseShapes:
         prompt = prompts[index // self.req.n] if index // self.req.n < len(prompts) else 0
         return counts(prompt, self.streamed.get(index, [0, 0])[1])
 
-    def delta_chunk(self, delta: Delta) -> dict | None:
-        """The chunk of one Delta reply; None when it shows nothing (no text, no logprobs)."""
+    def delta_chunks(self, delta: Delta) -> list[dict]:
+        """The chunks of one Delta reply: none when it shows nothing (no text, no logprobs)."""
+        logprobs = self._take(delta)
+        if not delta.text and logprobs is None:
+            return []
+        return [self.chunk(delta.index, delta.text, None, logprobs)]
+
+    def _take(self, delta: Delta) -> dict | None:
+        """Count what `delta` streams for its choice; its logprobs, when asked for."""
         sent = self.streamed.setdefault(delta.index, [0, 0])
         logprobs = None
         if self.req.logprobs is not None and delta.token_ids:
             logprobs = self.logprobs_of(delta.index, delta.token_ids, delta.logprobs)
         sent[0] += len(delta.text)
         sent[1] += len(delta.token_ids)
-        if not delta.text and logprobs is None:
-            return None
-        return self.chunk(delta.index, delta.text, None, logprobs)
+        return logprobs
 
     def opening_chunks(self) -> list[dict]:
         """The chunks a stream starts with, before any generated text."""
         return []
 
+    def finish_chunks(self, out: dict) -> list[dict]:
+        """The chunks that end choice `out` (its finish reason)."""
+        return [self.chunk(out["index"], None, finish_reason(out["finish_reason"]))]
+
     def closing_chunks(self, outputs: list[dict]) -> list[dict]:
         """Each choice's finish reason, then (include_usage) one chunk with the usage."""
-        chunks = [self.chunk(o["index"], None, finish_reason(o["finish_reason"])) for o in outputs]
+        chunks = [c for o in outputs for c in self.finish_chunks(o)]
         if self.req.include_usage:
             last = self.chunk(0, None, None)
             last["choices"], last["usage"] = [], usage(outputs, self.req.n)
@@ -183,23 +193,44 @@ class CompletionShapes(ResponseShapes):
 
 class ChatShapes(ResponseShapes):
     """/v1/chat/completions: a chat.completion, or chat.completion.chunk objects whose first
-    (for each choice) says the assistant's role."""
+    (for each choice) says the assistant's role. A request whose output is read for tool
+    calls (req.tool_parser) has them in its message's tool_calls (runtime/api/tool_calls.py),
+    streamed as ToolCallStream's deltas: the stream adds up to the whole message."""
 
     id_prefix = "chatcmpl"
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model: str, req: OpenAIRequest | None = None, render: Render | None = None):
+        super().__init__(model, req, render)
+        self.tool_streams: dict[int, ToolCallStream] = {}  # choice -> its calls so far
 
     def choice(self, out: dict) -> dict:
         logprobs = None
         if self.req.logprobs is not None:
             ids = list(out["token_ids"])
             logprobs = self.logprobs_of(out["index"], ids, out.get("logprobs"))
+        message: dict = {"role": "assistant", "content": out["text"]}
+        finish = finish_reason(out["finish_reason"])
+        if self.req.tool_parser is not None:
+            content, calls = parse_tool_calls(out["text"], self.req.tool_parser)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+            finish = self._tool_finish(finish, bool(calls))
         return {
             "index": out["index"],
-            "message": {"role": "assistant", "content": out["text"]},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": finish_reason(out["finish_reason"]),
+            "finish_reason": finish,
         }
+
+    def _tool_finish(self, finish: str, has_calls: bool) -> str:
+        """OpenAI's: "tool_calls" after calls, except for a named function's ("stop")."""
+        tools = self.req.tools
+        if tools is not None and tools.choice == "function":
+            return finish
+        return tool_finish_reason(finish, has_calls)
 
     def chunk_choice(
         self,
@@ -224,4 +255,36 @@ class ChatShapes(ResponseShapes):
             role = {"role": "assistant", "content": ""}
             first["choices"] = [self.chunk_choice(index, None, None, None, role)]
             chunks.append(first)
+        return chunks
+
+    # --- tool calls, streamed -----------------------------------------------------------
+    def delta_chunks(self, delta: Delta) -> list[dict]:
+        parser = self.req.tool_parser
+        if parser is None:
+            return super().delta_chunks(delta)
+        logprobs = self._take(delta)
+        stream = self.tool_streams.setdefault(delta.index, ToolCallStream(parser))
+        return self._tool_chunks(delta.index, stream.feed(delta.text), logprobs)
+
+    def finish_chunks(self, out: dict) -> list[dict]:
+        if self.req.tool_parser is None:
+            return super().finish_chunks(out)
+        parser, index = self.req.tool_parser, out["index"]
+        stream = self.tool_streams.setdefault(index, ToolCallStream(parser))
+        chunks = self._tool_chunks(index, stream.finish(), None)
+        finish = self._tool_finish(finish_reason(out["finish_reason"]), stream.has_calls)
+        return [*chunks, self.chunk(index, None, finish)]
+
+    def _tool_chunks(self, index: int, deltas: list[dict], logprobs: dict | None) -> list[dict]:
+        """A chunk per delta (content, or one call's part); the logprobs go with the first
+        (or alone, when the text is held back)."""
+        if not deltas and logprobs is None:
+            return []
+        chunks = []
+        for i, delta in enumerate(deltas or [{}]):
+            chunk = self.chunk(index, None, None)
+            chunk["choices"] = [
+                self.chunk_choice(index, None, None, logprobs if i == 0 else None, delta)
+            ]
+            chunks.append(chunk)
         return chunks

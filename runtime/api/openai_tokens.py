@@ -17,6 +17,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from runtime.serving.chat import render_chat
+
 log = logging.getLogger("tandem.http")
 
 
@@ -49,18 +51,15 @@ class TokenStrings:
             return []
         return list(self.tokenizer.encode(text))
 
-    def count_chat(self, messages: list[dict]) -> int:
+    def count_chat(self, messages: list[dict], tools: list[dict] | None = None) -> int:
         """A conversation's prompt tokens, as the server's Orchestrator.encode_chat makes them
         (0 when the template fails here: the server answers that request with its error)."""
         if self.tokenizer is None:
             return 0
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except Exception:  # noqa: BLE001 - the server reports template errors
+            return len(render_chat(self.tokenizer, messages, tools))
+        except ValueError:  # the server reports template errors
             return 0
-        return len(ids)
 
 
 class TokenizerSource:
@@ -153,5 +152,5 @@ def make_render(
         elif texts is not None:
             counts = tuple(len(strings.encode(t)) for t in texts)
         else:
-            counts = (strings.count_chat(build_kwargs["messages"]),)
+            counts = (strings.count_chat(build_kwargs["messages"], build_kwargs.get("tools")),)
     return Render(strings, echoes, counts)

@@ -13,6 +13,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("fp8",)  # besides null: as stored (FP8 checkpoints are detected)
 ACCEPTANCE_MODES = ("tokens", "logits")
 ADDRESS_SCHEMES = ("tcp://", "ipc://")
+TOOL_PARSERS = ("hermes", "llama3_json")  # runtime.api.tool_calls.PARSERS
 
 
 def describe(value: Any) -> str:
@@ -80,6 +81,16 @@ def choice(*options: str) -> Callable[[Any, str], str]:
         return value
 
     return check
+
+
+def tool_parser(value: Any, key: str) -> str | None:
+    if value is not None and value not in TOOL_PARSERS:
+        raise ConfigError(
+            key,
+            f"must be null (found in the chat template) or one of {', '.join(TOOL_PARSERS)}; "
+            f"got {describe(value)}",
+        )
+    return value
 
 
 def zmq_address(value: Any, key: str) -> str:

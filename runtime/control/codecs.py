@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-MAX_DEPTH = 8  # lists and maps in one another
+# lists and maps in one another: JSON schemas (a tool's parameters, structured outputs' json)
+# nest two levels per level of their objects
+MAX_DEPTH = 32
 
 
 class ProtocolError(ValueError):

@@ -41,6 +41,13 @@ class Sampling(Record):
     output: list[int] = field(default_factory=list)  # generated before this (re)start, ditto
     logprobs: int = -1  # top alternatives per generated token to report, -1: none
     prompt_logprobs: int = -1  # ... per prompt token (its prefill reports them), -1: none
+    # structured outputs: the grammar's kind and text (checked by rank 0 to compile within
+    # its bounds: runtime.speculation.grammar_compile), and its compiled form (base64 of the
+    # wire form) when compiling it takes long; "" kind: none
+    grammar_kind: str = ""
+    grammar_text: str = ""
+    grammar_wire: str = ""
+    grammar_vocab: str = ""  # the vocabulary grammars need, sent until the workers have it
 
     def check(self) -> None:
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:

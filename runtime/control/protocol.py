@@ -117,8 +117,10 @@ class ClientRequest(Message):
 @message("generate")
 @dataclass(frozen=True, slots=True)
 class Generate(ClientRequest):
-    """prompts (text) or prompt_ids (token id rows) or messages (one chat, [{role,
-    content}]); what is in them the server checks (a bad one is answered `failed`)."""
+    """prompts (text) or prompt_ids (token id rows) or messages (one chat: OpenAI's
+    messages, runtime.serving.chat); tools (OpenAI's function tools) go through the chat
+    template with messages or chat prompts. What is in them the server checks (a bad one is
+    answered `failed`)."""
 
     params: dict[str, Any]
     stream: bool
@@ -126,6 +128,7 @@ class Generate(ClientRequest):
     prompt_ids: list[Any] | None = None
     chat: bool = False
     messages: list[Any] | None = None
+    tools: list[Any] | None = None
 
 
 @message("cancel")

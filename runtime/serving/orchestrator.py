@@ -20,6 +20,7 @@ from runtime.models.loading.checkpoint import inspect_checkpoint
 from runtime.models.loading.tokenizer import load_tokenizer
 from runtime.params import SamplingParams, check_fits, check_prompt_ids
 from runtime.serving.block_manager import BlockManager
+from runtime.serving.chat import chat_messages_with_tools, check_template_tools, render_chat
 from runtime.serving.cross_round import CrossExecutor
 from runtime.serving.executor import Executor
 from runtime.serving.metrics import ServingMetrics
@@ -143,40 +144,27 @@ class Orchestrator:
         }
 
     # --- requests ------------------------------------------------------------------------
-    def encode(self, text: str, chat: bool = False) -> list[int]:
+    def encode(self, text: str, chat: bool = False, tools: list | None = None) -> list[int]:
         if not isinstance(text, str) or not text:
             raise ValueError("prompt: expected a non-empty string")
         if self.tokenizer is None:
             raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
         if chat:
-            return self.encode_chat([{"role": "user", "content": text}], "prompt")
+            return self.encode_chat([{"role": "user", "content": text}], tools, "prompt")
         return list(self.tokenizer.encode(text))
 
-    def encode_chat(self, messages, name: str = "messages") -> list[int]:
-        """A whole conversation through the tokenizer's chat template, with the assistant's
-        generation prompt appended. Template errors are ValueErrors naming `name`."""
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        ):
-            raise ValueError(
-                f"{name}: expected a non-empty list of {{role, content}} maps with string values"
-            )
+    def encode_chat(self, messages, tools: list | None = None, name: str = "messages") -> list[int]:
+        """A whole conversation (OpenAI's messages, tool calls and tool results included) and
+        the `tools` it may call through the tokenizer's chat template, with the assistant's
+        generation prompt appended (runtime.serving.chat). Errors are ValueErrors naming
+        `name` (or tools)."""
+        checked = chat_messages_with_tools(messages)
+        tools = check_template_tools(tools)
         if self.tokenizer is None:
             raise ValueError(f"{name}: this model has no tokenizer; pass prompt_token_ids")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except Exception as exc:  # noqa: BLE001 - jinja errors are not ValueErrors
-            raise ValueError(f"{name}: the chat template failed: {exc}") from None
-        return [int(t) for t in ids]
+        ids = render_chat(self.tokenizer, checked, tools, name=name)
+        assert isinstance(ids, list)  # tokenize=True
+        return ids
 
     def make_sequences(
         self,
@@ -186,9 +174,11 @@ class Orchestrator:
         params: dict,
         chat: bool = False,
         messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
     ) -> list[Sequence]:
         """Validate one request (server side too: a raw client can send anything).
-        `messages` is one chat conversation (one sequence) instead of prompts/prompt_ids.
+        `messages` is one chat conversation (one sequence) instead of prompts/prompt_ids;
+        `tools` go through the chat template with it (or with each chat prompt).
         Needs no worker: `tandem run` makes its sequences before any worker starts."""
         self._loaded()
         sampling = SamplingParams.from_kwargs(**params)
@@ -196,9 +186,9 @@ class Orchestrator:
         if (prompts is not None) + (prompt_ids is not None) + (messages is not None) != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
         if messages is not None:
-            id_lists = [self.encode_chat(messages)]
+            id_lists = [self.encode_chat(messages, tools)]
         elif prompts is not None:
-            id_lists = [self.encode(p, chat) for p in prompts]
+            id_lists = [self.encode(p, chat, tools) for p in prompts]
         else:
             assert prompt_ids is not None  # exactly one of the three was given
             id_lists = [check_prompt_ids(ids, self.vocab_size) for ids in prompt_ids]

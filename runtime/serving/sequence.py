@@ -98,6 +98,8 @@ class Sequence:
     # stop_token_ids (the workers mask them until min_tokens were generated)
     logprobs: list[dict[int, float]] | None = None  # per generated token, when asked
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, ditto
+    grammar: tuple[str, str, str] = ("", "", "")  # its structured output: kind, text, wire
+    grammar_vocab: str = ""  # the vocabulary the workers need for it, until they have it
 
     @property
     def tokens(self) -> list[int]:
@@ -120,6 +122,7 @@ class Sequence:
         """What the workers sample this sequence with."""
         p = self.params
         penalised = p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+        kept = penalised or self.grammar[0]  # the output so far reaches a readmission's workers
         return Sampling(
             float(p.temperature),
             int(p.top_k or 0),
@@ -135,9 +138,13 @@ class Sequence:
             frequency=float(p.frequency_penalty),
             presence=float(p.presence_penalty),
             prompt=list(self.prompt_ids) if penalised else [],
-            output=list(self.generated) if penalised else [],
+            output=list(self.generated) if kept else [],
             logprobs=-1 if p.logprobs is None else p.logprobs,
             prompt_logprobs=-1 if p.prompt_logprobs is None else p.prompt_logprobs,
+            grammar_kind=self.grammar[0],
+            grammar_text=self.grammar[1],
+            grammar_wire=self.grammar[2],
+            grammar_vocab=self.grammar_vocab,
         )
 
     def __post_init__(self) -> None:

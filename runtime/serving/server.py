@@ -34,12 +34,14 @@ from runtime.control.protocol import (
 from runtime.control.signals import SignalWakeup
 from runtime.errors import EngineDeadError
 from runtime.serving.client_door import ClientDoor
+from runtime.serving.grammars import GrammarService
 from runtime.serving.orchestrator import Orchestrator
 from runtime.serving.sequence import Event, EventKind, pairs
 
 log = logging.getLogger("tandem.server")
 CLIENT_TIMEOUT_S = 10.0  # a client with requests in flight pings every second
 MAX_FRAMES_PER_TURN = 1000  # client frames handled between two scheduler steps
+COMPILE_POLL_MS = 10  # idle wait while a grammar compiles
 IDLE_WAIT_S = 10.0  # longest idle wait: `stop` set by a thread, not a signal, is seen
 # this late (the owner watch of launcher.session signals instead)
 
@@ -61,6 +63,7 @@ class Server:
         self.pending: dict[str, Pending] = {}
         self.client_timeout_s = client_timeout_s
         self._last_sweep = time.monotonic()
+        self._grammars: GrammarService | None = None  # made by the first structured output
         door.info = orch.info()  # from now on pings get a pong with the server's facts
 
     def reply(self, identity: bytes, msg: ClientReply) -> None:
@@ -97,10 +100,12 @@ class Server:
             self.handle(identity, msg)
         if self.door.failure is not None:
             raise EngineDeadError(self.door.failure)
+        self.compiled()
         if self.orch.has_work:
             self.dispatch(self.orch.step())
         else:
-            wait_ms = 0 if self.door.waiting else idle_ms
+            compiling = self._grammars is not None and self._grammars.busy
+            wait_ms = 0 if self.door.waiting else COMPILE_POLL_MS if compiling else idle_ms
             self.orch.idle(wait_ms, wake=(self.door.wake_fd, *wakeup.fds))
             wakeup.drain()
         self.sweep_clients()
@@ -131,16 +136,40 @@ class Server:
                 msg.params,
                 chat=msg.chat,
                 messages=msg.messages,
+                tools=msg.tools,
             )
         except (ValueError, TypeError) as exc:
             self.reply(identity, Failed(rid, str(exc), "value"))
             return
         self.pending[rid] = Pending(identity, msg.stream, seqs)
-        self.orch.submit(seqs)
+        if seqs[0].params.structured_outputs is None:
+            self.orch.submit(seqs)
+            return
+        if self._grammars is None:
+            orch = self.orch
+            self._grammars = GrammarService(orch.tokenizer, orch.vocab_size, orch.eos_token_ids)
+        self._grammars.submit(rid, seqs)  # compiled off this loop: compiled() submits it
+
+    def compiled(self) -> None:
+        """Requests whose grammar compiled go to the scheduler; those whose grammar did not
+        are answered with the error naming the argument."""
+        if self._grammars is None:
+            return
+        for rid, seqs, error in self._grammars.finished():
+            pend = self.pending.get(rid)
+            if pend is None:  # cancelled or swept while compiling
+                continue
+            if error is not None:
+                del self.pending[rid]
+                self.reply(pend.identity, Failed(rid, str(error), "value"))
+            else:
+                self.orch.submit(seqs)
 
     def dispatch(self, events: list[Event]) -> None:
         for event in events:
             seq = event.seq
+            if seq.grammar_vocab and self._grammars is not None:  # its prefill went through
+                self._grammars.delivered = True
             pend = self.pending.get(seq.request_id)
             if pend is None:
                 continue
@@ -184,4 +213,6 @@ class Server:
         self.door.forget_before(now - 10 * self.client_timeout_s)
 
     def close(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
         self.door.close()

@@ -61,13 +61,18 @@ class BatchSampling:
         )
 
     def process(
-        self, logits: torch.Tensor, index: torch.Tensor, window: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        index: torch.Tensor,
+        window: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, n, V] logits of the tokens at sequence indices `index` [B, n] -> processed
-        (runtime.speculation.processors; the logits themselves when no row is)."""
-        if not self.processing.active:
+        (runtime.speculation.processors; the logits themselves when no row is); mask: the
+        grammars' [B, n, V]."""
+        if not self.processing.active and mask is None:
             return logits
-        return process(logits, self.processing, index, window)
+        return process(logits, self.processing, index, window, mask)
 
     def warp(self, scores: torch.Tensor) -> torch.Tensor:
         """[B, n, V] processed logits -> [B, n, V] float32 sampling distributions."""
@@ -132,6 +137,7 @@ def draft_choose(
     acceptance: str,
     vocab: DraftVocab | None = None,
     window: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] for the tokens at sequence index `index` [B] -> token [B] and q [B, V]
     (None when the whole batch is greedy), through the rows' processors (`window` [B, m]: the
@@ -144,7 +150,7 @@ def draft_choose(
     draft sample (its own stream)."""
     if vocab is not None:
         logits = vocab.restrict(logits)  # [B, propose]
-    scores = sampling.process(logits[:, None], index[:, None], window)  # [B, 1, V]
+    scores = sampling.process(logits[:, None], index[:, None], window, mask)  # [B, 1, V]
     if sampling.greedy:
         return scores[:, 0].argmax(dim=-1), None
     q = sampling.warp(scores)  # [B, 1, V]
@@ -162,16 +168,17 @@ def target_verify(
     acceptance: str,
     draft_probs: torch.Tensor | None,
     earlier: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """draft_tokens [B, k], target logits [B, k+1, V]; first_index [B] = sequence index of
     the first token decided (= committed length). Position i's logits are processed with
     the first i drafts in their history (after `earlier` [B, m], tokens decided before the
-    window and not yet committed: a target-only round's earlier steps). Returns accepted
-    [B], next_token [B]."""
+    window and not yet committed: a target-only round's earlier steps), and masked by the
+    grammars' `mask` [B, k+1, V] at each position. Returns accepted [B], next_token [B]."""
     k = draft_tokens.shape[1]
     index = first_index[:, None] + torch.arange(k + 1, device=logits.device)  # [B, k+1]
     window = draft_tokens if earlier is None else torch.cat([earlier, draft_tokens], dim=1)
-    scores = sampling.process(logits, index, window)  # [B, k+1, V]
+    scores = sampling.process(logits, index, window, mask)  # [B, k+1, V]
     if sampling.greedy:
         return greedy_accept(draft_tokens, scores)
     p = sampling.warp(scores)  # [B, k+1, V]

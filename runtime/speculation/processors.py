@@ -54,6 +54,7 @@ def process(
     processing: Processing,
     index: torch.Tensor,
     window: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, n, V] (any float dtype) -> float32 processed logits [B, n, V].
 
@@ -61,6 +62,8 @@ def process(
     window: [B, m] tokens decided in this window before the positions' (m >= n - 1; see
             window_counts), e.g. a verify's k drafts for its k + 1 positions, or the draft's
             proposals so far for the one it decides next; None: none
+    mask: bool [B, n, V'] the grammars' allowed tokens (after the penalties, before the
+          warpers), None: no row has a grammar
     """
     scores = logits.to(torch.float32)
     width = scores.shape[-1]
@@ -74,6 +77,10 @@ def process(
         scores = scores.masked_fill(early[..., None] & stop, NEG_INF)
     if processing.penalties is not None:
         scores = _penalise(scores, processing.penalties, window)
+    if mask is not None:  # a grammar's: True where allowed (runtime.worker.grammars)
+        scores = scores.masked_fill(
+            ~_fit(mask.flatten(0, 1), width, False).view_as(scores), NEG_INF
+        )
     return scores
 
 

@@ -65,6 +65,8 @@ class DraftShard(ModelShard):
         return cast("dict[int, Extension]", self.carried)
 
     def propose_ahead(self, slots: list[int], k: int) -> None:
+        if self.grammars.active:  # a grammar's proposals follow the committed tokens
+            return
         marks = self.slots.mark(slots)
         try:
             tokens, probs = self.propose(slots, k)
@@ -109,8 +111,13 @@ class DraftShard(ModelShard):
             last = to_device([len(p) - 1 for p in pending], torch.long, self.device)
             logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
         sampling, index = self.sampling(slots), self.committed_index(slots)  # index [B]
-        token, q = draft_choose(logits, sampling, index, self.acceptance, self.vocab, None)
-        return self._continue(slots, [token], [] if q is None else [q], k, sampling, index)
+        mask = self.grammars.step_masks(slots)
+        token, q = draft_choose(logits, sampling, index, self.acceptance, self.vocab, None, mask)
+        self.grammars.advance(slots, token)
+        try:
+            return self._continue(slots, [token], [] if q is None else [q], k, sampling, index)
+        finally:
+            self.grammars.rewind(slots)  # proposals, not commitments
 
     def _continue(
         self,
@@ -127,9 +134,11 @@ class DraftShard(ModelShard):
         for i in range(len(tokens), k):
             logits = self._step(slots, tokens[-1][:, None])[:, -1]  # [B, V]
             window = torch.stack(tokens, dim=1) if sampling.processing.active else None
+            mask = self.grammars.step_masks(slots)  # after the proposals so far
             token, q = draft_choose(
-                logits, sampling, index + i, self.acceptance, self.vocab, window
+                logits, sampling, index + i, self.acceptance, self.vocab, window, mask
             )
+            self.grammars.advance(slots, token)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
@@ -155,7 +164,9 @@ class DraftShard(ModelShard):
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """While the target verifies tokens [B, k]: decode on as if all are kept, `count`
         more per slot (tokens [B, count], q or None). None when a slot's cache has no room
-        (the slots then hold this round's proposals only)."""
+        (the slots then hold this round's proposals only) or a slot has a grammar."""
+        if self.grammars.active:  # its masks follow the committed tokens
+            return None
         k, marks = tokens.shape[1], self.slots.mark(slots)
         try:
             more, more_q = self._continue(

@@ -245,10 +245,12 @@ def prefill(
 
 
 def remember(parts: RoundParts, slots: list[int], tokens: list[list[int]]) -> None:
-    """The committed tokens join both shards' penalty histories (runtime.worker.history)."""
+    """The committed tokens join both shards' penalty histories (runtime.worker.history) and
+    grammars (runtime.worker.grammars)."""
     for shard in (parts.draft, parts.target):
         if shard is not None:
             shard.history.add(slots, tokens)
+            shard.grammars.commit(slots, tokens)
 
 
 def _q_width(parts: RoundParts) -> int:

@@ -12,6 +12,7 @@ from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
 from runtime.speculation.choose import BatchSampling
 from runtime.worker.block_tables import SlotTables
+from runtime.worker.grammars import GrammarBook
 from runtime.worker.history import TokenHistory
 from runtime.worker.slot_state import GREEDY, SlotBook, SlotState
 
@@ -50,6 +51,7 @@ class ModelShard:
         # the draft's next window, the target's held logits; gone with the slot's sequence
         self.carried: dict[int, object] = {}
         self.history = TokenHistory(num_slots, device)  # what penalties look back on
+        self.grammars = GrammarBook(device)  # structured outputs' matchers
         self.tables: SlotTables | None = None  # None: a model with its own cache
         if is_paged(model):
             model.allocate_cache(num_slots, max_seq_len, block_size, num_blocks, kv_dtype)
@@ -167,6 +169,8 @@ class ModelShard:
         for slot, prompt, sampling, done in zip(slots, prompts, params, cached):
             self.slots.start(slot, prompt, sampling, done)
             self.history.start(slot, sampling, self.token_range)
+            if self.token_range:
+                self.grammars.start(slot, sampling)
             self.carried.pop(slot, None)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)
@@ -198,6 +202,7 @@ class ModelShard:
         for slot in slots:
             self.slots.reset(slot)
             self.history.release(slot)
+            self.grammars.release(slot)
             self.carried.pop(slot, None)
             if self.model_free_slot is not None:
                 self.model_free_slot(slot)

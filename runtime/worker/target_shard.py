@@ -60,8 +60,14 @@ class TargetShard(ModelShard):
             logits = self._step(slots, torch.cat([pending, draft_tokens], dim=1))  # [B, k+1, V]
         else:
             logits = self._step_held(slots, draft_tokens, pending, held)
+        mask = self.grammars.window_masks(slots, draft_tokens)  # [B, k+1, V] or None
         accepted, next_token = self._choose(
-            draft_tokens, logits, self.sampling(slots), self.committed_index(slots), draft_probs
+            draft_tokens,
+            logits,
+            self.sampling(slots),
+            self.committed_index(slots),
+            draft_probs,
+            mask=mask,
         )
         return accepted, next_token, logits[:, draft_tokens.shape[1]]
 
@@ -91,16 +97,23 @@ class TargetShard(ModelShard):
         first_index: torch.Tensor,
         draft_probs: torch.Tensor | None,
         earlier: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(accepted [B], next_token [B]) from the target's logits [B, k+1, V(local)];
-        earlier: tokens decided before these positions, not committed yet (decode)."""
-        plain = sampling.greedy and not sampling.processing.active and sampling.logprobs < 0
+        earlier: tokens decided before these positions, not committed yet (decode); mask:
+        the grammars' [B, k+1, V]."""
+        plain = (
+            sampling.greedy
+            and not sampling.processing.active
+            and sampling.logprobs < 0
+            and mask is None
+        )
         if self.vocab_parallel is not None:
             if plain:
                 return accept_choices(draft_tokens, self.vocab_parallel.argmax(logits))
             logits = self.vocab_parallel.gather(logits)  # [B, k+1, V]
         accepted, next_token = target_verify(
-            draft_tokens, logits, sampling, first_index, self.acceptance, draft_probs, earlier
+            draft_tokens, logits, sampling, first_index, self.acceptance, draft_probs, earlier, mask
         )
         if sampling.logprobs >= 0:
             chosen = torch.cat([draft_tokens, next_token[:, None]], dim=1)  # [B, k+1]
@@ -167,7 +180,10 @@ class TargetShard(ModelShard):
         else:
             self._start(slots, prompts, params, cached, tables)
             logits = self._step_last(slots, *self._ragged(prompts))  # [B, V]
-        return self._pick(logits[:, None], self.sampling(slots), self.committed_index(slots))
+        mask = self.grammars.step_masks(slots)
+        return self._pick(
+            logits[:, None], self.sampling(slots), self.committed_index(slots), mask=mask
+        )
 
     def prefill(
         self,
@@ -226,15 +242,17 @@ class TargetShard(ModelShard):
         sampling: BatchSampling,
         index: torch.Tensor,
         earlier: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The target's token at sequence index `index` [B] from its logits [B, 1, V(local)]
-        with no drafts to test: [B, 1]. earlier: as _choose's."""
-        if sampling.greedy and not sampling.processing.active and sampling.logprobs < 0:
+        with no drafts to test: [B, 1]. earlier, mask: as _choose's."""
+        plain = sampling.greedy and not sampling.processing.active and sampling.logprobs < 0
+        if plain and mask is None:
             if self.vocab_parallel is not None:
                 return self.vocab_parallel.argmax(logits)
             return logits.argmax(dim=-1)
         no_drafts = torch.zeros(logits.shape[0], 0, dtype=torch.long, device=self.device)
-        return self._choose(no_drafts, logits, sampling, index, None, earlier)[1][:, None]
+        return self._choose(no_drafts, logits, sampling, index, None, earlier, mask)[1][:, None]
 
     # --- target-only rounds ----------------------------------------------------------------
     def decode(self, slots: list[int], steps: int) -> torch.Tensor:
@@ -263,8 +281,11 @@ class TargetShard(ModelShard):
         for i in range(steps):
             logits = self._step(slots, token)  # [B, 1, V(local)]
             earlier = torch.cat(tokens, dim=1) if tokens and sampling.processing.active else None
-            token = self._pick(logits, sampling, first + i, earlier)  # [B, 1]
+            mask = self.grammars.step_masks(slots)
+            token = self._pick(logits, sampling, first + i, earlier, mask)  # [B, 1]
+            self.grammars.advance(slots, token[:, 0])
             tokens.append(token)
+        self.grammars.rewind(slots)  # the round commits what it keeps
         return tokens
 
     def decode_ahead(self, slots: list[int], steps: int) -> None:
@@ -274,7 +295,7 @@ class TargetShard(ModelShard):
         round for the same slots in the same states takes the tokens (decode); anything
         else drops them."""
         self.ahead, marks = None, self.slots.mark(slots)
-        if self.sampling(slots).logprobs >= 0:  # their records belong to the round itself
+        if self.sampling(slots).logprobs >= 0 or self.grammars.active:  # the round's own
             return
         try:
             tokens = self.decode(slots, steps)

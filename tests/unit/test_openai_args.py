@@ -141,7 +141,8 @@ def test_stream_options():
         (_chat, {"logprobs": 3}, "logprobs"),
         (_chat, {"echo": True}, "echo"),
         (_chat, {"tools": [{"type": "function"}]}, "tools"),
-        (_chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (_chat, {"response_format": {"type": "xml"}}, "response_format"),
+        (_chat, {"functions": [{"name": "f"}]}, "functions"),  # legacy: refused, as vLLM
         (_chat, {"max_completion_tokens": 2, "min_tokens": 3}, "min_tokens"),
         (_chat, {"max_completion_tokens": 0}, "max_completion_tokens"),
     ],

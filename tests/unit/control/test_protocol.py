@@ -29,7 +29,10 @@ WIRE = {
     "draft_cross": ({"step", "slots", "k", "keep", "tokens", "params"}, set()),
     "verify_cross": ({"step", "slots", "proposals", "tables"}, set()),
     "shutdown": (set(), set()),
-    "generate": ({"id", "params", "stream"}, {"prompts", "prompt_ids", "chat", "messages"}),
+    "generate": (
+        {"id", "params", "stream"},
+        {"prompts", "prompt_ids", "chat", "messages", "tools"},
+    ),
     "cancel": ({"id"}, set()),
     "ping": ({"id"}, set()),
     "stats": ({"id"}, set()),
@@ -45,6 +48,7 @@ WIRE = {
 SAMPLING_EXTRAS = {  # the processors and logprobs: a map may leave them out (off)
     "min_p", "bias_ids", "bias_values", "min_tokens", "stop_ids", "output_start", "repetition",
     "frequency", "presence", "prompt", "output", "logprobs", "prompt_logprobs",
+    "grammar_kind", "grammar_text", "grammar_wire", "grammar_vocab",
 }  # fmt: skip
 REPLY_FIELDS = {"role", "worker_s", "timing", "tokens", "accepted", "overlapped", "cached"}
 

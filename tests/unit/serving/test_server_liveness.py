@@ -19,6 +19,7 @@ import zmq
 from runtime.api.client import Client
 from runtime.control import protocol
 from runtime.errors import EngineDeadError, RequestCancelledError
+from runtime.params import SamplingParams
 from runtime.serving.client_door import ClientDoor
 from runtime.serving.sequence import Event, EventKind, SeqStats
 from runtime.serving.server import Server
@@ -35,6 +36,8 @@ class FakeSeq:
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: SeqStats = field(default_factory=SeqStats)
+    params: SamplingParams = field(default_factory=SamplingParams)  # no grammar to compile
+    grammar_vocab: str = ""
 
     def output(self) -> dict:
         return {
@@ -68,7 +71,9 @@ class SlowOrchestrator:
             "processes": {},
         }
 
-    def make_sequences(self, rid, prompts, prompt_ids, params, chat=False, messages=None):
+    def make_sequences(
+        self, rid, prompts, prompt_ids, params, chat=False, messages=None, tools=None
+    ):
         if prompt_ids is None:
             raise ValueError("prompt: this fake takes prompt_token_ids only")
         return [FakeSeq(rid, i, ids, params["max_new_tokens"]) for i, ids in enumerate(prompt_ids)]

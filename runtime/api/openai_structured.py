@@ -1,0 +1,111 @@
+"""What constrains or reads an HTTP request's output, besides the sampling arguments:
+`response_format` and vLLM's `structured_outputs` as the engine's structured_outputs argument
+(runtime.params: one of {"json": schema}, {"regex": str}, {"choice": [str]}, {"grammar":
+ebnf}), and a chat's `tools` / `tool_choice` / `parallel_tool_calls` (runtime/api/
+tool_calls_request.py): the tool-call format its output is read in, and for a forced choice
+("required", a named function) the grammar its calls follow (tool_calls_grammar.py). Errors
+are 400s naming the argument.
+
+- response_format {"type": "text"}: nothing; {"type": "json_object"}: {"json": {"type":
+  "object"}}; {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}:
+  {"json": schema} (enforced whatever `strict` says); another type: a 400.
+- structured_outputs (vLLM's body extension): passed on as given (the engine checks it).
+- both at once: a 400 naming response_format (vLLM's rule)."""
+
+from __future__ import annotations
+
+import re
+
+from runtime.api.openai_errors import HttpError
+from runtime.api.tool_calls import tool_parser_name
+from runtime.api.tool_calls_grammar import tool_grammar
+from runtime.api.tool_calls_request import ToolRequest, parse_tool_request
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+TOOL_ARGS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def structured_outputs(body: dict) -> tuple[dict | None, str]:
+    """(the engine's structured_outputs or None, the argument that gave it)."""
+    fmt, given = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and given is not None:
+        raise HttpError(
+            400,
+            "response_format: give response_format or structured_outputs, not both",
+            "response_format",
+        )
+    if given is not None:
+        if not isinstance(given, dict):
+            raise HttpError(
+                400,
+                'structured_outputs: expected an object such as {"json": schema}, '
+                '{"regex": ...}, {"choice": [...]} or {"grammar": ...}',
+                "structured_outputs",
+            )
+        return dict(given), "structured_outputs"
+    return (None if fmt is None else _response_format(fmt)), "response_format"
+
+
+def _response_format(fmt) -> dict | None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json": {"type": "object"}}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", {"type": "object"}) if isinstance(spec, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise _format_error('json_schema: expected {"name": ..., "schema": {...}}')
+        if not isinstance(schema, dict):
+            raise _format_error("json_schema.schema: expected a JSON Schema object")
+        return {"json": schema}
+    got = kind if kind is not None else fmt
+    raise _format_error(f"expected type {', '.join(RESPONSE_FORMATS)}; got {got!r}")
+
+
+def _format_error(words: str) -> HttpError:
+    return HttpError(400, f"response_format: {words}", "response_format")
+
+
+def chat_tools(body: dict) -> ToolRequest:
+    """A chat body's tools, tool_choice and parallel_tool_calls, checked."""
+    try:
+        return parse_tool_request(body)
+    except ValueError as exc:
+        raise _tool_error(exc) from None
+
+
+def _tool_error(exc: ValueError) -> HttpError:
+    match = re.match(r"[a-z_]+", str(exc))
+    param = match.group(0) if match else None
+    return HttpError(400, str(exc), param if param in TOOL_ARGS else "tools")
+
+
+def tool_format(tools: ToolRequest, configured: str | None, template) -> str:
+    """The format a request's output is read in: the configured parser (server.tool_parser),
+    else the one the chat template shows; a 400 naming tools when there is none."""
+    try:
+        return tool_parser_name(configured, template)
+    except ValueError as exc:
+        raise _tool_error(exc) from None
+
+
+def forced_grammar(tools: ToolRequest, parser: str) -> str | None:
+    """The EBNF that a forced choice's calls follow (xgrammar compiles the structural tag:
+    call it off the event loop); None when the choice forces nothing."""
+    grammar = tool_grammar(tools, parser)
+    if grammar is None:
+        return None
+    try:
+        return grammar.ebnf()
+    except ImportError:
+        raise HttpError(
+            501,
+            "tool_choice: forcing tool calls needs xgrammar, which this server lacks",
+            "tool_choice",
+            kind="server_error",
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - xgrammar refuses a schema with its own errors
+        message = f"tools: a tool's parameters cannot be enforced: {exc}"
+        raise HttpError(400, message, "tools") from None

@@ -1,0 +1,140 @@
+"""What a forced tool choice ("required", a named function: tool_calls_request.py) makes the
+output follow, in a parser's format (tool_calls.py): an xgrammar structural tag and the JSON
+schema of one call object. Plain data: xgrammar is imported only by ToolGrammar.ebnf.
+
+Structural tag (xgrammar >= 0.2's StructuralTag JSON; xgrammar.Grammar.from_structural_tag
+compiles it): one "tag" per tool, begin = the call up to its arguments (fixed text: the name is
+a const, so names need no JSON escaping, which tool_calls_request checks), content = the
+tool's parameters as a "json_schema", end = the rest of the call:
+- hermes: `<tool_call>\n{"name": "NAME", "arguments": ` ARGS `}\n</tool_call>`, the calls
+  separated by "\n" (xgrammar's builtin "qwen_3" tag spells calls so);
+- llama3_json: `{"name": "NAME", "parameters": ` ARGS `}`, separated by "; " (its "llama").
+A named function is that one tag; "required" is a "tags_with_separator" of all the tools'
+tags with at_least_one (and stop_after_first when parallel_tool_calls is false): calls only,
+no text around them. A tool with `"strict": false` takes any JSON object as arguments (as
+xgrammar's builtins do); no parameters means none (`{}`). "auto" and "none" force nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.api.tool_calls import PARSERS
+from runtime.api.tool_calls_request import ToolRequest
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """A parser's spelling of one call, as the grammar writes it."""
+
+    begin: str  # up to the name
+    arguments_key: str
+    end: str  # after the arguments
+    separator: str  # between calls
+
+    def tag_begin(self, name: str) -> str:
+        return f'{self.begin}{name}", "{self.arguments_key}": '
+
+
+CALL_FORMATS = {
+    "hermes": CallFormat('<tool_call>\n{"name": "', "arguments", "}\n</tool_call>", "\n"),
+    "llama3_json": CallFormat('{"name": "', "parameters", "}", "; "),
+}
+assert set(CALL_FORMATS) == set(PARSERS)
+
+
+@dataclass(frozen=True)
+class ToolGrammar:
+    """The constraint of a forced choice: `structural_tag` (xgrammar's JSON shape) for the
+    whole output, `call_schema` for one call object."""
+
+    parser: str
+    structural_tag: dict
+    call_schema: dict
+
+    def ebnf(self) -> str:
+        """The structural tag as xgrammar's EBNF (needs xgrammar), each call's arguments in
+        one JSON layout: separators ", " and ": ", no other whitespace (any whitespace, the
+        structural tag's own JSON, lets a weak model loop on it; the engine's JSON is so too)."""
+        import xgrammar
+
+        def compact(fmt: dict) -> dict:
+            if fmt.get("type") == "json_schema":
+                schema = xgrammar.Grammar.from_json_schema(fmt["json_schema"], any_whitespace=False)
+                return {"type": "grammar", "grammar": str(schema)}
+            out = dict(fmt)
+            if "content" in fmt:
+                out["content"] = compact(fmt["content"])
+            if "tags" in fmt:
+                out["tags"] = [compact(t) for t in fmt["tags"]]
+            return out
+
+        tag = {**self.structural_tag, "format": compact(self.structural_tag["format"])}
+        return str(xgrammar.Grammar.from_structural_tag(tag))
+
+
+def tool_grammar(req: ToolRequest, parser: str) -> ToolGrammar | None:
+    """The constraint for `req` in `parser`'s format; None unless the choice forces calls."""
+    if not req.forced or not req.tools:
+        return None
+    fmt = _format(parser)
+    names = [req.function] if req.function is not None else _names(req)
+    tags = [_tag(fmt, name, _arguments_schema(req, name)) for name in names]
+    if req.choice == "function":
+        tag: dict = tags[0]
+    else:
+        tag = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": fmt.separator,
+            "at_least_one": True,
+            "stop_after_first": not req.parallel,
+        }
+    structural = {"type": "structural_tag", "format": tag}
+    return ToolGrammar(parser, structural, call_schema(req, parser))
+
+
+def call_schema(req: ToolRequest, parser: str) -> dict:
+    """The JSON schema of one call object in `parser`'s format: {"name": const, key:
+    arguments} for the named function, or any of the tools (anyOf) otherwise."""
+    key = _format(parser).arguments_key
+    names = [req.function] if req.function is not None else _names(req)
+    schemas = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "const": name},
+                key: _arguments_schema(req, name),
+            },
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for name in names
+    ]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def _format(parser: str) -> CallFormat:
+    if parser not in CALL_FORMATS:
+        raise ValueError(f"tool_parser: expected one of {', '.join(PARSERS)}, got {parser!r}")
+    return CALL_FORMATS[parser]
+
+
+def _names(req: ToolRequest) -> list[str]:
+    return [t["function"]["name"] for t in req.tools]
+
+
+def _arguments_schema(req: ToolRequest, name: str) -> dict:
+    for tool in req.tools:
+        function = tool["function"]
+        if function["name"] == name and function.get("strict") is False:
+            return {"type": "object"}
+    return req.parameters(name)
+
+
+def _tag(fmt: CallFormat, name: str, arguments: dict) -> dict:
+    return {
+        "type": "tag",
+        "begin": fmt.tag_begin(name),
+        "content": {"type": "json_schema", "json_schema": arguments},
+        "end": fmt.end,
+    }

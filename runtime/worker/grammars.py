@@ -1,0 +1,119 @@
+"""Structured outputs on a worker: per slot whose request has a grammar, its matcher
+(runtime.speculation.grammar.GrammarWindow) at the committed tokens, and the masks a round
+needs: a verify window's (position i after the window's first i proposals), a draft step's or
+a target-only step's (after the proposals or steps taken so far this round, advanced over and
+rolled back at the round's end). The round commits what it committed (runtime.worker.round).
+
+Rank 0 checks that a grammar compiles within its bounds (off its serving loop) and sends its
+spec, and its compiled form where compiling takes long, with the request's sampling settings;
+the vocabulary xgrammar needs comes once, with the first grammar rank 0 sends (every worker
+receives every prefill)."""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from typing import Any
+
+import torch
+
+from runtime.control.commands import Sampling
+
+
+class GrammarBook:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.windows: dict = {}  # slot -> GrammarWindow
+        self._loader: Any = None  # GrammarLoader, from the first grammar's vocabulary
+
+    @property
+    def active(self) -> bool:
+        return bool(self.windows)
+
+    def start(self, slot: int, sampling: Sampling) -> None:
+        """A sequence (re)starts in `slot`: its grammar at the output it had."""
+        self.windows.pop(slot, None)
+        if not sampling.grammar_kind:
+            return
+        from runtime.speculation.grammar import GrammarWindow
+
+        window = GrammarWindow(self._load(sampling))
+        window.commit(sampling.output)
+        self.windows[slot] = window
+
+    def release(self, slot: int) -> None:
+        self.windows.pop(slot, None)
+
+    def commit(self, slots: list[int], rows: list[list[int]]) -> None:
+        """A round's committed tokens. Those after a stop token the grammar took (its end)
+        are not the grammar's: the request ends at the stop token (rank 0 drops them)."""
+        for slot, row in zip(slots, rows):
+            window = self.windows.get(slot)
+            if window is None:
+                continue
+            window.rollback(window.pending)
+            for token in row:
+                if window.is_terminated:
+                    break
+                window.commit([token])
+
+    def window_masks(self, slots: list[int], proposals: torch.Tensor) -> torch.Tensor | None:
+        """bool [B, k + 1, V] on the device: each row's masks over a verify window of
+        proposals [B, k] (rows without a grammar: all True); None when no row has one. The
+        proposals come to the host (a grammar's matcher runs there)."""
+        if not any(s in self.windows for s in slots):
+            return None
+        rows = proposals.tolist()
+        return self._stack([self._masks(s, r) for s, r in zip(slots, rows)], len(rows[0]) + 1)
+
+    def step_masks(self, slots: list[int]) -> torch.Tensor | None:
+        """bool [B, 1, V]: each row's mask at its current position (after what it advanced
+        over), None when no row has a grammar."""
+        if not any(s in self.windows for s in slots):
+            return None
+        return self._stack([self._masks(s, []) for s in slots], 1)
+
+    def advance(self, slots: list[int], tokens: torch.Tensor) -> None:
+        """Rows with a grammar move past their token [B] (a proposal or a step's choice)."""
+        if not any(s in self.windows for s in slots):
+            return
+        for slot, token in zip(slots, tokens.tolist()):
+            if slot in self.windows:
+                self.windows[slot].advance(int(token))
+
+    def rewind(self, slots: list[int]) -> None:
+        """Undo every advance of these slots (the round's speculative tokens)."""
+        for slot in slots:
+            window = self.windows.get(slot)
+            if window is not None:
+                window.rollback(window.pending)
+
+    def _masks(self, slot: int, proposals: list[int]) -> torch.Tensor | None:
+        window = self.windows.get(slot)
+        return None if window is None else window.masks(proposals)
+
+    def _stack(self, rows: list[torch.Tensor | None], n: int) -> torch.Tensor:
+        from runtime.speculation.grammar import stack_masks
+
+        width = max(r.shape[-1] for r in rows if r is not None)
+        full = [torch.ones(n, width, dtype=torch.bool) if r is None else r for r in rows]
+        stacked = stack_masks(full, width)
+        assert stacked is not None  # some row has a grammar
+        return stacked.to(self.device, non_blocking=True)
+
+    def _load(self, sampling: Sampling):
+        """The compiled grammar of `sampling` (from its wire form, or compiled here: a grammar
+        rank 0 found quick to compile; cached by spec)."""
+        from runtime.speculation.grammar_load import GrammarLoader, Prepared
+        from runtime.speculation.grammar_spec import GrammarSpec
+
+        if sampling.grammar_vocab and self._loader is None:
+            import xgrammar as xgr
+
+            info = zlib.decompress(base64.b64decode(sampling.grammar_vocab)).decode()
+            self._loader = GrammarLoader(xgr.TokenizerInfo.deserialize_json(info))
+        if self._loader is None:
+            raise ValueError("a grammar came before the vocabulary it needs")
+        wire = base64.b64decode(sampling.grammar_wire) if sampling.grammar_wire else None
+        spec = GrammarSpec(sampling.grammar_kind, sampling.grammar_text)
+        return self._loader.load(Prepared(spec, wire))
