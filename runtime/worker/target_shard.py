@@ -171,15 +171,14 @@ class TargetShard(ModelShard):
         [B, 1] on the device, the target's choice at the index after the prompt (what a
         round rejecting every draft takes). Commit it with append_decoded (on the draft
         too)."""
-        if _scores(params):
-            self._start(slots, prompts, params, cached, tables)
-            ids, n_valid = self._ragged(prompts)
+        self._start(slots, prompts, params, cached, tables)
+        ids, n_valid = self._ragged(prompts)
+        if _scores(params):  # every position's logits: the prompt's logprobs
             full = self._score(slots, prompts, params, self._step(slots, ids, n_valid))
             last = to_device([n - 1 for n in n_valid], torch.long, self.device)
             logits = full[torch.arange(len(slots), device=self.device), last]  # [B, V(local)]
         else:
-            self._start(slots, prompts, params, cached, tables)
-            logits = self._step_last(slots, *self._ragged(prompts))  # [B, V]
+            logits = self._step_last(slots, ids, n_valid)  # [B, V]
         mask = self.grammars.step_masks(slots)
         return self._pick(
             logits[:, None], self.sampling(slots), self.committed_index(slots), mask=mask

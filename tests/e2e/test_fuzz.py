@@ -228,12 +228,12 @@ def test_deep_nesting(server):
     deep_map: dict = {"x": 1}
     for _ in range(40):
         deep_map = {"x": deep_map}
-    frames = [
+    frames = [  # deeper than protocol.MAX_DEPTH (32: a tool's JSON schema nests)
         b"\x91" * 100_000 + b"\x01",  # 100k nested arrays
         b"\x81\xa1x" * 50_000 + b"\x01",  # 50k nested maps
-        msgpack.packb(generate(id="deep1", prompt_ids=nested(30, [1]))),
+        msgpack.packb(generate(id="deep1", prompt_ids=nested(40, [1]))),
         msgpack.packb(generate(id="deep2", params=deep_map)),
-        msgpack.packb({"type": "ping", "id": "deep3", "x": nested(20)}),
+        msgpack.packb({"type": "ping", "id": "deep3", "x": nested(40)}),
     ]
     assert_dropped(server, frames, "deep")
 
@@ -345,7 +345,20 @@ def test_wrong_types_in_every_generate_field(server, field):
         ({"max_new_tokens": 4, "stop": [1, 2]}, "stop"),
         ({"max_new_tokens": 4, "stop": [""]}, "stop"),
         ({"max_new_tokens": 4, "stop": 5}, "stop"),
-        ({"max_new_tokens": 4, "frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"max_new_tokens": 4, "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"max_new_tokens": 4, "presence_penalty": -3}, "presence_penalty"),
+        ({"max_new_tokens": 4, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"max_new_tokens": 4, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"max_new_tokens": 4, "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"max_new_tokens": 4, "logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocab
+        ({"max_new_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"max_new_tokens": 4, "n": 0}, "n"),
+        ({"max_new_tokens": 4, "n": 10_000}, "server.max_n"),
+        ({"max_new_tokens": 4, "logprobs": -1}, "logprobs"),
+        ({"max_new_tokens": 4, "logprobs": 10_000}, "server.max_logprobs"),
+        ({"max_new_tokens": 4, "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"max_new_tokens": 4, "structured_outputs": {"regex": 5}}, "structured_outputs"),
+        ({"max_new_tokens": 4, "structured_outputs": {"json": {}, "regex": "a"}}, "structured"),
     ],
 )
 def test_bad_argument_gets_value_failure_naming_it(server, params, name):
