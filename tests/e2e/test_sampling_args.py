@@ -191,16 +191,17 @@ def processed_joint(model_dir: str, prompt: list[int]) -> np.ndarray:
     return (first[:, None] * second).double().numpy()
 
 
-def test_processed_sampling_follows_target_alone(tmp_path_factory, tmp_path):
-    """`logits` acceptance with a random draft (its q, processed the same way, differs from
-    the target's p): the first two tokens' joint distribution is the target-alone one."""
+@pytest.mark.parametrize("acceptance", ["logits", "tokens"])
+def test_processed_sampling_follows_target_alone(acceptance, tmp_path_factory, tmp_path):
+    """Either acceptance with a random draft (its q, processed the same way, differs from the
+    target's p): the first two tokens' joint distribution is the target-alone one."""
     root = tmp_path_factory.mktemp("vocab24")
     target = build_target(root)
     draft = checkpoints.build_checkpoint(root / "draft", "llama", seed=11, **KW)
     cfg = launch.write_config(
         tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"], 3, max_batch_size=256
     )
-    launch.set_speculation(cfg, acceptance="logits")
+    launch.set_speculation(cfg, acceptance=acceptance)
     with Engine.launch(cfg) as engine:
         outs = engine.generate(
             prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=2, seed=3, **SAMPLED
