@@ -60,6 +60,12 @@ class BatchSampling:
             logprobs=max(p.logprobs for p in params) if params else -1,
         )
 
+    def argmax_suffices(self, mask: torch.Tensor | None = None) -> bool:
+        """Greedy rows whose choice is the argmax of the raw logits: nothing processes or
+        masks them and no row reports logprobs (a vocab-parallel target then needs no
+        gather)."""
+        return self.greedy and not self.processing.active and self.logprobs < 0 and mask is None
+
     def process(
         self,
         logits: torch.Tensor,

@@ -62,7 +62,7 @@ def take_drafts(
     rest_tokens = rest_probs = None
     if rest:
         rest_tokens, rest_probs = draft.take_ahead(rest, k) or draft.propose(rest, k)
-    greedy = draft.sampling(slots).greedy
+    greedy = draft.greedy(slots)
     rows_t, rows_q = [], []
     for slot, windowed in zip(slots, ready):
         if windowed:

@@ -75,7 +75,7 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
     leader's committed tokens per slot ([accepted drafts] + [correction or bonus token])."""
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     batch, dev = len(slots), parts.device
-    need_q = parts.acceptance == "logits" and not parts.shard.sampling(slots).greedy
+    need_q = parts.acceptance == "logits" and not parts.shard.greedy(slots)
     # 1. draft: k proposals per slot (drafted ahead while the last verdict travelled, or now)
     draft_tokens = torch.zeros(batch, k, dtype=torch.long, device=dev)  # [B, k]
     draft_probs = None  # [B, k, V] q
@@ -119,7 +119,7 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     target's held logits verify its first token next round."""
     start, clock = time.perf_counter(), StepClock(parts.device, enabled=parts.profile)
     batch, dev, draft, target = len(slots), parts.device, parts.draft, parts.target
-    greedy = parts.shard.sampling(slots).greedy
+    greedy = parts.shard.greedy(slots)
     bonus = takes_bonus(greedy, parts.acceptance)  # else held logits
     need_q = parts.acceptance == "logits" and not greedy
     # 1. draft: this window (drafted during the last round where the slot was kept)

@@ -114,6 +114,13 @@ class ModelShard:
         vocabulary; 0: none (a draft with another tokenizer)."""
         return self.model.vocab_size
 
+    def greedy(self, slots: list[int]) -> bool:
+        """Whether every row samples greedily (no tensors built: sampling() builds them)."""
+        return all(self.slots[s].sampling.temperature == 0 for s in slots)
+
+    def reports_logprobs(self, slots: list[int]) -> bool:
+        return any(self.slots[s].sampling.logprobs >= 0 for s in slots)
+
     def sampling(self, slots: list[int]) -> BatchSampling:
         params = [self.slots[s].sampling for s in slots]
         history = self.history.rows(slots) if any(p.penalised for p in params) else None

@@ -102,14 +102,8 @@ class TargetShard(ModelShard):
         """(accepted [B], next_token [B]) from the target's logits [B, k+1, V(local)];
         earlier: tokens decided before these positions, not committed yet (decode); mask:
         the grammars' [B, k+1, V]."""
-        plain = (
-            sampling.greedy
-            and not sampling.processing.active
-            and sampling.logprobs < 0
-            and mask is None
-        )
         if self.vocab_parallel is not None:
-            if plain:
+            if sampling.argmax_suffices(mask):
                 return accept_choices(draft_tokens, self.vocab_parallel.argmax(logits))
             logits = self.vocab_parallel.gather(logits)  # [B, k+1, V]
         accepted, next_token = target_verify(
@@ -245,8 +239,7 @@ class TargetShard(ModelShard):
     ) -> torch.Tensor:
         """The target's token at sequence index `index` [B] from its logits [B, 1, V(local)]
         with no drafts to test: [B, 1]. earlier, mask: as _choose's."""
-        plain = sampling.greedy and not sampling.processing.active and sampling.logprobs < 0
-        if plain and mask is None:
+        if sampling.argmax_suffices(mask):
             if self.vocab_parallel is not None:
                 return self.vocab_parallel.argmax(logits)
             return logits.argmax(dim=-1)
@@ -294,7 +287,7 @@ class TargetShard(ModelShard):
         round for the same slots in the same states takes the tokens (decode); anything
         else drops them."""
         self.ahead, marks = None, self.slots.mark(slots)
-        if self.sampling(slots).logprobs >= 0 or self.grammars.active:  # the round's own
+        if self.reports_logprobs(slots) or self.grammars.active:  # the round's own
             return
         try:
             tokens = self.decode(slots, steps)
