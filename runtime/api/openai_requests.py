@@ -115,12 +115,12 @@ class OpenAIRequest:
             return self.refusal(ValueError(msg.message))
         return failure(msg, self.max_name, self.prompt_name)
 
-    def reading_tools(self, parser: str, grammar: str | None) -> OpenAIRequest:
+    def reading_tools(self, parser: str, grammar: dict | None) -> OpenAIRequest:
         """This request with its output read for tool calls in `parser`'s format, and, for a
-        forced tool choice, its calls made to follow `grammar` (EBNF)."""
+        forced tool choice, its calls made to follow `grammar` (structured_outputs)."""
         if grammar is None:
             return replace(self, tool_parser=parser)
-        params = {**self.params, "structured_outputs": {"grammar": grammar}}
+        params = {**self.params, "structured_outputs": grammar}
         build = {**self.build_kwargs, "params": params}
         return replace(self, build_kwargs=build, tool_parser=parser, structured_name="tool_choice")
 

@@ -1,7 +1,7 @@
 """What constrains or reads an HTTP request's output, besides the sampling arguments:
 `response_format` and vLLM's `structured_outputs` as the engine's structured_outputs argument
 (runtime.params: one of {"json": schema}, {"regex": str}, {"choice": [str]}, {"grammar":
-ebnf}), and a chat's `tools` / `tool_choice` / `parallel_tool_calls` (runtime/api/
+ebnf}, {"lark": lark}), and a chat's `tools` / `tool_choice` / `parallel_tool_calls` (runtime/api/
 tool_calls_request.py): the tool-call format its output is read in, and for a forced choice
 ("required", a named function) the grammar its calls follow (tool_calls_grammar.py). Errors
 are 400s naming the argument.
@@ -91,14 +91,16 @@ def tool_format(tools: ToolRequest, configured: str | None, template) -> str:
         raise _tool_error(exc) from None
 
 
-def forced_grammar(tools: ToolRequest, parser: str) -> str | None:
-    """The EBNF that a forced choice's calls follow (xgrammar compiles the structural tag:
-    call it off the event loop); None when the choice forces nothing."""
+def forced_grammar(tools: ToolRequest, parser: str) -> dict | None:
+    """The structured_outputs that a forced choice's calls follow, {"grammar": ebnf} or
+    {"lark": lark} where a tool's parameters need llguidance (tool_calls_grammar; building it
+    compiles: call it off the event loop); None when the choice forces nothing."""
     grammar = tool_grammar(tools, parser)
     if grammar is None:
         return None
     try:
-        return grammar.ebnf()
+        spec = grammar.spec()
+        return {spec.kind: spec.text}
     except ImportError:
         raise HttpError(
             501,
@@ -106,6 +108,8 @@ def forced_grammar(tools: ToolRequest, parser: str) -> str | None:
             "tool_choice",
             kind="server_error",
         ) from None
+    except ValueError as exc:  # llguidance's refusal, naming the tool (ToolGrammar.spec)
+        raise HttpError(400, str(exc), "tools") from None
     except Exception as exc:  # noqa: BLE001 - xgrammar refuses a schema with its own errors
         message = f"tools: a tool's parameters cannot be enforced: {exc}"
         raise HttpError(400, message, "tools") from None

@@ -12,14 +12,33 @@ tool's parameters as a "json_schema", end = the rest of the call:
 A named function is that one tag; "required" is a "tags_with_separator" of all the tools'
 tags with at_least_one (and stop_after_first when parallel_tool_calls is false): calls only,
 no text around them. A tool with `"strict": false` takes any JSON object as arguments (as
-xgrammar's builtins do); no parameters means none (`{}`). "auto" and "none" force nothing."""
+xgrammar's builtins do); no parameters means none (`{}`). "auto" and "none" force nothing.
+
+When any forced tool's parameters use what xgrammar does not enforce (grammar_route's
+guidance_reasons: minLength, allOf, multipleOf on a number, ...), the calls are spelled the
+same way in llguidance's Lark instead (ToolGrammar.lark, a "lark" GrammarSpec), every tool's
+parameters a `%json` schema in the same layout (grammar_guidance.JSON_OPTIONS as its
+"x-guidance"), so llguidance enforces them as it enforces a JSON schema:
+
+    start: call ("\n" call)*        (a named function, or no parallel calls: start: call)
+    call: call_0 | call_1
+    call_0: "<tool_call>\n{\"name\": \"f\", \"arguments\": " args_0 "}\n</tool_call>"
+    args_0: %json {"type": "object", ..., "x-guidance": {"item_separator": ", ", ...}}"""
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from runtime.api.tool_calls import PARSERS
 from runtime.api.tool_calls_request import ToolRequest
+from runtime.speculation.grammar_route import guidance_reasons
+from runtime.speculation.grammar_spec import GrammarSpec
+
+# grammar_guidance.JSON_OPTIONS (not imported: that module needs llguidance and torch)
+LARK_JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,37 @@ class ToolGrammar:
     parser: str
     structural_tag: dict
     call_schema: dict
+    lark: str | None = None  # llguidance's Lark, when a tool's parameters need llguidance
+    names: tuple[str, ...] = ()  # the tools the Lark calls, call_0 first
+
+    def spec(self) -> GrammarSpec:
+        """What the engine enforces: the Lark ("lark", checked by llguidance here: a
+        ValueError naming the tool's parameters when it refuses them) or xgrammar's EBNF
+        ("grammar": ebnf()); a ValueError naming tools past grammar_spec's bounds."""
+        if self.lark is None:
+            return GrammarSpec("grammar", self.ebnf(), "tools")
+        spec = GrammarSpec("lark", self.lark, "tools")
+        import llguidance
+
+        from runtime.speculation import grammar_guidance as guidance
+
+        grammar = llguidance.LLMatcher.grammar_from_lark(self.lark)
+        error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=guidance.limits())
+        if error:
+            raise spec.error(self._refusal(error, guidance.lark_refusal(error)))
+        return spec
+
+    def _refusal(self, error: str, why: str) -> str:
+        """llguidance's refusal naming the tool whose parameters it refuses (the error's
+        line of the Lark: `args_I: %json ...`)."""
+        found = re.match(r"at (\d+)\(", error.strip())
+        lines = (self.lark or "").splitlines()
+        line = lines[int(found.group(1)) - 1] if found and int(found.group(1)) <= len(lines) else ""
+        tool = re.match(r"args_(\d+): ", line)
+        if tool is None:
+            return f"the forced calls cannot be enforced: {why}"
+        name = self.names[int(tool.group(1))]
+        return f"the parameters of {name!r} cannot be enforced: {why}"
 
     def ebnf(self) -> str:
         """The structural tag as xgrammar's EBNF (needs xgrammar), each call's arguments in
@@ -90,7 +140,10 @@ def tool_grammar(req: ToolRequest, parser: str) -> ToolGrammar | None:
             "stop_after_first": not req.parallel,
         }
     structural = {"type": "structural_tag", "format": tag}
-    return ToolGrammar(parser, structural, call_schema(req, parser))
+    schemas = {name: _arguments_schema(req, name) for name in names}
+    guided = any(guidance_reasons(schema) for schema in schemas.values())
+    lark = _lark(fmt, schemas, req.choice == "function" or not req.parallel) if guided else None
+    return ToolGrammar(parser, structural, call_schema(req, parser), lark, tuple(names))
 
 
 def call_schema(req: ToolRequest, parser: str) -> dict:
@@ -138,3 +191,31 @@ def _tag(fmt: CallFormat, name: str, arguments: dict) -> dict:
         "content": {"type": "json_schema", "json_schema": arguments},
         "end": fmt.end,
     }
+
+
+def _lark(fmt: CallFormat, schemas: dict[str, dict], one: bool) -> str:
+    """The calls in llguidance's Lark: one call, or one or more separated by fmt.separator;
+    each call's arguments a %json schema in the one layout."""
+    start = "start: call" if one else f"start: call ({json.dumps(fmt.separator)} call)*"
+    lines = [start, "call: " + " | ".join(f"call_{i}" for i in range(len(schemas)))]
+    for i, (name, schema) in enumerate(schemas.items()):
+        begin, end = json.dumps(fmt.tag_begin(name)), json.dumps(fmt.end)
+        lines.append(f"call_{i}: {begin} args_{i} {end}")
+        lines.append(f"args_{i}: %json {_json(_laid_out(schema))}")
+    return "\n".join(lines) + "\n"
+
+
+def _laid_out(schema: dict) -> dict:
+    """The schema with LARK_JSON_OPTIONS over its own "x-guidance" (as the JSON path's
+    overrides are: grammar_guidance.guidance_grammar)."""
+    own = schema.get("x-guidance", {})
+    if not isinstance(own, Mapping):
+        return schema  # llguidance refuses it, as it would the schema alone
+    return {**schema, "x-guidance": {**own, **LARK_JSON_OPTIONS}}
+
+
+def _json(value: dict) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError as e:
+        raise ValueError(f"tools: a tool's parameters are not plain JSON: {e}") from None

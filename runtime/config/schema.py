@@ -112,6 +112,9 @@ class SpeculationConfig(_Checked):
     # draft the next window while the target verifies (runtime.worker.overlap): auto = when
     # draft and target share no device
     overlap: bool | str = _checked("auto", check.overlap_mode)
+    # structured outputs: the draft proposes under the grammar's masks (false: freely; the
+    # target's verification enforces the grammar either way: docs/sampling.md)
+    mask_draft: bool = _checked(True, check.boolean)
 
     @property
     def fixed_draft_len(self) -> int | None:

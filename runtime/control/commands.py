@@ -224,6 +224,9 @@ class RoundReply(Record):
     # a prefill's, per slot: the records of its chunk's tokens after the first (positions
     # cached + 1 on), for rows that ask for prompt logprobs (else [])
     prompt_logprobs: list[list[list[float]]] | None = None
+    # per slot, why its grammar's matcher failed ('' for none; None when no slot's did): its
+    # masks allowed only the stop tokens, and the request ends with this error
+    grammar_failures: list[str] | None = None
 
     @property
     def reports(self) -> bool:
@@ -236,6 +239,8 @@ class RoundReply(Record):
             self.overlapped and len(self.overlapped) != len(self.tokens)
         ):
             raise ProtocolError("round reply: tokens, accepted, overlapped differ in length")
+        if self.grammar_failures is not None and len(self.grammar_failures) != len(self.tokens):
+            raise ProtocolError("round reply: grammar_failures and tokens differ in length")
         if self.role == WORKER and self.tokens:
             raise ProtocolError("round reply: only the target leader reports tokens")
 

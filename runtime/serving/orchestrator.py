@@ -315,4 +315,7 @@ class Orchestrator:
         self.submit(seqs)
         while not all(s.done for s in seqs):
             self.step()
+        failed = [s.error for s in seqs if s.error]
+        if failed:
+            raise ValueError(failed[0])
         return [s.output() for s in seqs]

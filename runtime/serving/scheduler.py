@@ -267,15 +267,16 @@ class Scheduler:
         events = []
         records = replies.prefill.logprobs or [[]] * len(chunks)
         scored = replies.prefill.prompt_logprobs or [[]] * len(chunks)
-        for chunk, first, held, rec, prompt_rec in zip(
-            chunks, replies.prefill.tokens, replies.prefill_cached, records, scored
+        failures = replies.prefill.grammar_failures or [""] * len(chunks)
+        for chunk, first, held, rec, prompt_rec, failure in zip(
+            chunks, replies.prefill.tokens, replies.prefill_cached, records, scored, failures
         ):
             seq = chunk.seq
             seq.take_prompt_logprobs(chunk.cached + 1, prompt_rec)
             seq.prefill_at = chunk.cached + len(chunk.tokens) - 1
             if chunk.final:
                 seq.status = SeqStatus.RUNNING
-                events.append(self._deliver(seq, first, rec))
+                events.append(self._deliver(seq, first, rec, failure))
                 self.metrics.prefill_tokens(len(events[-1].token_ids))
             self._index(seq, held)
         return events + self._retire([c.seq for c in chunks if c.seq.done])
@@ -288,15 +289,16 @@ class Scheduler:
         events: list[Event] = []
         finished: list[Sequence] = []
         records = verdict.logprobs or [[]] * len(plan.seqs)
+        failures = verdict.grammar_failures or [""] * len(plan.seqs)
         rows = zip(
             plan.seqs, verdict.tokens, verdict.accepted, overlapped, replies.round_cached, records
         )
-        for seq, tokens, accepted, kept, held, rec in rows:
+        for (seq, tokens, accepted, kept, held, rec), failure in zip(rows, failures):
             if seq.done:  # ended at its first token, in this step's prefill: nothing more
                 continue
             seq.stats.overlapped_rounds += kept
             seq.stats.round_done(replies.round_k, accepted, len(tokens), self.draft_len)
-            events.append(self._deliver(seq, tokens, rec))
+            events.append(self._deliver(seq, tokens, rec, failure))
             self.metrics.committed(replies.round_k, accepted, len(events[-1].token_ids), kept)
             self._index(seq, held)
             if seq.done:
@@ -309,9 +311,14 @@ class Scheduler:
         if cached // self.blocks.block_size > len(seq.table.keys):
             self.blocks.register(seq.table, seq.tokens, cached)
 
-    def _deliver(self, seq: Sequence, tokens: list[int], records: list[list[float]]) -> Event:
+    def _deliver(
+        self, seq: Sequence, tokens: list[int], records: list[list[float]], failure: str = ""
+    ) -> Event:
         """Committed tokens (and their logprob records, if asked) to the sequence's output,
-        up to its limits and stops."""
+        up to its limits and stops; none where its grammar failed (`failure`: it ends)."""
+        if failure:
+            seq.fail(failure)
+            return Event(EventKind.DELTA, seq, [], "")
         room = seq.params.max_new_tokens - len(seq.generated)
         new = tokens[:room]
         stop_token = False

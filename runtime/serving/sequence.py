@@ -100,6 +100,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, ditto
     grammar: tuple[str, str, str] = ("", "", "")  # its structured output: kind, text, wire
     grammar_vocab: str = ""  # the vocabulary the workers need for it, until they have it
+    error: str = ""  # why it ended without a result (its grammar's matcher failed)
 
     @property
     def tokens(self) -> list[int]:
@@ -117,6 +118,13 @@ class Sequence:
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = SeqStatus.FINISHED, reason
+
+    def fail(self, why: str) -> None:
+        """End without a result: its request is answered with this error (a ValueError
+        naming structured_outputs; runtime.serving.server)."""
+        done = len(self.generated)
+        self.error = f"structured_outputs: the grammar failed after {done} tokens: {why}"
+        self.finish("error")
 
     def worker_params(self) -> Sampling:
         """What the workers sample this sequence with."""

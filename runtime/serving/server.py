@@ -173,6 +173,9 @@ class Server:
             pend = self.pending.get(seq.request_id)
             if pend is None:
                 continue
+            if seq.error:  # its grammar failed: the request ends with the error (siblings too)
+                self.end(seq.request_id, seq.error, "value")
+                continue
             if event.kind is EventKind.DELTA and pend.stream and (event.token_ids or event.text):
                 logprobs = None if event.logprobs is None else pairs(event.logprobs)
                 self.reply(

@@ -6,9 +6,11 @@ The mask comes after the penalties and before temperature, min-p, top-k and top-
 proposals masked after the ones before it, and each verify position i masked after the
 committed tokens and proposals[:i]. After a round, the window commits what was accepted.
 
-The parts: grammar_spec (what a request asks for, parsed and bounded), grammar_compile (the
-orchestrator's bounded compile in a child process, grammar_child), grammar_load (the workers'
-side: the tokenizer's view, the wire form, rebuilding a compiled grammar), and this module.
+The parts: grammar_spec (what a request asks for, parsed and bounded), grammar_route (which
+backend: xgrammar, or llguidance for the JSON schemas xgrammar would not enforce),
+grammar_compile (the orchestrator's bounded compile in a child process, grammar_child),
+grammar_load (the workers' side: the tokenizer's view, the wire form, rebuilding a compiled
+grammar), grammar_guidance (llguidance behind xgrammar's matcher interface), and this module.
 
 Cost per masked position with SmolLM2's 49,152-token vocabulary: filling xgrammar's bitmask
 about 10 us for a JSON schema, unpacking it to bools about 20 us.
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from runtime.speculation.grammar_compile import GrammarCompiler
+from runtime.speculation.grammar_guidance import GuidanceGrammar, GuidanceMatcher
 from runtime.speculation.grammar_load import (
     GrammarLoader,
     Prepared,
@@ -68,16 +72,30 @@ class GrammarWindow:
     positions' scores finite, where all False would make their softmax NaN.
 
     When the grammar is complete, its mask allows the stop tokens (the model's EOS ids, from
-    runtime.speculation.grammar_compile.tokenizer_info, or `stop_token_ids` here)."""
+    runtime.speculation.grammar_compile.tokenizer_info, or `stop_token_ids` here).
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int] | None = None):
+    A matcher that fails (llguidance past one of its limits: grammar_guidance.GuidanceError)
+    leaves the window `failure` (its reason) for good: every mask from then on allows only
+    the stop tokens, so the request ends at once, and the worker reports why
+    (runtime.worker.grammars); the tokens before stay the grammar's."""
+
+    def __init__(self, compiled: Any, stop_token_ids: Sequence[int] | None = None):
+        """`compiled`: xgrammar's CompiledGrammar or llguidance's GuidanceGrammar (a JSON
+        schema xgrammar would not enforce: runtime.speculation.grammar_route)."""
         stops = [int(t) for t in stop_token_ids] if stop_token_ids else None
-        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
-        self.vocab_size: int = compiled.tokenizer_info.vocab_size
+        self._matcher: Any
+        if isinstance(compiled, GuidanceGrammar):
+            self._matcher = GuidanceMatcher(compiled, stops)
+            self.vocab_size: int = compiled.vocab_size
+        else:
+            self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+            self.vocab_size = compiled.tokenizer_info.vocab_size
         self._words = (self.vocab_size + 31) // 32
         self._pending = 0  # tokens advanced over since the committed state
         self._taken = 0  # of them, the first ones the grammar took (the rest: off grammar)
         self.slowest_mask_s = 0.0  # the longest one mask took (grammar_compile.PROBE_MASK_S)
+        self.failure: str | None = None  # why the matcher failed, once it did
+        self._stops = [int(t) for t in self._matcher.stop_token_ids if 0 <= t < self.vocab_size]
 
     @property
     def pending(self) -> int:
@@ -86,8 +104,9 @@ class GrammarWindow:
 
     @property
     def is_terminated(self) -> bool:
-        """A stop token was taken (among the committed tokens or those advanced over)."""
-        return self._matcher.is_terminated()
+        """A stop token was taken (among the committed tokens or those advanced over), or the
+        matcher failed."""
+        return self.failure is not None or self._matcher.is_terminated()
 
     @property
     def is_complete(self) -> bool:
@@ -104,9 +123,9 @@ class GrammarWindow:
         """Move past `token` (a draft proposal). False when the grammar does not take it (or
         ended): from then on, masks are all True until rolled back past it."""
         self._pending += 1
-        if self._pending - 1 != self._taken or self._matcher.is_terminated():
+        if self._pending - 1 != self._taken or self.is_terminated:
             return False
-        if not 0 <= token < self.vocab_size or not self._matcher.accept_token(int(token)):
+        if not 0 <= token < self.vocab_size or not self._guarded(self._matcher.accept_token, token):
             return False
         self._taken += 1
         return True
@@ -117,8 +136,8 @@ class GrammarWindow:
             raise ValueError(f"rollback of {n} tokens, {self._pending} advanced")
         off_grammar = self._pending - self._taken
         taken_back = n - min(n, off_grammar)
-        if taken_back:
-            self._matcher.rollback(taken_back)
+        if taken_back and self.failure is None:
+            self._guarded(self._matcher.rollback, taken_back)
         self._taken -= taken_back
         self._pending -= n
 
@@ -148,7 +167,7 @@ class GrammarWindow:
         if self._pending:
             raise RuntimeError(f"commit with {self._pending} advanced tokens not rolled back")
         for i, token in enumerate(tokens):
-            if not self.advance(token):
+            if not self.advance(token) and self.failure is None:
                 self.rollback(self._pending)
                 raise ValueError(
                     f"token {token} (the {i + 1}. of {len(tokens)} committed) is not allowed "
@@ -157,12 +176,31 @@ class GrammarWindow:
         self._pending = self._taken = 0
 
     def _fill(self, packed: torch.Tensor, row: int) -> None:
-        if self._pending != self._taken or self._matcher.is_terminated():
+        if self.failure is None and (self._pending != self._taken or self.is_terminated):
             packed[row] = ALL_ALLOWED
             return
         start = time.perf_counter()
-        self._matcher.fill_next_token_bitmask(packed, row)
+        if self.failure is None:
+            self._guarded(self._matcher.fill_next_token_bitmask, packed, row)
+        if self.failure is not None:  # only the stop tokens: the request ends here
+            packed[row] = 0 if self._stops else ALL_ALLOWED
+            for token in self._stops:
+                packed[row, token >> 5] |= _bit(token & 31)
         self.slowest_mask_s = max(self.slowest_mask_s, time.perf_counter() - start)
+
+    def _guarded(self, call, *args) -> Any:
+        """A matcher call; a failure of the matcher (RuntimeError: llguidance past a limit,
+        an internal error) makes the window failed instead of raising."""
+        try:
+            return call(*args)
+        except RuntimeError as e:
+            self.failure = str(e) or type(e).__name__
+            return False
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word, as a (signed) int32 value."""
+    return -(1 << 31) if j == 31 else 1 << j
 
 
 def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -154,14 +154,13 @@ def compile_job(compiler: Any, job: list[str], json_options: dict[str, Any]) -> 
     return compiler.compile_grammar(source)
 
 
-def _probe(compiled: Any, settings: dict[str, Any]) -> str | None:
+def _probe(matcher: Any, vocab: int, settings: dict[str, Any]) -> str | None:
     """Time the token masks of the first positions (each advancing by the highest allowed
-    token id that is not a stop token); a message when one is too slow."""
+    token id that is not a stop token); a message when one is too slow. `matcher`: xgrammar's
+    GrammarMatcher or grammar_guidance.GuidanceMatcher."""
     import torch
     import xgrammar as xgr
 
-    matcher = xgr.GrammarMatcher(compiled)
-    vocab = compiled.tokenizer_info.vocab_size
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     shifts = torch.arange(32, dtype=torch.int32)
     stops = set(matcher.stop_token_ids)
@@ -186,8 +185,11 @@ def _answer(compiler: Any, settings: dict[str, Any], job: bytes) -> bytes:
     """OK + the wire form, or OK alone (the workers compile the spec again: it compiled
     fast, or its wire form would be too large), or FAILED + why."""
     try:
+        method, source = json.loads(job)
+        if method in ("guidance", "lark"):
+            return _answer_guidance(settings, method, source)
         start = time.perf_counter()
-        compiled = compile_job(compiler, json.loads(job), settings["json_options"])
+        compiled = compile_job(compiler, [method, source], settings["json_options"])
         took = time.perf_counter() - start
         refusal = _refusal(compiled, settings)
         if refusal is not None:
@@ -224,11 +226,37 @@ def _wire_estimate(compiled: Any) -> int:
 
 
 def _refusal(compiled: Any, settings: dict[str, Any]) -> str | None:
+    import xgrammar as xgr
+
     if compiled.memory_size_bytes > settings["max_grammar_bytes"]:
         size = compiled.memory_size_bytes / 2**20
         limit = settings["max_grammar_bytes"] / 2**20
         return f"the compiled grammar takes {size:.0f} MiB, over the limit of {limit:.0f} MiB"
-    return _probe(compiled, settings)
+    return _probe(xgr.GrammarMatcher(compiled), compiled.tokenizer_info.vocab_size, settings)
+
+
+_GUIDANCE: dict[str, Any] = {}  # the llguidance tokenizer, made by the first such job
+
+
+def _answer_guidance(settings: dict[str, Any], method: str, source: str) -> bytes:
+    """A JSON schema ("guidance") or a Lark grammar ("lark": a forced tool call) for
+    llguidance (runtime.speculation.grammar_route): validated, its first masks timed; OK
+    alone (the workers build it again: a millisecond) or FAILED + why."""
+    from runtime.speculation import grammar_guidance as guidance
+
+    info = settings["tokenizer_info"]
+    if "tokenizer" not in _GUIDANCE:
+        _GUIDANCE["tokenizer"] = guidance.guidance_tokenizer(info)
+    check = guidance.validate_lark if method == "lark" else guidance.validate
+    compiled = check(_GUIDANCE["tokenizer"], source, info.stop_token_ids)
+    if isinstance(compiled, str):
+        return FAILED + compiled.encode()
+    try:
+        matcher = guidance.GuidanceMatcher(compiled, None)
+        refusal = _probe(matcher, compiled.vocab_size, settings)
+    except guidance.GuidanceError as e:
+        refusal = str(e)
+    return OK if refusal is None else FAILED + refusal.encode()
 
 
 def main() -> None:
@@ -244,6 +272,7 @@ def main() -> None:
         return
     settings = json.loads(settings_frame)
     info = xgr.TokenizerInfo.deserialize_json(info_frame.decode())
+    settings["tokenizer_info"] = info  # llguidance's vocabulary too (_answer_guidance)
     compiler = xgr.GrammarCompiler(info, max_threads=settings["threads"], cache_enabled=False)
     _limit_memory(settings["memory_bytes"])
     _write_frame(stdout, b"ready")

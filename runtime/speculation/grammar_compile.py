@@ -19,8 +19,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import xgrammar as xgr
-
 from runtime.speculation.grammar_child import OK, CompileProcess, CompileTimeout
 from runtime.speculation.grammar_load import (
     CACHE_SIZE,
@@ -35,6 +33,7 @@ from runtime.speculation.grammar_load import (
     to_wire,
     tokenizer_info,
 )
+from runtime.speculation.grammar_route import uses_guidance
 from runtime.speculation.grammar_spec import GrammarSpec
 
 __all__ = ["GrammarCompiler", "Prepared", "from_wire", "to_wire", "tokenizer_info"]
@@ -94,8 +93,9 @@ class GrammarCompiler:
             raise spec.error(prepared)
         return prepared
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar of `spec` in this process (prepare, then load)."""
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar of `spec` in this process (prepare, then load): xgrammar's
+        CompiledGrammar, or a grammar_guidance.GuidanceGrammar (grammar_route)."""
         return self.loader.load(self.prepare(spec))
 
     def close(self) -> None:
@@ -122,6 +122,8 @@ class GrammarCompiler:
             self._slot.process = self._start()
             return f"the grammar was not compiled: {e}", False
         if answer[:1] != OK:
+            if uses_guidance(spec):  # llguidance's refusal, told as such (grammar_guidance)
+                return answer[1:].decode(), True
             return f"the {spec.kind} does not compile: {answer[1:].decode()}", True
         return Prepared(spec, answer[1:] or None), True
 

@@ -25,6 +25,7 @@ from typing import Any
 import xgrammar as xgr
 
 from runtime.speculation.grammar_child import compile_job
+from runtime.speculation.grammar_route import uses_guidance
 from runtime.speculation.grammar_spec import GrammarSpec, choice_ebnf
 
 LOCAL_COMPILE_S = 0.1  # a grammar that compiled faster travels as its spec, not compiled
@@ -102,9 +103,13 @@ def from_wire(data: bytes, info: xgr.TokenizerInfo) -> xgr.CompiledGrammar:
 
 
 def job_of(spec: GrammarSpec) -> list[str]:
-    """[method, source]: what to ask xgrammar's compiler for (grammar_child.compile_job)."""
+    """[method, source]: what to ask xgrammar's compiler for (grammar_child.compile_job), or
+    ["guidance", schema] for a JSON schema llguidance enforces (grammar_route), or ["lark",
+    grammar] for llguidance's Lark (a forced tool call)."""
+    if spec.kind == "lark":
+        return ["lark", spec.text]
     if spec.kind == "json":
-        return ["json_schema", spec.text]
+        return ["guidance" if uses_guidance(spec) else "json_schema", spec.text]
     if spec.kind == "json_object":
         return ["json_schema", ANY_JSON_OBJECT]
     if spec.kind == "regex":
@@ -117,25 +122,40 @@ def job_of(spec: GrammarSpec) -> list[str]:
 class GrammarLoader:
     """Prepared specs -> compiled grammars for one tokenizer_info, in this process, kept in
     an LRU cache by spec; thread-safe. Only for Prepared values: their specs are known to
-    compile within the bounds (runtime.speculation.grammar_compile.GrammarCompiler)."""
+    compile within the bounds (runtime.speculation.grammar_compile.GrammarCompiler).
+    A JSON schema that xgrammar would not enforce (grammar_route), or a "lark" spec, loads as
+    llguidance's grammar_guidance.GuidanceGrammar, its tokenizer built from the same
+    tokenizer_info."""
 
     def __init__(self, info: xgr.TokenizerInfo, cache_size: int = CACHE_SIZE):
         self.info = info
         self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
-        self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._guidance_tokenizer: Any = None  # llguidance's, made by the first such grammar
 
-    def load(self, prepared: Prepared) -> xgr.CompiledGrammar:
+    def load(self, prepared: Prepared) -> Any:
+        """xgrammar's CompiledGrammar or a GuidanceGrammar (what GrammarWindow takes)."""
         with self._lock:
             compiled = self._cache.get(prepared.spec)
             if compiled is None:
-                if prepared.wire is not None:
-                    compiled = from_wire(prepared.wire, self.info)
-                else:
-                    compiled = compile_job(self._compiler, job_of(prepared.spec), JSON_OPTIONS)
+                compiled = self._build(prepared)
                 self._cache[prepared.spec] = compiled
             self._cache.move_to_end(prepared.spec)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return compiled
+
+    def _build(self, prepared: Prepared) -> Any:
+        job = job_of(prepared.spec)
+        if job[0] in ("guidance", "lark"):
+            from runtime.speculation import grammar_guidance as guidance
+
+            if self._guidance_tokenizer is None:
+                self._guidance_tokenizer = guidance.guidance_tokenizer(self.info)
+            build = guidance.lark_grammar if job[0] == "lark" else guidance.guidance_grammar
+            return build(self._guidance_tokenizer, job[1], self.info.stop_token_ids)
+        if prepared.wire is not None:
+            return from_wire(prepared.wire, self.info)
+        return compile_job(self._compiler, job, JSON_OPTIONS)

@@ -9,6 +9,9 @@ A GrammarSpec is plain data (two strings) that can cross the wire and key a cach
 - regex: a regular expression the whole output matches
 - choice: one of a list of strings, the list as JSON
 - grammar: an EBNF grammar (xgrammar's / GBNF syntax) whose start rule is `root`
+- lark: a Lark grammar in llguidance's syntax (`%json {schema}` embeds a JSON schema), run on
+  llguidance; the HTTP front's forced tool calls whose parameters need llguidance
+  (runtime.api.tool_calls_grammar) use it
 
 The bounds refuse what is plainly too large within microseconds; what passes them is still
 compiled under a time and memory limit (runtime.speculation.grammar_compile).
@@ -22,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
 MAX_SPEC_CHARS = 100_000  # a schema (as compact JSON), regex, grammar or choice list
 MAX_JSON_DEPTH = 64  # objects and arrays nested in a schema document
 MAX_SCHEMA_PROPERTIES = 2048  # entries of all "properties" maps of a schema together
@@ -62,18 +65,18 @@ class GrammarSpec:
 
 def parse_structured_outputs(value: Any) -> GrammarSpec:
     """vLLM's `structured_outputs`: exactly one of {"json": schema (an object, or its JSON
-    text)}, {"regex": str}, {"choice": [str, ...]}, {"grammar": ebnf},
+    text)}, {"regex": str}, {"choice": [str, ...]}, {"grammar": ebnf}, {"lark": lark},
     {"json_object": true}. ValueError("structured_outputs: ...") otherwise."""
     arg = "structured_outputs"
     if not isinstance(value, Mapping) or len(value) != 1:
         raise ValueError(
-            f"{arg}: must be a map with exactly one of {sorted(set(KINDS))}, got {_show(value)}"
+            f"{arg}: must be a map with exactly one of {sorted(KINDS)}, got {_show(value)}"
         )
     ((kind, body),) = value.items()
     if kind == "json":
         return json_spec(body, arg)
-    if kind == "regex" or kind == "grammar":
-        if not isinstance(body, str) or (kind == "grammar" and not body.strip()):
+    if kind in ("regex", "grammar", "lark"):
+        if not isinstance(body, str) or (kind != "regex" and not body.strip()):
             raise ValueError(f"{arg}: {kind} must be a non-empty string, got {_show(body)}")
         return GrammarSpec(kind, body, arg)
     if kind == "choice":

@@ -88,6 +88,13 @@ class GrammarBook:
             if window is not None:
                 window.rollback(window.pending)
 
+    def failures(self, slots: list[int]) -> list[str] | None:
+        """Per slot, why its grammar's matcher failed ('' where it did not: the masks of a
+        failed one allow only the stop tokens, runtime.speculation.grammar.GrammarWindow);
+        None when none did."""
+        found = [w.failure or "" if (w := self.windows.get(s)) else "" for s in slots]
+        return found if any(found) else None
+
     def _masks(self, slot: int, proposals: list[int]) -> torch.Tensor | None:
         window = self.windows.get(slot)
         return None if window is None else window.masks(proposals)

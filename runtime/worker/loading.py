@@ -63,6 +63,7 @@ def load_shards(
         )
         draft.cross = cross
         draft.vocab = None if cross else _draft_vocab(config, draft_model)
+        draft.follows_grammars = config.speculation.mask_draft
     if target_model is not None:
         spec_cfg = config.speculation  # verify steps: pending + k draft tokens
         fixed = spec_cfg.fixed_draft_len

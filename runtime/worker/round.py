@@ -106,7 +106,7 @@ def speculate(parts: RoundParts, slots: list[int], k: int) -> RoundReply:
         parts.target.commit(slots, accepted, next_tokens)
     tokens = [d[:a] + [n] for d, a, n in zip(drafts, accepted, next_tokens)]
     remember(parts, slots, tokens)
-    return _result(parts, start, clock, tokens, accepted)
+    return _result(parts, slots, start, clock, tokens, accepted)
 
 
 def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: int) -> RoundReply:
@@ -164,7 +164,7 @@ def speculate_overlapped(parts: RoundParts, slots: list[int], k: int, next_k: in
     ]
     remember(parts, slots, tokens)
     # per slot: was its window drafted during the last verify
-    return _result(parts, start, clock, tokens, accepted, [bool(r) for r in ready.tolist()])
+    return _result(parts, slots, start, clock, tokens, accepted, [bool(r) for r in ready.tolist()])
 
 
 def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> RoundReply:
@@ -183,7 +183,7 @@ def decode_target_only(parts: RoundParts, slots: list[int], steps: int) -> Round
         if shard is not None:
             shard.append_decoded(slots, rows)
     remember(parts, slots, rows)
-    return _result(parts, start, clock, rows, [0] * len(slots))
+    return _result(parts, slots, start, clock, rows, [0] * len(slots))
 
 
 def prefill(
@@ -236,7 +236,7 @@ def prefill(
         tokens[i] = row
         if firsts:
             logprobs[i] = firsts[n]
-    reply = _result(parts, start, clock, tokens, [0] * len(slots), logprobs=logprobs or None)
+    reply = _result(parts, slots, start, clock, tokens, [0] * len(slots), logprobs=logprobs or None)
     if parts.target is not None:
         scored = parts.target.take_prompt_logprobs(slots)
         if scored and parts.reports:
@@ -297,6 +297,7 @@ def _verdict_to_all(
 
 def _result(
     parts: RoundParts,
+    slots: list[int],
     start: float,
     clock: StepClock,
     tokens: list[list[int]],
@@ -305,8 +306,8 @@ def _result(
     logprobs: list[list[list[float]]] | None = None,
 ) -> RoundReply:
     """The worker's reply: its own time (and phases when profiling); the committed tokens,
-    accepted counts (and overlapped flags), logprobs of rows that ask for them, from the
-    target leader only."""
+    accepted counts (and overlapped flags), logprobs of rows that ask for them, grammars that
+    failed, from the target leader only."""
     timing = clock.laps if parts.profile else {}
     if logprobs is None:  # the target's records of the committed tokens
         lengths = [len(t) for t in tokens]
@@ -314,6 +315,7 @@ def _result(
     worker_s = time.perf_counter() - start
     if not parts.reports:
         return RoundReply(WORKER, worker_s, timing)
+    failures = None if parts.target is None else parts.target.grammars.failures(slots)
     return RoundReply(
         TARGET_LEADER,
         worker_s,
@@ -322,6 +324,7 @@ def _result(
         accepted,
         overlapped or [],
         logprobs=logprobs or None,
+        grammar_failures=failures,
     )
 
 

@@ -21,6 +21,9 @@ __all__ = ["GREEDY", "SlotState", "ModelShard"]
 
 class ModelShard:
     refeeds_last = False  # the draft keeps a token pending (slot_state.SlotBook)
+    # samples under the requests' grammars (runtime.worker.grammars); a draft may propose
+    # freely instead (speculation.mask_draft: false), its proposals checked by the target's
+    follows_grammars = True
 
     def __init__(
         self,
@@ -176,7 +179,7 @@ class ModelShard:
         for slot, prompt, sampling, done in zip(slots, prompts, params, cached):
             self.slots.start(slot, prompt, sampling, done)
             self.history.start(slot, sampling, self.token_range)
-            if self.token_range:
+            if self.token_range and self.follows_grammars:
                 self.grammars.start(slot, sampling)
             self.carried.pop(slot, None)
             if self.model_free_slot is not None:

@@ -1,8 +1,9 @@
 """Structured outputs through the whole system (a spawned Engine, a draft that is often
 rejected, both acceptance modes): greedy output under a JSON schema, a regex and a choice list
 equals the target alone's greedy output under the same grammar (transformers with a logits
-processor applying the same xgrammar mask); every output of a set of schemas parses and
-validates; a bad grammar is a ValueError naming the argument and the server goes on."""
+processor applying the same mask: xgrammar's, or llguidance's for an allOf schema xgrammar
+would not enforce); every output of a set of schemas parses and validates; a bad grammar is a
+ValueError naming the argument and the server goes on."""
 
 from __future__ import annotations
 
@@ -25,12 +26,26 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+ALL_OF = {  # two object schemas, both to hold (runtime.speculation.grammar_route: llguidance)
+    "allOf": [
+        {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+        {"properties": {"n": {"multipleOf": 3}, "ok": {"type": "boolean"}}, "required": ["ok"]},
+    ]
+}
 CASES = [
     {"json": SCHEMA},
     {"regex": r"[a-z]{2,6}-[0-9]{1,3}"},
     {"choice": ["red", "green", "blue", "a much longer answer"]},
-]
-PROMPTS = ["Describe a person:", "Code:", "Pick a colour"]
+    {"json": ALL_OF},
+    {"json": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+    {"lark": 'start: "id-" /[0-9]{2,4}/ (", " NAME)?\nNAME: /[a-z]{1,6}/'},
+]  # SCHEMA (its maxLength), ALL_OF and the lark go to llguidance, the others to xgrammar
+PROMPTS = ["Describe a person:", "Code:", "Pick a colour", "Count:", "Record:", "Key:"]
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +79,21 @@ def target_alone(target: str, prompt: str, structured: dict) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("acceptance", ["tokens", "logits"])
-def test_greedy_under_a_grammar_equals_target_alone(acceptance, pair, tmp_path):
+@pytest.mark.parametrize(
+    "acceptance,mask_draft",
+    [("tokens", True), ("logits", True), ("tokens", False), ("logits", False)],
+)
+def test_greedy_under_a_grammar_equals_target_alone(acceptance, mask_draft, pair, tmp_path):
+    """mask_draft False: the draft proposes freely, off the grammar too; the target's
+    verification alone holds the output to it."""
     draft, target = pair
     cfg = launch.write_config(tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"], 4)
-    launch.set_speculation(cfg, acceptance=acceptance)
+    launch.set_speculation(cfg, acceptance=acceptance, mask_draft=mask_draft)
     with Engine.launch(cfg) as engine:
         for prompt, structured in zip(PROMPTS, CASES):
             out = engine.generate(prompt, max_new_tokens=NEW, structured_outputs=structured)
             assert out.token_ids == target_alone(target, prompt, structured), structured
-        if acceptance == "logits":
+        if acceptance == "logits":  # sampled: masked or not, the draft's q is its own
             _every_output_validates(engine)
             _bad_grammars_are_refused(engine)
 
@@ -91,6 +111,7 @@ def _every_output_validates(engine):
             "required": ["tags"],
             "additionalProperties": False,
         },
+        ALL_OF,  # xgrammar would not enforce it: llguidance does
     ]
     for i, schema in enumerate(schemas):
         outs = engine.generate(
@@ -107,6 +128,8 @@ def _bad_grammars_are_refused(engine):
         ({"json": {"type": "nonsense"}}, "structured_outputs"),
         ({"regex": "(unclosed"}, "structured_outputs"),
         ({"grammar": "root ::= undefined_rule"}, "structured_outputs"),
+        ({"lark": "start: undefined_rule"}, "structured_outputs"),
+        ({"json": {"type": "integer", "not": {"const": 3}}}, "structured_outputs: .* 'not'"),
     ]:
         with pytest.raises(ValueError, match=name):
             engine.generate("x", max_new_tokens=4, structured_outputs=bad)
@@ -140,16 +163,18 @@ def constrained_joint(target: str, prompt: str) -> dict[tuple[int, int], float]:
     return joint
 
 
-def test_sampling_under_a_grammar_follows_target_alone(pair, tmp_path):
-    """`logits` acceptance, a draft whose distribution differs: the first two tokens under a
-    choice grammar follow the target alone's constrained distribution (chi-square)."""
+@pytest.mark.parametrize("mask_draft", [True, False])
+def test_sampling_under_a_grammar_follows_target_alone(mask_draft, pair, tmp_path):
+    """`logits` acceptance, a draft whose distribution differs (masked, or proposing freely:
+    its q is then unmasked): the first two tokens under a choice grammar follow the target
+    alone's constrained distribution (chi-square)."""
     from scipy import stats
 
     draft, target = pair
     cfg = launch.write_config(
         tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"], 3, max_batch_size=64
     )
-    launch.set_speculation(cfg, acceptance="logits")
+    launch.set_speculation(cfg, acceptance="logits", mask_draft=mask_draft)
     with Engine.launch(cfg) as engine:
         outs = engine.generate(
             ["Colour:"] * SAMPLES, max_new_tokens=2, temperature=1.0, seed=11,

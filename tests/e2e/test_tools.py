@@ -45,7 +45,14 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "get_time", "parameters": ZONE}},
 ]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+NOTE = {  # its lengths need llguidance (runtime.speculation.grammar_route): a Lark grammar
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 1, "maxLength": 12}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+GUIDED = [*TOOLS, {"type": "function", "function": {"name": "add_note", "parameters": NOTE}}]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in GUIDED}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -149,12 +156,16 @@ def _streamed(oai, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "choice, names, finish",
-    [(NAMED, {"get_weather"}, "stop"), ("required", set(PARAMETERS), "tool_calls")],
-    ids=["named", "required"],
+    "tools, choice, names, finish",
+    [
+        (TOOLS, NAMED, {"get_weather"}, "stop"),
+        (TOOLS, "required", {"get_weather", "get_time"}, "tool_calls"),
+        (GUIDED, "required", set(PARAMETERS), "tool_calls"),
+    ],
+    ids=["named", "required", "llguidance"],
 )
-def test_forced_calls_follow_the_tools_parameters(oai, choice, names, finish):
-    kwargs = dict(tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, max_tokens=60)
+def test_forced_calls_follow_the_tools_parameters(oai, tools, choice, names, finish):
+    kwargs = dict(tools=tools, tool_choice=choice, parallel_tool_calls=False, max_tokens=60)
     out = _chat(oai, **kwargs).choices[0]
     assert out.finish_reason == finish, out
     assert out.message.content is None and len(out.message.tool_calls) == 1

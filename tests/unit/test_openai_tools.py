@@ -152,7 +152,9 @@ def test_the_engines_refusals_name_the_argument_that_constrained():
     refusal = ValueError("structured_outputs: the schema cannot be compiled")
     error = _chat(response_format={"type": "json_object"}).refusal(refusal)
     assert error.param == "response_format" and error.message.startswith("response_format: ")
-    forced = _chat(tools=TOOLS, tool_choice="required").reading_tools("hermes", "root ::= x")
+    forced = _chat(tools=TOOLS, tool_choice="required").reading_tools(
+        "hermes", {"grammar": "root ::= x"}
+    )
     assert forced.params["structured_outputs"] == {"grammar": "root ::= x"}
     assert forced.refusal(refusal).param == "tool_choice"
     failed = forced.failure(Failed("r", str(refusal), "value"))

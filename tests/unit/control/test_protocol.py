@@ -62,7 +62,10 @@ def fields(schema: wire.Schema) -> tuple[set[str], set[str]]:
 
 def test_the_derived_schemas_are_the_wire_as_it_was():
     assert {name: fields(cls._schema) for name, cls in wire.MESSAGES.items()} == WIRE
-    assert fields(commands.RoundReply._schema) == (REPLY_FIELDS, {"logprobs", "prompt_logprobs"})
+    assert fields(commands.RoundReply._schema) == (
+        REPLY_FIELDS,
+        {"logprobs", "prompt_logprobs", "grammar_failures"},
+    )
     assert fields(commands.StepAck._schema) == (set(), set())
     assert fields(Sampling._schema) == ({"temperature", "top_k", "top_p", "seed"}, SAMPLING_EXTRAS)
 

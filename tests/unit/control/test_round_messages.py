@@ -174,7 +174,13 @@ LEADER = RoundReply(
 
 
 @pytest.mark.parametrize(
-    "reply", [LEADER, RoundReply(WORKER, 0.5), RoundReply(TARGET_LEADER, 1.0, {}, [[7]], [0], [])]
+    "reply",
+    [
+        LEADER,
+        RoundReply(WORKER, 0.5),
+        RoundReply(TARGET_LEADER, 1.0, {}, [[7]], [0], []),
+        replace(LEADER, grammar_failures=["", "lexer error: too many states"]),
+    ],
 )
 def test_round_replies_round_trip_in_a_done_message(reply):
     got = through(Done(2, 4, reply), b"k" * 32)
@@ -236,5 +242,8 @@ def test_only_the_target_leader_reports_tokens():
     result = dict(wire.to_wire(Done(2, 4, RoundReply(WORKER, 0.1)))["result"])
     with pytest.raises(ProtocolError, match="only the target leader"):
         protocol.from_wire(done(dict(result, tokens=[[1]], accepted=[0])))
+    leader = dict(wire.to_wire(Done(2, 4, LEADER))["result"], grammar_failures=["x"])
+    with pytest.raises(ProtocolError, match="grammar_failures and tokens differ"):
+        protocol.from_wire(done(leader))
     with pytest.raises(ProtocolError, match="done.result: expected a map"):
         protocol.from_wire(done([]))

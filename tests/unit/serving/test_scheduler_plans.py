@@ -3,6 +3,8 @@ replies) -> events. No pool, no executor, no simulated workers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from runtime.control.commands import TARGET_LEADER, RoundReply
@@ -155,3 +157,25 @@ def test_the_newest_is_preempted_when_the_running_cannot_grow():
         sched.update(plan, replies(plan, rows=[[9, 9, 9, 9]] * len(plan.round.seqs)))
     assert preempted == [slot_of_b] == [1] and b.status is SeqStatus.WAITING
     assert b.stats.preemptions == 1 and list(sched.queue) == [b] and a.slot == 0
+
+
+def test_a_grammar_that_failed_on_the_workers_ends_its_sequence_with_the_error():
+    """The target leader reports a slot's failed grammar (its round committed a stop token
+    under stop-only masks): the sequence takes none of the round's tokens, fails with the
+    reason, its final comes at once and its slot is released; the others go on."""
+    sched = scheduler()
+    a, b = seq("a", [10, 11, 12], 8), seq("b", [13, 14, 15], 8)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    first = replies(plan, first=[20, 30], rows=[[21, 22], [31, 32]])
+    assert first.round is not None
+    first.round = replace(first.round, grammar_failures=["", "lexer error: too many states"])
+    events = sched.update(plan, first)
+    assert a.generated == [20, 21, 22] and not a.done and not a.error
+    assert b.generated == [30] and b.finish_reason == "error"
+    assert b.error == (
+        "structured_outputs: the grammar failed after 1 tokens: lexer error: too many states"
+    )
+    assert [e.seq for e in events if e.kind is EventKind.FINAL] == [b]
+    assert sched.schedule().releases == [1]

@@ -38,6 +38,7 @@ class FakeSeq:
     stats: SeqStats = field(default_factory=SeqStats)
     params: SamplingParams = field(default_factory=SamplingParams)  # no grammar to compile
     grammar_vocab: str = ""
+    error: str = ""
 
     def output(self) -> dict:
         return {
@@ -58,6 +59,7 @@ class SlowOrchestrator:
         self.step_s = step_s
         self.seqs: list[FakeSeq] = []
         self.fail: BaseException | None = None
+        self.grammar_fails_after: int | None = None  # a sequence's grammar fails at this token
         self.steps = 0
         self.cancelled: list[str] = []
 
@@ -99,7 +101,9 @@ class SlowOrchestrator:
             token = (seq.prompt_ids[-1] + len(seq.generated) + 1) % 100
             seq.generated.append(token)
             events.append(Event(EventKind.DELTA, seq, [token], ""))  # type: ignore[arg-type]
-            if len(seq.generated) == seq.max_new_tokens:
+            if len(seq.generated) == self.grammar_fails_after:  # as Sequence.fail does
+                seq.error = "structured_outputs: the grammar failed after 2 tokens: fuel"
+            if len(seq.generated) == seq.max_new_tokens or seq.error:
                 seq.finish_reason, seq.stats.t_end = "length", time.perf_counter()
                 self.seqs.remove(seq)
                 events.append(Event(EventKind.FINAL, seq, [], ""))  # type: ignore[arg-type]
@@ -329,3 +333,19 @@ def test_a_request_ended_by_the_sweep_raises_request_cancelled(served):
     with Client(s.address, ping_s=1000.0) as client:  # it never pings: judged gone
         with pytest.raises(RequestCancelledError, match="sent nothing"):
             client.generate(prompt_token_ids=[1], max_new_tokens=60)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_failing_mid_generation_fails_its_request(served, stream):
+    """A sequence whose grammar's matcher failed on a worker (Sequence.error): its request is
+    answered with the error (a ValueError naming the argument), the server goes on."""
+    s = served(step_s=0.05)
+    s.orch.grammar_fails_after = 2
+    with Client(s.address) as client:
+        with pytest.raises(ValueError, match="^structured_outputs: the grammar failed"):
+            if stream:
+                list(client.stream(prompt_token_ids=[1], max_new_tokens=5))
+            else:
+                client.generate(prompt_token_ids=[1], max_new_tokens=5)
+        s.orch.grammar_fails_after = None
+        assert len(client.generate(prompt_token_ids=[1], max_new_tokens=3).token_ids) == 3

@@ -39,12 +39,23 @@ SCHEMA = {
     "properties": {
         "name": {"type": "string", "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,  # xgrammar's strict mode implies it, llguidance does not
+}
+# SCHEMA's string lengths route it to llguidance (grammar_route); this one stays on xgrammar
+XGRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
     },
     "required": ["name", "age"],
 }
 CASES = {  # a spec and an output it allows
-    "json": ({"json": SCHEMA}, '{"name": "Ada", "age": 36, "tags": ["ma\\"th", "é\\n"]}'),
+    "json": ({"json": XGRAMMAR_SCHEMA}, '{"name": "Ada", "age": 36, "tags": ["ma\\"th", "é\\n"]}'),
     "regex": ({"regex": r"[a-z]+@[a-z]+\.(com|org)"}, "ada@example.org"),
     "choice": ({"choice": ["yes", "no", "maybe not"]}, "maybe not"),
     "grammar": ({"grammar": 'root ::= "(" [0-9]+ ")"'}, "(1234)"),
@@ -230,7 +241,7 @@ def test_window_masks_equal_one_token_at_a_time(compiler, tok, kind):
 
 
 def test_after_a_disallowed_proposal_masks_are_all_true(compiler, tok):
-    compiled = compiler.compile(parse_structured_outputs({"json": SCHEMA}))
+    compiled = compiler.compile(parse_structured_outputs({"json": XGRAMMAR_SCHEMA}))
     tokens = tok.encode('{"name": "x"', add_special_tokens=False)
     bad = tok.encode("}", add_special_tokens=False)[0]
     proposals = [*tokens[:3], bad, *tokens[3:]]
@@ -240,7 +251,7 @@ def test_after_a_disallowed_proposal_masks_are_all_true(compiler, tok):
 
 
 def test_rollback_restores_the_state(compiler, tok):
-    compiled = compiler.compile(parse_structured_outputs({"json": SCHEMA}))
+    compiled = compiler.compile(parse_structured_outputs({"json": XGRAMMAR_SCHEMA}))
     tokens = tok.encode('{"name": "Bo", "age": 7}', add_special_tokens=False)
     window = GrammarWindow(compiled)
     window.commit(tokens[:2])
@@ -276,7 +287,7 @@ def test_stop_tokens_end_the_grammar_and_specials_are_never_allowed(tok):
 def test_workers_rebuild_identical_grammars(compiler, tok):
     """A worker's loader, from the spec (a fast compile) or from the wire form: the same
     masks as the orchestrator's."""
-    spec = parse_structured_outputs({"json": SCHEMA})
+    spec = parse_structured_outputs({"json": XGRAMMAR_SCHEMA})
     compiled = compiler.compile(spec)
     data = to_wire(compiled)
     assert isinstance(data, bytes) and len(data) < 100_000
@@ -326,6 +337,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
             "type": "object",
             "properties": {n: random_schema(rng, depth + 1) for n in names},
             "required": [n for n in names if rng.random() < 0.5],
+            "additionalProperties": False,  # llguidance would allow others (xgrammar: not)
         }
     if kind == "integer":
         low = rng.randint(-50, 50)
