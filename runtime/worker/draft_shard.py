@@ -8,7 +8,7 @@ from typing import cast
 import torch
 
 from runtime.control.commands import Sampling
-from runtime.models.runners.hostcopy import to_device
+from runtime.models.runners.hostcopy import HostCopy, to_device
 from runtime.speculation.choose import BatchSampling, draft_choose
 from runtime.speculation.vocab import DraftVocab
 from runtime.worker.shards import ModelShard
@@ -113,9 +113,11 @@ class DraftShard(ModelShard):
         sampling, index = self.sampling(slots), self.committed_index(slots)  # index [B]
         mask = self.grammars.step_masks(slots)
         token, q = draft_choose(logits, sampling, index, self.acceptance, self.vocab, None, mask)
-        self.grammars.advance(slots, token)
+        chosen = self.grammars.to_host(slots, token)
         try:
-            return self._continue(slots, [token], [] if q is None else [q], k, sampling, index)
+            return self._continue(
+                slots, [token], [] if q is None else [q], k, sampling, index, chosen
+            )
         finally:
             self.grammars.rewind(slots)  # proposals, not commitments
 
@@ -127,18 +129,21 @@ class DraftShard(ModelShard):
         k: int,
         sampling: BatchSampling,
         index: torch.Tensor,
+        chosen: HostCopy | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode from the proposals so far (tokens [B] each, their q [B, V] when sampling)
         until there are k: tokens [B, k], q [B, k, V] or None. index [B]: sequence index of
-        each row's first proposal."""
+        each row's first proposal. chosen: the last proposal on its way to the grammars'
+        matchers (GrammarBook.to_host), which advance over it while the next step runs."""
         for i in range(len(tokens), k):
             logits = self._step(slots, tokens[-1][:, None])[:, -1]  # [B, V]
+            self.grammars.advance(slots, chosen)  # on the host, while the step runs
             window = torch.stack(tokens, dim=1) if sampling.processing.active else None
             mask = self.grammars.step_masks(slots)  # after the proposals so far
             token, q = draft_choose(
                 logits, sampling, index + i, self.acceptance, self.vocab, window, mask
             )
-            self.grammars.advance(slots, token)
+            chosen = self.grammars.to_host(slots, token)
             tokens.append(token)
             if q is not None:
                 probs.append(q)

@@ -4,6 +4,10 @@ needs: a verify window's (position i after the window's first i proposals), a dr
 a target-only step's (after the proposals or steps taken so far this round, advanced over and
 rolled back at the round's end). The round commits what it committed (runtime.worker.round).
 
+The matchers run on the host while the models run: the shards start the tokens' copy to the
+host (`to_host`) before they queue the next forward, and build the masks after queueing it;
+the masks go to the device packed and are unpacked there.
+
 Rank 0 checks that a grammar compiles within its bounds (off its serving loop) and sends its
 spec, and its compiled form where compiling takes long, with the request's sampling settings;
 the vocabulary xgrammar needs comes once, with the first grammar rank 0 sends (every worker
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 
 from runtime.control.commands import Sampling
+from runtime.models.runners.hostcopy import HostCopy
 
 
 class GrammarBook:
@@ -57,27 +62,34 @@ class GrammarBook:
                     break
                 window.commit([token])
 
-    def window_masks(self, slots: list[int], proposals: torch.Tensor) -> torch.Tensor | None:
+    def to_host(self, slots: list[int], tokens: torch.Tensor) -> HostCopy | None:
+        """Start moving tokens ([B] or [B, k]) to the host, where the matchers run; None when
+        no row has a grammar. Call it before queueing the forward whose time the masks
+        should be built in."""
+        return HostCopy(tokens) if any(s in self.windows for s in slots) else None
+
+    def window_masks(self, slots: list[int], proposals: HostCopy | None) -> torch.Tensor | None:
         """bool [B, k + 1, V] on the device: each row's masks over a verify window of
-        proposals [B, k] (rows without a grammar: all True); None when no row has one. The
-        proposals come to the host (a grammar's matcher runs there)."""
-        if not any(s in self.windows for s in slots):
+        proposals [B, k] (to_host's; rows without a grammar: all True); None when no row has
+        one."""
+        if proposals is None:
             return None
-        rows = proposals.tolist()
-        return self._stack([self._masks(s, r) for s, r in zip(slots, rows)], len(rows[0]) + 1)
+        rows = proposals.values()
+        return self._upload(slots, [self._packed(s, r) for s, r in zip(slots, rows)])
 
     def step_masks(self, slots: list[int]) -> torch.Tensor | None:
         """bool [B, 1, V]: each row's mask at its current position (after what it advanced
         over), None when no row has a grammar."""
         if not any(s in self.windows for s in slots):
             return None
-        return self._stack([self._masks(s, []) for s in slots], 1)
+        return self._upload(slots, [self._packed(s, []) for s in slots])
 
-    def advance(self, slots: list[int], tokens: torch.Tensor) -> None:
-        """Rows with a grammar move past their token [B] (a proposal or a step's choice)."""
-        if not any(s in self.windows for s in slots):
+    def advance(self, slots: list[int], tokens: HostCopy | None) -> None:
+        """Rows with a grammar move past their token (to_host's [B]: a proposal or a step's
+        choice)."""
+        if tokens is None:
             return
-        for slot, token in zip(slots, tokens.tolist()):
+        for slot, token in zip(slots, tokens.values()):
             if slot in self.windows:
                 self.windows[slot].advance(int(token))
 
@@ -95,18 +107,26 @@ class GrammarBook:
         found = [w.failure or "" if (w := self.windows.get(s)) else "" for s in slots]
         return found if any(found) else None
 
-    def _masks(self, slot: int, proposals: list[int]) -> torch.Tensor | None:
+    def _packed(self, slot: int, proposals: list[int]) -> torch.Tensor | None:
+        """The slot's masks over `proposals`, packed (int32 [len + 1, ceil(V / 32)])."""
         window = self.windows.get(slot)
-        return None if window is None else window.masks(proposals)
+        return None if window is None else window.packed_masks(proposals)
 
-    def _stack(self, rows: list[torch.Tensor | None], n: int) -> torch.Tensor:
-        from runtime.speculation.grammar import stack_masks
+    def _upload(self, slots: list[int], packed: list[torch.Tensor | None]) -> torch.Tensor:
+        """The rows' packed masks (None: no grammar, all allowed) to the device, 32 times
+        smaller than as bools, and unpacked there: bool [B, n, V]."""
+        from runtime.speculation.grammar import ALL_ALLOWED, unpack_bitmask
 
-        width = max(r.shape[-1] for r in rows if r is not None)
-        full = [torch.ones(n, width, dtype=torch.bool) if r is None else r for r in rows]
-        stacked = stack_masks(full, width)
-        assert stacked is not None  # some row has a grammar
-        return stacked.to(self.device, non_blocking=True)
+        present = [(s, p) for s, p in zip(slots, packed) if p is not None]
+        vocab = max(self.windows[s].vocab_size for s, _ in present)
+        n, words = present[0][1].shape[0], (vocab + 31) // 32
+        batch = torch.full((len(packed), n, words), ALL_ALLOWED, dtype=torch.int32)
+        for i, p in enumerate(packed):
+            if p is not None:
+                batch[i, :, : p.shape[-1]] = p
+        if self.device.type == "cuda":  # pinned: the copy is queued without waiting
+            batch = batch.pin_memory()
+        return unpack_bitmask(batch.to(self.device, non_blocking=True), vocab)
 
     def _load(self, sampling: Sampling):
         """The compiled grammar of `sampling` (from its wire form, or compiled here: a grammar

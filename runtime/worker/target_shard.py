@@ -56,11 +56,13 @@ class TargetShard(ModelShard):
         last round) run over the k drafts alone."""
         held = [s in self.held for s in slots]
         pending = to_device([self.slots[s].pending or [0] for s in slots], torch.long, self.device)
+        proposals = self.grammars.to_host(slots, draft_tokens)  # before the forward is queued
         if not any(held):
             logits = self._step(slots, torch.cat([pending, draft_tokens], dim=1))  # [B, k+1, V]
         else:
             logits = self._step_held(slots, draft_tokens, pending, held)
-        mask = self.grammars.window_masks(slots, draft_tokens)  # [B, k+1, V] or None
+        mask = self.grammars.window_masks(slots, proposals)  # [B, k+1, V] or None, built on
+        # the host while the forward runs
         accepted, next_token = self._choose(
             draft_tokens,
             logits,
@@ -270,12 +272,14 @@ class TargetShard(ModelShard):
         committed: in the penalties' history), feeding token [B, 1] first."""
         sampling, tokens = self.sampling(slots), list(tokens)
         first = self.committed_index(slots) + sum(t.shape[1] for t in tokens)
+        chosen = None  # the last step's choice on its way to the matchers
         for i in range(steps):
             logits = self._step(slots, token)  # [B, 1, V(local)]
+            self.grammars.advance(slots, chosen)  # on the host, while the step runs
             earlier = torch.cat(tokens, dim=1) if tokens and sampling.processing.active else None
             mask = self.grammars.step_masks(slots)
             token = self._pick(logits, sampling, first + i, earlier, mask)  # [B, 1]
-            self.grammars.advance(slots, token[:, 0])
+            chosen = self.grammars.to_host(slots, token[:, 0])
             tokens.append(token)
         self.grammars.rewind(slots)  # the round commits what it keeps
         return tokens

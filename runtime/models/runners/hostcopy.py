@@ -27,3 +27,26 @@ def copy_into(dst: torch.Tensor, values: Sequence) -> None:
     if dst.device.type == "cuda":
         host = host.pin_memory()
     dst.copy_(host, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor on its way to the host: on CUDA a copy into pinned memory queued
+    without waiting, so that `values` waits for the copy alone (not for work queued after
+    it: start it before queueing the forward whose time the host should use). On a CPU
+    device, the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tensor = host
+        self._tensor = tensor
+
+    def values(self) -> list:
+        """The tensor's values as (nested) lists, once the copy has landed."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tensor.tolist()
