@@ -28,6 +28,7 @@ from runtime.speculation.grammar_spec import (
     parse_structured_outputs,
 )
 from tests.checkpoints import smollm2_tokenizer
+from tests.grammar_walks import walk
 
 
 def _tool(name: str, parameters: dict) -> dict:
@@ -78,28 +79,6 @@ def _grammar(tools: list[dict], parser: str, **body):
     grammar = tool_grammar(parse_tool_request({"tools": tools, **body}), parser)
     assert grammar is not None
     return grammar
-
-
-def _walk(window: GrammarWindow, rng: random.Random, closers, stops: set[int]) -> list[int]:
-    """Tokens from each position's mask: a stop token most of the time once the grammar is
-    complete, often a token that closes something (a quote, a brace), else any."""
-    out: list[int] = []
-    while not window.is_terminated:
-        allowed = window.next_mask().nonzero().flatten().tolist()
-        ending = [t for t in allowed if t in stops]
-        assert ending == sorted(stops) if window.is_complete else not ending
-        going = [t for t in allowed if t not in stops]
-        closing = [t for t in going if t in closers]
-        if ending and (rng.random() < 0.7 or not going):
-            token = rng.choice(ending)
-        else:
-            token = rng.choice(closing if closing and rng.random() < 0.4 else going)
-        assert window.advance(token)
-        window.rollback(1)
-        window.commit([token])
-        out.append(token)
-        assert len(out) < 600, "no end in sight"
-    return out
 
 
 # --- routing: which backend a forced call uses ----------------------------------------------
@@ -229,7 +208,7 @@ def test_random_walks_give_calls_that_validate(parser, case, tok, info, closers)
     assert isinstance(compiled, grammar_guidance.GuidanceGrammar)
     rng, counts = random.Random(case), set()
     for _ in range(8):
-        out = _walk(GrammarWindow(compiled), rng, closers, {tok.eos_token_id})
+        out = walk(GrammarWindow(compiled), rng, {tok.eos_token_id}, 0.7, closers, 0.4, limit=600)
         content, calls = parse_tool_calls(tok.decode(out[:-1]), parser)
         assert not (content or "").strip() and calls, content
         for call in calls:

@@ -16,7 +16,6 @@ import torch
 import xgrammar as xgr
 
 from runtime.speculation.grammar import (
-    GrammarCompiler,
     GrammarLoader,
     GrammarSpec,
     GrammarWindow,
@@ -32,7 +31,7 @@ from runtime.speculation.grammar import (
 )
 from runtime.speculation.grammar_spec import MAX_REPEAT, MAX_SPEC_CHARS
 from runtime.speculation.processors import NEG_INF
-from tests.checkpoints import build_with_tokenizer, smollm2_tokenizer
+from tests.checkpoints import build_with_tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -60,17 +59,6 @@ CASES = {  # a spec and an output it allows
     "choice": ({"choice": ["yes", "no", "maybe not"]}, "maybe not"),
     "grammar": ({"grammar": 'root ::= "(" [0-9]+ ")"'}, "(1234)"),
 }
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return smollm2_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def compiler(tok):
-    with GrammarCompiler(tok, len(tok)) as compiler:
-        yield compiler
 
 
 def reference_masks(compiled, tokens: list[int], vocab: int) -> torch.Tensor:

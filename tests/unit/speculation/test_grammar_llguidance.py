@@ -19,7 +19,6 @@ import xgrammar as xgr
 
 from runtime.speculation import grammar_guidance
 from runtime.speculation.grammar import (
-    GrammarCompiler,
     GrammarLoader,
     GrammarSpec,
     GrammarWindow,
@@ -29,7 +28,7 @@ from runtime.speculation.grammar import (
 )
 from runtime.speculation.grammar_guidance import GuidanceError, GuidanceGrammar
 from runtime.speculation.grammar_route import guidance_reasons, uses_guidance
-from tests.checkpoints import smollm2_tokenizer
+from tests.grammar_walks import walk
 
 OBJ = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
 XGRAMMAR = [  # what xgrammar enforces: stays there
@@ -76,17 +75,6 @@ GUIDANCE = [  # (schema, why): what xgrammar ignores goes to llguidance
     ({"$defs": {"d": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/d"}, "unique"),
     ({"type": "object", "properties": {"p": {"oneOf": [{"not": {}}]}}}, "not"),
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return smollm2_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def compiler(tok):
-    with GrammarCompiler(tok, len(tok)) as compiler:
-        yield compiler
 
 
 def compile_json(compiler, schema) -> GuidanceGrammar:
@@ -188,25 +176,6 @@ WALKED = [
         "maxItems": 3,
     },
 ]
-
-
-def walk(window: GrammarWindow, rng: random.Random, stops: set[int]) -> list[int]:
-    """Tokens drawn uniformly from each position's mask (a stop token half the time once
-    the grammar is complete) until a stop token is taken."""
-    out: list[int] = []
-    while not window.is_terminated:
-        allowed = window.next_mask().nonzero().flatten().tolist()
-        ending = [t for t in allowed if t in stops]
-        assert ending == sorted(stops) if window.is_complete else not ending
-        going = [t for t in allowed if t not in stops]
-        assert going or ending, "a dead end"
-        token = rng.choice(ending if ending and (rng.random() < 0.5 or not going) else going)
-        assert window.advance(token)
-        window.rollback(1)
-        window.commit([token])
-        out.append(token)
-        assert len(out) < 300, "no end in sight"
-    return out
 
 
 @pytest.mark.parametrize("index", range(len(WALKED)))
