@@ -17,7 +17,7 @@ xgrammar's builtins do); no parameters means none (`{}`). "auto" and "none" forc
 When any forced tool's parameters use what xgrammar does not enforce (grammar_route's
 guidance_reasons: minLength, allOf, multipleOf on a number, ...), the calls are spelled the
 same way in llguidance's Lark instead (ToolGrammar.lark, a "lark" GrammarSpec), every tool's
-parameters a `%json` schema in the same layout (grammar_guidance.JSON_OPTIONS as its
+parameters a `%json` schema in the same layout (grammar_route.GUIDANCE_JSON_OPTIONS as its
 "x-guidance"), so llguidance enforces them as it enforces a JSON schema:
 
     start: call ("\n" call)*        (a named function, or no parallel calls: start: call)
@@ -34,11 +34,8 @@ from dataclasses import dataclass
 
 from runtime.api.tool_calls import PARSERS
 from runtime.api.tool_calls_request import ToolRequest
-from runtime.speculation.grammar_route import guidance_reasons
+from runtime.speculation.grammar_route import GUIDANCE_JSON_OPTIONS, guidance_reasons
 from runtime.speculation.grammar_spec import GrammarSpec
-
-# grammar_guidance.JSON_OPTIONS (not imported: that module needs llguidance and torch)
-LARK_JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -206,12 +203,12 @@ def _lark(fmt: CallFormat, schemas: dict[str, dict], one: bool) -> str:
 
 
 def _laid_out(schema: dict) -> dict:
-    """The schema with LARK_JSON_OPTIONS over its own "x-guidance" (as the JSON path's
+    """The schema with GUIDANCE_JSON_OPTIONS over its own "x-guidance" (as the JSON path's
     overrides are: grammar_guidance.guidance_grammar)."""
     own = schema.get("x-guidance", {})
     if not isinstance(own, Mapping):
         return schema  # llguidance refuses it, as it would the schema alone
-    return {**schema, "x-guidance": {**own, **LARK_JSON_OPTIONS}}
+    return {**schema, "x-guidance": {**own, **GUIDANCE_JSON_OPTIONS}}
 
 
 def _json(value: dict) -> str:

@@ -51,7 +51,6 @@ __all__ = [
     "parse_response_format",
     "parse_structured_outputs",
     "Prepared",
-    "stack_masks",
     "to_wire",
     "tokenizer_info",
     "unpack_bitmask",
@@ -209,16 +208,6 @@ def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
     bits = (packed[..., None] >> shifts) & 1  # [..., W, 32]
     return bits.to(torch.bool).flatten(-2)[..., :vocab_size]
-
-
-def stack_masks(rows: Sequence[torch.Tensor | None], vocab_size: int) -> torch.Tensor | None:
-    """A batch's masks: rows[b] bool [n, V] (a window's masks) or None (no grammar: all True)
-    -> bool [B, n, V], or None when no row has a grammar."""
-    present = [r for r in rows if r is not None]
-    if not present:
-        return None
-    full = torch.ones_like(present[0][:, :vocab_size])
-    return torch.stack([full if r is None else r[:, :vocab_size] for r in rows])
 
 
 def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

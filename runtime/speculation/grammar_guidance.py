@@ -30,9 +30,8 @@ import llguidance
 import numpy as np
 import torch
 
-from runtime.speculation.grammar_route import ENFORCED, guidance_reasons
+from runtime.speculation.grammar_route import ENFORCED, GUIDANCE_JSON_OPTIONS, guidance_reasons
 
-JSON_OPTIONS: Any = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 LIMITS: dict[str, Any] = {
     "max_items_in_row": 2000,
     "initial_lexer_fuel": 1_000_000,
@@ -95,14 +94,14 @@ def guidance_tokenizer(info: Any) -> Any:
 
 def guidance_grammar(tokenizer: Any, schema: str, stop_token_ids: Sequence[int]) -> GuidanceGrammar:
     """A JSON schema's grammar (not validated: validate() on rank 0 did that)."""
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=GUIDANCE_JSON_OPTIONS)
     stops = tuple(int(t) for t in stop_token_ids)
     return GuidanceGrammar(tokenizer, grammar, int(tokenizer.vocab_size), stops)
 
 
 def lark_grammar(tokenizer: Any, lark: str, stop_token_ids: Sequence[int]) -> GuidanceGrammar:
     """A Lark grammar's (a "lark" spec: a forced tool call; its %json schemas carry
-    JSON_OPTIONS as "x-guidance"), not validated."""
+    GUIDANCE_JSON_OPTIONS as "x-guidance"), not validated."""
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     stops = tuple(int(t) for t in stop_token_ids)
     return GuidanceGrammar(tokenizer, grammar, int(tokenizer.vocab_size), stops)

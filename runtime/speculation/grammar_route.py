@@ -31,6 +31,13 @@ from typing import Any
 
 from runtime.speculation.grammar_spec import GrammarSpec
 
+# the JSON layout of llguidance's grammars, as xgrammar's (", " and ": ", no other whitespace):
+# its overrides of a schema's "x-guidance" (grammar_guidance, the Lark of forced tool calls)
+GUIDANCE_JSON_OPTIONS: Any = {  # llguidance.JsonCompileOptions (not imported here)
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
 ANNOTATIONS = frozenset(
     {
         "title", "description", "default", "examples", "$schema", "$id", "$comment",

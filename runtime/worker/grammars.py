@@ -104,7 +104,8 @@ class GrammarBook:
         """Per slot, why its grammar's matcher failed ('' where it did not: the masks of a
         failed one allow only the stop tokens, runtime.speculation.grammar.GrammarWindow);
         None when none did."""
-        found = [w.failure or "" if (w := self.windows.get(s)) else "" for s in slots]
+        windows = [self.windows.get(s) for s in slots]
+        found = [(w.failure or "") if w is not None else "" for w in windows]
         return found if any(found) else None
 
     def _packed(self, slot: int, proposals: list[int]) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ from runtime.api.tool_calls_request import parse_tool_request
 from runtime.speculation import grammar_child, grammar_guidance
 from runtime.speculation.grammar import GrammarWindow
 from runtime.speculation.grammar_load import GrammarLoader, Prepared, job_of, tokenizer_info
-from runtime.speculation.grammar_route import uses_guidance
+from runtime.speculation.grammar_route import GUIDANCE_JSON_OPTIONS, uses_guidance
 from runtime.speculation.grammar_spec import (
     MAX_REPEAT,
     MAX_SPEC_CHARS,
@@ -110,7 +110,7 @@ def test_a_guided_tool_makes_the_forced_call_lark(parser):
         fmt.end
     )
     schema = json.loads(lines[3].removeprefix("args_0: %json "))
-    assert schema == {**CITY, "x-guidance": grammar_guidance.JSON_OPTIONS}
+    assert schema == {**CITY, "x-guidance": GUIDANCE_JSON_OPTIONS}
     named = _grammar(GUIDED, parser, tool_choice=RANGE_CHOICE).spec().text.splitlines()
     assert named[:2] == ["start: call", "call: call_0"] and "set_range" in named[2]
     one = _grammar(GUIDED, parser, tool_choice="required", parallel_tool_calls=False)

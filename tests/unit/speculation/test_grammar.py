@@ -24,7 +24,6 @@ from runtime.speculation.grammar import (
     from_wire,
     parse_response_format,
     parse_structured_outputs,
-    stack_masks,
     to_wire,
     tokenizer_info,
     unpack_bitmask,
@@ -295,7 +294,7 @@ def test_workers_rebuild_identical_grammars(compiler, tok):
 # --- masks on scores -------------------------------------------------------------------------
 
 
-def test_unpack_apply_and_stack_masks():
+def test_unpack_and_apply_masks():
     words = torch.randint(-(2**31), 2**31 - 1, (2, 3, 4), dtype=torch.int32)
     mask = unpack_bitmask(words, 100)
     assert mask.shape == (2, 3, 100)
@@ -307,9 +306,6 @@ def test_unpack_apply_and_stack_masks():
     assert out[..., :100][~mask].eq(NEG_INF).all() and out[..., 100:].eq(NEG_INF).all()
     assert apply_mask(scores, None) is scores
     assert torch.equal(apply_mask(scores[..., :50], mask), out[..., :50])
-    assert stack_masks([None, None], 100) is None
-    stacked = stack_masks([None, mask[1]], 100)
-    assert stacked is not None and stacked[0].all() and torch.equal(stacked[1], mask[1])
 
 
 # --- a model decoding under JSON schemas -----------------------------------------------------
