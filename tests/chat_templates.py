@@ -1,4 +1,5 @@
-"""Chat templates of the tests: written into a tokenizer (tokenizer.chat_template = ...)."""
+"""Chat templates of the tests: written into a tokenizer (tokenizer.chat_template = ...); and
+a tool round trip for the histories they render."""
 
 # Qwen2.5-Instruct's chat template, its texts shortened: a Hermes-style template that takes tools
 QWEN_TEMPLATE = """{%- if tools %}{{- '<|im_start|>system\\n' }}
@@ -28,3 +29,20 @@ QWEN_TEMPLATE = """{%- if tools %}{{- '<|im_start|>system\\n' }}
 {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
 {%- endif %}{%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+
+# an assistant turn that called get_weather(city="Paris"), then the tool's result
+WEATHER_CALL_TURNS = [
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+]

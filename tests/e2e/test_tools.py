@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from tests import checkpoints, launch
-from tests.chat_templates import QWEN_TEMPLATE
+from tests.chat_templates import QWEN_TEMPLATE, WEATHER_CALL_TURNS
 
 openai = pytest.importorskip("openai")
 
@@ -118,21 +118,7 @@ def test_auto_renders_the_tools_and_answers(oai):
 
 
 def test_a_tool_result_is_taken_back(oai):
-    history = [
-        *USER,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-    ]
+    history = [*USER, *WEATHER_CALL_TURNS]
     first = _chat(oai, tools=TOOLS)
     out = _chat(oai, messages=history, tools=TOOLS)
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")

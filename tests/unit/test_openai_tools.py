@@ -28,6 +28,7 @@ from runtime.api.openai_tokens import TokenizerSource
 from runtime.api.tool_calls_grammar import tool_grammar
 from runtime.api.tool_calls_request import parse_tool_request
 from runtime.control.protocol import Delta, Failed, Final, Generate
+from tests.chat_templates import WEATHER_CALL_TURNS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,21 +48,7 @@ CALLS = (
     'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 )
-HISTORY = [
-    *USER,
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
-]
+HISTORY = [*USER, *WEATHER_CALL_TURNS]
 
 
 # --- request bodies -----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from runtime.api.tool_calls_grammar import call_schema, tool_grammar
 from runtime.api.tool_calls_json import JsonPrefix
 from runtime.api.tool_calls_request import ToolRequest, parse_tool_request
 from runtime.serving.chat import chat_messages_with_tools, render_chat
-from tests.chat_templates import QWEN_TEMPLATE
+from tests.chat_templates import QWEN_TEMPLATE, WEATHER_CALL_TURNS
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -412,18 +412,7 @@ def test_the_structural_tag_compiles_and_forces_the_calls(parser, samples):
 CONVERSATION = [
     {"role": "developer", "content": "Be brief."},
     {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    *WEATHER_CALL_TURNS,
 ]
 
 
