@@ -167,6 +167,13 @@ def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
         "max batch size x max_seq_len)",
     )
     p.add_argument(
+        "--max-prefill-tokens",
+        type=_prefill_budget,
+        default=None,
+        help="runtime.max_prefill_tokens: an integer >= 2, none (whole prompts) or auto "
+        "(default: the config's, or auto: per device type)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "fp8"),
         default=None,
@@ -182,6 +189,19 @@ def _positive_int(text: str, what: str = "an integer >= 1") -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _prefill_budget(text: str) -> int | str:
+    """--max-prefill-tokens: an integer >= 2, none or auto."""
+    if text in ("none", "auto"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, none or auto, got {text!r}")
     return value
 
 
@@ -241,6 +261,7 @@ def main(args) -> int:
         max_seq_len=args.max_seq_len,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_prefill_tokens=args.max_prefill_tokens,
         sampling=args.sampling,
     )
     _quiet_libraries()

@@ -10,7 +10,7 @@ target is deterministic (next token = f(tokens before it)), so a request's token
 on how it was scheduled: preempted, readmitted from a prefix hit, or run alone. Rejected drafts
 are written into the KV as garbage, as real ones are, and positions count as known-cached only
 once every rank's RoundReply.cached covers them. `Run` drives a Scheduler through it a step at
-a time: schedule(), Executor.run, update()."""
+a time, as the orchestrator does (runtime.serving.executor.run_step)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import replace
 from runtime.control import commands, protocol
 from runtime.params import SamplingParams
 from runtime.serving.block_manager import ROOT, BlockManager, chain_key
-from runtime.serving.executor import Executor
+from runtime.serving.executor import Executor, run_step
 from runtime.serving.scheduler import Scheduler, Sequence, round_lookahead
 from runtime.serving.sequence import SeqStatus
 from runtime.serving.textstream import TextStream
@@ -382,8 +382,7 @@ class Run:
         return seq
 
     def step(self) -> None:
-        plan = self.sched.schedule()
-        for event in self.sched.update(plan, self.executor.run(plan)):
+        for event in run_step(self.sched, self.executor):
             key = f"{event.seq.request_id}/{event.seq.index}"
             if event.kind.value == "delta":
                 self.deltas.setdefault(key, []).extend(event.token_ids)

@@ -57,6 +57,7 @@ class BenchSettings:
     max_seq_len: int | None = None  # None: prompt + new tokens + room (or the config's)
     kv_cache_tokens: int | None = None  # None: the config's, or the Engine's default
     kv_cache_dtype: str | None = None  # auto | fp8; None: the config's, or auto
+    max_prefill_tokens: int | str | None = None  # N, "none" (whole) or "auto"; None: config's
     sampling: dict = field(default_factory=dict)  # the spec modes' sampling arguments
 
     def check(self) -> None:
@@ -150,11 +151,14 @@ def _seq_len(s: BenchSettings, draft_len) -> int:
 
 def kv_runtime(s: BenchSettings) -> dict:
     """The runtime keys of the KV cache that the settings set (prefix_caching always)."""
-    keys: dict[str, bool | int | str] = {"prefix_caching": s.prefix_caching}
+    keys: dict[str, bool | int | str | None] = {"prefix_caching": s.prefix_caching}
     if s.kv_cache_tokens is not None:
         keys["kv_cache_tokens"] = s.kv_cache_tokens
     if s.kv_cache_dtype is not None:
         keys["kv_cache_dtype"] = s.kv_cache_dtype
+    if s.max_prefill_tokens is not None:
+        budget = s.max_prefill_tokens
+        keys["max_prefill_tokens"] = None if budget == "none" else budget
     return keys
 
 

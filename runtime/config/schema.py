@@ -50,6 +50,11 @@ BUILTIN_MODELS = {
 
 
 MAX_AUTO_DRAFT_LEN = 8
+# runtime.max_prefill_tokens: auto, by the target's device type (docs/configuration.md,
+# "Chunked prefill", has the measurements): a CPU step of 128 prompt tokens is ~2.5 s of a
+# 1B float32 target on two cores; on a GPU a chunk under 2,048 tokens costs a lone prompt
+# time to first token (each chunk reads the weights again) for steadier streams
+PREFILL_BUDGETS = {"cpu": 128, "cuda": 2048}
 
 
 def _checked(default: Any, check: Callable[[Any, str], Any]) -> Any:
@@ -136,10 +141,10 @@ class RuntimeConfig(_Checked):
     kv_cache_tokens: int | None = _checked(None, check.optional_int_at_least(1))  # the pool's size
     kv_cache_dtype: str = _checked("auto", check.choice("auto", "fp8"))  # fp8: e4m3 with scales
     prefix_caching: bool = _checked(True, check.boolean)  # reuse KV blocks of prefixes seen
-    # prompt tokens one step may prefill, idle or not (chunked prefill: a step stays bounded,
-    # decoding streams get a round between chunks; null: whole prompts). 128: ~2.5 s steps of
-    # a 1B float32 target on two CPU cores (docs/configuration.md, "Chunked prefill")
-    max_prefill_tokens: int | None = _checked(128, check.optional_int_at_least(2))
+    # prompt tokens one step may prefill (chunked prefill: a step stays bounded, decoding
+    # streams get a round between chunks; null: whole prompts; auto: PREFILL_BUDGETS by the
+    # target's device type; docs/configuration.md, "Chunked prefill")
+    max_prefill_tokens: int | str | None = _checked("auto", check.prefill_budget)
     startup_timeout_s: float = _checked(300.0, check.positive_float)
     step_timeout_s: float = _checked(120.0, check.positive_float)
     heartbeat_s: float = _checked(1.0, check.positive_float)
@@ -187,6 +192,14 @@ class TandemConfig:
                 f"false, or give the draft its own devices",
             )
         self.check_kv_pool()
+
+    @property
+    def prefill_budget(self) -> int | None:
+        """runtime.max_prefill_tokens resolved: `auto` by the target's device type."""
+        budget = self.runtime.max_prefill_tokens
+        if budget != "auto":
+            return budget  # type: ignore[return-value]  # an int >= 2 or None, checked
+        return PREFILL_BUDGETS[self.target.devices[0].kind]
 
     @property
     def overlapped(self) -> bool:

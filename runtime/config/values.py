@@ -28,6 +28,15 @@ def draft_len_value(value: Any, key: str) -> int | str:
     return int_at_least(1)(value, key)
 
 
+def prefill_budget(value: Any, key: str) -> int | str | None:
+    """runtime.max_prefill_tokens: an integer >= 2, null (whole prompts) or 'auto'."""
+    if value == "auto" or value is None:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(key, f"must be an integer >= 2, null or 'auto', got {describe(value)}")
+    return int_at_least(2)(value, key)
+
+
 def int_at_least(low: int) -> Callable[[Any, str], int]:
     def check(value: Any, key: str) -> int:
         if not isinstance(value, int) or isinstance(value, bool):

@@ -58,14 +58,12 @@ class CrossExecutor(Executor):
         self.max_k = max_k
         self.views: dict[int, DraftView] = {}
 
-    def _round(self, plan: RoundPlan, replies: StepReplies, firsts: dict[int, int]) -> None:
+    def _round(self, plan: RoundPlan, replies: StepReplies) -> None:
         """One round of the plan's rows drafting k tokens each (k 0: the target alone); a
         row joining the round from this step's prefill drafts after its first token."""
         start = self.metrics.round_begins()
         slots, seqs, k = plan.slots, plan.seqs, plan.k
-        committed = [
-            s.tokens + ([firsts[slot]] if slot in firsts else []) for slot, s in zip(slots, seqs)
-        ]
+        committed = [s.tokens for s in seqs]
         proposals = self._propose(slots, seqs, committed, k) if k > 0 else [[] for _ in slots]
         proposals = [p[: self.max_k] for p in proposals]
         width = max(len(p) for p in proposals)

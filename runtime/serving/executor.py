@@ -1,25 +1,54 @@
 """The orchestrator's hands: a StepPlan (runtime.serving.plan) carried out on the worker pool,
 its commands in the plan's order (release, prefill, round), the replies checked and gathered
-for Scheduler.update. A draft with another tokenizer runs its rounds through a second executor
+for the scheduler. `run_step` is one whole engine step: the prefill's events (first tokens)
+leave before the round is sent, so a request's first token never waits for a round. A draft
+with another tokenizer runs its rounds through a second executor
 (runtime.serving.cross_round.CrossExecutor), which overrides `_round` only."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from runtime.control import commands, protocol
 from runtime.control.pool import WorkerPool
 from runtime.serving.metrics import ServingMetrics
 from runtime.serving.plan import RoundPlan, StepPlan, StepReplies
+from runtime.serving.sequence import Event
+
+if TYPE_CHECKING:
+    from runtime.serving.scheduler import Scheduler
+
+
+def run_step(
+    scheduler: Scheduler,
+    executor: Executor,
+    early: Callable[[list[Event]], None] | None = None,
+) -> list[Event]:
+    """One engine step: the scheduler plans it, the executor releases and prefills, the
+    scheduler takes the prefill (first tokens, and the ends of requests that end there), and
+    `early` gets those events before the round is sent; then the round and its events.
+    Without `early`, the prefill's events come first in the list returned."""
+    plan = scheduler.schedule()
+    replies = executor.prefill(plan)
+    events = scheduler.prefilled(plan, replies)
+    if early is not None and events and plan.round is not None:
+        early(events)
+        events = []
+    executor.round(plan, replies)
+    return events + scheduler.rounded(plan, replies)
 
 
 class Executor:
     def __init__(self, pool: WorkerPool, step_timeout_s: float, metrics: ServingMetrics):
-        self.pool = pool
+        self.pool = pool  # WorkerPool, or anything with its `command`
         self.step_timeout_s = step_timeout_s
         self.metrics = metrics  # the round's timings (the scheduler keeps the counts)
 
-    def run(self, plan: StepPlan) -> StepReplies:
+    def prefill(self, plan: StepPlan) -> StepReplies:
+        """The plan's releases and its prefill; the replies so far (the round's come from
+        `round`, once the prefill's first tokens are out)."""
         replies = StepReplies()
         release = plan.release_command()
         if release is not None:
@@ -32,29 +61,21 @@ class Executor:
             replies.prefill_s = time.perf_counter() - start
             replies.prefill = leader(answers)
             replies.prefill_cached = cached(answers, len(plan.prefill))
-        if plan.round is not None:
-            self._round(plan.round, replies, self._firsts(plan, replies))
         return replies
 
-    @staticmethod
-    def _firsts(plan: StepPlan, replies: StepReplies) -> dict[int, int]:
-        """slot -> the first token of each prompt that ended in this step's prefill (its
-        Sequence has it only after Scheduler.update)."""
-        if replies.prefill is None:
-            return {}
-        return {
-            chunk.seq.slot: tokens[0]  # type: ignore[misc]  # admitted: a slot
-            for chunk, tokens in zip(plan.prefill, replies.prefill.tokens)
-            if chunk.final and tokens
-        }
+    def round(self, plan: StepPlan, replies: StepReplies) -> None:
+        """The plan's round, if it has one, its replies into `replies`. The sequences that
+        join it from this step's prefill hold their first tokens by now (Scheduler.prefilled
+        took them), as the workers do."""
+        if plan.round is not None:
+            self._round(plan.round, replies)
 
     def send(self, command: commands.Command) -> dict[int, commands.Reply]:
         """One step command to every worker; each rank's reply."""
         return self.pool.command(command, self.step_timeout_s)
 
-    def _round(self, plan: RoundPlan, replies: StepReplies, firsts: dict[int, int]) -> None:
-        """The round; `firsts`: first tokens of the rows that join it (the workers have
-        them)."""
+    def _round(self, plan: RoundPlan, replies: StepReplies) -> None:
+        """The round: one command to every worker."""
         start = self.metrics.round_begins()
         self._took_round(replies, start, self.send(plan.command()), plan.k, len(plan.seqs))
         replies.round_steps = plan.steps

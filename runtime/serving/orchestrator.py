@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.config import TandemConfig
@@ -22,7 +23,7 @@ from runtime.params import SamplingParams, check_fits, check_prompt_ids
 from runtime.serving.block_manager import BlockManager
 from runtime.serving.chat import chat_messages_with_tools, check_template_tools, render_chat
 from runtime.serving.cross_round import CrossExecutor
-from runtime.serving.executor import Executor
+from runtime.serving.executor import Executor, run_step
 from runtime.serving.metrics import ServingMetrics
 from runtime.serving.scheduler import Event, Scheduler, Sequence
 from runtime.serving.textstream import TextStream
@@ -115,7 +116,7 @@ class Orchestrator:
             acceptance=self.config.speculation.acceptance,
             blocks=blocks,
             table_len=self.config.kv_seq_len,
-            max_prefill_tokens=rt.max_prefill_tokens if pool.shares_blocks else None,
+            max_prefill_tokens=self.config.prefill_budget if pool.shares_blocks else None,
             metrics=metrics,
         )
         self._serving = _Serving(pool, scheduler, executor)
@@ -270,11 +271,12 @@ class Orchestrator:
         for seq in seqs:
             self._on.scheduler.add(seq)
 
-    def step(self) -> list[Event]:
-        """One step: the scheduler plans it, the executor carries it out on the workers, the
-        scheduler takes the replies; the events it produced."""
-        plan = self._on.scheduler.schedule()
-        return self._on.scheduler.update(plan, self._on.executor.run(plan))
+    def step(self, early: Callable[[list[Event]], None] | None = None) -> list[Event]:
+        """One step (runtime.serving.executor.run_step): the scheduler plans it, the
+        executor carries it out on the workers, the scheduler takes the replies. `early`
+        gets the prefill's events (first tokens) before the round runs; the rest are
+        returned."""
+        return run_step(self._on.scheduler, self._on.executor, early)
 
     def cancel(self, request_id: str) -> None:
         self._on.scheduler.cancel(request_id)

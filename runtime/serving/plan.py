@@ -8,7 +8,8 @@ and what the workers answered (StepReplies, for Scheduler.update). The orchestra
    round's k announced ahead, and each row's new blocks.
 
 A sequence whose last prompt chunk is in `prefill` is in `round` too (the workers hold its first
-token by then); one that ends at that first token has its round's tokens dropped by update().
+token by then, and the scheduler has delivered it: executor.run_step); one that ends at that
+first token has its round's tokens dropped by Scheduler.rounded.
 
 Per-request sampling state that later work adds travels here, a row at a time: what a prefill
 row samples with is `PrefillChunk.seq.worker_params()`, and a round's rows are `RoundPlan.seqs`
@@ -34,14 +35,11 @@ class PrefillChunk:
 @dataclass
 class RoundPlan:
     seqs: list[Sequence]  # in slot order
+    slots: list[int]  # theirs when planned (one ending at its first token gives its up)
     k: int  # drafts per row (0: the target alone, `steps` decode steps)
     next_k: int  # the next round's k, worked on ahead
     steps: int
     growth: list[list[int]]  # per row, the blocks its table grows by first
-
-    @property
-    def slots(self) -> list[int]:
-        return [seq.slot for seq in self.seqs]  # type: ignore[misc]  # running: a slot each
 
     def command(self) -> commands.RoundCommand:
         return commands.RoundCommand(self.slots, self.k, self.next_k, self.steps, self.growth)

@@ -1,8 +1,9 @@
 """The orchestrator's scheduler: it decides, the executor (runtime.serving.executor) carries
 out. `schedule()` admits requests while their KV blocks are free and plans one step (a
-StepPlan: slots to release, prompt chunks to prefill, one speculation round); `update(plan,
-replies)` appends what the workers committed, checks stop conditions and retires what ended
-(in-flight batching: requests join and leave between rounds). It sends nothing itself.
+StepPlan: slots to release, prompt chunks to prefill, one speculation round); `prefilled` and
+`rounded` (plan, replies) append what the workers committed, check stop conditions and retire
+what ended (in-flight batching: requests join and leave between rounds). It sends nothing
+itself (runtime.serving.executor.run_step drives a step).
 
 KV blocks (runtime.serving.block_manager): a request is admitted when a row (one of
 max_batch_size) and the blocks of its tokens past its cached prefix are free; before each
@@ -130,8 +131,8 @@ class Scheduler:
         ]
         if not seqs:
             return None
-        slots = [seq.slot for seq in seqs]
-        k, next_k = self._draft_lens(slots)  # type: ignore[arg-type]  # running: a slot each
+        slots: list[int] = [seq.slot for seq in seqs]  # type: ignore[misc]  # running: a slot each
+        k, next_k = self._draft_lens(slots)
         # what each row will have committed when the round starts (a joining one: its first)
         committed = [seq.length + (seq.slot in joining) for seq in seqs]
         steps = 1
@@ -141,7 +142,7 @@ class Scheduler:
             ]
             steps = min(TARGET_ONLY_STEPS, *left)
         growth = [self.blocks.grow(s.table, self._reach(n)) for s, n in zip(seqs, committed)]
-        return RoundPlan(seqs, k, next_k, steps, growth)
+        return RoundPlan(seqs, slots, k, next_k, steps, growth)
 
     def _draft_lens(self, slots: list[int]) -> tuple[int, int]:
         """(k of this round, k of the next one). The next round's k is chosen a round early,
@@ -190,22 +191,32 @@ class Scheduler:
 
     def _chunks(self) -> list[PrefillChunk]:
         """This step's prefill work, in admission order: at most max_prefill_tokens prompt
-        tokens in all (None: whole prompts), whether or not some request is decoding: a step
-        stays bounded however long a prompt, so the requests decoding get their round after
-        each chunk, and a new request, a cancellation or a shutdown waits for one chunk at
-        most. A prompt cut short keeps its chunk's last token pending for the next."""
+        tokens in all (None: whole prompts), so the requests decoding get their round after
+        each chunk and a new request, a cancellation or a shutdown waits for one chunk at
+        most. While none decodes, nobody waits on the prefill: every prompt no longer than
+        the budget goes whole (at most max_batch_size of them), and only longer ones are cut,
+        so a batch of short prompts starts in one step, in step. A prompt cut short keeps its
+        chunk's last token pending for the next."""
+        prefilling = sorted(
+            (s for s in self.running.values() if s.status is SeqStatus.PREFILLING),
+            key=lambda s: s.admitted,
+        )
         budget = self.max_prefill_tokens
-        chunks = []
-        prefilling = [s for s in self.running.values() if s.status is SeqStatus.PREFILLING]
-        for seq in sorted(prefilling, key=lambda s: s.admitted):
+        if budget is None:
+            return [
+                PrefillChunk(s, s.tokens[s.prefill_at :], True, s.prefill_at) for s in prefilling
+            ]
+        idle = not any(s.status is SeqStatus.RUNNING for s in self.running.values())
+        left, chunks = budget, []
+        for seq in prefilling:
             tokens = seq.tokens[seq.prefill_at :]
-            if budget is not None and len(tokens) > budget:
-                if budget >= 2:  # a chunk feeds at least one token and keeps one pending
-                    chunks.append(PrefillChunk(seq, tokens[:budget], False, seq.prefill_at))
-                break
-            chunks.append(PrefillChunk(seq, tokens, True, seq.prefill_at))
-            if budget is not None:
-                budget -= len(tokens)
+            if len(tokens) <= left or (idle and len(tokens) <= budget):
+                chunks.append(PrefillChunk(seq, tokens, True, seq.prefill_at))
+                left -= len(tokens)
+                continue
+            if left >= 2:  # a chunk feeds at least one token and keeps one pending
+                chunks.append(PrefillChunk(seq, tokens[:left], False, seq.prefill_at))
+            break
         return chunks
 
     def _reach(self, committed: int) -> int:
@@ -245,16 +256,23 @@ class Scheduler:
 
     # --- taking the workers' answers ------------------------------------------------------
     def update(self, plan: StepPlan, replies: StepReplies) -> list[Event]:
-        """What the step brought: first tokens of prompts that ended, the round's tokens;
-        the events, finals of what ended included."""
+        """The whole step's events at once (prefilled, then rounded)."""
+        return self.prefilled(plan, replies) + self.rounded(plan, replies)
+
+    def prefilled(self, plan: StepPlan, replies: StepReplies) -> list[Event]:
+        """What the step's prefill brought, before its round runs: the first tokens of
+        prompts that ended, and the finals of what ended there or in schedule()."""
         events, self._ended = self._ended, []
         if plan.prefill:
             events += self._prefilled(plan.prefill, replies)
+        return events
+
+    def rounded(self, plan: StepPlan, replies: StepReplies) -> list[Event]:
+        """What the step's round brought (nothing without one); finals of what ended."""
         if plan.round is None:
             self.metrics.idle()
-        else:
-            events += self._rounded(plan.round, replies)
-        return events
+            return []
+        return self._rounded(plan.round, replies)
 
     def _prefilled(self, chunks: list[PrefillChunk], replies: StepReplies) -> list[Event]:
         """Each chunk's positions are cached; a prompt's last chunk brings its first token

@@ -102,7 +102,7 @@ class Server:
             raise EngineDeadError(self.door.failure)
         self.compiled()
         if self.orch.has_work:
-            self.dispatch(self.orch.step())
+            self.dispatch(self.orch.step(early=self.dispatch))  # first tokens before the round
         else:
             compiling = self._grammars is not None and self._grammars.busy
             wait_ms = 0 if self.door.waiting else COMPILE_POLL_MS if compiling else idle_ms

@@ -91,7 +91,7 @@ class SlowOrchestrator:
     def has_work(self) -> bool:
         return bool(self.seqs)
 
-    def step(self) -> list[Event]:
+    def step(self, early=None) -> list[Event]:
         time.sleep(self.step_s)
         self.steps += 1
         if self.fail is not None:

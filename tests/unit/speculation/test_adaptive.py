@@ -191,7 +191,7 @@ def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
     (next_k), so the workers draft ahead (or decode ahead) exactly what the next round runs;
     when the batch changes, the k is chosen afresh."""
     from runtime.params import SamplingParams
-    from runtime.serving.executor import Executor
+    from runtime.serving.executor import Executor, run_step
     from runtime.serving.scheduler import Scheduler, Sequence
     from runtime.serving.textstream import TextStream
 
@@ -205,8 +205,7 @@ def test_each_round_runs_the_k_sent_ahead_with_the_one_before():
             )
         )
     while sched.has_work:
-        plan = sched.schedule()
-        sched.update(plan, executor.run(plan))
+        run_step(sched, executor)
     rounds = [c for c in pool.commands if c.NAME == "round"]
     pairs = list(zip(rounds, rounds[1:]))
     assert all(0 <= c.next_k <= 8 for c in rounds)
