@@ -26,6 +26,11 @@
 #       then whole prompts)
 #   bash examples/h200_bench.sh OUTDIR cpu-overlap
 #       (overlap on / off on two of the host's CPU cores: examples/cpu/overlap_figures.sh)
+# BASE=DIR runs every phase side by side: first in DIR (a checkout of the commit to compare
+# with, its own examples/h200_bench.sh and synthetic pairs in $SYN-base), then here; the
+# results go to OUTDIR/base and OUTDIR/head. E.g. the last commit, on the device machine:
+#   git archive HEAD~1 | tar -x -C .old/base   # here, with /.old/ in .git/info/exclude
+#   BASE=.old/base REPEATS=2 bash examples/h200_bench.sh OUT batch16 prompt-2048
 # The experiments behind the defaults (kernel microbenchmarks, in-process A/B of step
 # settings) are in lab/h200_lab.sh.
 # Each phase writes OUTDIR/<phase>.json (and .log); synthetic pairs are kept in $SYN.
@@ -35,8 +40,19 @@
 set -u
 OUT=${1:?usage: h200_bench.sh OUTDIR PHASE...}; shift
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 SYN=${SYN:-/tmp/tandem-syn}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if [ -n "${BASE:-}" ]; then   # side by side, phase by phase: BASE's tree first, then this one
+    here=$(pwd)
+    for phase in "$@"; do
+        echo "=== base: $BASE"
+        (cd "$BASE" && BASE= SYN="$SYN-base" bash examples/h200_bench.sh "$OUT/base" "$phase")
+        echo "=== head: $here"
+        BASE= bash examples/h200_bench.sh "$OUT/head" "$phase"
+    done
+    exit 0
+fi
 bench() {   # bench PHASE ARGS...: a synthetic pair (8b unless --synthetic follows), bf16,
             # 128-token prompts, 256 new tokens
     local phase=$1; shift
