@@ -24,6 +24,9 @@
 #       7,000-token prompt arrives every second, 8 of them; the streams' inter-token gaps with
 #       and without the long prompts and the long ones' TTFT; prefill chunks of 512 tokens,
 #       then whole prompts)
+#   bash examples/h200_bench.sh OUTDIR mixed-2048 cost-plain cost-penalties cost-logprobs
+#       (mixed-N: `mixed` with a prefill budget of N tokens; cost-*: the features' GPU cost,
+#       spec at batch 1 and 32 greedy, plain / penalties + logit_bias / logprobs 5)
 #   bash examples/h200_bench.sh OUTDIR cpu-overlap
 #       (overlap on / off on two of the host's CPU cores: examples/cpu/overlap_figures.sh)
 # BASE=DIR runs every phase side by side: first in DIR (a checkout of the commit to compare
@@ -43,6 +46,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 SYN=${SYN:-/tmp/tandem-syn}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+PENALTIES='{"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.1, "logit_bias": {"5": 1.0, "17": -2.0}}'
 if [ -n "${BASE:-}" ]; then   # side by side, phase by phase: BASE's tree first, then this one
     here=$(pwd)
     for phase in "$@"; do
@@ -129,6 +133,13 @@ for phase in "$@"; do
                    --long-count 8 --max-prefill-tokens 512 ;;
         mixed-whole) serving serving_mixed mixed-whole --streams 32 --long-prompt-len 7000 --long-every 1.0 \
                          --long-count 8 --max-prefill-tokens none ;;
+        mixed-[0-9]*) serving serving_mixed "$phase" --streams 32 --long-prompt-len 7000 \
+                          --long-every 1.0 --long-count 8 --max-prefill-tokens "${phase#mixed-}" ;;
+        cost-plain) bench cost-plain --batch-sizes 1,32 --eps 0.02 --draft-len auto --modes spec ;;
+        cost-penalties) bench cost-penalties --batch-sizes 1,32 --eps 0.02 --draft-len auto \
+                            --modes spec --sampling "$PENALTIES" ;;
+        cost-logprobs) bench cost-logprobs --batch-sizes 1,32 --eps 0.02 --draft-len auto \
+                           --modes spec --sampling '{"logprobs": 5}' ;;
         cpu-overlap) CORES=${CORES:-0,1} bash examples/cpu/overlap_figures.sh "$OUT/cpu-overlap" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac
