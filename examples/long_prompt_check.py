@@ -367,7 +367,7 @@ def main() -> int:
     vocab = SHAPES[args.shape]["vocab_size"]
     rng = random.Random(1)
     if args.chunk_costs and args.demo:
-        from runtime.config.schema import default_model_path
+        from runtime.config.paths import default_model_path
 
         prompt = [rng.randrange(49152) for _ in range(args.prompt_len)]  # SmolLM2's vocabulary
         budgets = [int(n) for n in args.chunk_costs.split(",")]

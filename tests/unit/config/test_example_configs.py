@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from runtime.config import load_config
-from runtime.config.schema import BUILTIN_MODELS, BUILTIN_PREFIX, DEFAULT_GGUF
+from runtime.config.paths import BUILTIN_MODELS, BUILTIN_PREFIX, DEFAULT_GGUF
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "examples" / "configs").glob("*.yaml"))
 
