@@ -80,7 +80,7 @@ def config_from_args(args, check_devices: bool) -> TandemConfig:
 
 def serve_endpoints(args) -> tuple:
     """(http, metrics): the (host, port) of `serve`'s optional HTTP fronts, or None each."""
-    from runtime.api.http_address import parse_http_address
+    from runtime.api.http.address import parse_http_address
 
     if args.served_model_name is not None:
         if not args.served_model_name.strip():

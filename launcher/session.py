@@ -24,7 +24,7 @@ from runtime.control.auth import load_key
 from runtime.errors import EngineDeadError
 
 if TYPE_CHECKING:  # imported where used: a `run` needs none of the serving endpoints
-    from runtime.api.http_api import HttpFront
+    from runtime.api.http.app import HttpFront
     from runtime.serving.client_door import ClientDoor
     from runtime.serving.orchestrator import Orchestrator
     from runtime.serving.prometheus import MetricsEndpoint
@@ -260,7 +260,7 @@ class _Endpoints:
 
     def _bind_http(self, http, metrics) -> None:
         if http is not None:
-            from runtime.api.http_address import bind_http
+            from runtime.api.http.address import bind_http
 
             try:
                 self.http_sock = bind_http(*http)
@@ -313,7 +313,7 @@ def _serve(
             bound.metrics.start(orch.metrics_registry())
             print(f"tandem: metrics at {bound.metrics.url}", file=sys.stderr, flush=True)
         if bound.http_sock is not None:
-            from runtime.api.http_api import HttpFront
+            from runtime.api.http.app import HttpFront
 
             bound.front = HttpFront(
                 config.server.address,

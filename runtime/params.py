@@ -101,7 +101,7 @@ def check(p: SamplingParams) -> None:
             _int(name, value, minimum=0)  # the cap is the server's (server.max_logprobs)
     _int("n", p.n, minimum=1)
     if p.structured_outputs is not None:
-        from runtime.speculation.grammar_spec import parse_structured_outputs
+        from runtime.speculation.grammar.spec import parse_structured_outputs
 
         parse_structured_outputs(p.structured_outputs)
         if p.min_tokens:  # a complete grammar allows only the stop tokens min_tokens masks

@@ -1,4 +1,4 @@
-"""Random walks through a grammar's masks (runtime.speculation.grammar.GrammarWindow), for
+"""Random walks through a grammar's masks (runtime.speculation.grammar.window.GrammarWindow), for
 tests that check every output a grammar allows parses and validates."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection
 
-from runtime.speculation.grammar import GrammarWindow
+from runtime.speculation.grammar.window import GrammarWindow
 
 
 def walk(

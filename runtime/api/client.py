@@ -37,7 +37,7 @@ from runtime.api.client_io import (
     _run_closers,
 )
 from runtime.api.outputs import GenerationOutput, StreamDelta, entries
-from runtime.api.tool_calls_request import check_tools
+from runtime.api.tools.request import check_tools
 from runtime.control import auth
 from runtime.control.protocol import (
     Cancel,

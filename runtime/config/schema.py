@@ -157,7 +157,7 @@ class ServerConfig(_Checked):
     client_timeout_s: float = _checked(10.0, check.positive_float)
     max_logprobs: int = _checked(20, check.int_at_least(0))  # logprobs, prompt_logprobs cap
     max_n: int = _checked(16, check.int_at_least(1))  # samples (n) one request may ask for
-    # the HTTP front's tool-call format (runtime.api.tool_calls); null: the chat template's
+    # the HTTP front's tool-call format (runtime.api.tools.parsers); null: the chat template's
     tool_parser: str | None = _checked(None, check.tool_parser)
 
 

@@ -13,7 +13,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("fp8",)  # besides null: as stored (FP8 checkpoints are detected)
 ACCEPTANCE_MODES = ("tokens", "logits")
 ADDRESS_SCHEMES = ("tcp://", "ipc://")
-TOOL_PARSERS = ("hermes", "llama3_json")  # runtime.api.tool_calls.PARSERS
+TOOL_PARSERS = ("hermes", "llama3_json")  # runtime.api.tools.parsers.PARSERS
 
 
 def describe(value: Any) -> str:

@@ -42,7 +42,7 @@ class Sampling(Record):
     logprobs: int = -1  # top alternatives per generated token to report, -1: none
     prompt_logprobs: int = -1  # ... per prompt token (its prefill reports them), -1: none
     # structured outputs: the grammar's kind and text (checked by rank 0 to compile within
-    # its bounds: runtime.speculation.grammar_compile), and its compiled form (base64 of the
+    # its bounds: runtime.speculation.grammar.compiler), and its compiled form (base64 of the
     # wire form) when compiling it takes long; "" kind: none
     grammar_kind: str = ""
     grammar_text: str = ""

@@ -118,7 +118,7 @@ def render_chat(
 
 def check_template_tools(tools) -> list[dict] | None:
     """`tools` as the template takes them: None, or a list of maps (their content is the
-    client's to check: runtime.api.tool_calls_request.check_tools)."""
+    client's to check: runtime.api.tools.request.check_tools)."""
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):

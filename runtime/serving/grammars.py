@@ -1,8 +1,8 @@
 """Structured outputs on rank 0: each request's grammar checked to compile within the bounds
 off the serving loop (one thread; xgrammar's compiler runs in its own child process, bounded
-in time and memory: runtime.speculation.grammar_compile), what the workers need to load it
+in time and memory: runtime.speculation.grammar.compiler), what the workers need to load it
 handed to the request's sequences, and the vocabulary they need sent with the first until one
-has gone through (runtime.worker.grammars).
+has gone through (runtime.speculation.grammar.book).
 A grammar that does not compile fails its request with a ValueError naming the argument."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class GrammarService:
 
     def submit(self, request_id: str, seqs: list[Sequence]) -> None:
         """Compile the grammar of these sequences (one request's) in the background."""
-        from runtime.speculation.grammar_spec import parse_structured_outputs
+        from runtime.speculation.grammar.spec import parse_structured_outputs
 
         spec = parse_structured_outputs(seqs[0].params.structured_outputs)
         self._jobs[request_id] = (seqs, self._pool.submit(self._compile, spec))
@@ -70,8 +70,8 @@ class GrammarService:
     def _compile(self, spec: Any) -> tuple[str, str, str]:
         """(kind, text, wire): the spec checked to compile within the bounds, and its compiled
         form when compiling it takes long (else the workers compile it: faster than moving
-        it; runtime.speculation.grammar_compile.GrammarCompiler.prepare)."""
-        from runtime.speculation.grammar_compile import GrammarCompiler
+        it; runtime.speculation.grammar.compiler.GrammarCompiler.prepare)."""
+        from runtime.speculation.grammar.compiler import GrammarCompiler
 
         if self._compiler is None:
             if self.tokenizer is None:

@@ -77,7 +77,7 @@ def process(
         scores = scores.masked_fill(early[..., None] & stop, NEG_INF)
     if processing.penalties is not None:
         scores = _penalise(scores, processing.penalties, window)
-    if mask is not None:  # a grammar's: True where allowed (runtime.worker.grammars)
+    if mask is not None:  # a grammar's: True where allowed (runtime.speculation.grammar.book)
         scores = scores.masked_fill(
             ~_fit(mask.flatten(0, 1), width, False).view_as(scores), NEG_INF
         )

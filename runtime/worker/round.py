@@ -246,7 +246,7 @@ def prefill(
 
 def remember(parts: RoundParts, slots: list[int], tokens: list[list[int]]) -> None:
     """The committed tokens join both shards' penalty histories (runtime.worker.history) and
-    grammars (runtime.worker.grammars)."""
+    grammars (runtime.speculation.grammar.book)."""
     for shard in (parts.draft, parts.target):
         if shard is not None:
             shard.history.add(slots, tokens)

@@ -11,8 +11,8 @@ from runtime.models.arch.base import is_paged
 from runtime.models.runners.hostcopy import to_device
 from runtime.models.runners.step_runner import StepRunner
 from runtime.speculation.choose import BatchSampling
+from runtime.speculation.grammar.book import GrammarBook
 from runtime.worker.block_tables import SlotTables
-from runtime.worker.grammars import GrammarBook
 from runtime.worker.history import TokenHistory
 from runtime.worker.slot_state import GREEDY, SlotBook, SlotState
 
@@ -21,7 +21,7 @@ __all__ = ["GREEDY", "SlotState", "ModelShard"]
 
 class ModelShard:
     refeeds_last = False  # the draft keeps a token pending (slot_state.SlotBook)
-    # samples under the requests' grammars (runtime.worker.grammars); a draft may propose
+    # samples under the requests' grammars (runtime.speculation.grammar.book); a draft may propose
     # freely instead (speculation.mask_draft: false), its proposals checked by the target's
     follows_grammars = True
 

@@ -322,7 +322,7 @@ def test_standalone_front_on_a_running_server(served, tmp_path):
         [
             sys.executable,
             "-m",
-            "runtime.api.http_api",
+            "runtime.api.http.app",
             served["address"],
             "--http",
             f"127.0.0.1:{port}",

@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from runtime import Engine
-from runtime.speculation.grammar import GrammarCompiler, GrammarWindow, parse_structured_outputs
+from runtime.speculation.grammar.window import (
+    GrammarCompiler,
+    GrammarWindow,
+    parse_structured_outputs,
+)
 from tests import checkpoints, launch
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,7 +30,7 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-ALL_OF = {  # two object schemas, both to hold (runtime.speculation.grammar_route: llguidance)
+ALL_OF = {  # two object schemas, both to hold (runtime.speculation.grammar.route: llguidance)
     "allOf": [
         {
             "type": "object",

@@ -45,7 +45,7 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "get_time", "parameters": ZONE}},
 ]
-NOTE = {  # its lengths need llguidance (runtime.speculation.grammar_route): a Lark grammar
+NOTE = {  # its lengths need llguidance (runtime.speculation.grammar.route): a Lark grammar
     "type": "object",
     "properties": {"text": {"type": "string", "minLength": 1, "maxLength": 12}},
     "required": ["text"],

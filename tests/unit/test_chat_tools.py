@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from runtime.api.client import Client
-from runtime.api.tool_calls import PARSERS
+from runtime.api.tools.parsers import PARSERS
 from runtime.config import ConfigError
 from runtime.config.schema import ServerConfig
 from runtime.config.values import TOOL_PARSERS

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP front's request rules without a server (runtime.api.openai_requests,
-runtime.api.http_routes): OpenAI's temperature range, what `stop` accepts, which model names
+"""The OpenAI-compatible HTTP front's request rules without a server (runtime.api.openai.requests,
+runtime.api.http.routes): OpenAI's temperature range, what `stop` accepts, which model names
 it serves."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from runtime.api.http_routes import Routes
-from runtime.api.openai_errors import HttpError
-from runtime.api.openai_requests import sampling_kwargs, value_error
+from runtime.api.http.routes import Routes
+from runtime.api.openai.errors import HttpError
+from runtime.api.openai.requests import sampling_kwargs, value_error
 from runtime.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)

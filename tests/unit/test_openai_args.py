@@ -1,5 +1,5 @@
 """The OpenAI and vLLM request arguments of the HTTP front without a server
-(runtime.api.openai_requests): which are accepted, what they become as the engine's
+(runtime.api.openai.requests): which are accepted, what they become as the engine's
 arguments (runtime.params.SamplingParams), and the 400s that name the OpenAI argument,
 whether the front or the engine refuses it."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.api.openai_errors import HttpError
-from runtime.api.openai_requests import (
+from runtime.api.openai.errors import HttpError
+from runtime.api.openai.requests import (
     CHAT_ARGS,
     CHAT_OFF_VALUES,
     COMPLETION_ARGS,

@@ -1,5 +1,5 @@
 """The HTTP front's OpenAI shapes of logprobs, echo, n and usage without a server: the app
-(runtime.api.http_api.create_app) over a client whose engine is faked (its replies are made
+(runtime.api.http.app.create_app) over a client whose engine is faked (its replies are made
 from the request's own arguments), with a fake tokenizer in place of the server's."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import math
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.api.http_api import create_app
-from runtime.api.http_client import AsyncWaiter, HttpClient
-from runtime.api.openai_logprobs import MIN_LOGPROB
-from runtime.api.openai_tokens import TokenizerSource, TokenStrings
+from runtime.api.http.app import create_app
+from runtime.api.http.backend import AsyncWaiter, HttpClient
+from runtime.api.openai.logprobs import MIN_LOGPROB
+from runtime.api.openai.tokens import TokenizerSource, TokenStrings
 from runtime.control.protocol import Delta, Final, Generate
 
 pytestmark = pytest.mark.timeout(60)

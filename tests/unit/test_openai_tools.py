@@ -1,7 +1,7 @@
 """Tool calls and structured outputs through the HTTP front, without a server: a chat body's
 tools, tool_choice, response_format and structured_outputs as the engine's arguments
-(runtime.api.openai_requests, openai_structured), the app's responses and streams over a fake
-engine that answers with a canned text (runtime.api.http_routes, openai_responses). The
+(runtime.api.openai.requests, openai.structured), the app's responses and streams over a fake
+engine that answers with a canned text (runtime.api.http.routes, openai.replies). The
 server's side of tools: tests/unit/test_chat_tools.py."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.api.http_api import create_app
-from runtime.api.http_client import AsyncWaiter, HttpClient
-from runtime.api.openai_errors import HttpError
-from runtime.api.openai_requests import (
+from runtime.api.http.app import create_app
+from runtime.api.http.backend import AsyncWaiter, HttpClient
+from runtime.api.openai.errors import HttpError
+from runtime.api.openai.requests import (
     CHAT_ARGS,
     CHAT_OFF_VALUES,
     COMPLETION_ARGS,
@@ -24,9 +24,9 @@ from runtime.api.openai_requests import (
     parse_chat,
     parse_completion,
 )
-from runtime.api.openai_tokens import TokenizerSource
-from runtime.api.tool_calls_grammar import tool_grammar
-from runtime.api.tool_calls_request import parse_tool_request
+from runtime.api.openai.tokens import TokenizerSource
+from runtime.api.tools.grammar import tool_grammar
+from runtime.api.tools.request import parse_tool_request
 from runtime.control.protocol import Delta, Failed, Final, Generate
 from tests.chat_templates import WEATHER_CALL_TURNS
 

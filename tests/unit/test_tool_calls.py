@@ -1,4 +1,4 @@
-"""Tool calling's pure pieces (runtime/api/tool_calls*.py): generated text read as OpenAI tool
+"""Tool calling's pure pieces (runtime/api/tools/*.py): generated text read as OpenAI tool
 calls in the hermes and llama3_json formats, whole and streamed (the deltas of every split of
 an output add up to the whole result), the request's tools and tool_choice checked, the
 grammar of a forced choice (a JSON schema checked with jsonschema, a structural tag compiled
@@ -14,8 +14,10 @@ import re
 
 import pytest
 
-from runtime.api.openai_requests import value_error
-from runtime.api.tool_calls import (
+from runtime.api.openai.requests import value_error
+from runtime.api.tools.grammar import call_schema, tool_grammar
+from runtime.api.tools.json_prefix import JsonPrefix
+from runtime.api.tools.parsers import (
     ToolCallStream,
     detect_tool_parser,
     new_call_id,
@@ -23,9 +25,7 @@ from runtime.api.tool_calls import (
     tool_finish_reason,
     tool_parser_name,
 )
-from runtime.api.tool_calls_grammar import call_schema, tool_grammar
-from runtime.api.tool_calls_json import JsonPrefix
-from runtime.api.tool_calls_request import ToolRequest, parse_tool_request
+from runtime.api.tools.request import ToolRequest, parse_tool_request
 from runtime.serving.chat import chat_messages_with_tools, render_chat
 from tests.chat_templates import QWEN_TEMPLATE, WEATHER_CALL_TURNS
 

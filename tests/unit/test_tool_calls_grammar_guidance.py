@@ -1,4 +1,4 @@
-"""Forced tool calls whose parameters need llguidance (runtime.api.tool_calls_grammar's Lark,
+"""Forced tool calls whose parameters need llguidance (runtime.api.tools.grammar's Lark,
 a "lark" GrammarSpec): the calls spelled as the xgrammar structural tag spells them, random
 walks under the masks giving calls whose arguments validate, one call when parallel calls are
 off, stop tokens only once a call is complete, refusals naming the tool, and the kind kept
@@ -14,19 +14,19 @@ import jsonschema
 import llguidance
 import pytest
 
-from runtime.api.tool_calls import parse_tool_calls
-from runtime.api.tool_calls_grammar import CALL_FORMATS, _lark, tool_grammar
-from runtime.api.tool_calls_request import parse_tool_request
-from runtime.speculation import grammar_child, grammar_guidance
-from runtime.speculation.grammar import GrammarWindow
-from runtime.speculation.grammar_load import GrammarLoader, Prepared, job_of, tokenizer_info
-from runtime.speculation.grammar_route import GUIDANCE_JSON_OPTIONS, uses_guidance
-from runtime.speculation.grammar_spec import (
+from runtime.api.tools.grammar import CALL_FORMATS, _lark, tool_grammar
+from runtime.api.tools.parsers import parse_tool_calls
+from runtime.api.tools.request import parse_tool_request
+from runtime.speculation.grammar import child, guidance
+from runtime.speculation.grammar.load import GrammarLoader, Prepared, job_of, tokenizer_info
+from runtime.speculation.grammar.route import GUIDANCE_JSON_OPTIONS, uses_guidance
+from runtime.speculation.grammar.spec import (
     MAX_REPEAT,
     MAX_SPEC_CHARS,
     GrammarSpec,
     parse_structured_outputs,
 )
+from runtime.speculation.grammar.window import GrammarWindow
 from tests.checkpoints import smollm2_tokenizer
 from tests.grammar_walks import walk
 
@@ -140,8 +140,8 @@ def test_llguidance_refusals_name_the_tool(parser, info):
     with pytest.raises(ValueError, match=r"Unimplemented keys: \[\"not\"\]"):
         grammar.spec()
     settings = {"tokenizer_info": info, "probe_steps": 4, "probe_mask_s": 1.0}
-    answer = grammar_child._answer(None, settings, json.dumps(["lark", grammar.lark]).encode())
-    assert answer.startswith(grammar_child.FAILED) and b"Unimplemented keys" in answer
+    answer = child._answer(None, settings, json.dumps(["lark", grammar.lark]).encode())
+    assert answer.startswith(child.FAILED) and b"Unimplemented keys" in answer
 
 
 # --- the format: the same calls as the structural tag ---------------------------------------
@@ -173,7 +173,7 @@ def test_the_lark_accepts_what_the_structural_tag_accepts(parser, samples, info)
     xgrammar = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string
 
-    llt = grammar_guidance.guidance_tokenizer(info)
+    llt = guidance.guidance_tokenizer(info)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in PLAIN}
     for body, one in (({"tool_choice": "required"}, False), ({"parallel_tool_calls": False}, True)):
         grammar = _grammar(PLAIN, parser, **{"tool_choice": "required", **body})
@@ -202,10 +202,10 @@ def test_random_walks_give_calls_that_validate(parser, case, tok, info, closers)
     body, count = CASES[case]
     spec = _grammar(GUIDED, parser, **body).spec()
     settings = {"tokenizer_info": info, "probe_steps": 8, "probe_mask_s": 1.0}
-    answer = grammar_child._answer(None, settings, json.dumps(job_of(spec)).encode())
-    assert answer == grammar_child.OK  # the compile child's check (in-process here)
+    answer = child._answer(None, settings, json.dumps(job_of(spec)).encode())
+    assert answer == child.OK  # the compile child's check (in-process here)
     compiled = GrammarLoader(info).load(Prepared(spec))  # as a worker builds it
-    assert isinstance(compiled, grammar_guidance.GuidanceGrammar)
+    assert isinstance(compiled, guidance.GuidanceGrammar)
     rng, counts = random.Random(case), set()
     for _ in range(8):
         out = walk(GrammarWindow(compiled), rng, {tok.eos_token_id}, 0.7, closers, 0.4, limit=600)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.speculation.grammar import GrammarCompiler
+from runtime.speculation.grammar.window import GrammarCompiler
 from tests.checkpoints import smollm2_tokenizer
 
 

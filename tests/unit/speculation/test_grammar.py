@@ -1,4 +1,4 @@
-"""Structured outputs (runtime.speculation.grammar*): parsing and its errors, bounded compiles,
+"""Structured outputs (runtime.speculation.grammar): parsing and its errors, bounded compiles,
 the wire form, a window's masks against a fresh matcher advancing one token at a time, and a
 tiny random model's greedy decode under JSON schemas, plainly and speculatively, always giving
 JSON that validates. SmolLM2's tokenizer (49,152 tokens) throughout."""
@@ -15,7 +15,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from runtime.speculation.grammar import (
+from runtime.speculation.grammar.spec import MAX_REPEAT, MAX_SPEC_CHARS
+from runtime.speculation.grammar.window import (
     GrammarLoader,
     GrammarSpec,
     GrammarWindow,
@@ -28,7 +29,6 @@ from runtime.speculation.grammar import (
     tokenizer_info,
     unpack_bitmask,
 )
-from runtime.speculation.grammar_spec import MAX_REPEAT, MAX_SPEC_CHARS
 from runtime.speculation.processors import NEG_INF
 from tests.checkpoints import build_with_tokenizer
 
@@ -42,7 +42,7 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,  # xgrammar's strict mode implies it, llguidance does not
 }
-# SCHEMA's string lengths route it to llguidance (grammar_route); this one stays on xgrammar
+# SCHEMA's string lengths route it to llguidance (grammar.route); this one stays on xgrammar
 XGRAMMAR_SCHEMA = {
     "type": "object",
     "properties": {

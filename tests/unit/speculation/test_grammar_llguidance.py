@@ -1,4 +1,4 @@
-"""Structured outputs on llguidance (runtime.speculation.grammar_route, grammar_guidance): which
+"""Structured outputs on llguidance (runtime.speculation.grammar.route, grammar.guidance): which
 JSON schemas go to llguidance (what xgrammar 0.2.9 would not enforce), refusals naming what
 neither backend enforces, random walks under the masks always giving valid instances, masks
 over a window equal to one token at a time, stop tokens as xgrammar's, a mid-generation error
@@ -17,8 +17,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from runtime.speculation import grammar_guidance
-from runtime.speculation.grammar import (
+from runtime.speculation.grammar import guidance
+from runtime.speculation.grammar.guidance import GuidanceError, GuidanceGrammar
+from runtime.speculation.grammar.route import guidance_reasons, uses_guidance
+from runtime.speculation.grammar.window import (
     GrammarLoader,
     GrammarSpec,
     GrammarWindow,
@@ -26,8 +28,6 @@ from runtime.speculation.grammar import (
     parse_structured_outputs,
     tokenizer_info,
 )
-from runtime.speculation.grammar_guidance import GuidanceError, GuidanceGrammar
-from runtime.speculation.grammar_route import guidance_reasons, uses_guidance
 from tests.grammar_walks import walk
 
 OBJ = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
@@ -219,9 +219,9 @@ def test_window_masks_equal_one_token_at_a_time(compiler, tok):
 def test_stop_tokens_as_xgrammar(tok):
     vocab = len(tok) + 64  # logits wider than the tokenizer: the padding is never allowed
     info = tokenizer_info(tok, vocab, stop_token_ids=[2, 0])
-    llt = grammar_guidance.guidance_tokenizer(info)
+    llt = guidance.guidance_tokenizer(info)
     schema = json.dumps({"allOf": [{"type": "integer"}, {"minimum": 3}]})
-    compiled = grammar_guidance.validate(llt, schema, info.stop_token_ids)
+    compiled = guidance.validate(llt, schema, info.stop_token_ids)
     assert isinstance(compiled, GuidanceGrammar) and compiled.vocab_size == vocab
     window = GrammarWindow(compiled)
     mask = window.next_mask()
@@ -250,11 +250,11 @@ def test_an_error_mid_generation_fails_the_window(compiler, tok, monkeypatch):
     """A matcher past its fuel: never a wrong mask. The window is failed for good (its
     reason kept), every mask from there allows only the stop tokens (the request ends), and
     the worker's book reports it for its slot; a broken grammar: GuidanceError at once."""
-    from runtime.worker.grammars import GrammarBook
+    from runtime.speculation.grammar.book import GrammarBook
 
     schema = {"type": "string", "pattern": "^(a|b)*c(a|b){20}$", "maxLength": 80}
     compiled = compile_json(compiler, schema)
-    monkeypatch.setitem(grammar_guidance.LIMITS, "max_lexer_states", 5)
+    monkeypatch.setitem(guidance.LIMITS, "max_lexer_states", 5)
     window = GrammarWindow(compiled)
     window.commit(tok.encode('"abab', add_special_tokens=False))  # the lexer grows past its limit
     masks = window.masks(tok.encode("ab", add_special_tokens=False))
@@ -282,7 +282,7 @@ def test_the_workers_vocabulary_is_the_tokenizers(tok):
     (llguidance's own reading of the HF tokenizer); specials and stops are never text."""
     sent = tokenizer_info(tok, len(tok)).serialize_json()
     info = xgr.TokenizerInfo.deserialize_json(sent)
-    ours = grammar_guidance.guidance_tokenizer(info)
+    ours = guidance.guidance_tokenizer(info)
     theirs = llguidance.hf.from_tokenizer(tok)
     special = {*info.special_token_ids, *info.stop_token_ids}
     assert ours.vocab_size == len(tok) and special

@@ -1,4 +1,4 @@
-"""A worker's grammars (runtime.worker.grammars.GrammarBook) over a batch: the masks it sends
+"""A worker's grammars (runtime.speculation.grammar.book) over a batch: the masks it sends
 to the device are each row's window masks (xgrammar's and llguidance's alike; rows without a
 grammar allow everything), packed on the host and unpacked on the device; tokens reach the
 matchers through a host copy; advancing and rewinding leave the windows as they were."""
@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from runtime.models.runners.hostcopy import HostCopy
-from runtime.speculation.grammar import GrammarCompiler, GrammarWindow, parse_structured_outputs
-from runtime.worker.grammars import GrammarBook
+from runtime.speculation.grammar.book import GrammarBook
+from runtime.speculation.grammar.window import (
+    GrammarCompiler,
+    GrammarWindow,
+    parse_structured_outputs,
+)
 from tests.checkpoints import smollm2_tokenizer
 
 XGRAMMAR = {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}

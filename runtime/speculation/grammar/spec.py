@@ -11,10 +11,10 @@ A GrammarSpec is plain data (two strings) that can cross the wire and key a cach
 - grammar: an EBNF grammar (xgrammar's / GBNF syntax) whose start rule is `root`
 - lark: a Lark grammar in llguidance's syntax (`%json {schema}` embeds a JSON schema), run on
   llguidance; the HTTP front's forced tool calls whose parameters need llguidance
-  (runtime.api.tool_calls_grammar) use it
+  (runtime.api.tools.grammar) use it
 
 The bounds refuse what is plainly too large within microseconds; what passes them is still
-compiled under a time and memory limit (runtime.speculation.grammar_compile).
+compiled under a time and memory limit (runtime.speculation.grammar.compiler).
 """
 
 from __future__ import annotations

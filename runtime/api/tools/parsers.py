@@ -14,7 +14,7 @@ Detection from a chat template's text (detect_tool_parser): "<tool_call>" in it 
 else "<|python_tag|>" or "ipython" in it -> llama3_json; else none (a template that renders
 no tools, or a format not known here).
 
-One call's JSON is read as it comes (runtime/api/tool_calls_scan.py has the exact rules): once
+One call's JSON is read as it comes (runtime/api/tools/scan.py has the exact rules): once
 its name and the start of its arguments object are read, the call is sent and its arguments
 stream as the raw JSON text the model writes; text that turns out to be no call (bad JSON
 before that point, no name) is content, as written; whitespace just before a call, or after
@@ -30,7 +30,7 @@ import secrets
 import string
 from collections.abc import Callable
 
-from runtime.api.tool_calls_scan import Event, HermesScanner, Llama3Scanner, merged
+from runtime.api.tools.scan import Event, HermesScanner, Llama3Scanner, merged
 
 PARSERS = ("hermes", "llama3_json")
 _ID_CHARS = string.ascii_letters + string.digits

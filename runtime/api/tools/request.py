@@ -1,6 +1,6 @@
 """A chat request's `tools`, `tool_choice` and `parallel_tool_calls`, checked (ValueErrors
 that name the argument, the front's 400s), and what a choice that forces calls makes the
-output follow, in the parser's format (runtime/api/tool_calls.py):
+output follow, in the parser's format (runtime/api/tools/parsers.py):
 
 - "none" (or no tools): no calls are read; "auto": calls are read, nothing is forced;
 - "required": one or more calls (one when parallel_tool_calls is false) of any tool, and

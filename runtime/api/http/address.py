@@ -1,6 +1,6 @@
 """Where the HTTP endpoints listen and how they are reached: `HOST:PORT` flags (loopback
 unless allowed otherwise), their listening sockets, and the URLs and addresses derived from
-them. Used by the OpenAI-compatible front (runtime/api/http_api.py) and `tandem serve`."""
+them. Used by the OpenAI-compatible front (runtime/api/http/app.py) and `tandem serve`."""
 
 from __future__ import annotations
 

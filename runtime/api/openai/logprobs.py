@@ -8,7 +8,7 @@ Final), or None (a prompt's first token).
 - /v1/chat/completions: {"content": [{"token", "logprob", "bytes", "top_logprobs":
   [{"token", "logprob", "bytes"}]}]}, top_logprobs the N most likely, most likely first.
 
-A token's string is its id decoded alone (runtime.api.openai_tokens.TokenStrings); `bytes`
+A token's string is its id decoded alone (runtime.api.openai.tokens.TokenStrings); `bytes`
 its UTF-8 bytes. -inf (a token the logit_bias or a filter ruled out) is -9999.0, as vLLM
 gives it: JSON has no infinity."""
 

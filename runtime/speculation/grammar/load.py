@@ -1,5 +1,5 @@
 """The worker's side of compiled grammars: xgrammar's view of the tokenizer, and a cache that
-turns what the orchestrator sends (runtime.speculation.grammar_compile.Prepared) into an
+turns what the orchestrator sends (runtime.speculation.grammar.compiler.Prepared) into an
 xgrammar CompiledGrammar.
 
 xgrammar 0.2.9's CompiledGrammar serializes (serialize_json / deserialize_json), but its JSON
@@ -8,7 +8,7 @@ for a typical schema (19 KB zlib'd, 4 ms to write, 9 ms to read), 22 MB for an o
 optional properties (0.9 s to write, 0.5 s to read; compiling it takes 0.08 s), 1 GB for 2000
 required properties. So a grammar travels compiled only when compiling it took longer than
 LOCAL_COMPILE_S (e.g. the regex ".{1,1000}": 1.2 s to compile, 3.5 MB zlib'd, 0.19 s to read)
-and its wire form is not too large (grammar_compile.MAX_WIRE_BYTES); otherwise each worker
+and its wire form is not too large (grammar.compiler.MAX_WIRE_BYTES); otherwise each worker
 compiles the spec again, as fast as the orchestrator's child did (a grammar that took over
 WORKER_COMPILE_S and does not travel is refused).
 """
@@ -24,9 +24,9 @@ from typing import Any
 
 import xgrammar as xgr
 
-from runtime.speculation.grammar_child import compile_job
-from runtime.speculation.grammar_route import uses_guidance
-from runtime.speculation.grammar_spec import GrammarSpec, choice_ebnf
+from runtime.speculation.grammar.child import compile_job
+from runtime.speculation.grammar.route import uses_guidance
+from runtime.speculation.grammar.spec import GrammarSpec, choice_ebnf
 
 LOCAL_COMPILE_S = 0.1  # a grammar that compiled faster travels as its spec, not compiled
 WORKER_COMPILE_S = 1.0  # the longest compile a worker may redo (when the wire form is too large)
@@ -103,8 +103,8 @@ def from_wire(data: bytes, info: xgr.TokenizerInfo) -> xgr.CompiledGrammar:
 
 
 def job_of(spec: GrammarSpec) -> list[str]:
-    """[method, source]: what to ask xgrammar's compiler for (grammar_child.compile_job), or
-    ["guidance", schema] for a JSON schema llguidance enforces (grammar_route), or ["lark",
+    """[method, source]: what to ask xgrammar's compiler for (grammar.child.compile_job), or
+    ["guidance", schema] for a JSON schema llguidance enforces (grammar.route), or ["lark",
     grammar] for llguidance's Lark (a forced tool call)."""
     if spec.kind == "lark":
         return ["lark", spec.text]
@@ -122,9 +122,9 @@ def job_of(spec: GrammarSpec) -> list[str]:
 class GrammarLoader:
     """Prepared specs -> compiled grammars for one tokenizer_info, in this process, kept in
     an LRU cache by spec; thread-safe. Only for Prepared values: their specs are known to
-    compile within the bounds (runtime.speculation.grammar_compile.GrammarCompiler).
-    A JSON schema that xgrammar would not enforce (grammar_route), or a "lark" spec, loads as
-    llguidance's grammar_guidance.GuidanceGrammar, its tokenizer built from the same
+    compile within the bounds (runtime.speculation.grammar.compiler.GrammarCompiler).
+    A JSON schema that xgrammar would not enforce (grammar.route), or a "lark" spec, loads as
+    llguidance's grammar.guidance.GuidanceGrammar, its tokenizer built from the same
     tokenizer_info."""
 
     def __init__(self, info: xgr.TokenizerInfo, cache_size: int = CACHE_SIZE):
@@ -150,7 +150,7 @@ class GrammarLoader:
     def _build(self, prepared: Prepared) -> Any:
         job = job_of(prepared.spec)
         if job[0] in ("guidance", "lark"):
-            from runtime.speculation import grammar_guidance as guidance
+            from runtime.speculation.grammar import guidance
 
             if self._guidance_tokenizer is None:
                 self._guidance_tokenizer = guidance.guidance_tokenizer(self.info)

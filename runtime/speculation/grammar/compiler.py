@@ -1,8 +1,8 @@
 """The orchestrator's side: compiling a GrammarSpec for one tokenizer, bounded in time and
-memory, into what the workers need (grammar_load.Prepared).
+memory, into what the workers need (grammar.load.Prepared).
 
 xgrammar's compile cannot be interrupted, and some specs take minutes or gigabytes, so it runs
-in a child process (runtime.speculation.grammar_child), killed when COMPILE_TIMEOUT_S passes,
+in a child process (runtime.speculation.grammar.child), killed when COMPILE_TIMEOUT_S passes,
 with COMPILE_MEMORY_BYTES of address space beyond what it maps at start. After compiling, the
 child times the token masks of the first PROBE_STEPS positions and refuses a grammar whose
 masks take over PROBE_MASK_S each (nested ambiguous repetitions such as the regex
@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.speculation.grammar_child import OK, CompileProcess, CompileTimeout
-from runtime.speculation.grammar_load import (
+from runtime.speculation.grammar.child import OK, CompileProcess, CompileTimeout
+from runtime.speculation.grammar.load import (
     CACHE_SIZE,
     COMPILE_THREADS,
     JSON_OPTIONS,
@@ -33,8 +33,8 @@ from runtime.speculation.grammar_load import (
     to_wire,
     tokenizer_info,
 )
-from runtime.speculation.grammar_route import uses_guidance
-from runtime.speculation.grammar_spec import GrammarSpec
+from runtime.speculation.grammar.route import uses_guidance
+from runtime.speculation.grammar.spec import GrammarSpec
 
 __all__ = ["GrammarCompiler", "Prepared", "from_wire", "to_wire", "tokenizer_info"]
 
@@ -53,7 +53,7 @@ class GrammarCompiler:
     close(); the child also ends when this process does.
 
     prepare(spec) is what the orchestrator sends to the workers (each rebuilds it with a
-    grammar_load.GrammarLoader); compile(spec) is the compiled grammar here."""
+    grammar.load.GrammarLoader); compile(spec) is the compiled grammar here."""
 
     def __init__(
         self,
@@ -95,7 +95,7 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of `spec` in this process (prepare, then load): xgrammar's
-        CompiledGrammar, or a grammar_guidance.GuidanceGrammar (grammar_route)."""
+        CompiledGrammar, or a grammar.guidance.GuidanceGrammar (grammar.route)."""
         return self.loader.load(self.prepare(spec))
 
     def close(self) -> None:
@@ -122,7 +122,7 @@ class GrammarCompiler:
             self._slot.process = self._start()
             return f"the grammar was not compiled: {e}", False
         if answer[:1] != OK:
-            if uses_guidance(spec):  # llguidance's refusal, told as such (grammar_guidance)
+            if uses_guidance(spec):  # llguidance's refusal, told as such (grammar.guidance)
                 return answer[1:].decode(), True
             return f"the {spec.kind} does not compile: {answer[1:].decode()}", True
         return Prepared(spec, answer[1:] or None), True

@@ -10,8 +10,8 @@ a compile are bounded.
 Frames on the child's stdin/stdout: 4-byte big-endian length, then the payload.
 parent -> child: the settings (JSON), the tokenizer info (xgrammar's JSON), then one job per
 compile (JSON [method, source]). child -> parent: b"ready" once, then per job b"\\x00" + the
-compiled grammar's wire form (runtime.speculation.grammar_load.to_wire; empty: the workers
-compile the spec themselves, see grammar_load) or b"\\x01" + the error message (UTF-8).
+compiled grammar's wire form (runtime.speculation.grammar.load.to_wire; empty: the workers
+compile the spec themselves, see grammar.load) or b"\\x01" + the error message (UTF-8).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _limit_memory(extra_bytes: int) -> None:
 
 
 def compile_job(compiler: Any, job: list[str], json_options: dict[str, Any]) -> Any:
-    """Compile [method, source] (runtime.speculation.grammar_compile.job_of) with an
+    """Compile [method, source] (runtime.speculation.grammar.compiler.job_of) with an
     xgrammar GrammarCompiler: here in the child, and where a worker rebuilds a grammar."""
     method, source = job
     if method == "json_schema":
@@ -157,7 +157,7 @@ def compile_job(compiler: Any, job: list[str], json_options: dict[str, Any]) -> 
 def _probe(matcher: Any, vocab: int, settings: dict[str, Any]) -> str | None:
     """Time the token masks of the first positions (each advancing by the highest allowed
     token id that is not a stop token); a message when one is too slow. `matcher`: xgrammar's
-    GrammarMatcher or grammar_guidance.GuidanceMatcher."""
+    GrammarMatcher or grammar.guidance.GuidanceMatcher."""
     import torch
     import xgrammar as xgr
 
@@ -240,9 +240,9 @@ _GUIDANCE: dict[str, Any] = {}  # the llguidance tokenizer, made by the first su
 
 def _answer_guidance(settings: dict[str, Any], method: str, source: str) -> bytes:
     """A JSON schema ("guidance") or a Lark grammar ("lark": a forced tool call) for
-    llguidance (runtime.speculation.grammar_route): validated, its first masks timed; OK
+    llguidance (runtime.speculation.grammar.route): validated, its first masks timed; OK
     alone (the workers build it again: a millisecond) or FAILED + why."""
-    from runtime.speculation import grammar_guidance as guidance
+    from runtime.speculation.grammar import guidance
 
     info = settings["tokenizer_info"]
     if "tokenizer" not in _GUIDANCE:

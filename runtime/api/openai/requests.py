@@ -4,7 +4,7 @@ defaults, the prompt or messages and the sampling arguments (runtime.params.Samp
 keywords) they give: completions' logprobs=N and echo become logprobs / prompt_logprobs,
 chat's logprobs + top_logprobs become logprobs; and the engine's refusals turned into 400s
 that name the OpenAI argument. A chat's tools, tool_choice, response_format and vLLM's
-structured_outputs: runtime/api/openai_structured.py. Nothing here talks to the server.
+structured_outputs: runtime/api/openai/structured.py. Nothing here talks to the server.
 docs/sampling.md has the table of every argument."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from runtime.api.openai_errors import HttpError, engine_unavailable
-from runtime.api.openai_structured import chat_tools, structured_outputs
-from runtime.api.tool_calls_request import ToolRequest
+from runtime.api.openai.errors import HttpError, engine_unavailable
+from runtime.api.openai.structured import chat_tools, structured_outputs
+from runtime.api.tools.request import ToolRequest
 from runtime.control.protocol import Failed
 from runtime.params import MAX_LOGPROBS
 from runtime.serving.chat import chat_messages_with_tools

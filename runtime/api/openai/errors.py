@@ -1,5 +1,5 @@
 """The OpenAI-style error of the HTTP front: an HttpError carries the status and the
-`{"error": {...}}` body that the app answers with (runtime/api/http_api.py registers its
+`{"error": {...}}` body that the app answers with (runtime/api/http/app.py registers its
 handler), naming the request argument at fault where there is one."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tool-call formats read a character at a time (runtime/api/tool_calls.py drives them):
+"""The tool-call formats read a character at a time (runtime/api/tools/parsers.py drives them):
 each scanner turns generated text into events, in order, that never need taking back:
 ("content", text), ("call", name) when a call starts, ("args", text) as its arguments' JSON
 grows. What a scanner cannot yet decide (a partial "<tool_call>", whitespace that may precede
@@ -7,7 +7,7 @@ it can. The rules (docs: the module docstring of tool_calls.py):
 
 - a call's JSON object is `{"name": NAME, "arguments": {...}, ...}` ("parameters" is taken
   for "arguments" in both formats); once NAME and the arguments' "{" are read the call is
-  committed and its arguments stream as they come, checked as JSON (tool_calls_json.py);
+  committed and its arguments stream as they come, checked as JSON (tools/json_prefix.py);
   a committed call's arguments are the raw text of that object as generated, or, if the
   text ends or stops being valid JSON first, the valid part read until then (as a
   truncated OpenAI call's); a call object in another key order is held whole, then read
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from runtime.api.tool_calls_json import WS, JsonPrefix
+from runtime.api.tools.json_prefix import WS, JsonPrefix
 
 Event = tuple[str, str]  # ("content" | "call" | "args", text)
 

@@ -3,7 +3,7 @@ response, its stream chunks (server-sent events, ending with `data: [DONE]`), fi
 and usage, made from the server's outputs (dicts with index, text, token_ids, finish_reason
 and stats, and logprobs / prompt_logprobs when asked, as runtime.control.protocol.Final
 carries them) and its Delta replies. Choice i is output i: prompt p's j-th of n samples is
-p * n + j, as in vLLM. Logprobs' shapes: runtime/api/openai_logprobs.py."""
+p * n + j, as in vLLM. Logprobs' shapes: runtime/api/openai/logprobs.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import json
 import time
 import uuid
 
-from runtime.api.openai_logprobs import chat_logprobs, completion_logprobs
-from runtime.api.openai_requests import OpenAIRequest
-from runtime.api.openai_tokens import Render
-from runtime.api.tool_calls import ToolCallStream, parse_tool_calls, tool_finish_reason
+from runtime.api.openai.logprobs import chat_logprobs, completion_logprobs
+from runtime.api.openai.requests import OpenAIRequest
+from runtime.api.openai.tokens import Render
+from runtime.api.tools.parsers import ToolCallStream, parse_tool_calls, tool_finish_reason
 from runtime.control.protocol import Delta
 
 DONE = b"data: [DONE]\n\n"  # a stream's last event
@@ -194,7 +194,7 @@ class CompletionShapes(ResponseShapes):
 class ChatShapes(ResponseShapes):
     """/v1/chat/completions: a chat.completion, or chat.completion.chunk objects whose first
     (for each choice) says the assistant's role. A request whose output is read for tool
-    calls (req.tool_parser) has them in its message's tool_calls (runtime/api/tool_calls.py),
+    calls (req.tool_parser) has them in its message's tool_calls (runtime/api/tools/parsers.py),
     streamed as ToolCallStream's deltas: the stream adds up to the whole message."""
 
     id_prefix = "chatcmpl"

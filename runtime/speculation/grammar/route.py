@@ -20,7 +20,7 @@ oneOf stays on xgrammar, which enforces it as anyOf: exact for disjoint branches
 case; llguidance refuses many of those, e.g. oneOf [$ref, null]). Annotations (title,
 description, default, examples, $comment, OpenAPI's discriminator, x-... extensions) constrain
 nothing. A pure function of the spec: rank 0 and every worker route alike. A "lark" spec
-(internal: runtime.api.tool_calls_grammar, for forced tool calls) is llguidance's alone.
+(internal: runtime.api.tools.grammar, for forced tool calls) is llguidance's alone.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.speculation.grammar_spec import GrammarSpec
+from runtime.speculation.grammar.spec import GrammarSpec
 
 # the JSON layout of llguidance's grammars, as xgrammar's (", " and ": ", no other whitespace):
-# its overrides of a schema's "x-guidance" (grammar_guidance, the Lark of forced tool calls)
+# its overrides of a schema's "x-guidance" (grammar.guidance, the Lark of forced tool calls)
 GUIDANCE_JSON_OPTIONS: Any = {  # llguidance.JsonCompileOptions (not imported here)
     "item_separator": ", ",
     "key_separator": ": ",

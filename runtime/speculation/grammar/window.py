@@ -6,11 +6,11 @@ The mask comes after the penalties and before temperature, min-p, top-k and top-
 proposals masked after the ones before it, and each verify position i masked after the
 committed tokens and proposals[:i]. After a round, the window commits what was accepted.
 
-The parts: grammar_spec (what a request asks for, parsed and bounded), grammar_route (which
+The parts: grammar.spec (what a request asks for, parsed and bounded), grammar.route (which
 backend: xgrammar, or llguidance for the JSON schemas xgrammar would not enforce),
-grammar_compile (the orchestrator's bounded compile in a child process, grammar_child),
-grammar_load (the workers' side: the tokenizer's view, the wire form, rebuilding a compiled
-grammar), grammar_guidance (llguidance behind xgrammar's matcher interface), and this module.
+grammar.compiler (the orchestrator's bounded compile in a child process, grammar.child),
+grammar.load (the workers' side: the tokenizer's view, the wire form, rebuilding a compiled
+grammar), grammar.guidance (llguidance behind xgrammar's matcher interface), and this module.
 
 Cost per masked position with SmolLM2's 49,152-token vocabulary: filling xgrammar's bitmask
 about 10 us for a JSON schema, unpacking it to bools about 20 us.
@@ -25,16 +25,16 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from runtime.speculation.grammar_compile import GrammarCompiler
-from runtime.speculation.grammar_guidance import GuidanceGrammar, GuidanceMatcher
-from runtime.speculation.grammar_load import (
+from runtime.speculation.grammar.compiler import GrammarCompiler
+from runtime.speculation.grammar.guidance import GuidanceGrammar, GuidanceMatcher
+from runtime.speculation.grammar.load import (
     GrammarLoader,
     Prepared,
     from_wire,
     to_wire,
     tokenizer_info,
 )
-from runtime.speculation.grammar_spec import (
+from runtime.speculation.grammar.spec import (
     GrammarSpec,
     parse_response_format,
     parse_structured_outputs,
@@ -71,16 +71,16 @@ class GrammarWindow:
     positions' scores finite, where all False would make their softmax NaN.
 
     When the grammar is complete, its mask allows the stop tokens (the model's EOS ids, from
-    runtime.speculation.grammar_compile.tokenizer_info, or `stop_token_ids` here).
+    runtime.speculation.grammar.compiler.tokenizer_info, or `stop_token_ids` here).
 
-    A matcher that fails (llguidance past one of its limits: grammar_guidance.GuidanceError)
+    A matcher that fails (llguidance past one of its limits: grammar.guidance.GuidanceError)
     leaves the window `failure` (its reason) for good: every mask from then on allows only
     the stop tokens, so the request ends at once, and the worker reports why
-    (runtime.worker.grammars); the tokens before stay the grammar's."""
+    (runtime.speculation.grammar.book); the tokens before stay the grammar's."""
 
     def __init__(self, compiled: Any, stop_token_ids: Sequence[int] | None = None):
         """`compiled`: xgrammar's CompiledGrammar or llguidance's GuidanceGrammar (a JSON
-        schema xgrammar would not enforce: runtime.speculation.grammar_route)."""
+        schema xgrammar would not enforce: runtime.speculation.grammar.route)."""
         stops = [int(t) for t in stop_token_ids] if stop_token_ids else None
         self._matcher: Any
         if isinstance(compiled, GuidanceGrammar):
@@ -92,7 +92,7 @@ class GrammarWindow:
         self._words = (self.vocab_size + 31) // 32
         self._pending = 0  # tokens advanced over since the committed state
         self._taken = 0  # of them, the first ones the grammar took (the rest: off grammar)
-        self.slowest_mask_s = 0.0  # the longest one mask took (grammar_compile.PROBE_MASK_S)
+        self.slowest_mask_s = 0.0  # the longest one mask took (grammar.compiler.PROBE_MASK_S)
         self.failure: str | None = None  # why the matcher failed, once it did
         self._stops = [int(t) for t in self._matcher.stop_token_ids if 0 <= t < self.vocab_size]
 

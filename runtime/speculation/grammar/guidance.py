@@ -1,5 +1,5 @@
 """llguidance behind xgrammar's interface, for the JSON schemas xgrammar does not enforce
-(runtime.speculation.grammar_route): a GuidanceGrammar stands where an xgrammar
+(runtime.speculation.grammar.route): a GuidanceGrammar stands where an xgrammar
 CompiledGrammar does, and a GuidanceMatcher does what GrammarWindow asks of xgrammar's
 GrammarMatcher (accept_token, rollback, fill_next_token_bitmask, is_terminated, is_completed).
 
@@ -10,7 +10,7 @@ GrammarMatcher (accept_token, rollback, fill_next_token_bitmask, is_terminated, 
   one terminates the matcher (rolled back like any token), as xgrammar's matcher does.
 - JSON comes in xgrammar's layout (", " and ": ", no other whitespace).
 - Bounds: rank 0 validates a schema and times its first masks in the compile child
-  (runtime.speculation.grammar_child: 5 s, 2 GiB), as for xgrammar. Every matcher runs under
+  (runtime.speculation.grammar.child: 5 s, 2 GiB), as for xgrammar. Every matcher runs under
   LIMITS: at most 50,000 lexer states (about 100 MB), 1,000,000 fuel to build the lexer
   (about 20 ms), per mask 200,000 lexer fuel (about 15 ms) and 50,000 Earley items (about
   3 ms), grammars of at most 500,000 symbols. A matcher past a limit, or in any other error,
@@ -30,7 +30,7 @@ import llguidance
 import numpy as np
 import torch
 
-from runtime.speculation.grammar_route import ENFORCED, GUIDANCE_JSON_OPTIONS, guidance_reasons
+from runtime.speculation.grammar.route import ENFORCED, GUIDANCE_JSON_OPTIONS, guidance_reasons
 
 LIMITS: dict[str, Any] = {
     "max_items_in_row": 2000,

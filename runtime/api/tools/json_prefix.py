@@ -1,4 +1,4 @@
-"""An incremental JSON checker for the tool-call parsers (runtime/api/tool_calls.py): fed one
+"""An incremental JSON checker for the tool-call parsers (runtime/api/tools/parsers.py): fed one
 character at a time, it says whether the text so far is still a prefix of valid JSON (RFC 8259:
 strings with their escapes, numbers, true / false / null, objects and arrays), how deep in
 containers it is, and when one whole value has been read. It keeps no copy of the text."""

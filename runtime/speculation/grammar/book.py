@@ -1,5 +1,5 @@
 """Structured outputs on a worker: per slot whose request has a grammar, its matcher
-(runtime.speculation.grammar.GrammarWindow) at the committed tokens, and the masks a round
+(runtime.speculation.grammar.window.GrammarWindow) at the committed tokens, and the masks a round
 needs: a verify window's (position i after the window's first i proposals), a draft step's or
 a target-only step's (after the proposals or steps taken so far this round, advanced over and
 rolled back at the round's end). The round commits what it committed (runtime.worker.round).
@@ -40,7 +40,7 @@ class GrammarBook:
         self.windows.pop(slot, None)
         if not sampling.grammar_kind:
             return
-        from runtime.speculation.grammar import GrammarWindow
+        from runtime.speculation.grammar.window import GrammarWindow
 
         window = GrammarWindow(self._load(sampling))
         window.commit(sampling.output)
@@ -102,7 +102,7 @@ class GrammarBook:
 
     def failures(self, slots: list[int]) -> list[str] | None:
         """Per slot, why its grammar's matcher failed ('' where it did not: the masks of a
-        failed one allow only the stop tokens, runtime.speculation.grammar.GrammarWindow);
+        failed one allow only the stop tokens, runtime.speculation.grammar.window.GrammarWindow);
         None when none did."""
         windows = [self.windows.get(s) for s in slots]
         found = [(w.failure or "") if w is not None else "" for w in windows]
@@ -116,7 +116,7 @@ class GrammarBook:
     def _upload(self, slots: list[int], packed: list[torch.Tensor | None]) -> torch.Tensor:
         """The rows' packed masks (None: no grammar, all allowed) to the device, 32 times
         smaller than as bools, and unpacked there: bool [B, n, V]."""
-        from runtime.speculation.grammar import ALL_ALLOWED, unpack_bitmask
+        from runtime.speculation.grammar.window import ALL_ALLOWED, unpack_bitmask
 
         present = [(s, p) for s, p in zip(slots, packed) if p is not None]
         vocab = max(self.windows[s].vocab_size for s, _ in present)
@@ -132,8 +132,8 @@ class GrammarBook:
     def _load(self, sampling: Sampling):
         """The compiled grammar of `sampling` (from its wire form, or compiled here: a grammar
         rank 0 found quick to compile; cached by spec)."""
-        from runtime.speculation.grammar_load import GrammarLoader, Prepared
-        from runtime.speculation.grammar_spec import GrammarSpec
+        from runtime.speculation.grammar.load import GrammarLoader, Prepared
+        from runtime.speculation.grammar.spec import GrammarSpec
 
         if sampling.grammar_vocab and self._loader is None:
             import xgrammar as xgr

@@ -10,21 +10,21 @@ error naming the argument.
 Two ways to run it:
 - inside `tandem serve CONFIG --http HOST:PORT` (a thread of the serving process; see
   `launcher/session.py`), or
-- on its own, in front of a running server: `python -m runtime.api.http_api ADDRESS --http
+- on its own, in front of a running server: `python -m runtime.api.http.app ADDRESS --http
   HOST:PORT`.
 It binds to loopback unless `--http-allow-remote` is given; it has no authentication.
 
 Every HTTP request is one request on the one ZeroMQ client of this front; a request whose HTTP
 client goes away (a closed stream, a dropped connection) is cancelled on the server.
 
-This module assembles the app and runs it; the rest of the front: runtime/api/http_routes.py
-(the endpoints, a request's life on the server, streaming), openai_requests.py (a request
-body as the engine's arguments), openai_structured.py (response_format, structured_outputs
+This module assembles the app and runs it; the rest of the front: runtime/api/http/routes.py
+(the endpoints, a request's life on the server, streaming), openai/requests.py (a request
+body as the engine's arguments), openai/structured.py (response_format, structured_outputs
 and a chat's tools: the tool-call format and a forced choice's grammar; the calls themselves:
-tool_calls*.py), openai_responses.py (OpenAI's response and chunk shapes),
-openai_logprobs.py (their logprobs), openai_tokens.py (token strings, loaded on first need),
-openai_errors.py (the error body), http_client.py (the asyncio-friendly Client) and
-http_address.py (listening addresses).
+tools/*.py), openai/replies.py (OpenAI's response and chunk shapes),
+openai/logprobs.py (their logprobs), openai/tokens.py (token strings, loaded on first need),
+openai/errors.py (the error body), http/backend.py (the asyncio-friendly Client) and
+http/address.py (listening addresses).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from runtime.api.http_address import bind_http, connect_address, parse_http_address, socket_url
-from runtime.api.http_client import HttpClient
-from runtime.api.http_routes import Routes
-from runtime.api.openai_errors import HttpError
-from runtime.api.tool_calls import PARSERS
+from runtime.api.http.address import bind_http, connect_address, parse_http_address, socket_url
+from runtime.api.http.backend import HttpClient
+from runtime.api.http.routes import Routes
+from runtime.api.openai.errors import HttpError
+from runtime.api.tools.parsers import PARSERS
 
 log = logging.getLogger("tandem.http")
 
@@ -146,7 +146,7 @@ class HttpFront:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m runtime.api.http_api",
+        prog="python -m runtime.api.http.app",
         description="OpenAI-compatible HTTP API in front of a running `tandem serve`.",
     )
     parser.add_argument("address", help="the server's address, e.g. tcp://127.0.0.1:5555")

@@ -1,10 +1,10 @@
-"""What a forced tool choice ("required", a named function: tool_calls_request.py) makes the
+"""What a forced tool choice ("required", a named function: tools/request.py) makes the
 output follow, in a parser's format (tool_calls.py): an xgrammar structural tag and the JSON
 schema of one call object. Plain data: xgrammar is imported only by ToolGrammar.ebnf.
 
 Structural tag (xgrammar >= 0.2's StructuralTag JSON; xgrammar.Grammar.from_structural_tag
 compiles it): one "tag" per tool, begin = the call up to its arguments (fixed text: the name is
-a const, so names need no JSON escaping, which tool_calls_request checks), content = the
+a const, so names need no JSON escaping, which tools.request checks), content = the
 tool's parameters as a "json_schema", end = the rest of the call:
 - hermes: `<tool_call>\n{"name": "NAME", "arguments": ` ARGS `}\n</tool_call>`, the calls
   separated by "\n" (xgrammar's builtin "qwen_3" tag spells calls so);
@@ -14,10 +14,10 @@ tags with at_least_one (and stop_after_first when parallel_tool_calls is false):
 no text around them. A tool with `"strict": false` takes any JSON object as arguments (as
 xgrammar's builtins do); no parameters means none (`{}`). "auto" and "none" force nothing.
 
-When any forced tool's parameters use what xgrammar does not enforce (grammar_route's
+When any forced tool's parameters use what xgrammar does not enforce (grammar.route's
 guidance_reasons: minLength, allOf, multipleOf on a number, ...), the calls are spelled the
 same way in llguidance's Lark instead (ToolGrammar.lark, a "lark" GrammarSpec), every tool's
-parameters a `%json` schema in the same layout (grammar_route.GUIDANCE_JSON_OPTIONS as its
+parameters a `%json` schema in the same layout (grammar.route.GUIDANCE_JSON_OPTIONS as its
 "x-guidance"), so llguidance enforces them as it enforces a JSON schema:
 
     start: call ("\n" call)*        (a named function, or no parallel calls: start: call)
@@ -32,10 +32,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from runtime.api.tool_calls import PARSERS
-from runtime.api.tool_calls_request import ToolRequest
-from runtime.speculation.grammar_route import GUIDANCE_JSON_OPTIONS, guidance_reasons
-from runtime.speculation.grammar_spec import GrammarSpec
+from runtime.api.tools.parsers import PARSERS
+from runtime.api.tools.request import ToolRequest
+from runtime.speculation.grammar.route import GUIDANCE_JSON_OPTIONS, guidance_reasons
+from runtime.speculation.grammar.spec import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,13 @@ class ToolGrammar:
     def spec(self) -> GrammarSpec:
         """What the engine enforces: the Lark ("lark", checked by llguidance here: a
         ValueError naming the tool's parameters when it refuses them) or xgrammar's EBNF
-        ("grammar": ebnf()); a ValueError naming tools past grammar_spec's bounds."""
+        ("grammar": ebnf()); a ValueError naming tools past grammar.spec's bounds."""
         if self.lark is None:
             return GrammarSpec("grammar", self.ebnf(), "tools")
         spec = GrammarSpec("lark", self.lark, "tools")
         import llguidance
 
-        from runtime.speculation import grammar_guidance as guidance
+        from runtime.speculation.grammar import guidance
 
         grammar = llguidance.LLMatcher.grammar_from_lark(self.lark)
         error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=guidance.limits())
@@ -204,7 +204,7 @@ def _lark(fmt: CallFormat, schemas: dict[str, dict], one: bool) -> str:
 
 def _laid_out(schema: dict) -> dict:
     """The schema with GUIDANCE_JSON_OPTIONS over its own "x-guidance" (as the JSON path's
-    overrides are: grammar_guidance.guidance_grammar)."""
+    overrides are: grammar.guidance.guidance_grammar)."""
     own = schema.get("x-guidance", {})
     if not isinstance(own, Mapping):
         return schema  # llguidance refuses it, as it would the schema alone

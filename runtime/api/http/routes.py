@@ -1,10 +1,10 @@
-"""The HTTP front's endpoints (runtime/api/http_api.py registers them on its app) and one
+"""The HTTP front's endpoints (runtime/api/http/app.py registers them on its app) and one
 request's life on the server: submitted, then its outputs collected or streamed as
 server-sent events. A request whose HTTP client goes away is cancelled on the server.
 
-What goes in and out is OpenAI's: runtime/api/openai_requests.py turns a body into the
-engine's arguments, runtime/api/openai_responses.py shapes the outputs (their logprobs:
-openai_logprobs.py; token strings and echoed prompts: openai_tokens.py)."""
+What goes in and out is OpenAI's: runtime/api/openai/requests.py turns a body into the
+engine's arguments, runtime/api/openai/replies.py shapes the outputs (their logprobs:
+openai/logprobs.py; token strings and echoed prompts: openai/tokens.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from runtime.api.http_client import AsyncWaiter, HttpClient
-from runtime.api.openai_errors import HttpError, engine_unavailable
-from runtime.api.openai_requests import (
+from runtime.api.http.backend import AsyncWaiter, HttpClient
+from runtime.api.openai.errors import HttpError, engine_unavailable
+from runtime.api.openai.replies import DONE, ChatShapes, CompletionShapes, ResponseShapes, sse
+from runtime.api.openai.requests import (
     CHAT_ARGS,
     CHAT_OFF_VALUES,
     COMPLETION_ARGS,
@@ -27,9 +28,8 @@ from runtime.api.openai_requests import (
     parse_chat,
     parse_completion,
 )
-from runtime.api.openai_responses import DONE, ChatShapes, CompletionShapes, ResponseShapes, sse
-from runtime.api.openai_structured import forced_grammar, tool_format
-from runtime.api.openai_tokens import (
+from runtime.api.openai.structured import forced_grammar, tool_format
+from runtime.api.openai.tokens import (
     Render,
     TokenizerSource,
     TokenStrings,

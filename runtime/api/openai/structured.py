@@ -2,8 +2,8 @@
 `response_format` and vLLM's `structured_outputs` as the engine's structured_outputs argument
 (runtime.params: one of {"json": schema}, {"regex": str}, {"choice": [str]}, {"grammar":
 ebnf}, {"lark": lark}), and a chat's `tools` / `tool_choice` / `parallel_tool_calls` (runtime/api/
-tool_calls_request.py): the tool-call format its output is read in, and for a forced choice
-("required", a named function) the grammar its calls follow (tool_calls_grammar.py). Errors
+tools/request.py): the tool-call format its output is read in, and for a forced choice
+("required", a named function) the grammar its calls follow (tools/grammar.py). Errors
 are 400s naming the argument.
 
 - response_format {"type": "text"}: nothing; {"type": "json_object"}: {"json": {"type":
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import re
 
-from runtime.api.openai_errors import HttpError
-from runtime.api.tool_calls import tool_parser_name
-from runtime.api.tool_calls_grammar import tool_grammar
-from runtime.api.tool_calls_request import ToolRequest, parse_tool_request
+from runtime.api.openai.errors import HttpError
+from runtime.api.tools.grammar import tool_grammar
+from runtime.api.tools.parsers import tool_parser_name
+from runtime.api.tools.request import ToolRequest, parse_tool_request
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 TOOL_ARGS = ("tools", "tool_choice", "parallel_tool_calls")
@@ -93,7 +93,7 @@ def tool_format(tools: ToolRequest, configured: str | None, template) -> str:
 
 def forced_grammar(tools: ToolRequest, parser: str) -> dict | None:
     """The structured_outputs that a forced choice's calls follow, {"grammar": ebnf} or
-    {"lark": lark} where a tool's parameters need llguidance (tool_calls_grammar; building it
+    {"lark": lark} where a tool's parameters need llguidance (tools.grammar; building it
     compiles: call it off the event loop); None when the choice forces nothing."""
     grammar = tool_grammar(tools, parser)
     if grammar is None:
