@@ -2,6 +2,8 @@
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions (the tokenizer's chat template over the whole message list),
+POST /v1/responses (OpenAI's Responses API, stateless, over the chat machinery:
+runtime/api/http_responses.py),
 GET /health, GET /metrics (the server's Prometheus metrics, relayed: they live in the server
 process, runtime/serving/prometheus.py). Streaming answers are server-sent events in OpenAI's
 chunk format, ending with `data: [DONE]`. Bad requests are HTTP 400 with an OpenAI-style
@@ -38,12 +40,16 @@ import threading
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from runtime.api.http_address import bind_http, connect_address, parse_http_address, socket_url
 from runtime.api.http_client import HttpClient
+from runtime.api.http_responses import ResponsesRoute
 from runtime.api.http_routes import Routes
 from runtime.api.openai_errors import HttpError
+from runtime.api.openai_validation import handle_validation_error
+from runtime.api.responses_objects import ResponseObject
 from runtime.api.tool_calls import PARSERS
 
 log = logging.getLogger("tandem.http")
@@ -66,12 +72,17 @@ def create_app(
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     routes = Routes(client, model_name, tokenizer_path, tool_parser)
     app.add_exception_handler(HttpError, _http_error)
+    app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}", routes.one_model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    responses = ResponsesRoute(routes)
+    app.add_api_route(
+        "/v1/responses", responses.create, methods=["POST"], response_model=ResponseObject
+    )
     return app
 
 
