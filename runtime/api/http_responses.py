@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 from fastapi import Request
@@ -78,7 +79,12 @@ class ResponsesRoute:
         return self.stream(rid, waiter, first, events, req.failure)
 
     def stream(
-        self, rid: str, waiter: AsyncWaiter, first: ClientReply, events: ResponseEvents, failure
+        self,
+        rid: str,
+        waiter: AsyncWaiter,
+        first: ClientReply,
+        events: ResponseEvents,
+        failure: Callable[[Failed], HttpError],
     ) -> StreamingResponse:
         """The response's events as they come (the request is cancelled if the stream is
         closed before its end)."""
@@ -110,7 +116,9 @@ class ResponsesRoute:
         )
 
     @staticmethod
-    def _last(reply: Final | Failed, events: ResponseEvents, failure) -> list[dict]:
+    def _last(
+        reply: Final | Failed, events: ResponseEvents, failure: Callable[[Failed], HttpError]
+    ) -> list[dict]:
         if isinstance(reply, Failed):
             return events.fail(renamed(failure(reply)))
         out = min(reply.outputs, key=lambda o: o["index"])

@@ -1,6 +1,6 @@
 """A typed route's body refused by its pydantic model (FastAPI's RequestValidationError) as
 the front's OpenAI-style 400 (openai_errors.HttpError) naming the argument at fault: the
-first error's top-level field is `param`, its path and pydantic's words the message; an
+deepest error's top-level field is `param`, its path and pydantic's words the message; an
 unknown argument says so as OpenAI does, an undecodable body or one that is no JSON object
 says that."""
 

@@ -125,6 +125,21 @@ def test_a_named_function_is_a_function_call_item(demo):
     chat_choice = {"type": "function", "function": {"name": "get_weather"}}
     chat = _chat(demo, max_tokens=40, tools=[CHAT_TOOL], tool_choice=chat_choice)
     assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
+    # an agent loop's next turn: the output sent back, with the tool's result
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
+    oai, model = demo
+    history = [{"role": "user", "content": ASK}, *out.output, result]
+    after = oai.responses.create(model=model, input=history, max_output_tokens=4, **GREEDY)
+    function = {"name": call.name, "arguments": call.arguments}
+    chat_call = {"id": call.call_id, "type": "function", "function": function}
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"},
+    ]
+    chat_after = oai.chat.completions.create(model=model, messages=messages, max_tokens=4, **GREEDY)
+    assert after.usage.input_tokens == chat_after.usage.prompt_tokens  # the same conversation
+    assert after.output_text == chat_after.choices[0].message.content
 
 
 @pytest.mark.parametrize(
