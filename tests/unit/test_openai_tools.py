@@ -173,6 +173,7 @@ class ScriptClient(HttpClient):
         self._info = {"model": "/m/tiny", "vocab_size": 1000, "max_seq_len": 64}
         self._ids, self._prefix = itertools.count(), "fake"
         self.text, self.sent = text, []
+        self.finish_reason = "stop"  # every choice's finish reason
 
     def info(self, timeout_s=None):
         return self._info
@@ -189,7 +190,12 @@ class ScriptClient(HttpClient):
                 for k, piece in enumerate(pieces):
                     lp = None if lps is None else [lps[k]]
                     waiter.queue.put_nowait(Delta(msg.id, index, [ids[k]], piece, lp))
-            out = {"index": index, "text": self.text, "token_ids": ids, "finish_reason": "stop"}
+            out = {
+                "index": index,
+                "text": self.text,
+                "token_ids": ids,
+                "finish_reason": self.finish_reason,
+            }
             outs.append({**out, "stats": {"prompt_tokens": 3}, "logprobs": lps})
         waiter.queue.put_nowait(Final(msg.id, outs))
         return waiter

@@ -2,6 +2,8 @@
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions (the tokenizer's chat template over the whole message list),
+POST /v1/responses (OpenAI's Responses API, stateless, over the chat machinery:
+runtime/api/http/responses.py),
 GET /health, GET /metrics (the server's Prometheus metrics, relayed: they live in the server
 process, runtime/serving/prometheus.py). Streaming answers are server-sent events in OpenAI's
 chunk format, ending with `data: [DONE]`. Bad requests are HTTP 400 with an OpenAI-style
@@ -21,7 +23,7 @@ This module assembles the app and runs it; the rest of the front: runtime/api/ht
 (the endpoints, a request's life on the server, streaming), openai/requests.py (a request
 body as the engine's arguments), openai/structured.py (response_format, structured_outputs
 and a chat's tools: the tool-call format and a forced choice's grammar; the calls themselves:
-tools/*.py), openai/replies.py (OpenAI's response and chunk shapes),
+tools.parsers*.py), openai/replies.py (OpenAI's response and chunk shapes),
 openai/logprobs.py (their logprobs), openai/tokens.py (token strings, loaded on first need),
 openai/errors.py (the error body), http/backend.py (the asyncio-friendly Client) and
 http/address.py (listening addresses).
@@ -38,12 +40,16 @@ import threading
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from runtime.api.http.address import bind_http, connect_address, parse_http_address, socket_url
 from runtime.api.http.backend import HttpClient
+from runtime.api.http.responses import ResponsesRoute
 from runtime.api.http.routes import Routes
 from runtime.api.openai.errors import HttpError
+from runtime.api.openai.responses_objects import ResponseObject
+from runtime.api.openai.validation import handle_validation_error
 from runtime.api.tools.parsers import PARSERS
 
 log = logging.getLogger("tandem.http")
@@ -66,12 +72,17 @@ def create_app(
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     routes = Routes(client, model_name, tokenizer_path, tool_parser)
     app.add_exception_handler(HttpError, _http_error)
+    app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}", routes.one_model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    responses = ResponsesRoute(routes)
+    app.add_api_route(
+        "/v1/responses", responses.create, methods=["POST"], response_model=ResponseObject
+    )
     return app
 
 

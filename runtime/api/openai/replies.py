@@ -14,7 +14,12 @@ import uuid
 from runtime.api.openai.logprobs import chat_logprobs, completion_logprobs
 from runtime.api.openai.requests import OpenAIRequest
 from runtime.api.openai.tokens import Render
-from runtime.api.tools.parsers import ToolCallStream, parse_tool_calls, tool_finish_reason
+from runtime.api.tools.parsers import (
+    ToolCallStream,
+    parse_tool_calls,
+    tool_call_stream,
+    tool_finish_reason,
+)
 from runtime.control.protocol import Delta
 
 DONE = b"data: [DONE]\n\n"  # a stream's last event
@@ -213,7 +218,9 @@ class ChatShapes(ResponseShapes):
         message: dict = {"role": "assistant", "content": out["text"]}
         finish = finish_reason(out["finish_reason"])
         if self.req.tool_parser is not None:
-            content, calls = parse_tool_calls(out["text"], self.req.tool_parser)
+            content, calls = parse_tool_calls(
+                out["text"], self.req.tool_parser, tools=self.req.tools
+            )
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls
@@ -263,17 +270,22 @@ class ChatShapes(ResponseShapes):
         if parser is None:
             return super().delta_chunks(delta)
         logprobs = self._take(delta)
-        stream = self.tool_streams.setdefault(delta.index, ToolCallStream(parser))
+        stream = self._tool_stream(delta.index, parser)
         return self._tool_chunks(delta.index, stream.feed(delta.text), logprobs)
 
     def finish_chunks(self, out: dict) -> list[dict]:
         if self.req.tool_parser is None:
             return super().finish_chunks(out)
         parser, index = self.req.tool_parser, out["index"]
-        stream = self.tool_streams.setdefault(index, ToolCallStream(parser))
+        stream = self._tool_stream(index, parser)
         chunks = self._tool_chunks(index, stream.finish(), None)
         finish = self._tool_finish(finish_reason(out["finish_reason"]), stream.has_calls)
         return [*chunks, self.chunk(index, None, finish)]
+
+    def _tool_stream(self, index: int, parser: str) -> ToolCallStream:
+        if index not in self.tool_streams:
+            self.tool_streams[index] = tool_call_stream(parser, self.req.tools)
+        return self.tool_streams[index]
 
     def _tool_chunks(self, index: int, deltas: list[dict], logprobs: dict | None) -> list[dict]:
         """A chunk per delta (content, or one call's part); the logprobs go with the first

@@ -3,8 +3,9 @@
 (runtime.params: one of {"json": schema}, {"regex": str}, {"choice": [str]}, {"grammar":
 ebnf}, {"lark": lark}), and a chat's `tools` / `tool_choice` / `parallel_tool_calls` (runtime/api/
 tools/request.py): the tool-call format its output is read in, and for a forced choice
-("required", a named function) the grammar its calls follow (tools/grammar.py). Errors
-are 400s naming the argument.
+("required", a named function) the grammar its calls follow (tools/grammar.py; on a
+model whose chat template shows no known format, the JSON of the call: tools/parsers.py's
+JSON_CALLS). Errors are 400s naming the argument.
 
 - response_format {"type": "text"}: nothing; {"type": "json_object"}: {"json": {"type":
   "object"}}; {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}:
@@ -17,8 +18,8 @@ from __future__ import annotations
 import re
 
 from runtime.api.openai.errors import HttpError
-from runtime.api.tools.grammar import tool_grammar
-from runtime.api.tools.parsers import tool_parser_name
+from runtime.api.tools.grammar import json_calls_schema, tool_grammar
+from runtime.api.tools.parsers import JSON_CALLS, tool_parser_name
 from runtime.api.tools.request import ToolRequest, parse_tool_request
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -84,17 +85,24 @@ def _tool_error(exc: ValueError) -> HttpError:
 
 def tool_format(tools: ToolRequest, configured: str | None, template) -> str:
     """The format a request's output is read in: the configured parser (server.tool_parser),
-    else the one the chat template shows; a 400 naming tools when there is none."""
+    else the one the chat template shows, else for a forced choice JSON_CALLS (its grammar
+    forces the JSON: any model); a 400 naming tools when "auto" has none."""
     try:
         return tool_parser_name(configured, template)
     except ValueError as exc:
+        if tools.forced and configured is None:
+            return JSON_CALLS
         raise _tool_error(exc) from None
 
 
 def forced_grammar(tools: ToolRequest, parser: str) -> dict | None:
     """The structured_outputs that a forced choice's calls follow, {"grammar": ebnf} or
     {"lark": lark} where a tool's parameters need llguidance (tools.grammar; building it
-    compiles: call it off the event loop); None when the choice forces nothing."""
+    compiles: call it off the event loop); None when the choice forces nothing. JSON_CALLS:
+    {"json": schema} (tools.grammar.json_calls_schema; the engine checks it)."""
+    if parser == JSON_CALLS:
+        schema = json_calls_schema(tools)
+        return None if schema is None else {"json": schema}
     grammar = tool_grammar(tools, parser)
     if grammar is None:
         return None

@@ -1,5 +1,5 @@
 """What a forced tool choice ("required", a named function: tools/request.py) makes the
-output follow, in a parser's format (tool_calls.py): an xgrammar structural tag and the JSON
+output follow, in a parser's format (tools/parsers.py): an xgrammar structural tag and the JSON
 schema of one call object. Plain data: xgrammar is imported only by ToolGrammar.ebnf.
 
 Structural tag (xgrammar >= 0.2's StructuralTag JSON; xgrammar.Grammar.from_structural_tag
@@ -146,7 +146,22 @@ def tool_grammar(req: ToolRequest, parser: str) -> ToolGrammar | None:
 def call_schema(req: ToolRequest, parser: str) -> dict:
     """The JSON schema of one call object in `parser`'s format: {"name": const, key:
     arguments} for the named function, or any of the tools (anyOf) otherwise."""
-    key = _format(parser).arguments_key
+    return _call_objects(req, _format(parser).arguments_key)
+
+
+def json_calls_schema(req: ToolRequest) -> dict | None:
+    """What a forced choice's output is on a model without a known tool-call format (the
+    JSON_CALLS format, tools/parsers.py): the named function's arguments object, or, for
+    "required", one call object {"name": const, "arguments": ...} of any tool; None unless
+    the choice forces calls."""
+    if not req.forced or not req.tools:
+        return None
+    if req.function is not None:
+        return _arguments_schema(req, req.function)
+    return _call_objects(req, "arguments")
+
+
+def _call_objects(req: ToolRequest, key: str) -> dict:
     names = [req.function] if req.function is not None else _names(req)
     schemas = [
         {

@@ -9,6 +9,13 @@ Formats (a parser is picked by name, or detected from the chat template):
   `<|python_tag|>`; an output that does not start with "{" (after whitespace and that tag) is
   plain content.
 In both, "arguments" and "parameters" are taken alike.
+- "json" (JSON_CALLS; not a server.tool_parser: the front picks it): a forced tool choice's
+  output on a model whose chat template shows no known format, the JSON its grammar forces
+  (tools.grammar.json_calls_schema): for a named function, the call's arguments object
+  alone; for "required", one call object `{"name": "f", "arguments": {...}}` (read as
+  llama3_json reads it).
+A forced choice's output (ToolCallStream's `forced`) has no content: text that is no call
+(a call cut short by max_tokens before its arguments began) is dropped, never shown.
 
 Detection from a chat template's text (detect_tool_parser): "<tool_call>" in it -> hermes;
 else "<|python_tag|>" or "ipython" in it -> llama3_json; else none (a template that renders
@@ -30,9 +37,17 @@ import secrets
 import string
 from collections.abc import Callable
 
-from runtime.api.tools.scan import Event, HermesScanner, Llama3Scanner, merged
+from runtime.api.tools.request import ToolRequest
+from runtime.api.tools.scan import (
+    ArgumentsScanner,
+    Event,
+    HermesScanner,
+    Llama3Scanner,
+    merged,
+)
 
 PARSERS = ("hermes", "llama3_json")
+JSON_CALLS = "json"  # a forced choice's JSON, for a model without a known format
 _ID_CHARS = string.ascii_letters + string.digits
 
 
@@ -66,16 +81,19 @@ def tool_parser_name(name: str | None, chat_template: str | dict | None = None) 
     if found is None:
         raise ValueError(
             "tools: the model's chat template shows no known tool-call format "
-            f"(known: {', '.join(PARSERS)})"
+            f'(known: {", ".join(PARSERS)}): tool_choice "auto" needs one (set '
+            'server.tool_parser); "required" or a named function work without'
         )
     return found
 
 
-def _scanner(parser: str) -> HermesScanner | Llama3Scanner:
+def _scanner(parser: str, function: str | None) -> HermesScanner | Llama3Scanner | ArgumentsScanner:
     if parser == "hermes":
         return HermesScanner()
-    if parser == "llama3_json":
+    if parser == "llama3_json" or (parser == JSON_CALLS and function is None):
         return Llama3Scanner()
+    if parser == JSON_CALLS and function is not None:
+        return ArgumentsScanner(function)
     raise ValueError(f"tool_parser: expected one of {', '.join(PARSERS)}, got {parser!r}")
 
 
@@ -85,11 +103,20 @@ class ToolCallStream:
     {"content": text} outside calls; for a call, {"tool_calls": [{"index", "id", "type":
     "function", "function": {"name", "arguments": ""}}]} once, then {"tool_calls": [{"index",
     "function": {"arguments": text}}]} as its arguments grow. finish() gives what was held
-    back at the end; result() is then parse_tool_calls' (content, calls)."""
+    back at the end; result() is then parse_tool_calls' (content, calls). `function`: the
+    named function of a JSON_CALLS output; `forced`: the output of a forced choice (its
+    content, text that is no call, is dropped)."""
 
-    def __init__(self, parser: str, ids: Callable[[], str] = new_call_id):
-        self._scanner = _scanner(parser)
+    def __init__(
+        self,
+        parser: str,
+        ids: Callable[[], str] = new_call_id,
+        function: str | None = None,
+        forced: bool = False,
+    ):
+        self._scanner = _scanner(parser, function)
         self._ids = ids
+        self.forced = forced
         self._seen = 0  # characters fed
         self._content: list[str] = []
         self._calls: list[dict] = []
@@ -128,7 +155,7 @@ class ToolCallStream:
             {"id": c["id"], "type": "function", "function": dict(c["function"])}
             for c in self._calls
         ]
-        return (None if not content and calls else content), calls
+        return (None if not content and (calls or self.forced) else content), calls
 
     @property
     def has_calls(self) -> bool:
@@ -137,6 +164,8 @@ class ToolCallStream:
     def _deltas(self, events: list[Event]) -> list[dict]:
         deltas: list[dict] = []
         for kind, text in merged(events):
+            if kind == "content" and self.forced:
+                continue
             if kind == "content":
                 self._content.append(text)
                 deltas.append({"content": text})
@@ -156,12 +185,26 @@ def _copy(call: dict) -> dict:
     return {**call, "function": dict(call["function"])}
 
 
+def tool_call_stream(
+    parser: str, tools: ToolRequest | None, ids: Callable[[], str] = new_call_id
+) -> ToolCallStream:
+    """The reader of a request's output in `parser`'s format, as its tools ask: a forced
+    choice's output has no content; a JSON_CALLS output of a named function is its
+    arguments."""
+    function = tools.function if tools is not None else None
+    forced = tools is not None and tools.forced
+    return ToolCallStream(parser, ids, function, forced)
+
+
 def parse_tool_calls(
-    text: str, parser: str, ids: Callable[[], str] = new_call_id
+    text: str,
+    parser: str,
+    ids: Callable[[], str] = new_call_id,
+    tools: ToolRequest | None = None,
 ) -> tuple[str | None, list[dict]]:
     """(content, calls) of a whole generated text (ToolCallStream.result's shapes); a text
-    with no call gives (text, [])."""
-    stream = ToolCallStream(parser, ids)
+    with no call gives (text, []) (None when the choice was forced)."""
+    stream = tool_call_stream(parser, tools, ids)
     stream.feed(text)
     stream.finish()
     return stream.result()

@@ -3,7 +3,7 @@ each scanner turns generated text into events, in order, that never need taking 
 ("content", text), ("call", name) when a call starts, ("args", text) as its arguments' JSON
 grows. What a scanner cannot yet decide (a partial "<tool_call>", whitespace that may precede
 a call, a call's JSON before its name and the "arguments" key are read) it holds back until
-it can. The rules (docs: the module docstring of tool_calls.py):
+it can. The rules (docs: the module docstring of tools/parsers.py):
 
 - a call's JSON object is `{"name": NAME, "arguments": {...}, ...}` ("parameters" is taken
   for "arguments" in both formats); once NAME and the arguments' "{" are read the call is
@@ -295,3 +295,25 @@ class Llama3Scanner:
 
     def _skip(self, c: str, out: list[Event]) -> None:
         """A committed call whose JSON went bad: the rest of the output is dropped."""
+
+
+class ArgumentsScanner:
+    """A named function's arguments object alone (a forced choice's JSON on a model without a
+    known tool-call format): the call is announced at its first non-whitespace character, and
+    every character from there on is its arguments, as generated (the grammar keeps them
+    valid JSON; one cut short is the valid part read)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.started = False
+
+    def feed(self, c: str, out: list[Event]) -> None:
+        if not self.started:
+            if c in WS:
+                return
+            self.started = True
+            out.append(("call", self.name))
+        emit(out, "args", c)
+
+    def finish(self, out: list[Event]) -> None:
+        """Nothing is held back."""
