@@ -58,8 +58,8 @@ def add_access_flags(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help=f"HTTP clients must send `Authorization: Bearer KEY` to every route but /health, "
         f"/metrics and /version; a key also allows a non-loopback --http. A key on the command "
-        f"line shows in `ps`: prefer ${API_KEY_ENV} or {KEY_FILE_KEY} (default: "
-        f"${API_KEY_ENV}, else `tandem serve`'s {KEY_FILE_KEY}, else no key)",
+        f"line shows in `ps`: prefer ${API_KEY_ENV} (or `tandem serve`'s {KEY_FILE_KEY}) "
+        f"(default: ${API_KEY_ENV}, else {KEY_FILE_KEY}, else no key)",
     )
     parser.add_argument(
         "--ssl-keyfile",

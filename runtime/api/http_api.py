@@ -203,7 +203,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the model id clients name (default: the target model's file or directory name)",
     )
     parser.add_argument(
+        "--tool-call-parser",
         "--tool-parser",
+        dest="tool_parser",
         choices=PARSERS,
         default=None,
         help="the tool-call format of chat outputs (server.tool_parser; default: the one "
