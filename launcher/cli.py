@@ -111,6 +111,7 @@ def _launch(args, plan: LaunchPlan) -> int:
         quiet=args.quiet,
         served_model_name=args.served_model_name,
         address_source="--address" if args.address else "server.address",
+        http_access=plan.http_access,
     )
 
 

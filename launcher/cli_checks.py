@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the config is imported lazily: --help and --version stay fast
     from launcher.discovery import LaunchEnv
+    from runtime.api.http.access import HttpAccess
     from runtime.config import TandemConfig
 
 DEMO_PROMPT = "What is speculative decoding? Answer in two sentences."
@@ -25,6 +26,7 @@ class LaunchPlan:
     request: dict | None  # run's (request_from_args)
     http: tuple[str, int] | None  # serve's OpenAI-compatible HTTP API
     metrics: tuple[str, int] | None  # serve's Prometheus endpoint
+    http_access: HttpAccess | None = None  # the HTTP API's key and TLS files (rank 0's)
 
 
 def plan_launch(args, config: TandemConfig) -> LaunchPlan:
@@ -35,14 +37,21 @@ def plan_launch(args, config: TandemConfig) -> LaunchPlan:
     from runtime.control.auth import check_control_bind
 
     request = request_from_args(args, config) if args.command == "run" else None
-    http, metrics = serve_endpoints(args) if args.command == "serve" else (None, None)
+    http, metrics = serve_endpoints(args, config) if args.command == "serve" else (None, None)
     env = discover()
     check_control_bind(control_bind())  # beyond loopback only with a key, on every rank
     topology = config.topology()
     if env.world_size is not None:
         topology.check_world_size(env.world_size)
     _check_nodes(config, env)
-    return LaunchPlan(config, env, request, http, metrics)
+    access = None
+    if http is not None and env.is_orchestrator:  # the files are rank 0's to read
+        from runtime.api.http.access import http_access
+
+        access = http_access(
+            args.api_key, config.server.api_key_file, args.ssl_keyfile, args.ssl_certfile
+        )
+    return LaunchPlan(config, env, request, http, metrics, access)
 
 
 def _check_nodes(config, env) -> None:
@@ -68,18 +77,27 @@ def config_from_args(args, check_devices: bool) -> TandemConfig:
         config = default_config()
     else:
         config = load_config(args.config, check_devices=check_devices)
-    if args.command == "serve" and args.address:
+    server = _server_overrides(args) if args.command == "serve" else {}
+    if server:
         raw = config.to_dict()  # the other server keys stay as the config says
         config = load_config(
-            dict(raw, server=dict(raw["server"], address=args.address)),
+            dict(raw, server=dict(raw["server"], **server)),
             check_files=False,
             check_devices=False,
         )
     return config
 
 
-def serve_endpoints(args) -> tuple:
-    """(http, metrics): the (host, port) of `serve`'s optional HTTP fronts, or None each."""
+def _server_overrides(args) -> dict:
+    """The server keys that serve's flags set: --address, --tool-call-parser."""
+    values = {"address": args.address, "tool_parser": args.tool_call_parser}
+    return {key: value for key, value in values.items() if value}
+
+
+def serve_endpoints(args, config: TandemConfig) -> tuple:
+    """(http, metrics): the (host, port) of `serve`'s optional HTTP fronts, or None each.
+    A non-loopback --http needs --http-allow-remote or an API key."""
+    from runtime.api.http.access import REMOTE_NEEDS, api_key_given
     from runtime.api.http.address import parse_http_address
 
     if args.served_model_name is not None:
@@ -89,14 +107,31 @@ def serve_endpoints(args) -> tuple:
             raise ValueError(
                 "--served-model-name: only the HTTP API names the model; give --http HOST:PORT too"
             )
+    _check_http_flags(args)
     http = metrics = None
     if args.http is not None:
-        http = parse_http_address(args.http, args.http_allow_remote)
+        keyed = api_key_given(args.api_key, config.server.api_key_file)
+        http = parse_http_address(
+            args.http, args.http_allow_remote or keyed, remote_needs=REMOTE_NEEDS
+        )
     if args.metrics is not None:
         metrics = parse_http_address(
             args.metrics, args.metrics_allow_remote, flag="--metrics", what="the metrics endpoint"
         )
     return http, metrics
+
+
+def _check_http_flags(args) -> None:
+    """The HTTP API's flags mean nothing without it."""
+    flags = {
+        "--api-key": args.api_key,
+        "--ssl-keyfile": args.ssl_keyfile,
+        "--ssl-certfile": args.ssl_certfile,
+        "--tool-call-parser": args.tool_call_parser,
+    }
+    for flag, value in flags.items():
+        if value is not None and args.http is None:
+            raise ValueError(f"{flag}: applies to the HTTP API; give --http HOST:PORT too")
 
 
 def request_from_args(args, config) -> dict:

@@ -24,12 +24,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from runtime.version import installed_version
 
-    try:
-        return version("tandem")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed; pip install -e .)"
+    return installed_version() or "unknown (not installed; pip install -e .)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,9 +208,28 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
         help="the model id HTTP clients name (OpenAI's `model`); requests for "
         "another get 404 (default: the target's file or directory name)",
     )
+    _add_http_options(serve)
     _add_listener(serve, "--metrics", "the Prometheus metrics at GET /metrics")
     _add_print_config(serve)
     _add_quiet(serve)
+
+
+def _add_http_options(serve: argparse.ArgumentParser) -> None:
+    """The HTTP API's key and TLS files (runtime/api/http/access.py) and tool-call format;
+    each needs --http."""
+    from runtime.api.http.access import add_access_flags
+    from runtime.config.values import TOOL_PARSERS
+
+    add_access_flags(serve)
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default=None,
+        metavar="NAME",
+        help=f"how the HTTP API reads tool calls in chat outputs ({', '.join(TOOL_PARSERS)}; "
+        "sets server.tool_parser; default: the config's, else the format the chat template "
+        "shows)",
+    )
 
 
 def _add_quiet(parser: argparse.ArgumentParser) -> None:

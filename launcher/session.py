@@ -24,6 +24,7 @@ from runtime.control.auth import load_key
 from runtime.errors import EngineDeadError
 
 if TYPE_CHECKING:  # imported where used: a `run` needs none of the serving endpoints
+    from runtime.api.http.access import HttpAccess
     from runtime.api.http.app import HttpFront
     from runtime.serving.client_door import ClientDoor
     from runtime.serving.orchestrator import Orchestrator
@@ -195,11 +196,13 @@ def serve_forever(
     quiet: bool = False,
     served_model_name: str | None = None,
     address_source: str = "server.address",
+    http_access: HttpAccess | None = None,
 ) -> int:
     """Serve at server.address until SIGINT/SIGTERM; with `http` = (host, port) also the
     OpenAI-compatible HTTP API (runtime/http_api.py) on a thread of this process, serving
-    the model as `served_model_name` (default: the target's file or directory name), with
-    `metrics` = (host, port) the Prometheus metrics (runtime/serving/prometheus.py).
+    the model as `served_model_name` (default: the target's file or directory name), behind
+    `http_access`'s key and TLS (runtime/api/http/access.py), with `metrics` = (host, port)
+    the Prometheus metrics (runtime/serving/prometheus.py).
     Every address is bound before any worker starts: a taken one is a usage error (exit 2)
     naming its flag or key (`address_source` for server.address)."""
     stop = threading.Event()
@@ -213,6 +216,7 @@ def serve_forever(
     try:
         _watch_owner()
         bound = _Endpoints.bind(config, http, metrics, address_source)
+        bound.http_access = http_access
     except ValueError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -235,6 +239,7 @@ class _Endpoints:
     http_sock: socket.socket | None = None
     metrics: MetricsEndpoint | None = None
     front: HttpFront | None = None  # the HTTP front once started
+    http_access: HttpAccess | None = None  # its key and TLS files
 
     @classmethod
     def bind(cls, config: TandemConfig, http, metrics, address_source: str) -> _Endpoints:
@@ -322,6 +327,7 @@ def _serve(
                 auth_key_file=config.server.auth_key_file,
                 tokenizer_path=config.tokenizer_path,
                 tool_parser=config.server.tool_parser,
+                access=bound.http_access,
             )
             bound.front.start()
             print(f"tandem: HTTP API at {bound.front.url}", file=sys.stderr, flush=True)

@@ -91,6 +91,7 @@ def clean_env() -> dict:
             "LOCAL_RANK",
             "MASTER_ADDR",
             "MASTER_PORT",
+            "TANDEM_API_KEY",  # a key of the user's would guard the test servers' HTTP API
         ):
             env.pop(key)
     env["OMP_NUM_THREADS"] = "1"
@@ -153,17 +154,21 @@ def start_serve(cfg: str, address: str, *args: str, log_path) -> subprocess.Pope
         )
 
 
-def wait_http(url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180) -> None:
+def wait_http(
+    url: str, proc: subprocess.Popen, log_path, timeout_s: float = 180, context=None
+) -> None:
     """Until the HTTP front at `url` (with or without /v1) answers /health; AssertionError
-    with the log's tail when the server exits or timeout_s passes."""
+    with the log's tail when the server exits or timeout_s passes. `context`: the
+    ssl.SSLContext of an https `url`."""
     deadline = time.monotonic() + timeout_s
+    health = url.removesuffix("/v1") + "/health"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(
                 f"server exited {proc.returncode}:\n{open(log_path).read()[-4000:]}"
             )
         try:
-            with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=2) as resp:
+            with urllib.request.urlopen(health, timeout=2, context=context) as resp:
                 if resp.status == 200:
                     return
         except (urllib.error.URLError, OSError):

@@ -222,9 +222,9 @@ class Bench:
     # -- everything ---------------------------------------------------------------------------
     def run(self) -> dict:
         st = resolve(self.s)
-        if st.target_device.type == "cuda":
-            torch.cuda.set_device(st.target_device)
-        try:
+        try:  # the synthetic pair's temporary folder goes whatever happens
+            if st.target_device.type == "cuda":
+                torch.cuda.set_device(st.target_device)
             self.prompts = make_prompts(st.target, self.s)
             with worker_backends():
                 self._in_process(st)

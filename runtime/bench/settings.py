@@ -87,7 +87,35 @@ class BenchSettings:
         other = [m for m in self.modes if not m.startswith("spec")]
         if self.sampling and other:
             raise ValueError(f"--sampling applies to the spec modes only; drop {other}")
+        self.check_device()
         self.check_kv()
+
+    def check_device(self) -> None:
+        """--device (and the --target-tp devices after it) exist here: a CUDA device on a
+        machine without one is refused before anything is built."""
+        if self.device is None:
+            return
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"--device: expected cuda:N or cpu, got {self.device!r}") from None
+        if dev.type == "cpu":
+            return
+        if dev.type != "cuda":
+            raise ValueError(f"--device: expected cuda:N or cpu, got {self.device!r}")
+        count = torch.cuda.device_count()  # 0 without a GPU or a CUDA build of torch
+        if count == 0:
+            raise ValueError(
+                f"--device {self.device}: this machine has no CUDA device (torch "
+                f"{torch.__version__} sees none); use --device cpu"
+            )
+        last = (dev.index or 0) + self.target_tp - 1
+        if last >= count:
+            tp = f" with --target-tp {self.target_tp}" if self.target_tp > 1 else ""
+            raise ValueError(
+                f"--device {self.device}{tp} needs cuda:{last}, but this machine has "
+                f"{count} CUDA device{'s' * (count != 1)} (cuda:0 to cuda:{count - 1})"
+            )
 
     def check_kv(self) -> None:
         """The KV cache settings (the Engine's config checks the pool against max_seq_len)."""

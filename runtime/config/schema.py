@@ -152,6 +152,8 @@ class ServerConfig(_Checked):
     SECTION: ClassVar[str] = "server"
     address: str = _checked("tcp://127.0.0.1:5555", check.zmq_address)
     auth_key_file: str | None = _checked(None, check.optional_str)  # required beyond loopback
+    # the HTTP API's bearer key file (runtime.api.http.access); auth_key_file signs ZeroMQ's
+    api_key_file: str | None = _checked(None, check.optional_str)
     # a client with requests in flight that sends nothing (it pings every second) for this
     # long is judged gone: its requests are cancelled (runtime.serving.server)
     client_timeout_s: float = _checked(10.0, check.positive_float)

@@ -96,18 +96,24 @@ def render_chat(
     tools: list[dict] | None = None,
     tokenize: bool = True,
     name: str = "messages",
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int] | str:
     """The prompt of a conversation (chat_messages_with_tools' shapes) with `tools` (OpenAI's
     {"type": "function", "function": {...}} list, or None) through the tokenizer's chat
-    template, with the assistant's generation prompt: its token ids, or its text when
-    tokenize is False. Template errors are ValueErrors naming `name`."""
+    template, with the assistant's generation prompt (unless add_generation_prompt is False;
+    continue_final_message leaves the last message open, as vLLM's /tokenize may ask): its
+    token ids, or its text when tokenize is False. Template errors are ValueErrors naming
+    `name`."""
+    extra = {"continue_final_message": True} if continue_final_message else {}
     try:
         rendered = tokenizer.apply_chat_template(
             messages,
             tools=tools or None,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tokenize=tokenize,
             return_dict=False,
+            **extra,
         )
     except Exception as exc:  # noqa: BLE001 - jinja errors are not ValueErrors
         raise ValueError(f"{name}: the chat template failed: {exc}") from None

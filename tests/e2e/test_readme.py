@@ -1,11 +1,13 @@
 """The README's examples run as written, against the tiny models: its Python snippets (the
-Engine one and the OpenAI one, `config.yaml` and the port swapped for a test's) and the
-`tandem run` lines of its command-line snippet. (The Quickstart's two commands are what CI
-runs; the launch forms are the e2e tests' own subject.)"""
+Engine one and the OpenAI one, `config.yaml` and the port swapped for a test's), its curl
+request and the `tandem run` lines of its command-line snippet. (The Quickstart's two
+commands are what CI runs; the launch forms are the e2e tests' own subject.)"""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,5 +84,11 @@ def test_openai_snippet_runs(config, tmp_path):
             [sys.executable, "-c", code], text=True, capture_output=True, timeout=120, cwd=tmp_path
         )
         assert res.returncode == 0, res.stderr[-3000:]
+        if shutil.which("curl"):  # the same request without the openai package
+            command = block("bash", "curl ").replace("8000", str(port))
+            res = subprocess.run(
+                ["bash", "-c", command], text=True, capture_output=True, timeout=60
+            )
+            assert json.loads(res.stdout)["choices"][0]["text"], res.stdout + res.stderr
     finally:
         assert launch.stop(proc) == 0

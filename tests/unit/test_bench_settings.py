@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,57 @@ def test_kv_bytes_per_position_counts_every_layers_keys_and_values(llama_path, k
     assert kv_bytes_per_position(model) == args.n_layers * KVCache.position_bytes(
         args.n_kv_heads, args.head_dim, torch.float32, kv_dtype
     )
+
+
+# --- --device on this machine ----------------------------------------------------------------
+def _bench_args(*argv: str) -> argparse.Namespace:
+    args = _parse(*argv)
+    args.quiet = False  # the parser of `tandem` adds it
+    return args
+
+
+@pytest.mark.parametrize(
+    "device, tp, count, expected",
+    [
+        ("cuda:0", 1, 0, "no CUDA device"),
+        ("cuda", 1, 0, "no CUDA device"),
+        ("cuda:1", 1, 1, "needs cuda:1, but this machine has 1 CUDA device "),
+        ("cuda:0", 3, 2, "--target-tp 3 needs cuda:2"),
+        ("mps", 1, 1, "expected cuda:N or cpu"),
+        ("gpu0", 1, 1, "expected cuda:N or cpu"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_refused(monkeypatch, device, tp, count, expected):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    with pytest.raises(ValueError, match=expected):
+        BenchSettings(device=device, target_tp=tp).check()
+    BenchSettings(device="cpu").check()
+    if count:
+        BenchSettings(device="cuda:0").check()
+
+
+def test_bench_on_a_missing_gpu_is_a_usage_error_leaving_nothing(tmp_path, monkeypatch, capsys):
+    """`tandem bench --device cuda:0` without a GPU: one line, exit 2, no temporary folder."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli.main(_bench_args("--device", "cuda:0", "--modes", "target")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem: error: bench: --device cuda:0: this machine has no CUDA")
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_after_the_synthetic_pair_is_built_removes_it(tmp_path, monkeypatch):
+    """The pair's temporary folder goes however the run fails (here: selecting the GPU, which
+    once failed outside the cleanup)."""
+    from runtime.bench import runner
+
+    def fail(*_):
+        raise RuntimeError("cannot select the device")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", fail)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    settings = BenchSettings(device="cuda:0", modes=["spec"], prompt_len=8, new_tokens=8)
+    with pytest.raises(RuntimeError, match="cannot select the device"):
+        runner.Bench(settings).run()
+    assert list(tmp_path.iterdir()) == []

@@ -130,8 +130,9 @@ def test_no_product_file_over_400_lines():
 
 
 def test_few_environment_variables_each_documented():
-    """The lab stays out of the product: at most 10 TANDEM_* names in runtime/, launcher/
-    and parallel/ (a performance setting is a default or a config key), each in
+    """The lab stays out of the product: at most 11 TANDEM_* names in runtime/, launcher/
+    and parallel/ (a performance setting is a default or a config key; the 11th is
+    TANDEM_API_KEY, the HTTP API's key that INTERFACE.md names), each in
     docs/configuration.md's reference."""
     import re
 
@@ -139,6 +140,6 @@ def test_few_environment_variables_each_documented():
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             names |= set(re.findall(r"TANDEM_[A-Z0-9_]+", path.read_text()))
-    assert len(names) <= 10, sorted(names)
+    assert len(names) <= 11, sorted(names)
     docs = (ROOT / "docs" / "configuration.md").read_text()
     assert not [n for n in names if f"`{n}`" not in docs], sorted(names)

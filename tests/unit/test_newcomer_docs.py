@@ -34,3 +34,25 @@ def test_serving_docs_name_only_models_the_front_serves():
             f'docs/serving.md names model="{name}", which the HTTP front answers with 404 '
             f"unless started with --served-model-name {name}"
         )
+
+
+def test_readme_says_how_to_get_the_http_examples_client():
+    """The Quickstart installs no `openai`: the README's OpenAI example says to install it,
+    and gives a curl request beside it."""
+    readme = (ROOT / "README.md").read_text()
+    serving = readme.split("### Serving and the OpenAI API", 1)[1].split("\n## ", 1)[0]
+    assert "pip install openai" in serving and "from openai import OpenAI" in serving
+    assert re.search(r"```bash\ncurl http://127\.0\.0\.1:8000/v1/completions", serving)
+
+
+def test_sampling_docs_token_ids_are_the_demos():
+    """docs/sampling.md's token ids (logit_bias, stop_token_ids) lie in the demo's vocabulary:
+    SmolLM2-135M's 49152 tokens."""
+    text = (ROOT / "docs" / "sampling.md").read_text()
+    ids = [int(i) for i in re.findall(r"logit_bias=\{(\d+):", text)]
+    ids += [
+        int(i)
+        for ids_ in re.findall(r"stop_token_ids=\[([\d, ]+)\]", text)
+        for i in ids_.split(",")
+    ]
+    assert ids and all(0 <= i < 49152 for i in ids), ids

@@ -10,11 +10,16 @@ import socket
 
 
 def parse_http_address(
-    text: str, allow_remote: bool = False, flag: str = "--http", what: str = "the HTTP API"
+    text: str,
+    allow_remote: bool = False,
+    flag: str = "--http",
+    what: str = "the HTTP API",
+    remote_needs: str | None = None,
 ) -> tuple[str, int]:
     """'HOST:PORT', '[V6]:PORT' or 'PORT' (host 127.0.0.1) -> (host, port). A host that is
     not loopback is refused unless allow_remote. Errors are ValueErrors naming `flag` (the
-    option that gave the address; `what` is what it serves)."""
+    option that gave the address; `what` is what it serves; `remote_needs`: what would allow
+    a remote host, default FLAG-allow-remote)."""
     text = text.strip()
     match = re.fullmatch(r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:\[\]]*)):(?P<port>\d+)", text)
     if match:
@@ -29,7 +34,7 @@ def parse_http_address(
     if not allow_remote and not is_loopback(host):
         raise ValueError(
             f"{flag}: {host} is not a loopback address; {what} has no "
-            f"authentication, so binding elsewhere needs {flag}-allow-remote"
+            f"authentication, so binding elsewhere needs {remote_needs or flag + '-allow-remote'}"
         )
     return host, port
 
@@ -70,8 +75,8 @@ def connect_address(address: str) -> str:
     return address
 
 
-def socket_url(sock: socket.socket) -> str:
+def socket_url(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}/v1"
+    return f"{scheme}://{host}:{port}/v1"

@@ -3,18 +3,21 @@
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions (the tokenizer's chat template over the whole message list),
 POST /v1/responses (OpenAI's Responses API, stateless, over the chat machinery:
-runtime/api/http/responses.py),
-GET /health, GET /metrics (the server's Prometheus metrics, relayed: they live in the server
-process, runtime/serving/prometheus.py). Streaming answers are server-sent events in OpenAI's
-chunk format, ending with `data: [DONE]`. Bad requests are HTTP 400 with an OpenAI-style
-error naming the argument.
+http/responses.py), POST /tokenize, POST /detokenize (vLLM's), GET /version, GET /health,
+GET /metrics (the server's Prometheus metrics, relayed: they live in the server process,
+runtime/serving/prometheus.py), GET /openapi.json and GET /docs. Streaming answers are
+server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. Bad requests are
+HTTP 400 with an OpenAI-style error naming the argument.
 
 Two ways to run it:
 - inside `tandem serve CONFIG --http HOST:PORT` (a thread of the serving process; see
   `launcher/session.py`), or
 - on its own, in front of a running server: `python -m runtime.api.http.app ADDRESS --http
   HOST:PORT`.
-It binds to loopback unless `--http-allow-remote` is given; it has no authentication.
+With an API key (`--api-key`, TANDEM_API_KEY or server.api_key_file: http/access.py) every
+route but /health, /metrics and /version needs `Authorization: Bearer KEY` (http/guard.py),
+and it may bind beyond loopback; without one it binds to loopback unless
+`--http-allow-remote` is given. `--ssl-keyfile`/`--ssl-certfile` serve HTTPS.
 
 Every HTTP request is one request on the one ZeroMQ client of this front; a request whose HTTP
 client goes away (a closed stream, a dropped connection) is cancelled on the server.
@@ -23,10 +26,11 @@ This module assembles the app and runs it; the rest of the front: runtime/api/ht
 (the endpoints, a request's life on the server, streaming), openai/requests.py (a request
 body as the engine's arguments), openai/structured.py (response_format, structured_outputs
 and a chat's tools: the tool-call format and a forced choice's grammar; the calls themselves:
-tools.parsers*.py), openai/replies.py (OpenAI's response and chunk shapes),
+tools/*.py), openai/replies.py (OpenAI's response and chunk shapes),
 openai/logprobs.py (their logprobs), openai/tokens.py (token strings, loaded on first need),
-openai/errors.py (the error body), http/backend.py (the asyncio-friendly Client) and
-http/address.py (listening addresses).
+openai/errors.py (the error body), http/tokenizer.py (/tokenize, /detokenize),
+http/backend.py (the asyncio-friendly Client), http/access.py (the key and TLS files),
+http/guard.py (the key at the door) and http/address.py (listening addresses).
 """
 
 from __future__ import annotations
@@ -43,10 +47,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from runtime.api.http.access import (
+    REMOTE_NEEDS,
+    HttpAccess,
+    add_access_flags,
+    api_key_given,
+    http_access,
+)
 from runtime.api.http.address import bind_http, connect_address, parse_http_address, socket_url
 from runtime.api.http.backend import HttpClient
+from runtime.api.http.guard import KeyGuard
 from runtime.api.http.responses import ResponsesRoute
 from runtime.api.http.routes import Routes
+from runtime.api.http.tokenizer import TokenizerRoutes
 from runtime.api.openai.errors import HttpError
 from runtime.api.openai.responses_objects import ResponseObject
 from runtime.api.openai.validation import handle_validation_error
@@ -65,14 +78,22 @@ def create_app(
     model_name: str | None = None,
     tokenizer_path: str | None = None,
     tool_parser: str | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The app; `tokenizer_path`: where the server's tokenizer is (token strings of logprobs,
     the chat template's tool-call format; default: the one the server's info() names);
-    `tool_parser`: server.tool_parser (None: the chat template's format)."""
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    `tool_parser`: server.tool_parser (None: the chat template's format); `api_key`: the
+    bearer key every route but http_guard.OPEN_PATHS needs (None: none needed)."""
+    app = FastAPI(title="tandem", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     routes = Routes(client, model_name, tokenizer_path, tool_parser)
     app.add_exception_handler(HttpError, _http_error)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
+    if api_key is not None:
+        app.add_middleware(KeyGuard, key=api_key)
+    tokenizer = TokenizerRoutes(routes)
+    app.add_api_route("/tokenize", tokenizer.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenizer.detokenize, methods=["POST"])
+    app.add_api_route("/version", routes.version, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
@@ -98,18 +119,28 @@ class HttpFront:
         auth_key_file: str | None = None,
         tokenizer_path: str | None = None,
         tool_parser: str | None = None,
+        access: HttpAccess | None = None,
     ):
+        """`access`: the API key and TLS files (http_access.http_access checked them)."""
         import uvicorn
 
+        access = access or HttpAccess()
         self.sock = sock
-        self.url = socket_url(sock)
+        self.url = socket_url(sock, access.scheme)
         self.client = HttpClient(connect_address(address), auth_key_file=auth_key_file)
-        self.app = create_app(self.client, model_name, tokenizer_path, tool_parser)
+        self.app = create_app(
+            self.client, model_name, tokenizer_path, tool_parser, api_key=access.api_key
+        )
         level = os.environ.get("TANDEM_LOG", "warning").lower()  # as the logging's level
         if level not in ("critical", "error", "warning", "info", "debug"):  # uvicorn's names
             level = "warning"
         config = uvicorn.Config(
-            self.app, log_level=level, access_log=False, lifespan="off", timeout_graceful_shutdown=5
+            self.app,
+            log_level=level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            **access.uvicorn_kwargs(),
         )
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -167,8 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--http-allow-remote",
         action="store_true",
-        help="allow a non-loopback host (the API has no authentication)",
+        help="allow a non-loopback host without an API key (no authentication)",
     )
+    add_access_flags(parser)
     parser.add_argument(
         "--auth-key-file", default=None, help="the server's server.auth_key_file, if it has one"
     )
@@ -181,7 +213,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the model id clients name (default: the target model's file or directory name)",
     )
     parser.add_argument(
+        "--tool-call-parser",
         "--tool-parser",
+        dest="tool_parser",
         choices=PARSERS,
         default=None,
         help="the tool-call format of chat outputs (server.tool_parser; default: the one "
@@ -197,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         format="[tandem] %(levelname)s %(name)s: %(message)s",
     )
     try:
-        host, port = parse_http_address(args.http, args.http_allow_remote)
+        keyed = api_key_given(args.api_key, None)
+        access = http_access(args.api_key, None, args.ssl_keyfile, args.ssl_certfile)
+        host, port = parse_http_address(
+            args.http, args.http_allow_remote or keyed, remote_needs=REMOTE_NEEDS
+        )
         sock = bind_http(host, port)
     except (ValueError, OSError) as exc:
         print(
@@ -208,7 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     front = HttpFront(
-        args.address, sock, args.model_name, args.auth_key_file, tool_parser=args.tool_parser
+        args.address,
+        sock,
+        args.model_name,
+        args.auth_key_file,
+        tool_parser=args.tool_parser,
+        access=access,
     )
     print(f"tandem: HTTP API at {front.url} (server {args.address})", file=sys.stderr, flush=True)
     front.run_forever()

@@ -38,6 +38,7 @@ from runtime.api.openai.tokens import (
 )
 from runtime.control.protocol import ClientReply, Delta, Failed, Final, Generate
 from runtime.errors import EngineDeadError
+from runtime.version import installed_version
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks its HTTP client
 
@@ -122,6 +123,10 @@ class Routes:
         if name != served:
             raise self.not_found(name, served)
         return self.model_card(name)
+
+    async def version(self):
+        """tandem's version, as vLLM's /version gives its own."""
+        return {"version": installed_version() or "unknown"}
 
     async def completions(self, request: Request):
         body = await self.read_body(request)
