@@ -5,7 +5,10 @@ POST /v1/chat/completions (the tokenizer's chat template over the whole message 
 GET /health, GET /metrics (the server's Prometheus metrics, relayed: they live in the server
 process, runtime/serving/prometheus.py). Streaming answers are server-sent events in OpenAI's
 chunk format, ending with `data: [DONE]`. Bad requests are HTTP 400 with an OpenAI-style
-error naming the argument.
+error naming the argument. The API is typed: each request and response body is a pydantic
+model (openai_bodies.py, openai_replies.py), from which FastAPI validates the bodies, a
+refused body's 400 names the argument (openai_errors.validation_error: never FastAPI's 422)
+and the schema served at GET /openapi.json (browsable at GET /docs) comes.
 
 Two ways to run it:
 - inside `tandem serve CONFIG --http HOST:PORT` (a thread of the serving process; see
@@ -18,12 +21,14 @@ Every HTTP request is one request on the one ZeroMQ client of this front; a requ
 client goes away (a closed stream, a dropped connection) is cancelled on the server.
 
 This module assembles the app and runs it; the rest of the front: runtime/api/http_routes.py
-(the endpoints, a request's life on the server, streaming), openai_requests.py (a request
-body as the engine's arguments), openai_structured.py (response_format, structured_outputs
-and a chat's tools: the tool-call format and a forced choice's grammar; the calls themselves:
-tool_calls*.py), openai_responses.py (OpenAI's response and chunk shapes),
-openai_logprobs.py (their logprobs), openai_tokens.py (token strings, loaded on first need),
-openai_errors.py (the error body), http_client.py (the asyncio-friendly Client) and
+(the endpoints, a request's life on the server, streaming), openai_bodies.py (the request
+bodies' models; their field types: openai_fields.py, openai_schemas.py), openai_replies.py
+(the response bodies'), openai_requests.py (a request body as the engine's arguments),
+openai_structured.py (response_format, structured_outputs and a chat's tools: the tool-call
+format and a forced choice's grammar; the calls themselves: tool_calls*.py),
+openai_responses.py (OpenAI's response and chunk shapes), openai_logprobs.py (their
+logprobs), openai_tokens.py (token strings, loaded on first need), openai_errors.py (the
+error body), http_client.py (the asyncio-friendly Client) and
 http_address.py (listening addresses).
 """
 
@@ -36,14 +41,28 @@ import socket
 import sys
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from runtime.api.http_address import bind_http, connect_address, parse_http_address, socket_url
 from runtime.api.http_client import HttpClient
 from runtime.api.http_routes import Routes
-from runtime.api.openai_errors import HttpError
+from runtime.api.openai_errors import HttpError, validation_error
+from runtime.api.openai_replies import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+)
 from runtime.api.tool_calls import PARSERS
 
 log = logging.getLogger("tandem.http")
@@ -52,6 +71,35 @@ log = logging.getLogger("tandem.http")
 async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HttpError)  # registered for HttpError only
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _invalid_body(_request: Request, exc: Exception) -> JSONResponse:
+    """A body its model refused: OpenAI's 400 naming the argument (not FastAPI's 422)."""
+    assert isinstance(exc, RequestValidationError)  # registered for it only
+    error = validation_error(exc.errors())
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _version() -> str:
+    try:
+        return version("tandem")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "unknown"
+
+
+ERRORS: dict[int | str, dict] = {
+    400: {"model": ErrorBody, "description": "a bad argument (`param` names it)"},
+    404: {"model": ErrorBody, "description": "an unknown model"},
+    503: {"model": ErrorBody, "description": "the engine is not available"},
+}
+
+
+def _generation(model: type, chunk: type) -> dict:
+    """The answers of a generating route: `model` (JSON), or with stream: true, server-sent
+    events whose data are `chunk`s (tandem's schema components hold them)."""
+    ref = {"$ref": f"#/components/schemas/{chunk.__name__}"}
+    events = {"text/event-stream": {"schema": ref}}
+    return {**ERRORS, 200: {"model": model, "content": events}}
 
 
 def create_app(
@@ -63,16 +111,73 @@ def create_app(
     """The app; `tokenizer_path`: where the server's tokenizer is (token strings of logprobs,
     the chat template's tool-call format; default: the one the server's info() names);
     `tool_parser`: server.tool_parser (None: the chat template's format)."""
-    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="tandem",
+        version=_version(),
+        description="OpenAI-compatible API of a tandem server (draft-target speculative "
+        "decoding); vLLM's extensions of the request bodies are accepted.",
+        redoc_url=None,
+    )
     routes = Routes(client, model_name, tokenizer_path, tool_parser)
     app.add_exception_handler(HttpError, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
-    app.add_api_route("/v1/models/{name:path}", routes.one_model, methods=["GET"])
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route(
+        "/v1/models", routes.models, methods=["GET"], response_model=ModelList, responses=ERRORS
+    )
+    app.add_api_route(
+        "/v1/models/{name:path}",
+        routes.one_model,
+        methods=["GET"],
+        response_model=ModelCard,
+        responses=ERRORS,
+    )
+    app.add_api_route(
+        "/v1/completions",
+        routes.completions,
+        methods=["POST"],
+        response_model=Completion,
+        response_model_exclude_unset=True,
+        responses=_generation(Completion, CompletionChunk),
+    )
+    app.add_api_route(
+        "/v1/chat/completions",
+        routes.chat_completions,
+        methods=["POST"],
+        response_model=ChatCompletion,
+        response_model_exclude_unset=True,
+        responses=_generation(ChatCompletion, ChatCompletionChunk),
+    )
+    chunks = (CompletionChunk, ChatCompletionChunk)
+    app.openapi = lambda: openapi_with(app, chunks)  # type: ignore[method-assign]
     return app
+
+
+def openapi_with(app: FastAPI, extra: tuple[type[BaseModel], ...]) -> dict:
+    """The app's OpenAPI schema (made once), its components holding the `extra` models too
+    (the stream chunks, which no route returns as JSON), without FastAPI's 422 (a bad body
+    is a 400: _invalid_body)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            description=app.description,
+            routes=app.routes,
+        )
+        _, defs = models_json_schema(
+            [(m, "serialization") for m in extra], ref_template="#/components/schemas/{model}"
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, model_schema in defs.get("$defs", {}).items():
+            components.setdefault(name, model_schema)
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation["responses"].pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 # --- running it -----------------------------------------------------------------------------

@@ -7,17 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.api.openai_bodies import ChatCompletionRequest, CompletionRequest
 from runtime.api.openai_errors import HttpError
-from runtime.api.openai_requests import (
-    CHAT_ARGS,
-    CHAT_OFF_VALUES,
-    COMPLETION_ARGS,
-    check_args,
-    parse_chat,
-    parse_completion,
-    value_error,
-)
+from runtime.api.openai_requests import parse_chat, parse_completion, value_error
 from runtime.params import SamplingParams
+from tests.http_bodies import validated
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -26,15 +20,11 @@ COMPLETION = {"model": "m", "prompt": "hi"}
 
 
 def _completion(**body):
-    body = {**COMPLETION, **body}
-    check_args(body, COMPLETION_ARGS)
-    return parse_completion(body)
+    return parse_completion(validated(CompletionRequest, {**COMPLETION, **body}))
 
 
 def _chat(**body):
-    body = {**CHAT, **body}
-    check_args(body, CHAT_ARGS, CHAT_OFF_VALUES)
-    return parse_chat(body)
+    return parse_chat(validated(ChatCompletionRequest, {**CHAT, **body}))
 
 
 def _refused(parse, **body) -> HttpError:
@@ -187,7 +177,7 @@ def test_supported_arguments_are_no_longer_refused():
         best_of=1,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
     )
-    check_args({**COMPLETION, **body}, COMPLETION_ARGS)
+    validated(CompletionRequest, {**COMPLETION, **body})
     chat = dict(body, logprobs=True, top_logprobs=2)
-    del chat["echo"]
-    check_args({**CHAT, **chat}, CHAT_ARGS, CHAT_OFF_VALUES)
+    del chat["echo"], chat["best_of"]  # completions' arguments
+    validated(ChatCompletionRequest, {**CHAT, **chat})
