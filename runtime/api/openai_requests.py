@@ -22,6 +22,7 @@ from runtime.api.openai_errors import HttpError, engine_unavailable
 from runtime.api.openai_structured import chat_tools, structured_outputs
 from runtime.api.tool_calls_request import ToolRequest
 from runtime.control.protocol import Failed
+from runtime.errors import ArgumentError
 from runtime.serving.chat import chat_messages_with_tools
 
 # SamplingParams' arguments passed on as they come (the engine checks them again)
@@ -70,11 +71,12 @@ class OpenAIRequest:
         return self.build_kwargs["params"]
 
     def refusal(self, exc: ValueError) -> HttpError:
-        return value_error(self._renamed(str(exc)), self.max_name, self.prompt_name)
+        """The engine's refusal of this request's arguments as a 400 naming OpenAI's."""
+        return value_error(exc, self.max_name, self.prompt_name, self.structured_name)
 
     def failure(self, msg: Failed) -> HttpError:
         if msg.kind == "value":
-            return self.refusal(ValueError(msg.message))
+            return self.refusal(refused(msg))
         return failure(msg, self.max_name, self.prompt_name)
 
     def reading_tools(self, parser: str, grammar: dict | None) -> OpenAIRequest:
@@ -85,12 +87,6 @@ class OpenAIRequest:
         params = {**self.params, "structured_outputs": grammar}
         build = {**self.build_kwargs, "params": params}
         return replace(self, build_kwargs=build, tool_parser=parser, structured_name="tool_choice")
-
-    def _renamed(self, message: str) -> ValueError:
-        """The engine's refusal of structured_outputs, naming the argument that gave it."""
-        if message.startswith("structured_outputs"):
-            message = self.structured_name + message.removeprefix("structured_outputs")
-        return ValueError(message)
 
 
 def parse_completion(body: CompletionRequest) -> OpenAIRequest:
@@ -180,18 +176,51 @@ def prompt_kwargs(prompt: str | list) -> dict:
     return {"prompt": prompt}
 
 
-def value_error(exc: ValueError, max_name: str, prompt_name: str) -> HttpError:
-    """A tandem ValueError ('name: ...') as a 400 naming the OpenAI argument."""
-    message = str(exc).replace("max_new_tokens", max_name).replace("prompt_token_ids", prompt_name)
+def value_error(
+    exc: ValueError,
+    max_name: str,
+    prompt_name: str,
+    structured_name: str = "structured_outputs",
+) -> HttpError:
+    """A tandem ValueError ('name: ...') as a 400 naming the OpenAI argument: `max_name`
+    gave max_new_tokens, `prompt_name` the prompt (its token ids), `structured_name`
+    structured_outputs, echo prompt_logprobs. An ArgumentError carries the engine's name;
+    a plain ValueError (the tool checks', runtime/api/tool_calls_request.py) is named by the
+    word its message starts with."""
+    message = _openai_words(str(exc), max_name, prompt_name, structured_name)
+    if isinstance(exc, ArgumentError):
+        names = {
+            "max_new_tokens": max_name,
+            "prompt": prompt_name,
+            "prompt_token_ids": prompt_name,
+            "prompt_logprobs": "echo",
+            "structured_outputs": structured_name,
+        }
+        param: str | None = names.get(exc.param, exc.param)
+    else:
+        match = re.match(r"([A-Za-z_]+)[:\s\[]", message)
+        param = match.group(1) if match else None
+    return HttpError(400, message, param if param in ARGUMENTS else None)
+
+
+def _openai_words(message: str, max_name: str, prompt_name: str, structured_name: str) -> str:
+    """The engine's message in OpenAI's names."""
+    if message.startswith("structured_outputs"):
+        message = structured_name + message.removeprefix("structured_outputs")
+    message = message.replace("max_new_tokens", max_name).replace("prompt_token_ids", prompt_name)
     if prompt_name == "messages":
-        message = re.sub(r"^prompt\b", "messages", message)
-    elif message.startswith("prompt_logprobs"):  # asked for by echo (parse_completion)
-        message = "echo: the prompt's logprobs" + message.removeprefix("prompt_logprobs")
-    match = re.match(r"([A-Za-z_]+)[:\s\[]", message)
-    param = match.group(1) if match else None
-    if param and param not in ARGUMENTS:
-        param = None
-    return HttpError(400, message, param)
+        return re.sub(r"^prompt\b", "messages", message)
+    if message.startswith("prompt_logprobs"):  # asked for by echo (parse_completion)
+        return "echo: the prompt's logprobs" + message.removeprefix("prompt_logprobs")
+    return message
+
+
+def refused(msg: Failed) -> ValueError:
+    """The server's refusal (a Failed reply of kind "value") as the error it raised: an
+    ArgumentError when it named the argument."""
+    if msg.param is not None:
+        return ArgumentError(msg.message, msg.param)
+    return ValueError(msg.message)
 
 
 def failure(msg: Failed, max_name: str, prompt_name: str) -> HttpError:
@@ -206,4 +235,4 @@ def failure(msg: Failed, max_name: str, prompt_name: str) -> HttpError:
             kind="server_error",
             code="request_cancelled",
         )
-    return value_error(ValueError(msg.message), max_name, prompt_name)
+    return value_error(refused(msg), max_name, prompt_name)
