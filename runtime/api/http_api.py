@@ -117,6 +117,7 @@ def create_app(
         description="OpenAI-compatible API of a tandem server (draft-target speculative "
         "decoding); vLLM's extensions of the request bodies are accepted.",
         redoc_url=None,
+        strict_content_type=False,  # a body without a Content-Type is read as JSON
     )
     routes = Routes(client, model_name, tokenizer_path, tool_parser)
     app.add_exception_handler(HttpError, _http_error)

@@ -58,6 +58,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> HttpError:
     if kind == "json_invalid":
         return HttpError(400, "the request body is not valid JSON")
     if not loc:
+        if isinstance(error.get("input"), (bytes, bytearray)):  # another content type
+            return HttpError(400, "the request body must be JSON (Content-Type: application/json)")
         return HttpError(400, "the request body must be a JSON object")
     param, where = str(loc[0]), ".".join(str(part) for part in loc)
     if kind == "extra_forbidden":

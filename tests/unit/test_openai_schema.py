@@ -144,6 +144,12 @@ def test_a_body_that_is_not_a_json_object(http):
     resp = http.post("/v1/chat/completions", json=[1, 2])
     assert resp.status_code == 400, resp.text
     assert "must be a JSON object" in resp.json()["error"]["message"]
+    body = b'{"model": "tiny", "prompt": "x", "temperature": 9}'
+    resp = http.post("/v1/completions", content=body)  # no Content-Type: read as JSON
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
+    resp = http.post("/v1/completions", content=body, headers={"Content-Type": "text/plain"})
+    assert resp.status_code == 400, resp.text
+    assert "Content-Type: application/json" in resp.json()["error"]["message"]
 
 
 def test_a_null_is_the_arguments_default():
