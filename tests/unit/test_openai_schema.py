@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from runtime.api.http_api import create_app
 from runtime.api.openai_bodies import ChatCompletionRequest, CompletionRequest
-from runtime.api.openai_errors import validation_error
+from runtime.api.openai_errors import HttpError, validation_error
+from tests.http_bodies import validated
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -174,3 +175,17 @@ def test_a_nested_location_is_said_and_the_top_level_argument_named():
     )
     assert error.status == 400 and error.param == "messages"
     assert error.message == "messages.0.content: Input should be a valid string, got 5"
+
+
+def test_integers_are_json_schemas_and_fit_the_wire():
+    """2.0 is an integer (JSON Schema's), made one; an integer past 2**63 is refused, as the
+    engine's wire (msgpack) could not carry it."""
+    body = CompletionRequest.model_validate(
+        {"model": "m", "prompt": [1.0, 2], "n": 2.0, "stop_token_ids": [3.0]}
+    )
+    assert (body.prompt, body.n, body.stop_token_ids) == ([1, 2], 2, [3])
+    assert all(type(v) is int for v in (*body.prompt, body.n, *body.stop_token_ids))
+    for bad in ({"seed": 2**63}, {"n": 2.5}, {"stop_token_ids": [2**64]}, {"prompt": [2**63]}):
+        with pytest.raises(HttpError) as caught:
+            validated(CompletionRequest, {"model": "m", "prompt": "x", **bad})
+        assert caught.value.param == next(iter(bad)), caught.value.body()
