@@ -1,5 +1,8 @@
 """Errors the public API raises."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class EngineDeadError(RuntimeError):
     """The engine (a worker, the orchestrator or the server) is gone or unreachable."""
@@ -28,3 +31,27 @@ class ConfigError(ValueError):
         self.key = key
         self.message = message
         super().__init__(f"{key}: {message}")
+
+
+class ArgumentError(ValueError):
+    """A bad request argument: `param` is its name (the engine's: max_new_tokens,
+    prompt_token_ids, logit_bias, ...); `str(e)` says what is wrong, starting with the
+    argument or the place in it ("logit_bias[5]: ..."). The server's refusal carries `param`
+    across the wire (runtime.control.protocol.Failed), so the HTTP front names OpenAI's
+    argument without reading the message."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@contextmanager
+def naming(param: str) -> Iterator[None]:
+    """A ValueError raised inside (by a check that names no argument) is an ArgumentError
+    naming `param`."""
+    try:
+        yield
+    except ArgumentError:
+        raise
+    except ValueError as exc:
+        raise ArgumentError(str(exc), param) from None

@@ -1,9 +1,12 @@
-"""Per-request sampling parameters and their validation (errors name the argument)."""
+"""Per-request sampling parameters and their validation (errors name the argument: an
+ArgumentError carries it as `param`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+
+from runtime.errors import ArgumentError
 
 MAX_LOGPROBS = 20  # OpenAI's most top_logprobs (the server's cap: server.max_logprobs)
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -73,7 +76,7 @@ def sampling_params(**kwargs) -> SamplingParams:
 
 
 def check(p: SamplingParams) -> None:
-    """A ValueError naming the first argument out of its range."""
+    """An ArgumentError naming the first argument out of its range."""
     _int("max_new_tokens", p.max_new_tokens, minimum=0 if p.prompt_logprobs is not None else 1)
     _number("temperature", p.temperature, 0, math.inf)
     if p.top_k is not None:
@@ -82,19 +85,20 @@ def check(p: SamplingParams) -> None:
     if p.seed is not None:
         _int("seed", p.seed, minimum=0)
     if any(not s for s in p.stop):
-        raise ValueError("stop: stop strings must be non-empty")
+        raise ArgumentError("stop: stop strings must be non-empty", "stop")
     _number("min_p", p.min_p, 0, 1)
     _number("presence_penalty", p.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
     _number("frequency_penalty", p.frequency_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
     _number("repetition_penalty", p.repetition_penalty, 0, math.inf, low_open=True)
     _int("min_tokens", p.min_tokens, minimum=0)
     if p.min_tokens > p.max_new_tokens:
-        raise ValueError(
-            f"min_tokens: {p.min_tokens} is more than max_new_tokens ({p.max_new_tokens})"
+        raise ArgumentError(
+            f"min_tokens: {p.min_tokens} is more than max_new_tokens ({p.max_new_tokens})",
+            "min_tokens",
         )
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(getattr(p, name), bool):
-            raise ValueError(f"{name}: expected true or false, got {getattr(p, name)!r}")
+            raise ArgumentError(f"{name}: expected true or false, got {getattr(p, name)!r}", name)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(p, name)
         if value is not None:
@@ -105,7 +109,9 @@ def check(p: SamplingParams) -> None:
 
         parse_structured_outputs(p.structured_outputs)
         if p.min_tokens:  # a complete grammar allows only the stop tokens min_tokens masks
-            raise ValueError("min_tokens: not with structured_outputs (the grammar ends it)")
+            raise ArgumentError(
+                "min_tokens: not with structured_outputs (the grammar ends it)", "min_tokens"
+            )
 
 
 def params_dict(p: SamplingParams) -> dict:
@@ -120,7 +126,7 @@ def _strings(name: str, value) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-        raise ValueError(f"{name}: expected a string or a list of strings, got {value!r}")
+        raise ArgumentError(f"{name}: expected a string or a list of strings, got {value!r}", name)
     return tuple(value)
 
 
@@ -128,7 +134,7 @@ def _ids(name: str, value) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
     ):
-        raise ValueError(f"{name}: expected a list of token ids, got {value!r}")
+        raise ArgumentError(f"{name}: expected a list of token ids, got {value!r}", name)
     return tuple(value)
 
 
@@ -138,8 +144,8 @@ def _bias(value) -> tuple[tuple[int, float], ...]:
     try:
         pairs = [(k, b) for k, b in items]
     except (TypeError, ValueError):
-        raise ValueError(
-            f"logit_bias: expected a map of token ids to biases, got {value!r}"
+        raise ArgumentError(
+            f"logit_bias: expected a map of token ids to biases, got {value!r}", "logit_bias"
         ) from None
     out = {}
     for key, bias in pairs:
@@ -147,34 +153,40 @@ def _bias(value) -> tuple[tuple[int, float], ...]:
         if isinstance(key, str) and key.strip().isdigit():
             token = int(key)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ValueError(f"logit_bias: key {key!r} is not a token id")
-        _number(f"logit_bias[{key}]", bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+            raise ArgumentError(f"logit_bias: key {key!r} is not a token id", "logit_bias")
+        where = f"logit_bias[{key}]"
+        _number(where, bias, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, param="logit_bias")
         out[token] = float(bias)
     return tuple(sorted(out.items()))
 
 
-def _number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+def _number(
+    name: str, value, low: float, high: float, low_open: bool = False, param: str | None = None
+) -> None:
+    """An ArgumentError naming `name` (the argument `param`, by default `name`) unless
+    `value` is a finite number in the range."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     if not ok or value < low or value > high or (low_open and value == low):
         if high == math.inf:
             relation = ">" if low_open else ">="
-            raise ValueError(f"{name}: expected a finite number {relation} {low:g}, got {value!r}")
-        left = "(" if low_open else "["
-        raise ValueError(f"{name}: expected a number in {left}{low:g}, {high:g}], got {value!r}")
+            words = f"expected a finite number {relation} {low:g}"
+        else:
+            words = f"expected a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ArgumentError(f"{name}: {words}, got {value!r}", param or name)
 
 
 def _int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+        raise ArgumentError(f"{name}: expected an integer >= {minimum}, got {value!r}", name)
 
 
 def check_prompt_ids(ids, vocab_size: int, name: str = "prompt_token_ids") -> list[int]:
     if not isinstance(ids, (list, tuple)) or len(ids) == 0:
-        raise ValueError(f"{name}: expected a non-empty list of token ids")
+        raise ArgumentError(f"{name}: expected a non-empty list of token ids", name)
     for tok in ids:
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-            raise ValueError(
-                f"{name}: token id {tok!r} is outside the vocabulary [0, {vocab_size})"
+            raise ArgumentError(
+                f"{name}: token id {tok!r} is outside the vocabulary [0, {vocab_size})", name
             )
     return list(ids)
 
@@ -182,20 +194,22 @@ def check_prompt_ids(ids, vocab_size: int, name: str = "prompt_token_ids") -> li
 def check_fits(
     prompt_len: int, max_new_tokens: int, max_seq_len: int, name: str, index: int | None = None
 ) -> None:
-    """A ValueError unless a prompt of `prompt_len` tokens and `max_new_tokens` fit in
+    """An ArgumentError unless a prompt of `prompt_len` tokens and `max_new_tokens` fit in
     runtime.max_seq_len: naming `name` (the prompt) when the prompt alone leaves no room for a
     new token, else max_new_tokens. `index`: which prompt of several (from 0; said from 1)."""
     which = "the prompt" if index is None else f"prompt {index + 1}"
     if prompt_len >= max_seq_len:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: {which} is {prompt_len} tokens, too long for "
             f"runtime.max_seq_len ({max_seq_len}), which must hold the prompt "
             f"and at least one new token; shorten it or raise "
-            f"runtime.max_seq_len"
+            f"runtime.max_seq_len",
+            name,
         )
     if prompt_len + max_new_tokens > max_seq_len:
-        raise ValueError(
+        raise ArgumentError(
             f"max_new_tokens: {which} ({prompt_len} tokens) + max_new_tokens "
             f"({max_new_tokens}) exceeds runtime.max_seq_len ({max_seq_len}); "
-            f"at most {max_seq_len - prompt_len} new tokens fit"
+            f"at most {max_seq_len - prompt_len} new tokens fit",
+            "max_new_tokens",
         )

@@ -55,7 +55,13 @@ from runtime.control.protocol import (
     StatsReply,
 )
 from runtime.control.waker import Waker
-from runtime.errors import EngineClosedError, EngineDeadError, RequestCancelledError
+from runtime.errors import (
+    ArgumentError,
+    EngineClosedError,
+    EngineDeadError,
+    RequestCancelledError,
+    naming,
+)
 from runtime.params import SamplingParams, check_fits, check_prompt_ids
 
 __all__ = ["Client", "CONNECT_TIMEOUT_S", "IO_JOIN_S", "WORKER_DEATH_GRACE_S"]
@@ -155,6 +161,8 @@ class Client(ClientIO):
                 raise _dead_error(msg)
             if msg.kind == "cancelled":
                 raise RequestCancelledError(msg.message)
+            if msg.param is not None:
+                raise ArgumentError(msg.message, msg.param)
             raise ValueError(msg.message)
         return msg
 
@@ -233,14 +241,16 @@ class Client(ClientIO):
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if tools is not None and not (chat and prompt is not None):
-            raise ValueError("tools: only a chat prompt (chat=True) shows tools")
+            raise ArgumentError("tools: only a chat prompt (chat=True) shows tools", "tools")
         rid = self._new_id()
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt)
             if not prompts or not all(isinstance(p, str) and p for p in prompts):
-                raise ValueError("prompt: expected a non-empty string or list of strings")
-            tools = check_tools(tools) or None
+                words = "prompt: expected a non-empty string or list of strings"
+                raise ArgumentError(words, "prompt")
+            with naming("tools"):
+                tools = check_tools(tools) or None
             return Generate(rid, params, stream, prompts=prompts, chat=chat, tools=tools), single
         lists, single = _id_lists(prompt_token_ids)
         info = self._info or self.info()
@@ -323,6 +333,7 @@ def _id_lists(ids) -> tuple[list[list[int]], bool]:
             return [list(ids)], True
         if all(isinstance(row, (list, tuple)) for row in ids):
             return [list(row) for row in ids], False
-    raise ValueError(
-        "prompt_token_ids: expected a non-empty list of token ids or a list of such lists"
+    raise ArgumentError(
+        "prompt_token_ids: expected a non-empty list of token ids or a list of such lists",
+        "prompt_token_ids",
     )

@@ -182,10 +182,12 @@ class Final(ClientReply):
 @dataclass(frozen=True, slots=True)
 class Failed(ClientReply):
     """kind: "value" (a bad request), "cancelled" (the client went silent, or asked), "dead"
-    (the engine failed, or the server is shutting down)."""
+    (the engine failed, or the server is shutting down); `param`: for "value", the argument
+    refused (runtime.errors.ArgumentError's), when one is."""
 
     message: str
     kind: str
+    param: str | None = None
 
 
 @message("pong")

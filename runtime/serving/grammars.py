@@ -13,6 +13,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from runtime.errors import ArgumentError
 from runtime.serving.sequence import Sequence
 
 log = logging.getLogger("tandem.grammars")
@@ -49,7 +50,8 @@ class GrammarService:
             error = future.exception()
             if error is not None and not isinstance(error, ValueError):
                 log.error("compiling a grammar failed: %r", error)
-                error = ValueError(f"structured_outputs: the grammar was not compiled: {error}")
+                words = f"structured_outputs: the grammar was not compiled: {error}"
+                error = ArgumentError(words, "structured_outputs")
             if error is None:
                 for seq in seqs:
                     seq.grammar = future.result()
@@ -75,7 +77,7 @@ class GrammarService:
 
         if self._compiler is None:
             if self.tokenizer is None:
-                raise ValueError(f"{spec.argument}: grammars need a tokenizer; this model has none")
+                raise spec.error("grammars need a tokenizer; this model has none")
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos)
             info = self._compiler.tokenizer_info.serialize_json().encode()
             self._vocab = base64.b64encode(zlib.compress(info, 1)).decode()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from runtime.config import TandemConfig
 from runtime.config.vocab import cross_tokenizer
 from runtime.control.pool import WorkerPool
+from runtime.errors import ArgumentError, naming
 from runtime.models.loading.checkpoint import inspect_checkpoint
 from runtime.models.loading.tokenizer import load_tokenizer
 from runtime.params import SamplingParams, check_fits, check_prompt_ids
@@ -147,9 +148,11 @@ class Orchestrator:
     # --- requests ------------------------------------------------------------------------
     def encode(self, text: str, chat: bool = False, tools: list | None = None) -> list[int]:
         if not isinstance(text, str) or not text:
-            raise ValueError("prompt: expected a non-empty string")
+            raise ArgumentError("prompt: expected a non-empty string", "prompt")
         if self.tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            raise ArgumentError(
+                "prompt: this model has no tokenizer; pass prompt_token_ids", "prompt"
+            )
         if chat:
             return self.encode_chat([{"role": "user", "content": text}], tools, "prompt")
         return list(self.tokenizer.encode(text))
@@ -157,13 +160,17 @@ class Orchestrator:
     def encode_chat(self, messages, tools: list | None = None, name: str = "messages") -> list[int]:
         """A whole conversation (OpenAI's messages, tool calls and tool results included) and
         the `tools` it may call through the tokenizer's chat template, with the assistant's
-        generation prompt appended (runtime.serving.chat). Errors are ValueErrors naming
+        generation prompt appended (runtime.serving.chat). Errors are ArgumentErrors naming
         `name` (or tools)."""
-        checked = chat_messages_with_tools(messages)
-        tools = check_template_tools(tools)
+        with naming(name):
+            checked = chat_messages_with_tools(messages)
+        with naming("tools"):
+            tools = check_template_tools(tools)
         if self.tokenizer is None:
-            raise ValueError(f"{name}: this model has no tokenizer; pass prompt_token_ids")
-        ids = render_chat(self.tokenizer, checked, tools, name=name)
+            words = f"{name}: this model has no tokenizer; pass prompt_token_ids"
+            raise ArgumentError(words, name)
+        with naming(name):  # the template failed
+            ids = render_chat(self.tokenizer, checked, tools, name=name)
         assert isinstance(ids, list)  # tokenize=True
         return ids
 
@@ -194,7 +201,7 @@ class Orchestrator:
             assert prompt_ids is not None  # exactly one of the three was given
             id_lists = [check_prompt_ids(ids, self.vocab_size) for ids in prompt_ids]
         if not id_lists:
-            raise ValueError("prompt: expected at least one prompt")
+            raise ArgumentError("prompt: expected at least one prompt", "prompt")
         name = (
             "messages"
             if messages is not None
@@ -236,28 +243,30 @@ class Orchestrator:
         """What needs the model or the server: stop strings a tokenizer, token ids the
         vocabulary, n and logprobs the configured caps."""
         if sampling.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+            raise ArgumentError("stop: stop strings need a tokenizer; this model has none", "stop")
         for name, ids in (
             ("logit_bias", [t for t, _ in sampling.logit_bias]),
             ("stop_token_ids", list(sampling.stop_token_ids)),
         ):
             for token in ids:
                 if token >= self.vocab_size:
-                    raise ValueError(
-                        f"{name}: token id {token} is outside the vocabulary [0, {self.vocab_size})"
-                    )
+                    vocab = f"[0, {self.vocab_size})"
+                    words = f"{name}: token id {token} is outside the vocabulary {vocab}"
+                    raise ArgumentError(words, name)
         server = self.config.server
         if sampling.n > server.max_n:
-            raise ValueError(
+            raise ArgumentError(
                 f"n: {sampling.n} is more than the {server.max_n} samples a request may ask "
-                f"for (server.max_n)"
+                f"for (server.max_n)",
+                "n",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(sampling, name)
             if value is not None and value > server.max_logprobs:
-                raise ValueError(
+                raise ArgumentError(
                     f"{name}: {value} is more than the {server.max_logprobs} alternatives a "
-                    f"token's logprobs may hold (server.max_logprobs)"
+                    f"token's logprobs may hold (server.max_logprobs)",
+                    name,
                 )
 
     # --- the one door into serving ------------------------------------------------------

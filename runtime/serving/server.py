@@ -139,7 +139,7 @@ class Server:
                 tools=msg.tools,
             )
         except (ValueError, TypeError) as exc:
-            self.reply(identity, Failed(rid, str(exc), "value"))
+            self.reply(identity, Failed(rid, str(exc), "value", getattr(exc, "param", None)))
             return
         self.pending[rid] = Pending(identity, msg.stream, seqs)
         if seqs[0].params.structured_outputs is None:
@@ -161,7 +161,8 @@ class Server:
                 continue
             if error is not None:
                 del self.pending[rid]
-                self.reply(pend.identity, Failed(rid, str(error), "value"))
+                param = getattr(error, "param", None)
+                self.reply(pend.identity, Failed(rid, str(error), "value", param))
             else:
                 self.orch.submit(seqs)
 
@@ -174,7 +175,7 @@ class Server:
             if pend is None:
                 continue
             if seq.error:  # its grammar failed: the request ends with the error (siblings too)
-                self.end(seq.request_id, seq.error, "value")
+                self.end(seq.request_id, seq.error, "value", "structured_outputs")
                 continue
             if event.kind is EventKind.DELTA and pend.stream and (event.token_ids or event.text):
                 logprobs = None if event.logprobs is None else pairs(event.logprobs)
@@ -189,11 +190,12 @@ class Server:
                 del self.pending[seq.request_id]
                 self.reply(pend.identity, Final(seq.request_id, [s.output() for s in pend.seqs]))
 
-    def end(self, rid: str, message: str, kind: str) -> None:
-        """End a request before its final reply: the scheduler drops it, the client is told."""
+    def end(self, rid: str, message: str, kind: str, param: str | None = None) -> None:
+        """End a request before its final reply: the scheduler drops it, the client is told
+        (`param`: the argument at fault, for kind "value")."""
         pend = self.pending.pop(rid)
         self.orch.cancel(rid)
-        self.reply(pend.identity, Failed(rid, message, kind))
+        self.reply(pend.identity, Failed(rid, message, kind, param))
 
     def sweep_clients(self) -> None:
         """Cancel the requests of clients that stopped pinging (gone without a word). The

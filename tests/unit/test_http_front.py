@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP front's request rules without a server (runtime.api.openai.requests,
-runtime.api.http.routes): OpenAI's temperature range, what `stop` accepts, which model names
+"""The OpenAI-compatible HTTP front's request rules without a server (runtime.api.openai.bodies,
+openai.requests, http.routes): OpenAI's temperature range, what `stop` accepts, which model names
 it serves."""
 
 from __future__ import annotations
@@ -10,18 +10,27 @@ import math
 import pytest
 
 from runtime.api.http.routes import Routes
+from runtime.api.openai.bodies import CompletionRequest
 from runtime.api.openai.errors import HttpError
 from runtime.api.openai.requests import sampling_kwargs, value_error
 from runtime.params import SamplingParams
+from tests.http_bodies import validated
 
 pytestmark = pytest.mark.timeout(30)
 
 
+def _kwargs(body: dict) -> dict:
+    """The sampling arguments of a completion body with `body`'s."""
+    req = validated(CompletionRequest, {"model": "m", "prompt": "x", **body})
+    return sampling_kwargs(req, req.max_tokens)
+
+
 def _refusal(body: dict) -> HttpError:
-    """The 400 that the front answers for `body`'s sampling arguments (checked in sampling_kwargs,
-    or by SamplingParams as HttpClient.build does, its ValueError turned into HttpError)."""
+    """The 400 that the front answers for `body`'s sampling arguments (refused by the body's
+    model, or by SamplingParams as HttpClient.build does, its ValueError turned into
+    HttpError)."""
     try:
-        SamplingParams.from_kwargs(**sampling_kwargs(body, "max_tokens"))
+        SamplingParams.from_kwargs(**_kwargs(body))
     except HttpError as exc:
         return exc
     except ValueError as exc:
@@ -38,11 +47,11 @@ def test_temperature_outside_openais_range_is_400(temperature):
 
 @pytest.mark.parametrize("temperature", [0, 0.0, 0.7, 1, 2, 2.0])
 def test_temperature_in_openais_range_is_passed_on(temperature):
-    assert sampling_kwargs({"temperature": temperature}, "max_tokens")["temperature"] == temperature
+    assert _kwargs({"temperature": temperature})["temperature"] == temperature
 
 
 def test_temperature_defaults_to_openais():
-    assert sampling_kwargs({}, "max_tokens")["temperature"] == 1.0
+    assert _kwargs({})["temperature"] == 1.0
 
 
 def test_non_number_temperature_is_400():
@@ -59,9 +68,7 @@ def test_bad_stop_says_a_string_or_a_list_is_accepted(stop):
 
 @pytest.mark.parametrize("stop, expected", [("x", ("x",)), (["x", "y"], ("x", "y"))])
 def test_stop_takes_a_string_or_a_list(stop, expected):
-    assert (
-        SamplingParams.from_kwargs(**sampling_kwargs({"stop": stop}, "max_tokens")).stop == expected
-    )
+    assert SamplingParams.from_kwargs(**_kwargs({"stop": stop})).stop == expected
 
 
 # --- the served model name -----------------------------------------------------------------
@@ -73,7 +80,7 @@ class _FakeClient:
 
 
 def _check(routes: Routes, name: str):
-    return asyncio.run(routes.check_model({"model": name}))
+    return asyncio.run(routes.check_model(name))
 
 
 def test_default_served_name_is_the_targets_file_name_or_its_path():

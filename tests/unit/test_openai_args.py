@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from runtime.api.openai.errors import HttpError
-from runtime.api.openai.requests import (
-    CHAT_ARGS,
-    CHAT_OFF_VALUES,
-    COMPLETION_ARGS,
-    check_args,
-    parse_chat,
-    parse_completion,
-    value_error,
-)
-from runtime.params import SamplingParams
+from runtime.api.openai.requests import parse_chat, parse_completion, value_error
+from runtime.control import protocol
+from runtime.control.protocol import Failed
+from runtime.errors import ArgumentError
+from runtime.params import SamplingParams, check_fits
+from tests.http_bodies import validated
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -26,15 +23,11 @@ COMPLETION = {"model": "m", "prompt": "hi"}
 
 
 def _completion(**body):
-    body = {**COMPLETION, **body}
-    check_args(body, COMPLETION_ARGS)
-    return parse_completion(body)
+    return parse_completion(validated(CompletionRequest, {**COMPLETION, **body}))
 
 
 def _chat(**body):
-    body = {**CHAT, **body}
-    check_args(body, CHAT_ARGS, CHAT_OFF_VALUES)
-    return parse_chat(body)
+    return parse_chat(validated(ChatCompletionRequest, {**CHAT, **body}))
 
 
 def _refused(parse, **body) -> HttpError:
@@ -160,20 +153,38 @@ def test_min_tokens_message_uses_openais_name():
 
 
 @pytest.mark.parametrize(
-    "message,param",
+    "message,engine,param",
     [
-        ("n: 17 is more than the 16 samples a request may ask for", "n"),
-        ("logit_bias: token id 60000 is outside the vocabulary [0, 49152)", "logit_bias"),
-        ("logit_bias[5]: expected a number in [-100, 100], got 101", "logit_bias"),
-        ("prompt_logprobs: not supported by this server yet", "echo"),
-        ("max_new_tokens: expected an integer >= 1, got 0", "max_tokens"),
-        ("prompt_token_ids: token id 99 is outside the vocabulary", "prompt"),
+        ("n: 17 is more than the 16 samples a request may ask for", "n", "n"),
+        ("logit_bias: token id 60000 is outside the vocabulary [0, 49152)", "logit_bias", None),
+        ("logit_bias[5]: expected a number in [-100, 100], got 101", "logit_bias", None),
+        ("prompt_logprobs: not supported by this server yet", "prompt_logprobs", "echo"),
+        ("max_new_tokens: expected an integer >= 1, got 0", "max_new_tokens", "max_tokens"),
+        ("prompt_token_ids: token id 99 is outside the vocabulary", "prompt_token_ids", "prompt"),
     ],
 )
-def test_engine_refusals_name_the_openai_argument(message, param):
-    error = value_error(ValueError(message), "max_tokens", "prompt")
+def test_engine_refusals_name_the_openai_argument(message, engine, param):
+    param = param or engine
+    error = value_error(ArgumentError(message, engine), "max_tokens", "prompt")
     assert error.status == 400 and error.param == param, error.body()
     assert error.message.startswith(param), error.message
+    # the server's refusal carries the argument across the wire
+    reply = protocol.decode(protocol.encode(Failed("r", message, "value", engine)))
+    assert _completion().failure(reply).param == param
+
+
+def test_the_argument_named_is_the_errors_not_its_words():
+    refusal = ArgumentError("the schema cannot be compiled", "structured_outputs")
+    assert _completion(response_format={"type": "json_object"}).refusal(refusal).param == (
+        "response_format"
+    )
+    assert _completion().refusal(ArgumentError("n: too many", "bogus")).param is None
+    with pytest.raises(ArgumentError) as caught:
+        SamplingParams.from_kwargs(logit_bias={"5": 101})
+    assert caught.value.param == "logit_bias" and str(caught.value).startswith("logit_bias[5]")
+    with pytest.raises(ArgumentError) as caught:
+        check_fits(10, 8, 16, "prompt_token_ids")
+    assert caught.value.param == "max_new_tokens"
 
 
 def test_supported_arguments_are_no_longer_refused():
@@ -187,7 +198,7 @@ def test_supported_arguments_are_no_longer_refused():
         best_of=1,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
     )
-    check_args({**COMPLETION, **body}, COMPLETION_ARGS)
+    validated(CompletionRequest, {**COMPLETION, **body})
     chat = dict(body, logprobs=True, top_logprobs=2)
-    del chat["echo"]
-    check_args({**CHAT, **chat}, CHAT_ARGS, CHAT_OFF_VALUES)
+    del chat["echo"], chat["best_of"]  # completions' arguments
+    validated(ChatCompletionRequest, {**CHAT, **chat})

@@ -15,6 +15,12 @@ from fastapi.testclient import TestClient
 from runtime.api.http.app import create_app
 from runtime.api.http.backend import AsyncWaiter, HttpClient
 from runtime.api.openai.logprobs import MIN_LOGPROB
+from runtime.api.openai.reply_models import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+)
 from runtime.api.openai.tokens import TokenizerSource, TokenStrings
 from runtime.control.protocol import Delta, Final, Generate
 
@@ -251,6 +257,35 @@ def test_bad_arguments_are_400_and_the_front_keeps_serving(app):
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "top_logprobs"
     assert _post(http, "completions", prompt="a", max_tokens=1)["choices"][0]["text"] == " t20"
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("completions", dict(prompt=["a", "b"], n=2, max_tokens=2, logprobs=2)),
+        ("completions", dict(prompt=[[0, 5]], max_tokens=1, echo=True, logprobs=1)),
+        ("chat/completions", dict(messages=[{"role": "user", "content": "x"}], max_tokens=2)),
+        (
+            "chat/completions",
+            dict(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2),
+        ),
+    ],
+)
+def test_answers_and_chunks_are_their_reply_models(app, path, body):
+    """What the shapes make is what /openapi.json says (openai_replies), key for key: a
+    whole answer (served through its response_model) and every chunk of its stream."""
+    http, _, _ = app
+    whole, chunk = (
+        (Completion, CompletionChunk)
+        if path == "completions"
+        else (ChatCompletion, ChatCompletionChunk)
+    )
+    out = _post(http, path, **body)
+    assert whole.model_validate(out).model_dump(exclude_unset=True) == out
+    if body.get("echo"):  # streaming an echo with logprobs is refused
+        return
+    for event in _events(http, path, stream_options={"include_usage": True}, **body):
+        assert chunk.model_validate(event).model_dump(exclude_unset=True) == event
 
 
 def test_token_strings_without_a_tokenizer(tmp_path):

@@ -15,20 +15,15 @@ from fastapi.testclient import TestClient
 
 from runtime.api.http.app import create_app
 from runtime.api.http.backend import AsyncWaiter, HttpClient
+from runtime.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from runtime.api.openai.errors import HttpError
-from runtime.api.openai.requests import (
-    CHAT_ARGS,
-    CHAT_OFF_VALUES,
-    COMPLETION_ARGS,
-    check_args,
-    parse_chat,
-    parse_completion,
-)
+from runtime.api.openai.requests import parse_chat, parse_completion
 from runtime.api.openai.tokens import TokenizerSource
 from runtime.api.tools.grammar import tool_grammar
 from runtime.api.tools.request import parse_tool_request
 from runtime.control.protocol import Delta, Failed, Final, Generate
 from tests.chat_templates import WEATHER_CALL_TURNS
+from tests.http_bodies import validated
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,9 +48,7 @@ HISTORY = [*USER, *WEATHER_CALL_TURNS]
 
 # --- request bodies -----------------------------------------------------------------------
 def _chat(**body):
-    body = {"model": "m", "messages": USER, **body}
-    check_args(body, CHAT_ARGS, CHAT_OFF_VALUES)
-    return parse_chat(body)
+    return parse_chat(validated(ChatCompletionRequest, {"model": "m", "messages": USER, **body}))
 
 
 def test_tools_go_to_the_template_and_history_calls_are_accepted():
@@ -92,8 +85,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ],
 )
 def test_response_format_and_structured_outputs_become_the_engines_argument(body, expected):
-    completion = {"model": "m", "prompt": "p", **body}
-    check_args(completion, COMPLETION_ARGS)
+    completion = validated(CompletionRequest, {"model": "m", "prompt": "p", **body})
     for req in (_chat(**body), parse_completion(completion)):
         assert req.params.get("structured_outputs") == expected
 

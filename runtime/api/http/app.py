@@ -28,7 +28,9 @@ body as the engine's arguments), openai/structured.py (response_format, structur
 and a chat's tools: the tool-call format and a forced choice's grammar; the calls themselves:
 tools/*.py), openai/replies.py (OpenAI's response and chunk shapes),
 openai/logprobs.py (their logprobs), openai/tokens.py (token strings, loaded on first need),
-openai/errors.py (the error body), http/tokenizer.py (/tokenize, /detokenize),
+openai/errors.py (the error body), openai/bodies.py and openai/reply_models.py (the request
+and response bodies' pydantic models, from which validation, the 400s naming `param` and the
+schema at /openapi.json come: http/openapi.py), http/tokenizer.py (/tokenize, /detokenize),
 http/backend.py (the asyncio-friendly Client), http/access.py (the key and TLS files),
 http/guard.py (the key at the door) and http/address.py (listening addresses).
 """
@@ -57,13 +59,22 @@ from runtime.api.http.access import (
 from runtime.api.http.address import bind_http, connect_address, parse_http_address, socket_url
 from runtime.api.http.backend import HttpClient
 from runtime.api.http.guard import KeyGuard
+from runtime.api.http.openapi import ERRORS, generation, invalid_body, openapi_with
 from runtime.api.http.responses import ResponsesRoute
 from runtime.api.http.routes import Routes
 from runtime.api.http.tokenizer import TokenizerRoutes
 from runtime.api.openai.errors import HttpError
+from runtime.api.openai.reply_models import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    ModelCard,
+    ModelList,
+)
 from runtime.api.openai.responses_objects import ResponseObject
-from runtime.api.openai.validation import handle_validation_error
 from runtime.api.tools.parsers import PARSERS
+from runtime.version import installed_version
 
 log = logging.getLogger("tandem.http")
 
@@ -84,10 +95,17 @@ def create_app(
     the chat template's tool-call format; default: the one the server's info() names);
     `tool_parser`: server.tool_parser (None: the chat template's format); `api_key`: the
     bearer key every route but http_guard.OPEN_PATHS needs (None: none needed)."""
-    app = FastAPI(title="tandem", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app = FastAPI(
+        title="tandem",
+        version=installed_version() or "unknown",
+        description="OpenAI-compatible API of a tandem server (draft-target speculative "
+        "decoding); vLLM's extensions of the request bodies are accepted.",
+        redoc_url=None,
+        strict_content_type=False,  # a body without a Content-Type is read as JSON
+    )
     routes = Routes(client, model_name, tokenizer_path, tool_parser)
     app.add_exception_handler(HttpError, _http_error)
-    app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(RequestValidationError, invalid_body)
     if api_key is not None:
         app.add_middleware(KeyGuard, key=api_key)
     tokenizer = TokenizerRoutes(routes)
@@ -96,14 +114,42 @@ def create_app(
     app.add_api_route("/version", routes.version, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
-    app.add_api_route("/v1/models/{name:path}", routes.one_model, methods=["GET"])
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route(
+        "/v1/models", routes.models, methods=["GET"], response_model=ModelList, responses=ERRORS
+    )
+    app.add_api_route(
+        "/v1/models/{name:path}",
+        routes.one_model,
+        methods=["GET"],
+        response_model=ModelCard,
+        responses=ERRORS,
+    )
+    app.add_api_route(
+        "/v1/completions",
+        routes.completions,
+        methods=["POST"],
+        response_model=Completion,
+        response_model_exclude_unset=True,
+        responses=generation(Completion, CompletionChunk),
+    )
+    app.add_api_route(
+        "/v1/chat/completions",
+        routes.chat_completions,
+        methods=["POST"],
+        response_model=ChatCompletion,
+        response_model_exclude_unset=True,
+        responses=generation(ChatCompletion, ChatCompletionChunk),
+    )
     responses = ResponsesRoute(routes)
     app.add_api_route(
-        "/v1/responses", responses.create, methods=["POST"], response_model=ResponseObject
+        "/v1/responses",
+        responses.create,
+        methods=["POST"],
+        response_model=ResponseObject,
+        responses=ERRORS,
     )
+    chunks = (CompletionChunk, ChatCompletionChunk)
+    app.openapi = lambda: openapi_with(app, chunks)  # type: ignore[method-assign]
     return app
 
 

@@ -1,6 +1,6 @@
 """POST /v1/responses (OpenAI's Responses API, stateless) over the chat completions'
 machinery: the body (openai.responses_requests.ResponsesRequest, validated by FastAPI: a bad one
-is a 400 naming the argument, openai/validation.py) becomes a chat completion's body, which
+is a 400 naming the argument, http/openapi.py) becomes a chat completion's body, which
 is parsed, submitted and collected as /v1/chat/completions' is (runtime/api/http/routes.py);
 the outputs become a response object or its stream of events (openai/responses_events.py),
 server-sent as `event: TYPE` / `data: JSON`, with no `[DONE]` (as OpenAI's)."""
@@ -14,11 +14,13 @@ from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from runtime.api.http.backend import AsyncWaiter
 from runtime.api.http.routes import Routes
-from runtime.api.openai.errors import HttpError
-from runtime.api.openai.requests import CHAT_ARGS, CHAT_OFF_VALUES, check_args, parse_chat
+from runtime.api.openai.bodies import ChatCompletionRequest
+from runtime.api.openai.errors import HttpError, validation_error
+from runtime.api.openai.requests import parse_chat
 from runtime.api.openai.responses_events import ResponseEvents
 from runtime.api.openai.responses_objects import echo_of
 from runtime.api.openai.responses_requests import RESPONSES_NAMES, ResponsesRequest, to_chat
@@ -60,9 +62,12 @@ class ResponsesRoute:
 
     async def _create(self, request: Request, body: ResponsesRequest):
         routes = self.routes
-        name = await routes.check_model({"model": body.model})
-        chat = to_chat(body)
-        check_args(chat, CHAT_ARGS, CHAT_OFF_VALUES)
+        name = await routes.check_model(body.model)
+        raw = to_chat(body)
+        try:
+            chat = ChatCompletionRequest.model_validate(raw)
+        except ValidationError as exc:
+            raise validation_error(exc.errors(), raw) from None
         req = await routes.read_tools(parse_chat(chat))
         req = replace(req, max_name="max_output_tokens", prompt_name="input")
         await routes.info()  # cached after the first call; token-id validation needs it

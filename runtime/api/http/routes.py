@@ -17,17 +17,10 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from runtime.api.http.backend import AsyncWaiter, HttpClient
+from runtime.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from runtime.api.openai.errors import HttpError, engine_unavailable
 from runtime.api.openai.replies import DONE, ChatShapes, CompletionShapes, ResponseShapes, sse
-from runtime.api.openai.requests import (
-    CHAT_ARGS,
-    CHAT_OFF_VALUES,
-    COMPLETION_ARGS,
-    OpenAIRequest,
-    check_args,
-    parse_chat,
-    parse_completion,
-)
+from runtime.api.openai.requests import OpenAIRequest, parse_chat, parse_completion
 from runtime.api.openai.structured import forced_grammar, tool_format
 from runtime.api.openai.tokens import (
     Render,
@@ -80,11 +73,9 @@ class Routes:
             self.model = os.path.basename(path.rstrip("/")) or path
         return self.model
 
-    async def check_model(self, body: dict) -> str:
+    async def check_model(self, requested: str) -> str:
+        """The served model's id, when `requested` names it (else a 404)."""
         name = await self.model_id()
-        requested = body.get("model")
-        if not isinstance(requested, str) or not requested:
-            raise HttpError(400, "model: expected the model's name", "model")
         accepted = {name} if self.named else {name, str((await self.info()).get("model"))}
         if requested not in accepted:
             raise self.not_found(requested, name)
@@ -104,6 +95,7 @@ class Routes:
 
     # --- the endpoints --------------------------------------------------------------------
     async def health(self):
+        """Whether the front serves."""
         return {"status": "ok"}
 
     async def metrics(self):
@@ -116,9 +108,11 @@ class Routes:
         return Response(text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     async def models(self):
+        """The served model (one)."""
         return {"object": "list", "data": [self.model_card(await self.model_id())]}
 
     async def one_model(self, name: str):
+        """The served model, when `name` is its id (else a 404)."""
         served = await self.model_id()
         if name != served:
             raise self.not_found(name, served)
@@ -128,16 +122,17 @@ class Routes:
         """tandem's version, as vLLM's /version gives its own."""
         return {"version": installed_version() or "unknown"}
 
-    async def completions(self, request: Request):
-        body = await self.read_body(request)
-        check_args(body, COMPLETION_ARGS)
-        name = await self.check_model(body)
+    async def completions(self, request: Request, body: CompletionRequest):
+        """A completion of each prompt (n choices each), or with stream: true, its chunks as
+        server-sent events, ending with `data: [DONE]`."""
+        name = await self.check_model(body.model)
         return await self.answer(request, parse_completion(body), CompletionShapes, name)
 
-    async def chat_completions(self, request: Request):
-        body = await self.read_body(request)
-        check_args(body, CHAT_ARGS, CHAT_OFF_VALUES)
-        name = await self.check_model(body)
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest):
+        """The assistant's next message after `messages` (the chat template over all of
+        them), or with stream: true, its chunks as server-sent events, ending with
+        `data: [DONE]`."""
+        name = await self.check_model(body.model)
         req = await self.read_tools(parse_chat(body))
         return await self.answer(request, req, ChatShapes, name)
 
@@ -154,15 +149,6 @@ class Routes:
         parser = tool_format(tools, self.tool_parser, template)
         grammar = await asyncio.to_thread(forced_grammar, tools, parser) if tools.forced else None
         return req.reading_tools(parser, grammar)
-
-    async def read_body(self, request: Request) -> dict:
-        try:
-            body = await request.json()
-        except Exception:  # noqa: BLE001 - any undecodable body
-            raise HttpError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise HttpError(400, "the request body must be a JSON object")
-        return body
 
     # --- one request on the server --------------------------------------------------------
     async def answer(

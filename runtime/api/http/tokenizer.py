@@ -19,66 +19,70 @@ without a tokenizer is a 400; a front that cannot load it (standalone, on anothe
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated, Any
 
-from fastapi import Request
+from pydantic import Field, WithJsonSchema
 
 from runtime.api.http.routes import Routes
+from runtime.api.openai.bodies import Body
 from runtime.api.openai.errors import HttpError
-from runtime.api.openai.requests import check_args, value_error
+from runtime.api.openai.fields import Flag, TokenIds
+from runtime.api.openai.requests import value_error
+from runtime.api.openai.schemas import MESSAGES, TOOLS
 from runtime.serving.chat import chat_messages_with_tools, check_template_tools, render_chat
 
-TEXT_ARGS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-CHAT_ARGS = {
-    "model",
-    "messages",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "return_token_strs",
-    "tools",
-}
-DETOKENIZE_ARGS = {"model", "tokens"}
+
+class TokenizeRequest(Body):
+    """A text (`prompt`) or a conversation (`messages`) to tokenize, as vLLM's /tokenize."""
+
+    model: str | None = Field(None, min_length=1, description="the served model's id")
+    prompt: str | None = Field(None, description="a text (give it or messages)")
+    messages: Annotated[Any, WithJsonSchema(MESSAGES)] = Field(
+        None, description="a conversation, through the chat template (give it or prompt)"
+    )
+    tools: Annotated[Any, WithJsonSchema(TOOLS)] = Field(
+        None, description="tools shown to the chat template"
+    )
+    add_special_tokens: Flag | None = Field(
+        None,
+        description="the tokenizer's special tokens on top (default: true for a text, "
+        "false for a conversation, whose template holds its own)",
+    )
+    add_generation_prompt: Flag = Field(True, description="the assistant's turn opened")
+    continue_final_message: Flag = Field(False, description="the last message left open")
+    return_token_strs: Flag = Field(False, description="each token's string too")
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise HttpError(400, f"{name}: expected a boolean", name)
-    return value
+class DetokenizeRequest(Body):
+    model: str | None = Field(None, min_length=1, description="the served model's id")
+    tokens: TokenIds = Field(description="token ids to decode (special tokens shown)")
 
 
-def encode_text(tokenizer, body: dict) -> list[int]:
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise HttpError(400, "prompt: expected a string", "prompt")
-    special = _flag(body, "add_special_tokens", True)
-    return list(tokenizer.encode(prompt, add_special_tokens=special))
+def encode_text(tokenizer, body: TokenizeRequest) -> list[int]:
+    special = True if body.add_special_tokens is None else body.add_special_tokens
+    return list(tokenizer.encode(body.prompt, add_special_tokens=special))
 
 
-def encode_chat(tokenizer, body: dict) -> list[int]:
+def encode_chat(tokenizer, body: TokenizeRequest) -> list[int]:
     """A conversation's prompt ids: the template's own tokens, plus the tokenizer's special
     tokens on top when add_special_tokens is true."""
-    generation = _flag(body, "add_generation_prompt", True)
-    final_open = _flag(body, "continue_final_message", False)
-    special = _flag(body, "add_special_tokens", False)
-    if generation and final_open:
+    special = bool(body.add_special_tokens)
+    if body.add_generation_prompt and body.continue_final_message:
         raise HttpError(
             400,
             "continue_final_message: cannot be true with add_generation_prompt true",
             "continue_final_message",
         )
     try:
-        messages = chat_messages_with_tools(body.get("messages"))
-        tools = check_template_tools(body.get("tools"))
+        messages = chat_messages_with_tools(body.messages)
+        tools = check_template_tools(body.tools)
         rendered = render_chat(
             tokenizer,
             messages,
             tools,
             tokenize=not special,
-            add_generation_prompt=generation,
-            continue_final_message=final_open,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
         )
     except ValueError as exc:
         raise value_error(exc, "max_tokens", "messages") from None
@@ -87,12 +91,8 @@ def encode_chat(tokenizer, body: dict) -> list[int]:
     return rendered
 
 
-def check_token_ids(tokens, vocab_size: int | None) -> list[int]:
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in tokens
-    ):
-        raise HttpError(400, "tokens: expected a list of token ids (integers)", "tokens")
-    bad = [t for t in tokens if t < 0 or (vocab_size is not None and t >= vocab_size)]
+def check_token_ids(tokens: list[int], vocab_size: int | None) -> list[int]:
+    bad = [t for t in tokens if vocab_size is not None and t >= vocab_size]
     if bad:
         raise HttpError(
             400,
@@ -108,10 +108,10 @@ class TokenizerRoutes:
     def __init__(self, routes: Routes):
         self.routes = routes
 
-    async def tokenizer(self, body: dict):
+    async def tokenizer(self, model: str | None):
         """(the server's tokenizer, the server's info), the model named checked."""
-        if body.get("model") is not None:
-            await self.routes.check_model(body)
+        if model is not None:
+            await self.routes.check_model(model)
         info = await self.routes.info()
         if not info.get("has_tokenizer", True):
             raise HttpError(400, "this model has no tokenizer: it takes token ids only")
@@ -125,18 +125,18 @@ class TokenizerRoutes:
             )
         return strings.tokenizer, info
 
-    async def tokenize(self, request: Request):
-        body = await self.routes.read_body(request)
-        chat = "messages" in body
-        if chat and "prompt" in body:
-            raise HttpError(400, "give `prompt` or `messages`, not both", "messages")
-        check_args(body, CHAT_ARGS if chat else TEXT_ARGS, {})
-        tokenizer, info = await self.tokenizer(body)
+    async def tokenize(self, body: TokenizeRequest):
+        chat = body.messages is not None
+        if chat == (body.prompt is not None):
+            raise HttpError(
+                400, "give `prompt` or `messages` (one of them)", "messages" if chat else "prompt"
+            )
+        if not chat and body.tools is not None:
+            raise HttpError(400, "tools: only with messages", "tools")
+        tokenizer, info = await self.tokenizer(body.model)
         encode = encode_chat if chat else encode_text
         ids = await asyncio.to_thread(encode, tokenizer, body)
-        strs = None
-        if _flag(body, "return_token_strs", False):
-            strs = list(tokenizer.convert_ids_to_tokens(ids))
+        strs = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
         return {
             "count": len(ids),
             "max_model_len": info.get("max_seq_len"),
@@ -144,11 +144,9 @@ class TokenizerRoutes:
             "token_strs": strs,
         }
 
-    async def detokenize(self, request: Request):
-        body = await self.routes.read_body(request)
-        check_args(body, DETOKENIZE_ARGS, {})
-        tokenizer, info = await self.tokenizer(body)
-        ids = check_token_ids(body.get("tokens"), info.get("vocab_size"))
+    async def detokenize(self, body: DetokenizeRequest):
+        tokenizer, info = await self.tokenizer(body.model)
+        ids = check_token_ids(body.tokens, info.get("vocab_size"))
         try:
             text = await asyncio.to_thread(tokenizer.decode, ids, skip_special_tokens=False)
         except Exception as exc:  # noqa: BLE001 - ids past the tokenizer's own table

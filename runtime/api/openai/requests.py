@@ -1,7 +1,7 @@
-"""OpenAI request bodies as the engine's arguments: which arguments /v1/completions and
-/v1/chat/completions accept (OpenAI's, and vLLM's extensions), their checks and OpenAI's
-defaults, the prompt or messages and the sampling arguments (runtime.params.SamplingParams'
-keywords) they give: completions' logprobs=N and echo become logprobs / prompt_logprobs,
+"""OpenAI request bodies (runtime/api/openai/bodies.py: the arguments each route accepts,
+their checks and OpenAI's defaults) as the engine's arguments: the prompt or messages and
+the sampling arguments (runtime.params.SamplingParams' keywords) they give, and the checks
+that span arguments: completions' logprobs=N and echo become logprobs / prompt_logprobs,
 chat's logprobs + top_logprobs become logprobs; and the engine's refusals turned into 400s
 that name the OpenAI argument. A chat's tools, tool_choice, response_format and vLLM's
 structured_outputs: runtime/api/openai/structured.py. Nothing here talks to the server.
@@ -12,42 +12,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from runtime.api.openai.bodies import (
+    DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Sampling,
+)
 from runtime.api.openai.errors import HttpError, engine_unavailable
 from runtime.api.openai.structured import chat_tools, structured_outputs
 from runtime.api.tools.request import ToolRequest
 from runtime.control.protocol import Failed
-from runtime.params import MAX_LOGPROBS
+from runtime.errors import ArgumentError
 from runtime.serving.chat import chat_messages_with_tools
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; used for chat as well
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the Python API's default is greedy)
-MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2] (the Python API takes any finite T >= 0)
-
-# Arguments accepted only with their "off" value (anything else is a 400 naming them).
-OFF_VALUES: dict[str, tuple] = {
-    "best_of": (None, 1),  # vLLM refuses it too
-    "suffix": (None, ""),
-    "functions": (None, []),  # OpenAI's legacy functions: refused, as vLLM does
-    "function_call": (None, "none", "auto"),
-    "audio": (None,),
-    "prediction": (None,),
-    "modalities": (None, ["text"]),
-    "web_search_options": (None,),
-}
-CHAT_OFF_VALUES = {**OFF_VALUES, "echo": (None, False)}  # vLLM's chat echo: not here
-_IGNORED = {
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "parallel_tool_calls",
-    "reasoning_effort",
-    "prompt_cache_key",
-    "safety_identifier",
-    "verbosity",
-}
-# SamplingParams' arguments passed on as they come (the engine checks them; vLLM's names)
+# SamplingParams' arguments passed on as they come (the engine checks them again)
 PASSED_ON = (
+    "temperature",
+    "top_p",
+    "seed",
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
@@ -60,28 +42,9 @@ PASSED_ON = (
     "include_stop_str_in_output",
     "skip_special_tokens",
 )
-_COMMON = {
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stream",
-    "stream_options",
-    "logprobs",
-    "response_format",
-    "structured_outputs",  # vLLM's extension
-    *PASSED_ON,
-}
-_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
-COMPLETION_ARGS = _COMMON | {"prompt", "echo"} | set(OFF_VALUES) | _IGNORED
-CHAT_ARGS = (
-    _COMMON
-    | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
-    | set(CHAT_OFF_VALUES)
-    | _IGNORED
+# the names a refusal's param may be: the bodies' arguments
+ARGUMENTS = frozenset(CompletionRequest.model_fields) | frozenset(
+    ChatCompletionRequest.model_fields
 )
 
 
@@ -108,11 +71,12 @@ class OpenAIRequest:
         return self.build_kwargs["params"]
 
     def refusal(self, exc: ValueError) -> HttpError:
-        return value_error(self._renamed(str(exc)), self.max_name, self.prompt_name)
+        """The engine's refusal of this request's arguments as a 400 naming OpenAI's."""
+        return value_error(exc, self.max_name, self.prompt_name, self.structured_name)
 
     def failure(self, msg: Failed) -> HttpError:
         if msg.kind == "value":
-            return self.refusal(ValueError(msg.message))
+            return self.refusal(refused(msg))
         return failure(msg, self.max_name, self.prompt_name)
 
     def reading_tools(self, parser: str, grammar: dict | None) -> OpenAIRequest:
@@ -124,51 +88,39 @@ class OpenAIRequest:
         build = {**self.build_kwargs, "params": params}
         return replace(self, build_kwargs=build, tool_parser=parser, structured_name="tool_choice")
 
-    def _renamed(self, message: str) -> ValueError:
-        """The engine's refusal of structured_outputs, naming the argument that gave it."""
-        if message.startswith("structured_outputs"):
-            message = self.structured_name + message.removeprefix("structured_outputs")
-        return ValueError(message)
 
-
-def parse_completion(body: dict) -> OpenAIRequest:
-    """A /v1/completions body (its arguments already passed check_args)."""
-    if "prompt" not in body:
-        raise HttpError(400, "prompt: this argument is required", "prompt")
-    params = sampling_kwargs(body, "max_tokens")
-    structured, source = structured_outputs(body)
+def parse_completion(body: CompletionRequest) -> OpenAIRequest:
+    """A /v1/completions body (validated by its model) as the engine's arguments."""
+    params = sampling_kwargs(body, body.max_tokens)
+    structured, source = structured_outputs(dict(body))
     if structured is not None:
         params["structured_outputs"] = structured
-    echo = _flag(body, "echo")
-    top_n = _top_n(body, "logprobs")
+    top_n, echo = body.logprobs, bool(body.echo)
     params["logprobs"] = top_n
     if echo and (top_n is not None or params["max_new_tokens"] == 0):
         params["prompt_logprobs"] = top_n or 0  # the echoed prompt's logprobs
-    stream = bool(body.get("stream"))
-    if echo and top_n is not None and stream:
+    if echo and top_n is not None and body.stream:
         raise HttpError(
             400, "echo: streaming with echo and logprobs is not supported by this server", "echo"
         )
-    kwargs = dict(prompt_kwargs(body["prompt"]), params=params)
+    kwargs = dict(prompt_kwargs(body.prompt), params=params)
     req = _request(body, kwargs, "max_tokens", "prompt", top_n, echo)
     return replace(req, structured_name=source)
 
 
-def parse_chat(body: dict) -> OpenAIRequest:
-    """A /v1/chat/completions body (its arguments already passed check_args)."""
-    max_name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
-    params = sampling_kwargs(body, max_name)
-    wanted = _flag(body, "logprobs")
-    top_n = _top_n(body, "top_logprobs")
-    if top_n is not None and not wanted:
+def parse_chat(body: ChatCompletionRequest) -> OpenAIRequest:
+    """A /v1/chat/completions body (validated by its model) as the engine's arguments."""
+    given = body.max_completion_tokens is not None
+    max_name = "max_completion_tokens" if given else "max_tokens"
+    params = sampling_kwargs(body, body.max_completion_tokens if given else body.max_tokens)
+    top_n = body.top_logprobs
+    if top_n is not None and not body.logprobs:
         raise HttpError(
             400, "top_logprobs: logprobs must be set to true to use top_logprobs", "top_logprobs"
         )
-    params["logprobs"] = (top_n or 0) if wanted else None
-    tools = chat_tools(body)
-    structured, source = structured_outputs(body)
+    params["logprobs"] = (top_n or 0) if body.logprobs else None
+    tools = chat_tools(dict(body))
+    structured, source = structured_outputs(dict(body))
     if structured is not None:
         if tools.forced:
             raise HttpError(
@@ -177,102 +129,34 @@ def parse_chat(body: dict) -> OpenAIRequest:
                 "tool_choice",
             )
         params["structured_outputs"] = structured
-    messages = chat_messages(body.get("messages"))
+    messages = chat_messages(body.messages)
     kwargs = {"messages": messages, "tools": tools.template_tools(), "params": params}
     req = _request(body, kwargs, max_name, "messages", params["logprobs"], False)
     return replace(req, tools=tools, structured_name=source)
 
 
 def _request(
-    body: dict, kwargs: dict, max_name: str, prompt_name: str, top_n: int | None, echo: bool
+    body: Sampling, kwargs: dict, max_name: str, prompt_name: str, top_n: int | None, echo: bool
 ) -> OpenAIRequest:
-    opts = body.get("stream_options") or {}
-    include = bool(opts.get("include_usage"))
-    continuous = include and bool(opts.get("continuous_usage_stats"))  # as vLLM: both
-    n = kwargs["params"].get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
-    stream = bool(body.get("stream"))
+    opts = body.stream_options
+    include = opts is not None and bool(opts.include_usage)
+    continuous = include and bool(opts and opts.continuous_usage_stats)  # as vLLM: both
+    stream = bool(body.stream)
+    n = body.n or 1
     return OpenAIRequest(kwargs, stream, include, max_name, prompt_name, n, top_n, echo, continuous)
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise HttpError(400, f"{name}: expected true or false, got {value!r}", name)
-    return bool(value)
-
-
-def _top_n(body: dict, name: str) -> int | None:
-    """A count of top alternatives per token (completions' logprobs, chat's top_logprobs)."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-        raise HttpError(
-            400, f"{name}: expected an integer in [0, {MAX_LOGPROBS}], got {value!r}", name
-        )
-    return value
-
-
-def check_args(body: dict, allowed: set[str], off: dict[str, tuple] = OFF_VALUES) -> None:
-    """Unknown arguments, unsupported values of the ones accepted only "off" (`off`), stream
-    and stream_options: a 400 naming the argument."""
-    for name in body:
-        if name not in allowed:
-            raise HttpError(400, f"Unrecognized request argument supplied: {name}", name)
-    for name, values in off.items():
-        value = body.get(name)
-        if value is not None and value not in values:
-            raise HttpError(400, f"{name}: {value!r} is not supported by this server", name)
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise HttpError(400, "stream: expected a boolean", "stream")
-    opts = body.get("stream_options")
-    if opts is not None and (
-        not isinstance(opts, dict) or not all(k in _STREAM_OPTIONS for k in opts)
-    ):
-        raise HttpError(
-            400,
-            'stream_options: expected {"include_usage": bool, "continuous_usage_stats": bool}',
-            "stream_options",
-        )
-
-
-def sampling_kwargs(body: dict, max_name: str) -> dict:
-    """The sampling arguments of SamplingParams.from_kwargs, with OpenAI's defaults (the
-    values' own checks are SamplingParams'; only OpenAI's temperature range is checked here)."""
-    max_tokens = body.get(max_name)
-    top_k = body.get("top_k")
-    if top_k == -1 and not isinstance(top_k, bool):  # vLLM's "off"
-        top_k = None
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    temperature = body.get("temperature")
-    if temperature is None:
-        temperature = DEFAULT_TEMPERATURE
-    elif _is_number(temperature) and not 0 <= temperature <= MAX_TEMPERATURE:
-        raise HttpError(
-            400,
-            f"temperature: expected a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
-            "temperature",
-        )
+def sampling_kwargs(body: Sampling, max_tokens: int | None) -> dict:
+    """The sampling arguments of SamplingParams.from_kwargs, with the body's defaults
+    (OpenAI's; the engine checks the values again, with the model's limits)."""
+    stop = body.stop
     kwargs = {
         "max_new_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        "temperature": temperature,
-        "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
-        "top_k": top_k,
-        "seed": body.get("seed"),
-        "stop": stop,
+        "top_k": None if body.top_k == -1 else body.top_k,  # -1: vLLM's "off"
+        "stop": [] if stop is None else [stop] if isinstance(stop, str) else list(stop),
     }
-    kwargs.update({name: body.get(name) for name in PASSED_ON})
+    kwargs.update({name: getattr(body, name) for name in PASSED_ON})
     return kwargs
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def chat_messages(value) -> list[dict]:
@@ -284,38 +168,59 @@ def chat_messages(value) -> list[dict]:
         raise HttpError(400, str(exc), "messages") from None
 
 
-def prompt_kwargs(prompt) -> dict:
-    """A completion's prompt as HttpClient.build's prompt= or prompt_token_ids=."""
-
-    def is_int(t):
-        return isinstance(t, int) and not isinstance(t, bool)
-
-    if isinstance(prompt, list) and prompt:
-        if all(is_int(t) for t in prompt):
-            return {"prompt_token_ids": prompt}
-        if all(isinstance(row, list) for row in prompt):
-            return {"prompt_token_ids": prompt}
-    if isinstance(prompt, (str, list)):
-        return {"prompt": prompt}
-    raise HttpError(
-        400,
-        "prompt: expected a string, a list of strings, a list of token ids or a list of such lists",
-        "prompt",
-    )
+def prompt_kwargs(prompt: str | list) -> dict:
+    """A completion's prompt (checked by its body's model: a string, strings, token ids or
+    rows of token ids) as HttpClient.build's prompt= or prompt_token_ids=."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        return {"prompt_token_ids": prompt}
+    return {"prompt": prompt}
 
 
-def value_error(exc: ValueError, max_name: str, prompt_name: str) -> HttpError:
-    """A tandem ValueError ('name: ...') as a 400 naming the OpenAI argument."""
-    message = str(exc).replace("max_new_tokens", max_name).replace("prompt_token_ids", prompt_name)
+def value_error(
+    exc: ValueError,
+    max_name: str,
+    prompt_name: str,
+    structured_name: str = "structured_outputs",
+) -> HttpError:
+    """A tandem ValueError ('name: ...') as a 400 naming the OpenAI argument: `max_name`
+    gave max_new_tokens, `prompt_name` the prompt (its token ids), `structured_name`
+    structured_outputs, echo prompt_logprobs. An ArgumentError carries the engine's name;
+    a plain ValueError (the tool checks', runtime/api/tools/request.py) is named by the
+    word its message starts with."""
+    message = _openai_words(str(exc), max_name, prompt_name, structured_name)
+    if isinstance(exc, ArgumentError):
+        names = {
+            "max_new_tokens": max_name,
+            "prompt": prompt_name,
+            "prompt_token_ids": prompt_name,
+            "prompt_logprobs": "echo",
+            "structured_outputs": structured_name,
+        }
+        param: str | None = names.get(exc.param, exc.param)
+    else:
+        match = re.match(r"([A-Za-z_]+)[:\s\[]", message)
+        param = match.group(1) if match else None
+    return HttpError(400, message, param if param in ARGUMENTS else None)
+
+
+def _openai_words(message: str, max_name: str, prompt_name: str, structured_name: str) -> str:
+    """The engine's message in OpenAI's names."""
+    if message.startswith("structured_outputs"):
+        message = structured_name + message.removeprefix("structured_outputs")
+    message = message.replace("max_new_tokens", max_name).replace("prompt_token_ids", prompt_name)
     if prompt_name == "messages":
-        message = re.sub(r"^prompt\b", "messages", message)
-    elif message.startswith("prompt_logprobs"):  # asked for by echo (parse_completion)
-        message = "echo: the prompt's logprobs" + message.removeprefix("prompt_logprobs")
-    match = re.match(r"([A-Za-z_]+)[:\s\[]", message)
-    param = match.group(1) if match else None
-    if param and param not in CHAT_ARGS | COMPLETION_ARGS:
-        param = None
-    return HttpError(400, message, param)
+        return re.sub(r"^prompt\b", "messages", message)
+    if message.startswith("prompt_logprobs"):  # asked for by echo (parse_completion)
+        return "echo: the prompt's logprobs" + message.removeprefix("prompt_logprobs")
+    return message
+
+
+def refused(msg: Failed) -> ValueError:
+    """The server's refusal (a Failed reply of kind "value") as the error it raised: an
+    ArgumentError when it named the argument."""
+    if msg.param is not None:
+        return ArgumentError(msg.message, msg.param)
+    return ValueError(msg.message)
 
 
 def failure(msg: Failed, max_name: str, prompt_name: str) -> HttpError:
@@ -330,4 +235,4 @@ def failure(msg: Failed, max_name: str, prompt_name: str) -> HttpError:
             kind="server_error",
             code="request_cancelled",
         )
-    return value_error(ValueError(msg.message), max_name, prompt_name)
+    return value_error(refused(msg), max_name, prompt_name)

@@ -24,6 +24,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from runtime.errors import ArgumentError
 from runtime.speculation.grammar.child import compile_job
 from runtime.speculation.grammar.route import uses_guidance
 from runtime.speculation.grammar.spec import GrammarSpec, choice_ebnf
@@ -99,7 +100,8 @@ def from_wire(data: bytes, info: xgr.TokenizerInfo) -> xgr.CompiledGrammar:
     try:
         return xgr.CompiledGrammar.deserialize_json(zlib.decompress(data).decode(), info)
     except (zlib.error, UnicodeDecodeError, RuntimeError, ValueError) as e:
-        raise ValueError(f"structured_outputs: a compiled grammar that does not load: {e}") from e
+        words = f"structured_outputs: a compiled grammar that does not load: {e}"
+        raise ArgumentError(words, "structured_outputs") from e
 
 
 def job_of(spec: GrammarSpec) -> list[str]:

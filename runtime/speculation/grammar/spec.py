@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.errors import ArgumentError
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "lark")
 MAX_SPEC_CHARS = 100_000  # a schema (as compact JSON), regex, grammar or choice list
 MAX_JSON_DEPTH = 64  # objects and arrays nested in a schema document
@@ -49,18 +51,19 @@ class GrammarSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"{self.argument}: unknown kind {self.kind!r} (one of {KINDS})")
+            raise _refusal(self.argument, f"unknown kind {self.kind!r} (one of {KINDS})")
         if len(self.text) > MAX_SPEC_CHARS:
-            raise ValueError(
-                f"{self.argument}: the {self.kind} is {len(self.text)} characters long, "
-                f"over the limit of {MAX_SPEC_CHARS}"
+            raise _refusal(
+                self.argument,
+                f"the {self.kind} is {len(self.text)} characters long, "
+                f"over the limit of {MAX_SPEC_CHARS}",
             )
         if self.kind != "choice":
             _check_repeats(self.text, self.argument)
 
     def error(self, message: str) -> ValueError:
-        """A ValueError naming the argument this spec came from."""
-        return ValueError(f"{self.argument}: {message}")
+        """An ArgumentError naming the argument this spec came from."""
+        return _refusal(self.argument, f"{message}")
 
 
 def parse_structured_outputs(value: Any) -> GrammarSpec:
@@ -69,23 +72,23 @@ def parse_structured_outputs(value: Any) -> GrammarSpec:
     {"json_object": true}. ValueError("structured_outputs: ...") otherwise."""
     arg = "structured_outputs"
     if not isinstance(value, Mapping) or len(value) != 1:
-        raise ValueError(
-            f"{arg}: must be a map with exactly one of {sorted(KINDS)}, got {_show(value)}"
+        raise _refusal(
+            arg, f"must be a map with exactly one of {sorted(KINDS)}, got {_show(value)}"
         )
     ((kind, body),) = value.items()
     if kind == "json":
         return json_spec(body, arg)
     if kind in ("regex", "grammar", "lark"):
         if not isinstance(body, str) or (kind != "regex" and not body.strip()):
-            raise ValueError(f"{arg}: {kind} must be a non-empty string, got {_show(body)}")
+            raise _refusal(arg, f"{kind} must be a non-empty string, got {_show(body)}")
         return GrammarSpec(kind, body, arg)
     if kind == "choice":
         return _choice_spec(body, arg)
     if kind == "json_object":
         if body is not True:
-            raise ValueError(f"{arg}: json_object must be true, got {_show(body)}")
+            raise _refusal(arg, f"json_object must be true, got {_show(body)}")
         return GrammarSpec("json_object", "", arg)
-    raise ValueError(f"{arg}: unknown key {kind!r} (one of {sorted(KINDS)})")
+    raise _refusal(arg, f"unknown key {kind!r} (one of {sorted(KINDS)})")
 
 
 def parse_response_format(value: Any) -> GrammarSpec | None:
@@ -95,27 +98,27 @@ def parse_response_format(value: Any) -> GrammarSpec | None:
     ValueError("response_format: ...") otherwise."""
     arg = "response_format"
     if not isinstance(value, Mapping):
-        raise ValueError(f"{arg}: must be a map with a 'type', got {_show(value)}")
+        raise _refusal(arg, f"must be a map with a 'type', got {_show(value)}")
     _no_unknown_keys(value, _RESPONSE_FORMAT_KEYS, arg)
     kind = value.get("type")
     if kind in ("text", "json_object"):
         if "json_schema" in value:
-            raise ValueError(f"{arg}: json_schema is only for type 'json_schema'")
+            raise _refusal(arg, "json_schema is only for type 'json_schema'")
         return None if kind == "text" else GrammarSpec("json_object", "", arg)
     if kind != "json_schema":
-        raise ValueError(
-            f"{arg}: unknown type {_show(kind)} (one of 'text', 'json_object', 'json_schema')"
+        raise _refusal(
+            arg, f"unknown type {_show(kind)} (one of 'text', 'json_object', 'json_schema')"
         )
     body = value.get("json_schema")
     if not isinstance(body, Mapping):
-        raise ValueError(f"{arg}: json_schema must be a map, got {_show(body)}")
-    _no_unknown_keys(body, _JSON_SCHEMA_KEYS, f"{arg}: json_schema")
+        raise _refusal(arg, f"json_schema must be a map, got {_show(body)}")
+    _no_unknown_keys(body, _JSON_SCHEMA_KEYS, arg, "json_schema: ")
     if not isinstance(body.get("name"), str) or not body["name"]:
-        raise ValueError(f"{arg}: json_schema.name must be a non-empty string")
+        raise _refusal(arg, "json_schema.name must be a non-empty string")
     if body.get("strict") is not None and not isinstance(body["strict"], bool):
-        raise ValueError(f"{arg}: json_schema.strict must be a boolean")
+        raise _refusal(arg, "json_schema.strict must be a boolean")
     if "schema" not in body:
-        raise ValueError(f"{arg}: json_schema.schema is missing")
+        raise _refusal(arg, "json_schema.schema is missing")
     return json_spec(body["schema"], arg)
 
 
@@ -123,27 +126,27 @@ def json_spec(schema: Any, argument: str) -> GrammarSpec:
     """A JSON schema (a map, or its JSON text) -> GrammarSpec("json", compact JSON)."""
     if isinstance(schema, str):
         if len(schema) > MAX_SPEC_CHARS:
-            raise ValueError(f"{argument}: the schema is over {MAX_SPEC_CHARS} characters long")
+            raise _refusal(argument, f"the schema is over {MAX_SPEC_CHARS} characters long")
         try:
             schema = json.loads(schema)
         except (ValueError, RecursionError) as e:
-            raise ValueError(f"{argument}: the schema is not valid JSON: {e}") from None
+            raise _refusal(argument, f"the schema is not valid JSON: {e}") from None
     if not isinstance(schema, Mapping):
-        raise ValueError(f"{argument}: a JSON schema must be a JSON object, got {_show(schema)}")
+        raise _refusal(argument, f"a JSON schema must be a JSON object, got {_show(schema)}")
     _check_schema_shape(schema, argument)
     try:
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{argument}: the schema is not plain JSON: {e}") from None
+        raise _refusal(argument, f"the schema is not plain JSON: {e}") from None
     return GrammarSpec("json", text, argument)
 
 
 def _choice_spec(body: Any, arg: str) -> GrammarSpec:
     if not isinstance(body, list | tuple) or not body:
-        raise ValueError(f"{arg}: choice must be a non-empty list of strings, got {_show(body)}")
+        raise _refusal(arg, f"choice must be a non-empty list of strings, got {_show(body)}")
     bad = [c for c in body if not isinstance(c, str)]
     if bad:
-        raise ValueError(f"{arg}: every choice must be a string, got {_show(bad[0])}")
+        raise _refusal(arg, f"every choice must be a string, got {_show(bad[0])}")
     return GrammarSpec("choice", json.dumps(list(body), ensure_ascii=False), arg)
 
 
@@ -161,8 +164,8 @@ def _check_schema_shape(schema: Mapping, argument: str) -> None:
     while stack:
         node, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise ValueError(
-                f"{argument}: the schema nests deeper than {MAX_JSON_DEPTH} objects and arrays"
+            raise _refusal(
+                argument, f"the schema nests deeper than {MAX_JSON_DEPTH} objects and arrays"
             )
         if isinstance(node, Mapping):
             properties += _count_properties(node, argument)
@@ -170,9 +173,9 @@ def _check_schema_shape(schema: Mapping, argument: str) -> None:
         elif isinstance(node, list | tuple):
             stack.extend((v, depth + 1) for v in node)
     if properties > MAX_SCHEMA_PROPERTIES:
-        raise ValueError(
-            f"{argument}: the schema has {properties} properties, over the limit of "
-            f"{MAX_SCHEMA_PROPERTIES}"
+        raise _refusal(
+            argument,
+            f"the schema has {properties} properties, over the limit of {MAX_SCHEMA_PROPERTIES}",
         )
 
 
@@ -184,9 +187,10 @@ def _count_properties(node: Mapping, argument: str) -> int:
     required = {r for r in listed if isinstance(r, str)} if isinstance(listed, list) else set()
     optional = sum(1 for name in properties if name not in required)
     if optional > MAX_OPTIONAL_PROPERTIES:
-        raise ValueError(
-            f"{argument}: an object of the schema has {optional} optional properties, over "
-            f"the limit of {MAX_OPTIONAL_PROPERTIES}"
+        raise _refusal(
+            argument,
+            f"an object of the schema has {optional} optional properties, over "
+            f"the limit of {MAX_OPTIONAL_PROPERTIES}",
         )
     return len(properties)
 
@@ -195,15 +199,20 @@ def _check_repeats(text: str, argument: str) -> None:
     for match in _REPEAT.finditer(text):
         counts = [int(c) for c in match.groups() if c]
         if max(counts) > MAX_REPEAT:
-            raise ValueError(
-                f"{argument}: the repetition {match.group(0)} counts past the limit of {MAX_REPEAT}"
+            raise _refusal(
+                argument, f"the repetition {match.group(0)} counts past the limit of {MAX_REPEAT}"
             )
 
 
-def _no_unknown_keys(value: Mapping, known: set[str], where: str) -> None:
+def _no_unknown_keys(value: Mapping, known: set[str], argument: str, inside: str = "") -> None:
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {sorted(known)})")
+        raise _refusal(argument, f"{inside}unknown key {unknown[0]!r} (known: {sorted(known)})")
+
+
+def _refusal(argument: str, words: str) -> ArgumentError:
+    """The refusal of the request argument `argument` ("structured_outputs: ...")."""
+    return ArgumentError(f"{argument}: {words}", argument)
 
 
 def _show(value: Any) -> str:

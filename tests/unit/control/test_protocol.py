@@ -39,7 +39,7 @@ WIRE = {
     "metrics": ({"id"}, set()),
     "delta": ({"id", "index", "token_ids", "text"}, {"logprobs"}),
     "final": ({"id", "outputs"}, set()),
-    "failed": ({"id", "message", "kind"}, set()),
+    "failed": ({"id", "message", "kind"}, {"param"}),  # param: the argument refused
     "pong": ({"id", "info"}, set()),
     "starting": ({"id"}, set()),
     "stats_reply": ({"id", "stats"}, set()),
