@@ -68,10 +68,15 @@ def config_from_args(args, check_devices: bool) -> TandemConfig:
         config = default_config()
     else:
         config = load_config(args.config, check_devices=check_devices)
+    overrides = {}
     if args.command == "serve" and args.address:
+        overrides["address"] = args.address
+    if args.command == "serve" and args.shutdown_timeout is not None:
+        overrides["shutdown_timeout_s"] = args.shutdown_timeout
+    if overrides:
         raw = config.to_dict()  # the other server keys stay as the config says
         config = load_config(
-            dict(raw, server=dict(raw["server"], address=args.address)),
+            dict(raw, server=dict(raw["server"], **overrides)),
             check_files=False,
             check_devices=False,
         )

@@ -55,7 +55,12 @@ from runtime.control.protocol import (
     StatsReply,
 )
 from runtime.control.waker import Waker
-from runtime.errors import EngineClosedError, EngineDeadError, RequestCancelledError
+from runtime.errors import (
+    EngineClosedError,
+    EngineDeadError,
+    EngineDrainingError,
+    RequestCancelledError,
+)
 from runtime.params import SamplingParams, check_fits, check_prompt_ids
 
 __all__ = ["Client", "CONNECT_TIMEOUT_S", "IO_JOIN_S", "WORKER_DEATH_GRACE_S"]
@@ -155,6 +160,8 @@ class Client(ClientIO):
                 raise _dead_error(msg)
             if msg.kind == "cancelled":
                 raise RequestCancelledError(msg.message)
+            if msg.kind == "draining":
+                raise EngineDrainingError(msg.message)
             raise ValueError(msg.message)
         return msg
 

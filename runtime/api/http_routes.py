@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from runtime.api.http_client import AsyncWaiter, HttpClient
-from runtime.api.openai_errors import HttpError, engine_unavailable
+from runtime.api.openai_errors import HttpError, engine_unavailable, server_draining
 from runtime.api.openai_requests import (
     CHAT_ARGS,
     CHAT_OFF_VALUES,
@@ -40,6 +40,7 @@ from runtime.control.protocol import ClientReply, Delta, Failed, Final, Generate
 from runtime.errors import EngineDeadError
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks its HTTP client
+HEALTH_TIMEOUT_S = 2.0  # /health: how long the server gets to answer its ping
 
 
 class Routes:
@@ -103,6 +104,17 @@ class Routes:
 
     # --- the endpoints --------------------------------------------------------------------
     async def health(self):
+        """200 while the server serves; 503 while it drains (SIGTERM: a balancer stops
+        sending requests here), is starting, or does not answer within HEALTH_TIMEOUT_S."""
+        try:
+            info = await asyncio.to_thread(self.client.info, HEALTH_TIMEOUT_S)
+        except EngineDeadError as exc:
+            raise engine_unavailable(exc) from None
+        if info.get("draining"):
+            raise server_draining(
+                "the server is shutting down (draining): it finishes the "
+                "requests in flight and takes no new ones"
+            )
         return {"status": "ok"}
 
     async def metrics(self):

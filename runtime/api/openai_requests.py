@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from runtime.api.openai_errors import HttpError, engine_unavailable
+from runtime.api.openai_errors import HttpError, engine_unavailable, server_draining
 from runtime.api.openai_structured import chat_tools, structured_outputs
 from runtime.api.tool_calls_request import ToolRequest
 from runtime.control.protocol import Failed
@@ -319,10 +319,13 @@ def value_error(exc: ValueError, max_name: str, prompt_name: str) -> HttpError:
 
 
 def failure(msg: Failed, max_name: str, prompt_name: str) -> HttpError:
-    """The server's Failed reply to a request: 503 when the engine died or cancelled it,
-    else (the server refused its arguments) a 400 naming the OpenAI argument."""
+    """The server's Failed reply to a request: 503 when the engine died, drains (with
+    Retry-After) or cancelled it, else (the server refused its arguments) a 400 naming the
+    OpenAI argument."""
     if msg.kind == "dead":
         return engine_unavailable(msg.message)
+    if msg.kind == "draining":
+        return server_draining(msg.message)
     if msg.kind == "cancelled":
         return HttpError(
             503,
