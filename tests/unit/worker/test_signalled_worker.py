@@ -29,6 +29,8 @@ def linked():
     dealer.setsockopt(zmq.IDENTITY, b"w1")
     dealer.connect(f"tcp://127.0.0.1:{port}")
     link = ControlLink(1, dealer)
+    dealer.send(b"hello")  # the router knows the worker once this came: nothing is dropped
+    assert router.poll(5000) and router.recv_multipart()[0] == b"w1"
 
     def send(msg) -> None:
         router.send_multipart([b"w1", protocol.encode(msg, auth.control_key())])
@@ -44,7 +46,8 @@ def test_a_worker_signalled_during_a_drain_still_takes_commands(linked):
     link.grace_s = SIGNAL_GRACE_S + 20.0  # as init sets it: server.shutdown_timeout_s 20
     link.signalled_at = time.monotonic() - SIGNAL_GRACE_S - 1  # the drain goes on
     send(Shutdown())
-    assert isinstance(link.recv(5.0), Shutdown)
+    got = link.recv(5.0)
+    assert isinstance(got, Shutdown), got
 
 
 def test_past_its_grace_a_signalled_worker_stops_on_its_own(linked):
