@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from runtime import Client
+from runtime.api.openai_errors import RETRY_AFTER_S
 from tests import checkpoints, launch
 
 pytestmark = pytest.mark.timeout(300)
@@ -226,7 +227,8 @@ def test_sigterm_drains_every_request_in_flight(serving):
     assert all(call.done.wait(30) for call in calls)
     assert unhealthy_at - signalled < 5.0
     assert health["error"]["code"] == "server_draining", health
-    assert late.status == 503 and late.headers.get("Retry-After") == "5", (late.status, late.body)
+    retry = late.headers.get("Retry-After")
+    assert late.status == 503 and retry == str(RETRY_AFTER_S), (late.status, late.body)
     assert late.body["error"]["code"] == "server_draining", late.body
     for call in calls:
         assert call.status == 200 and call.error is None, (call.status, call.body, call.error)
