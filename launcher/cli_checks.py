@@ -89,9 +89,13 @@ def config_from_args(args, check_devices: bool) -> TandemConfig:
 
 
 def _server_overrides(args) -> dict:
-    """The server keys that serve's flags set: --address, --tool-call-parser."""
+    """The server keys that serve's flags set: --address, --tool-call-parser,
+    --shutdown-timeout."""
     values = {"address": args.address, "tool_parser": args.tool_call_parser}
-    return {key: value for key, value in values.items() if value}
+    overrides = {key: value for key, value in values.items() if value}
+    if args.shutdown_timeout is not None:
+        overrides["shutdown_timeout_s"] = args.shutdown_timeout
+    return overrides
 
 
 def serve_endpoints(args, config: TandemConfig) -> tuple:

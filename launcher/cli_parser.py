@@ -5,6 +5,7 @@ parsed arguments: launcher/cli.py (and launcher/cli_checks.py, launcher/bench.py
 from __future__ import annotations
 
 import argparse
+import math
 
 from launcher.cli_checks import DEMO_PROMPT
 
@@ -210,6 +211,14 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     )
     _add_http_options(serve)
     _add_listener(serve, "--metrics", "the Prometheus metrics at GET /metrics")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        metavar="S",
+        default=None,
+        help="SIGTERM drains: requests in flight get S seconds to finish while new ones "
+        "are refused (0: stop at once; default: server.shutdown_timeout_s, 20)",
+    )
     _add_print_config(serve)
     _add_quiet(serve)
 
@@ -230,6 +239,17 @@ def _add_http_options(serve: argparse.ArgumentParser) -> None:
         "sets server.tool_parser; default: the config's, else the format the chat template "
         "shows)",
     )
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds >= 0 (argparse names the flag when this raises)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {text!r}")
+    return value
 
 
 def _add_quiet(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ from launcher.output import LastWords, RunOutput, flag_message, json_error, prin
 from runtime.api.engine import OWNER_FD_ENV
 from runtime.config import TandemConfig
 from runtime.control.auth import load_key
+from runtime.control.signals import ServerStop
 from runtime.errors import EngineDeadError
 
 if TYPE_CHECKING:  # imported where used: a `run` needs none of the serving endpoints
@@ -204,12 +205,14 @@ def serve_forever(
     `http_access`'s key and TLS (runtime/api/http/access.py), with `metrics` = (host, port)
     the Prometheus metrics (runtime/serving/prometheus.py).
     Every address is bound before any worker starts: a taken one is a usage error (exit 2)
-    naming its flag or key (`address_source` for server.address)."""
-    stop = threading.Event()
+    naming its flag or key (`address_source` for server.address). SIGTERM drains (within
+    server.shutdown_timeout_s), SIGINT or a second signal stops at once
+    (runtime.control.signals.ServerStop)."""
+    stop = ServerStop(drains=config.server.shutdown_timeout_s > 0)
 
     def on_signal(signum, _frame):  # the normal way to stop a server: no warning
         log.info("received signal %d; shutting down", signum)
-        stop.set()
+        stop.on_signal(signum)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -303,7 +306,7 @@ def _serve(
     cluster,
     bound: _Endpoints,
     served_model_name: str | None,
-    stop: threading.Event,
+    stop: ServerStop,
 ) -> int:
     """serve_forever once the workers are ready: serve until `stop`; the exit code."""
     from runtime.serving.server import Server
@@ -311,7 +314,10 @@ def _serve(
     code = 0
     try:
         server = Server(
-            orch.attach(cluster.pool), bound.door, client_timeout_s=config.server.client_timeout_s
+            orch.attach(cluster.pool),
+            bound.door,
+            client_timeout_s=config.server.client_timeout_s,
+            shutdown_timeout_s=config.server.shutdown_timeout_s,
         )
         print(f"tandem: serving at {config.server.address}", file=sys.stderr, flush=True)
         if bound.metrics is not None:
@@ -331,7 +337,7 @@ def _serve(
             )
             bound.front.start()
             print(f"tandem: HTTP API at {bound.front.url}", file=sys.stderr, flush=True)
-        server.serve(stop)
+        server.serve(stop.now, stop.drain)
     except EngineDeadError as exc:
         # the failure replies leave first: under MPICH's hydra a word on stderr after a rank
         # died can end every rank at once

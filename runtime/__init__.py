@@ -1,12 +1,13 @@
 """tandem runtime: config, models, speculation, orchestrator, client."""
 
-from runtime.errors import EngineClosedError, EngineDeadError, RequestError
+from runtime.errors import EngineClosedError, EngineDeadError, EngineDrainingError, RequestError
 
 __all__ = [
     "Engine",
     "Client",
     "EngineDeadError",
     "EngineClosedError",
+    "EngineDrainingError",
     "RequestError",
     "GenerationOutput",
     "StreamDelta",

@@ -14,6 +14,12 @@ class EngineClosedError(EngineDeadError):
     a dead engine handles a closed one too."""
 
 
+class EngineDrainingError(EngineDeadError):
+    """The server is shutting down (draining after SIGTERM): it refused this new request
+    while it finishes the ones in flight. An EngineDeadError, as the server is about to be
+    gone: send the request again to another server, or to this one once restarted."""
+
+
 class RequestCancelledError(RuntimeError):
     """The server ended a request before its result: it heard nothing from this client for
     longer than its client timeout (a client that stopped pinging), or the client cancelled

@@ -59,6 +59,7 @@ from runtime.errors import (
     ArgumentError,
     EngineClosedError,
     EngineDeadError,
+    EngineDrainingError,
     RequestCancelledError,
     naming,
 )
@@ -161,6 +162,8 @@ class Client(ClientIO):
                 raise _dead_error(msg)
             if msg.kind == "cancelled":
                 raise RequestCancelledError(msg.message)
+            if msg.kind == "draining":
+                raise EngineDrainingError(msg.message)
             if msg.param is not None:
                 raise ArgumentError(msg.message, msg.param)
             raise ValueError(msg.message)

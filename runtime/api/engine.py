@@ -166,7 +166,9 @@ class Engine(Client):
         with open(path, "w") as fh:
             yaml.safe_dump(cfg.to_dict(), fh)
         address = f"ipc://{tmpdir}/server.sock"
+        # no drain: close() stops the server at once (its requests fail), as it always did
         cmd = [sys.executable, "-m", "launcher", "serve", path, "--address", address]
+        cmd += ["--shutdown-timeout", "0"]
         # the server's end of the owner pipe; ours stays here (not inheritable) and closes
         # when this process ends, or at close()
         owner_r, owner_w = os.pipe()

@@ -157,6 +157,10 @@ class ServerConfig(_Checked):
     # a client with requests in flight that sends nothing (it pings every second) for this
     # long is judged gone: its requests are cancelled (runtime.serving.server)
     client_timeout_s: float = _checked(10.0, check.positive_float)
+    # SIGTERM drains: new requests are refused, those in flight get this long to finish
+    # (runtime.serving.server); 0: SIGTERM stops at once, as SIGINT does. 20 s leaves 10 s
+    # of Kubernetes' default 30 s grace period for the rest of the shutdown (docs/serving.md)
+    shutdown_timeout_s: float = _checked(20.0, check.seconds_at_least_0)
     max_logprobs: int = _checked(20, check.int_at_least(0))  # logprobs, prompt_logprobs cap
     max_n: int = _checked(16, check.int_at_least(1))  # samples (n) one request may ask for
     # the HTTP front's tool-call format (runtime.api.tools.parsers); null: the chat template's

@@ -63,6 +63,14 @@ def positive_float(value: Any, key: str) -> float:
     return float(value)
 
 
+def seconds_at_least_0(value: Any, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(key, f"must be a number >= 0 (seconds), got {describe(value)}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(key, f"must be a finite number >= 0 (seconds), got {value}")
+    return float(value)
+
+
 def boolean(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(key, f"must be true or false, got {describe(value)}")

@@ -181,8 +181,9 @@ class Final(ClientReply):
 @message("failed")
 @dataclass(frozen=True, slots=True)
 class Failed(ClientReply):
-    """kind: "value" (a bad request), "cancelled" (the client went silent, or asked), "dead"
-    (the engine failed, or the server is shutting down); `param`: for "value", the argument
+    """kind: "value" (a bad request), "cancelled" (the client went silent, or asked),
+    "draining" (a new request while the server drains: it takes none), "dead" (the engine
+    failed, or the server is shutting down); `param`: for "value", the argument
     refused (runtime.errors.ArgumentError's), when one is."""
 
     message: str

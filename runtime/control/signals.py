@@ -1,11 +1,31 @@
-"""Signals that end a blocking wait at once: the idle server's poll and a worker's wait for
-the orchestrator's next message both include this pipe."""
+"""Signals: what they ask of a server (ServerStop: a drain, or a stop at once), and a pipe
+that ends a blocking wait at once (SignalWakeup: the idle server's poll and a worker's wait
+for the orchestrator's next message both include it)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
+
+
+class ServerStop:
+    """How signals end `tandem serve` (launcher.session installs on_signal for SIGINT and
+    SIGTERM): the first SIGTERM sets `drain` (runtime.serving.server: admission closes, the
+    requests in flight finish, within server.shutdown_timeout_s); SIGINT, a second signal,
+    or SIGTERM when no drain is allowed (`drains` false: a timeout of 0) set `now`: serving
+    stops at once, every request still answered."""
+
+    def __init__(self, drains: bool):
+        self.drains = drains
+        self.drain = threading.Event()
+        self.now = threading.Event()
+
+    def on_signal(self, signum: int, _frame=None) -> None:
+        if signum == signal.SIGTERM and self.drains and not self.drain.is_set():
+            self.drain.set()
+        else:
+            self.now.set()
 
 
 class SignalWakeup:

@@ -8,7 +8,12 @@ server blocks: one poll over the door's wake-up pipe, the workers' control socke
 workers' pidfds and a signal wake-up pipe, until a worker's heartbeat could be too old (the
 Beacon's thread reads the heartbeats meanwhile: runtime.control.pool), at most IDLE_WAIT_S.
 Every request ends with a terminal reply: `final`, or `failed` with a kind ("value",
-"cancelled" or "dead") and a message, whatever ended it.
+"cancelled", "draining" or "dead") and a message, whatever ended it.
+
+A drain (SIGTERM: runtime.control.signals.ServerStop) is a state of this loop: admission
+closes (a new request is answered `failed`, kind "draining"; pongs say `draining`, so the
+HTTP front's /health answers 503), rounds go on until the last request in flight ends, at
+most `shutdown_timeout_s`; what is still running then is failed as on a stop at once.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ MAX_FRAMES_PER_TURN = 1000  # client frames handled between two scheduler steps
 COMPILE_POLL_MS = 10  # idle wait while a grammar compiles
 IDLE_WAIT_S = 10.0  # longest idle wait: `stop` set by a thread, not a signal, is seen
 # this late (the owner watch of launcher.session signals instead)
+DRAINING = "the server is shutting down (draining): it takes no new requests"
 
 
 @dataclass
@@ -55,13 +61,20 @@ class Pending:
 
 class Server:
     def __init__(
-        self, orch: Orchestrator, door: ClientDoor, client_timeout_s: float = CLIENT_TIMEOUT_S
+        self,
+        orch: Orchestrator,
+        door: ClientDoor,
+        client_timeout_s: float = CLIENT_TIMEOUT_S,
+        shutdown_timeout_s: float = 0.0,
     ):
-        """Serve the clients at `door` (bound already, answering `starting` until now)."""
+        """Serve the clients at `door` (bound already, answering `starting` until now);
+        `shutdown_timeout_s`: how long a drain may take (server.shutdown_timeout_s)."""
         self.orch = orch
         self.door = door
         self.pending: dict[str, Pending] = {}
         self.client_timeout_s = client_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.drain_ends: float | None = None  # while draining: when the drain gives up
         self._last_sweep = time.monotonic()
         self._grammars: GrammarService | None = None  # made by the first structured output
         door.info = orch.info()  # from now on pings get a pong with the server's facts
@@ -69,20 +82,58 @@ class Server:
     def reply(self, identity: bytes, msg: ClientReply) -> None:
         self.door.reply(identity, msg)
 
-    def serve(self, stop: threading.Event) -> None:
-        """Until `stop` is set. Raises EngineDeadError when the workers are gone."""
-        idle_ms = int(1000 * IDLE_WAIT_S)
+    def serve(self, stop: threading.Event, drain: threading.Event | None = None) -> None:
+        """Until `stop` is set, or, once `drain` is set, until the requests in flight have
+        ended (at most shutdown_timeout_s). Raises EngineDeadError when the workers are
+        gone."""
         with SignalWakeup() as wakeup:
             try:
                 while not stop.is_set():
-                    self.turn(idle_ms, wakeup)
+                    if drain is not None and drain.is_set() and self.drain_ends is None:
+                        self.begin_drain()
+                    if self.drained():
+                        break
+                    self.turn(self.idle_ms(), wakeup)
             except EngineDeadError as exc:
                 self.fail_all(str(exc), "dead")
                 raise
             except BaseException as exc:  # a bug must not leave a client waiting
                 self.fail_all(f"the server failed: {exc!r}", "dead")
                 raise
-        self.fail_all("server shutting down", "dead")
+        self.fail_all(self.stop_message(), "dead")
+
+    # --- the drain ------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Admission closes, pongs say so; the requests in flight go on."""
+        self.drain_ends = time.monotonic() + self.shutdown_timeout_s
+        self.door.info = {**(self.door.info or {}), "draining": True}
+        log.info(
+            "draining %d request(s), at most %g s (server.shutdown_timeout_s)",
+            len(self.pending),
+            self.shutdown_timeout_s,
+        )
+
+    def drained(self) -> bool:
+        """Whether a drain is over: the last request ended, or its time ran out."""
+        if self.drain_ends is None:
+            return False
+        return not self.pending or time.monotonic() >= self.drain_ends
+
+    def idle_ms(self) -> int:
+        """The longest idle wait: IDLE_WAIT_S, while draining no later than its end."""
+        wait_s = IDLE_WAIT_S
+        if self.drain_ends is not None:
+            wait_s = min(wait_s, max(0.0, self.drain_ends - time.monotonic()))
+        return int(1000 * wait_s)
+
+    def stop_message(self) -> str:
+        """Why the requests still in flight when serving ends are failed."""
+        if self.drain_ends is not None and time.monotonic() >= self.drain_ends:
+            return (
+                f"server shutting down: the drain's {self.shutdown_timeout_s:g} s "
+                f"(server.shutdown_timeout_s) ran out before this request ended"
+            )
+        return "server shutting down"
 
     def fail_all(self, message: str, kind: str) -> None:
         """Serving ends: every request in flight, waiting at the door or still to come is
@@ -126,6 +177,9 @@ class Server:
 
     def admit(self, identity: bytes, msg: Generate) -> None:
         rid = msg.id
+        if self.drain_ends is not None:
+            self.reply(identity, Failed(rid, DRAINING, "draining"))
+            return
         try:
             if rid in self.pending:
                 raise ValueError(f"request id {rid!r} is already in use")

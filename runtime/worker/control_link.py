@@ -41,13 +41,18 @@ class ControlLink:
         self.sock = sock
         self.pulse: Pulse | None = None  # from init on
         self.signalled_at: float | None = None
+        # after a signal, how long to wait for the orchestrator's shutdown: from init on
+        # also its drain's bound (server.shutdown_timeout_s: it finishes the requests in
+        # flight first, and needs this worker meanwhile)
+        self.grace_s = SIGNAL_GRACE_S
         self.wakeup = SignalWakeup()  # entered by run_worker: a signal ends recv's wait
         self._poller: zmq.Poller | None = None
 
     def on_signal(self, signum, _frame) -> None:
         """SIGINT/SIGTERM (e.g. forwarded by torchrun or mpirun): the orchestrator gets it too
-        and sends shutdown; exit cleanly on that, or on our own after a grace period. A
-        normal way to stop (Ctrl-C reaches every process of the terminal's group): info."""
+        and sends shutdown (after its drain, on SIGTERM); serve on until then, and exit
+        cleanly on that, or on our own after `grace_s`. A normal way to stop (Ctrl-C
+        reaches every process of the terminal's group): info."""
         log.info("rank %d: received signal %d", self.rank, signum)
         if self.signalled_at is None:
             self.signalled_at = time.monotonic()
@@ -63,7 +68,7 @@ class ControlLink:
             if self.signalled_at is not None:
                 # a live orchestrator got the signal too and sends shutdown at once; one
                 # killed together with us (torchrun tearing the job down) never will
-                if time.monotonic() - self.signalled_at > SIGNAL_GRACE_S:
+                if time.monotonic() - self.signalled_at > self.grace_s:
                     raise WorkerExit("stopped by signal", code=0)
             if self.pulse is not None:
                 if self.pulse.orchestrator_silent_s > timeout_s:
@@ -107,7 +112,7 @@ class ControlLink:
         else:
             waits.append(timeout_s - self.pulse.orchestrator_silent_s)
         if self.signalled_at is not None:
-            waits.append(SIGNAL_GRACE_S - (now - self.signalled_at))
+            waits.append(self.grace_s - (now - self.signalled_at))
         return max(10, int(1000 * min(waits)) + 1)
 
     def await_shutdown(self, timeout_s: float) -> None:

@@ -29,7 +29,7 @@ from runtime.control import auth
 from runtime.control.heartbeat import Pulse
 from runtime.control.progress import ProgressReporter
 from runtime.control.protocol import Error, Hello, Init, Ready
-from runtime.worker.control_link import ERROR_GRACE_S, ControlLink, WorkerExit
+from runtime.worker.control_link import ERROR_GRACE_S, SIGNAL_GRACE_S, ControlLink, WorkerExit
 from runtime.worker.dispatch import Serving
 from runtime.worker.draft_shard import DraftShard
 from runtime.worker.kv_pool import PoolTooSmallElsewhere
@@ -53,6 +53,7 @@ def start(link: ControlLink, world_size: int, store, startup_timeout_s: float) -
     config = load_config(msg.config, check_files=False, check_devices=False)
     pulse = Pulse(link.sock.context, rank, msg.pulse, msg.heartbeat, config.runtime.heartbeat_s)
     link.pulse = pulse
+    link.grace_s = SIGNAL_GRACE_S + config.server.shutdown_timeout_s
     topology = config.topology()
     topology.check_world_size(world_size)
     spec = topology.worker(rank)

@@ -117,8 +117,19 @@ def test_print_config_round_trips_through_load_config(models, tmp_path):
     printed = yaml.safe_load(res.stdout)
     assert printed["runtime"]["max_seq_len"] == 512  # max_position_embeddings
     assert load_config(printed) == load_config(str(path))
-    served = tandem("serve", str(path), "--address", "ipc:///tmp/x.sock", "--print-config")
-    assert yaml.safe_load(served.stdout)["server"]["address"] == "ipc:///tmp/x.sock"
+    served = tandem(
+        "serve",
+        str(path),
+        "--address",
+        "ipc:///tmp/x.sock",
+        "--shutdown-timeout",
+        "3",
+        "--print-config",
+    )
+    server = yaml.safe_load(served.stdout)["server"]
+    assert server["address"] == "ipc:///tmp/x.sock" and server["shutdown_timeout_s"] == 3.0
+    bad = tandem("serve", str(path), "--shutdown-timeout", "-1")
+    assert bad.returncode == 2 and "--shutdown-timeout" in bad.stderr, bad.stderr
 
 
 def _schema_keys() -> set[str]:

@@ -41,6 +41,7 @@ TARGET = ("cpu:1",)
 W = 3  # orchestrator + draft worker + target worker
 LONG = 1500  # new tokens: keeps a request in flight for seconds
 PROMPT = [1, 5, 9, 13]
+DRAIN_GOAL_S = 12.0  # a drain under torchrun: longer than the workers' SIGNAL_GRACE_S (5 s)
 
 
 # --- models and configs ------------------------------------------------------------------
@@ -73,12 +74,21 @@ def config(
 class Served:
     """`tandem serve` under one launch form, in its own session, stderr to a file."""
 
-    def __init__(self, form: str, world: int, cfg: str, mpi_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        form: str,
+        world: int,
+        cfg: str,
+        mpi_args: tuple[str, ...] = (),
+        args: tuple[str, ...] = (),
+    ):
+        """`args`: more of serve's options."""
         self.form, self.world = form, world
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-faults-"))
         self.address = f"ipc://{self.dir}/server.sock"
         self.err_path = self.dir / "stderr.txt"
-        cmd = launch.command(form, world, ["serve", cfg, "--address", self.address], mpi_args)
+        serve = ["serve", cfg, "--address", self.address, *args]
+        cmd = launch.command(form, world, serve, mpi_args)
         with open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 cmd,
@@ -370,9 +380,12 @@ def test_engine_launch_with_unloadable_checkpoint_raises(models, tmp_path, capfd
     ids=["SIGTERM-busy", "SIGINT-idle"],
 )  # each signal, each state
 def test_serve_stops_on_signal(sig, busy, models, tmp_path):
-    """SIGTERM to `tandem serve` (kill); SIGINT to its whole process group (Ctrl-C in a
-    terminal: the workers get it too and wait for the orchestrator's shutdown)."""
-    served = Served("spawn", 2, config(models, tmp_path, devices=(DRAFT, DRAFT)))
+    """SIGTERM to `tandem serve` (kill) with no drain (--shutdown-timeout 0: the drains are
+    tests/e2e/test_drain.py's and the torchrun test's below); SIGINT to its whole process
+    group (Ctrl-C in a terminal: the workers get it too and wait for the orchestrator's
+    shutdown)."""
+    cfg = config(models, tmp_path, devices=(DRAFT, DRAFT))
+    served = Served("spawn", 2, cfg, args=("--shutdown-timeout", "0"))
     try:
         client = served.wait_ready()
         stream = in_flight(client) if busy else None
@@ -394,23 +407,33 @@ def test_serve_stops_on_signal(sig, busy, models, tmp_path):
         served.close()
 
 
-def test_torchrun_serve_stops_on_sigterm(models, tmp_path):
-    """SIGTERM to torchrun: it forwards SIGTERM to every rank; rank 0 fails the in-flight
-    request, tells the workers to shut down, and every rank exits. torchrun itself then
-    re-raises the signal (SignalException, exit 1): that code is torchrun's, not ours."""
-    served = Served("torchrun", W, config(models, tmp_path))
+def test_torchrun_serve_drains_on_sigterm(models, tmp_path):
+    """SIGTERM to torchrun: it forwards SIGTERM to every rank (and SIGKILLs them 30 s later,
+    its --shutdown-timeout); rank 0 drains, the signalled workers serve on until its
+    shutdown (their grace: runtime.worker.control_link), the request in flight ends whole
+    (made to run about DRAIN_GOAL_S, past the workers' own SIGNAL_GRACE_S, on this host
+    now), and every rank exits. torchrun itself then re-raises the signal (SignalException,
+    exit 1): that code is torchrun's, not ours."""
+    served = Served("torchrun", W, config(models, tmp_path), args=("--shutdown-timeout", "25"))
     try:
         client = served.wait_ready()
-        stream = in_flight(client)
+        start = time.monotonic()
+        client.generate(prompt_token_ids=PROMPT, max_new_tokens=32)
+        rate = 32 / (time.monotonic() - start)
+        tokens = max(32, min(LONG, int(rate * DRAIN_GOAL_S)))
+        stream = client.stream(prompt_token_ids=PROMPT, max_new_tokens=tokens)
+        got = len(next(stream).token_ids)
+        signalled = time.monotonic()
         os.kill(served.proc.pid, signal.SIGTERM)
-        with pytest.raises(EngineDeadError, match="shutting down"):
-            for _ in stream:
-                pass
+        got += sum(len(d.token_ids) for d in stream)
+        drained = time.monotonic() - signalled
+        assert got == tokens, (got, tokens)
         code, took = served.wait_exit(30)
         wait_gone(served.pids, 30)
         err = served.stderr()
         assert "got signal: 15" in err, err[-3000:]
         for bad in ("ChildFailedError", "engine died", "crashed"):
             assert bad not in err, err[-3000:]
+        print(f"{tokens} tokens, drained {drained:.1f} s after SIGTERM")
     finally:
         served.close()

@@ -40,6 +40,9 @@ class _FakeClient:
     def metrics(self, timeout_s=None):
         return "tandem:num_requests_running 0\n"
 
+    def info(self, timeout_s=None):  # /health pings the server
+        return dict(self._info)
+
 
 @pytest.fixture(autouse=True)
 def _no_key_in_env(monkeypatch):

@@ -81,7 +81,7 @@ log = logging.getLogger("tandem.http")
 
 async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HttpError)  # registered for HttpError only
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def create_app(

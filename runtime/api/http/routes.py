@@ -18,7 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from runtime.api.http.backend import AsyncWaiter, HttpClient
 from runtime.api.openai.bodies import ChatCompletionRequest, CompletionRequest
-from runtime.api.openai.errors import HttpError, engine_unavailable
+from runtime.api.openai.errors import HttpError, engine_unavailable, server_draining
 from runtime.api.openai.replies import DONE, ChatShapes, CompletionShapes, ResponseShapes, sse
 from runtime.api.openai.requests import OpenAIRequest, parse_chat, parse_completion
 from runtime.api.openai.structured import forced_grammar, tool_format
@@ -34,6 +34,7 @@ from runtime.errors import EngineDeadError
 from runtime.version import installed_version
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks its HTTP client
+HEALTH_TIMEOUT_S = 2.0  # /health: how long the server gets to answer its ping
 
 
 class Routes:
@@ -95,7 +96,17 @@ class Routes:
 
     # --- the endpoints --------------------------------------------------------------------
     async def health(self):
-        """Whether the front serves."""
+        """200 while the server serves; 503 while it drains (SIGTERM: a balancer stops
+        sending requests here), is starting, or does not answer within HEALTH_TIMEOUT_S."""
+        try:
+            info = await asyncio.to_thread(self.client.info, HEALTH_TIMEOUT_S)
+        except EngineDeadError as exc:
+            raise engine_unavailable(exc) from None
+        if info.get("draining"):
+            raise server_draining(
+                "the server is shutting down (draining): it finishes the "
+                "requests in flight and takes no new ones"
+            )
         return {"status": "ok"}
 
     async def metrics(self):

@@ -18,7 +18,7 @@ from runtime.api.openai.bodies import (
     CompletionRequest,
     Sampling,
 )
-from runtime.api.openai.errors import HttpError, engine_unavailable
+from runtime.api.openai.errors import HttpError, engine_unavailable, server_draining
 from runtime.api.openai.structured import chat_tools, structured_outputs
 from runtime.api.tools.request import ToolRequest
 from runtime.control.protocol import Failed
@@ -224,10 +224,13 @@ def refused(msg: Failed) -> ValueError:
 
 
 def failure(msg: Failed, max_name: str, prompt_name: str) -> HttpError:
-    """The server's Failed reply to a request: 503 when the engine died or cancelled it,
-    else (the server refused its arguments) a 400 naming the OpenAI argument."""
+    """The server's Failed reply to a request: 503 when the engine died, drains (with
+    Retry-After) or cancelled it, else (the server refused its arguments) a 400 naming the
+    OpenAI argument."""
     if msg.kind == "dead":
         return engine_unavailable(msg.message)
+    if msg.kind == "draining":
+        return server_draining(msg.message)
     if msg.kind == "cancelled":
         return HttpError(
             503,

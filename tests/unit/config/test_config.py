@@ -405,6 +405,9 @@ def test_mixed_backends(draft, target, key):
         ),
         ("server", {"address": "http://127.0.0.1:5555"}, "server.address"),
         ("server", {"address": "127.0.0.1:5555"}, "server.address"),
+        ("server", {"shutdown_timeout_s": -1}, "server.shutdown_timeout_s"),
+        ("server", {"shutdown_timeout_s": float("nan")}, "server.shutdown_timeout_s"),
+        ("server", {"shutdown_timeout_s": "30s"}, "server.shutdown_timeout_s"),
     ],
 )
 def test_bad_values(section, value, key):
@@ -606,3 +609,9 @@ def test_kv_cache_memory_and_cuda_graphs_round_trip():
     assert cfg.runtime.cuda_graphs is False
     again = _load(cfg.to_dict())
     assert again == cfg
+
+
+@pytest.mark.parametrize("value", [0, 2.5])
+def test_shutdown_timeout_of_zero_or_more_seconds_is_taken(value):
+    assert _load(_base(server={"shutdown_timeout_s": value})).server.shutdown_timeout_s == value
+    assert ServerConfig().shutdown_timeout_s == 20.0  # within Kubernetes' 30 s grace period

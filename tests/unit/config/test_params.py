@@ -55,6 +55,6 @@ def test_stop_takes_a_string_or_a_list(stop):
 
 
 def test_python_api_keeps_temperatures_above_openais_range():
-    # OpenAI's [0, 2] is the HTTP front's rule (runtime.api.http_args); the Python API takes
+    # OpenAI's [0, 2] is the HTTP front's rule (runtime/api/openai/bodies.py); the Python API takes
     # any finite temperature >= 0
     assert SamplingParams.from_kwargs(temperature=2.5).temperature == 2.5

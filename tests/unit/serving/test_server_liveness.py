@@ -124,25 +124,39 @@ class SlowOrchestrator:
 class Served:
     """A Server over a SlowOrchestrator on a thread, at a fresh ipc address."""
 
-    def __init__(self, tmp_path, step_s: float, client_timeout_s: float = 3.0, start: bool = True):
+    def __init__(
+        self,
+        tmp_path,
+        step_s: float,
+        client_timeout_s: float = 3.0,
+        start: bool = True,
+        shutdown_timeout_s: float = 0.0,
+    ):
         self.address = f"ipc://{tmp_path}/server.sock"
         self.context = zmq.Context()
         self.door = ClientDoor(self.address, self.context)
         self.orch = SlowOrchestrator(step_s)
         self.client_timeout_s = client_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.stop = threading.Event()
+        self.drain = threading.Event()  # SIGTERM's (runtime.control.signals.ServerStop)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
         if start:
             self.start()
 
     def start(self) -> None:
-        self.server = Server(self.orch, self.door, client_timeout_s=self.client_timeout_s)
+        self.server = Server(
+            self.orch,
+            self.door,
+            client_timeout_s=self.client_timeout_s,
+            shutdown_timeout_s=self.shutdown_timeout_s,
+        )
         self.thread.start()
 
     def _serve(self) -> None:
         try:
-            self.server.serve(self.stop)
+            self.server.serve(self.stop, self.drain)
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             self.error = exc
 
