@@ -22,6 +22,7 @@ from runtime.api.openai.tokens import TokenizerSource
 from runtime.api.tools.grammar import tool_grammar
 from runtime.api.tools.request import parse_tool_request
 from runtime.control.protocol import Delta, Failed, Final, Generate
+from runtime.errors import ArgumentError
 from tests.chat_templates import WEATHER_CALL_TURNS
 from tests.http_bodies import validated
 
@@ -128,7 +129,9 @@ def test_bad_arguments_are_400s_naming_them(body, param, words):
 
 
 def test_the_engines_refusals_name_the_argument_that_constrained():
-    refusal = ValueError("structured_outputs: the schema cannot be compiled")
+    refusal = ArgumentError(
+        "structured_outputs: the schema cannot be compiled", "structured_outputs"
+    )
     error = _chat(response_format={"type": "json_object"}).refusal(refusal)
     assert error.param == "response_format" and error.message.startswith("response_format: ")
     forced = _chat(tools=TOOLS, tool_choice="required").reading_tools(
@@ -136,7 +139,7 @@ def test_the_engines_refusals_name_the_argument_that_constrained():
     )
     assert forced.params["structured_outputs"] == {"grammar": "root ::= x"}
     assert forced.refusal(refusal).param == "tool_choice"
-    failed = forced.failure(Failed("r", str(refusal), "value"))
+    failed = forced.failure(Failed("r", str(refusal), "value", "structured_outputs"))
     assert failed.status == 400 and failed.param == "tool_choice"
     assert _chat(structured_outputs={"json": {}}).refusal(refusal).param == "structured_outputs"
 

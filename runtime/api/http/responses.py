@@ -37,10 +37,6 @@ def event_bytes(event: dict) -> bytes:
 def renamed(error: HttpError) -> HttpError:
     """A 400 of the chat machinery naming the Responses argument instead (messages ->
     input, max_tokens -> max_output_tokens, response_format -> text)."""
-    if error.param is None:  # the engine's words name the argument ("max_output_tokens: ...")
-        first = re.match(r"[a-z_]+", error.message)
-        if first is not None and first.group(0) in ResponsesRequest.model_fields:
-            return HttpError(error.status, error.message, first.group(0), error.kind, error.code)
     name = RESPONSES_NAMES.get(error.param or "")
     if name is None:
         return error

@@ -185,8 +185,7 @@ def value_error(
     """A tandem ValueError ('name: ...') as a 400 naming the OpenAI argument: `max_name`
     gave max_new_tokens, `prompt_name` the prompt (its token ids), `structured_name`
     structured_outputs, echo prompt_logprobs. An ArgumentError carries the engine's name;
-    a plain ValueError (the tool checks', runtime/api/tools/request.py) is named by the
-    word its message starts with."""
+    a plain ValueError names none."""
     message = _openai_words(str(exc), max_name, prompt_name, structured_name)
     if isinstance(exc, ArgumentError):
         names = {
@@ -198,9 +197,9 @@ def value_error(
         }
         param: str | None = names.get(exc.param, exc.param)
     else:
-        match = re.match(r"([A-Za-z_]+)[:\s\[]", message)
-        param = match.group(1) if match else None
-    return HttpError(400, message, param if param in ARGUMENTS else None)
+        param = None
+    known = ARGUMENTS | {max_name, prompt_name, structured_name}  # this route's names
+    return HttpError(400, message, param if param in known else None)
 
 
 def _openai_words(message: str, max_name: str, prompt_name: str, structured_name: str) -> str:

@@ -15,12 +15,11 @@ JSON_CALLS). Errors are 400s naming the argument.
 
 from __future__ import annotations
 
-import re
-
 from runtime.api.openai.errors import HttpError
 from runtime.api.tools.grammar import json_calls_schema, tool_grammar
 from runtime.api.tools.parsers import JSON_CALLS, tool_parser_name
 from runtime.api.tools.request import ToolRequest, parse_tool_request
+from runtime.errors import ArgumentError
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 TOOL_ARGS = ("tools", "tool_choice", "parallel_tool_calls")
@@ -78,8 +77,8 @@ def chat_tools(body: dict) -> ToolRequest:
 
 
 def _tool_error(exc: ValueError) -> HttpError:
-    match = re.match(r"[a-z_]+", str(exc))
-    param = match.group(0) if match else None
+    """A tool check's refusal as a 400 naming the argument it names (ArgumentError's)."""
+    param = exc.param if isinstance(exc, ArgumentError) else "tools"
     return HttpError(400, str(exc), param if param in TOOL_ARGS else "tools")
 
 

@@ -45,6 +45,7 @@ from runtime.api.tools.scan import (
     Llama3Scanner,
     merged,
 )
+from runtime.errors import ArgumentError
 
 PARSERS = ("hermes", "llama3_json")
 JSON_CALLS = "json"  # a forced choice's JSON, for a model without a known format
@@ -79,10 +80,11 @@ def tool_parser_name(name: str | None, chat_template: str | dict | None = None) 
         return name
     found = detect_tool_parser(chat_template)
     if found is None:
-        raise ValueError(
+        raise ArgumentError(
             "tools: the model's chat template shows no known tool-call format "
             f'(known: {", ".join(PARSERS)}): tool_choice "auto" needs one (set '
-            'server.tool_parser); "required" or a named function work without'
+            'server.tool_parser); "required" or a named function work without',
+            "tools",
         )
     return found
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from runtime.errors import ArgumentError
+
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's names (and dots): no JSON escaping
 _CHOICES = ("none", "auto", "required")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: no parameters
@@ -63,7 +65,9 @@ def parse_tool_request(body: dict) -> ToolRequest:
     tools = tuple(check_tools(body.get("tools")))
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ValueError(f"parallel_tool_calls: expected true or false, got {parallel!r}")
+        raise ArgumentError(
+            f"parallel_tool_calls: expected true or false, got {parallel!r}", "parallel_tool_calls"
+        )
     choice, function = _check_choice(body.get("tool_choice"), tools)
     return ToolRequest(tools, choice, function, parallel is not False)
 
@@ -73,15 +77,19 @@ def check_tools(value) -> list[dict]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise ValueError("tools: expected a list of function tools")
+        raise ArgumentError("tools: expected a list of function tools", "tools")
     tools, names = [], set()
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise ValueError(f'{where}: expected {{"type": "function", "function": {{...}}}}')
+            raise ArgumentError(
+                f'{where}: expected {{"type": "function", "function": {{...}}}}', "tools"
+            )
         function = _check_function(tool.get("function"), f"{where}.function")
         if function["name"] in names:
-            raise ValueError(f"{where}.function.name: {function['name']!r} is given twice")
+            raise ArgumentError(
+                f"{where}.function.name: {function['name']!r} is given twice", "tools"
+            )
         names.add(function["name"])
         tools.append({"type": "function", "function": function})
     return tools
@@ -89,24 +97,27 @@ def check_tools(value) -> list[dict]:
 
 def _check_function(function, where: str) -> dict:
     if not isinstance(function, dict):
-        raise ValueError(f"{where}: expected an object with a name")
+        raise ArgumentError(f"{where}: expected an object with a name", "tools")
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(
-            f"{where}.name: expected 1 to 64 letters, digits, '_', '-' or '.', got {name!r}"
+        raise ArgumentError(
+            f"{where}.name: expected 1 to 64 letters, digits, '_', '-' or '.', got {name!r}",
+            "tools",
         )
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise ValueError(f"{where}.description: expected a string")
+        raise ArgumentError(f"{where}.description: expected a string", "tools")
     parameters = function.get("parameters")
     if parameters is not None:
         if not isinstance(parameters, dict):
-            raise ValueError(f"{where}.parameters: expected a JSON Schema object")
+            raise ArgumentError(f"{where}.parameters: expected a JSON Schema object", "tools")
         if parameters.get("type", "object") != "object":
-            raise ValueError(f"{where}.parameters: the arguments' schema must be of type object")
+            raise ArgumentError(
+                f"{where}.parameters: the arguments' schema must be of type object", "tools"
+            )
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise ValueError(f"{where}.strict: expected true or false")
+        raise ArgumentError(f"{where}.strict: expected true or false", "tools")
     known = ("name", "description", "parameters", "strict")
     return {k: function[k] for k in known if function.get(k) is not None}
 
@@ -118,20 +129,24 @@ def _check_choice(value, tools: tuple[dict, ...]) -> tuple[str, str | None]:
         return ("auto" if tools else "none"), None
     if isinstance(value, str):
         if value not in _CHOICES:
-            raise ValueError(
+            raise ArgumentError(
                 f"tool_choice: expected one of {', '.join(_CHOICES)} or a named function,"
-                f" got {value!r}"
+                f" got {value!r}",
+                "tool_choice",
             )
         if value == "required" and not tools:
-            raise ValueError('tool_choice: "required" needs tools')
+            raise ArgumentError('tool_choice: "required" needs tools', "tool_choice")
         return value, None
     function = value.get("function") if isinstance(value, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(value, dict) or value.get("type") != "function" or not isinstance(name, str):
-        raise ValueError(
+        raise ArgumentError(
             'tool_choice: expected "none", "auto", "required" or '
-            '{"type": "function", "function": {"name": ...}}'
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
         )
     if name not in {t["function"]["name"] for t in tools}:
-        raise ValueError(f"tool_choice: the function {name!r} is not among the tools")
+        raise ArgumentError(
+            f"tool_choice: the function {name!r} is not among the tools", "tool_choice"
+        )
     return "function", name
