@@ -10,6 +10,7 @@ import pytest
 from runtime.api.openai.bodies import ChatCompletionRequest, CompletionRequest
 from runtime.api.openai.errors import HttpError
 from runtime.api.openai.requests import parse_chat, parse_completion, value_error
+from runtime.api.openai.structured import structured_outputs
 from runtime.control import protocol
 from runtime.control.protocol import Failed
 from runtime.errors import ArgumentError
@@ -202,3 +203,41 @@ def test_supported_arguments_are_no_longer_refused():
     chat = dict(body, logprobs=True, top_logprobs=2)
     del chat["echo"], chat["best_of"]  # completions' arguments
     validated(ChatCompletionRequest, {**CHAT, **chat})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, {"json": {"type": "object"}}),
+        ({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}, {"json": SCHEMA}),
+        ({"type": "json_schema", "json_schema": {"name": "p"}}, {"json": {"type": "object"}}),
+    ],
+)
+def test_response_format_as_the_engines_structured_outputs(value, expected):
+    assert structured_outputs({"response_format": value}) == (expected, "response_format")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "json",
+        {"type": "xml"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": "x"},
+        {"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+        {"type": "json_schema", "json_schema": {"name": "p", "schema": [1]}},
+        {"type": "json_schema", "json_schema": {"name": "p", "schema": {}, "strict": "yes"}},
+        {"type": "json_schema", "json_schema": {"name": "p", "schema": {}, "shema": {}}},
+        {"type": "json_object", "extra": 1},
+        {"type": "text", "json_schema": {"name": "p"}},
+    ],
+)
+def test_bad_response_formats_are_400s_naming_it(value):
+    with pytest.raises(HttpError) as info:
+        structured_outputs({"response_format": value})
+    assert info.value.status == 400 and info.value.param == "response_format"
+    assert info.value.message.startswith("response_format: ")

@@ -47,21 +47,34 @@ def structured_outputs(body: dict) -> tuple[dict | None, str]:
 
 
 def _response_format(fmt) -> dict | None:
+    """OpenAI's response_format as the engine's structured_outputs: text -> None, json_object
+    -> any JSON object, json_schema -> its schema (`schema` left out: any JSON object, as
+    OpenAI's); a 400 naming response_format for anything else."""
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json": {"type": "object"}}
+    if isinstance(fmt, dict) and set(fmt) - {"type", "json_schema"}:
+        raise _format_error(f"unknown key {sorted(set(fmt) - {'type', 'json_schema'})[0]!r}")
+    if kind in ("text", "json_object"):
+        if "json_schema" in fmt:
+            raise _format_error("json_schema is only for type 'json_schema'")
+        return None if kind == "text" else {"json": {"type": "object"}}
     if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema", {"type": "object"}) if isinstance(spec, dict) else None
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise _format_error('json_schema: expected {"name": ..., "schema": {...}}')
-        if not isinstance(schema, dict):
-            raise _format_error("json_schema.schema: expected a JSON Schema object")
-        return {"json": schema}
+        return {"json": _json_schema(fmt.get("json_schema"))}
     got = kind if kind is not None else fmt
     raise _format_error(f"expected type {', '.join(RESPONSE_FORMATS)}; got {got!r}")
+
+
+def _json_schema(spec) -> dict:
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _format_error('json_schema: expected {"name": ..., "schema": {...}}')
+    unknown = set(spec) - {"name", "description", "schema", "strict"}
+    if unknown:
+        raise _format_error(f"json_schema: unknown key {sorted(unknown)[0]!r}")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _format_error("json_schema.strict: expected true or false")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise _format_error("json_schema.schema: expected a JSON Schema object")
+    return schema
 
 
 def _format_error(words: str) -> HttpError:

@@ -10,7 +10,7 @@ a compile are bounded.
 Frames on the child's stdin/stdout: 4-byte big-endian length, then the payload.
 parent -> child: the settings (JSON), the tokenizer info (xgrammar's JSON), then one job per
 compile (JSON [method, source]). child -> parent: b"ready" once, then per job b"\\x00" + the
-compiled grammar's wire form (runtime.speculation.grammar.load.to_wire; empty: the workers
+compiled grammar's wire form (to_wire; empty: the workers
 compile the spec themselves, see grammar.load) or b"\\x01" + the error message (UTF-8).
 """
 
@@ -200,22 +200,28 @@ def _answer(compiler: Any, settings: dict[str, Any], job: bytes) -> bytes:
         return FAILED + clean_error(e).encode()
     if took <= settings["local_compile_s"]:
         return OK
-    wire = _wire(compiled, settings["max_wire_bytes"])
+    wire = to_wire(compiled, settings["max_wire_bytes"])
     if wire is None and took > settings["worker_compile_s"]:
         why = f"it compiles in {took:.1f} s, too long for the workers, and is too large to send"
         return FAILED + why.encode()
     return OK + (wire or b"")
 
 
-def _wire(compiled: Any, limit: int) -> bytes | None:
-    """The wire form, or None when it would take more than `limit` bytes (as JSON)."""
-    if _wire_estimate(compiled) > limit:
+def to_wire(compiled: Any, limit: int | None = None) -> bytes | None:
+    """The compiled grammar as bytes for a worker: xgrammar's JSON without the tokenizer,
+    zlib level 1 (runtime.speculation.grammar.load.from_wire reads it); None when its JSON
+    would take more than `limit` characters."""
+    if limit is not None and _wire_estimate(compiled) > limit:
         return None
     try:
         text = compiled.serialize_json()
-    except Exception:  # noqa: BLE001 - out of memory: too large after all
+    except Exception:
+        if limit is None:
+            raise
         return None
-    return zlib.compress(text.encode(), 1) if len(text) <= limit else None
+    if limit is not None and len(text) > limit:
+        return None
+    return zlib.compress(text.encode(), 1)
 
 
 def _wire_estimate(compiled: Any) -> int:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.speculation.grammar.child import OK, CompileProcess, CompileTimeout
+from runtime.speculation.grammar.child import OK, CompileProcess, CompileTimeout, to_wire
 from runtime.speculation.grammar.load import (
     CACHE_SIZE,
     COMPILE_THREADS,
@@ -30,7 +30,6 @@ from runtime.speculation.grammar.load import (
     Prepared,
     from_wire,
     job_of,
-    to_wire,
     tokenizer_info,
 )
 from runtime.speculation.grammar.route import uses_guidance

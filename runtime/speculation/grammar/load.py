@@ -88,15 +88,10 @@ def _special_ids(tokenizer: Any) -> set[int]:
     return ids | {int(i) for i, t in added.items() if getattr(t, "special", False)}
 
 
-def to_wire(compiled: xgr.CompiledGrammar) -> bytes:
-    """The compiled grammar as bytes for a worker (xgrammar's JSON without the tokenizer,
-    zlib level 1)."""
-    return zlib.compress(compiled.serialize_json().encode(), 1)
-
-
 def from_wire(data: bytes, info: xgr.TokenizerInfo) -> xgr.CompiledGrammar:
-    """A compiled grammar from `to_wire`'s bytes; `info` must be built like the sender's
-    (same tokenizer, vocab size and stop ids), else ValueError."""
+    """A compiled grammar from `to_wire`'s bytes (runtime.speculation.grammar.child); `info`
+    must be built like the sender's (same tokenizer, vocab size and stop ids), else
+    ValueError."""
     try:
         return xgr.CompiledGrammar.deserialize_json(zlib.decompress(data).decode(), info)
     except (zlib.error, UnicodeDecodeError, RuntimeError, ValueError) as e:

@@ -36,8 +36,6 @@ MAX_OPTIONAL_PROPERTIES = 256  # properties of one object that are not required 
 MAX_REPEAT = 1000  # m and n of a counted repetition {m}, {m,} or {m,n} (regex, pattern, EBNF)
 
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
-_RESPONSE_FORMAT_KEYS = {"type", "json_schema"}
-_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 
 
 @dataclass(frozen=True)
@@ -89,37 +87,6 @@ def parse_structured_outputs(value: Any) -> GrammarSpec:
             raise _refusal(arg, f"json_object must be true, got {_show(body)}")
         return GrammarSpec("json_object", "", arg)
     raise _refusal(arg, f"unknown key {kind!r} (one of {sorted(KINDS)})")
-
-
-def parse_response_format(value: Any) -> GrammarSpec | None:
-    """OpenAI's `response_format`: {"type": "text"} -> None, {"type": "json_object"} -> any
-    JSON object, {"type": "json_schema", "json_schema": {"name", "schema", "strict",
-    "description"}} -> the schema (strict or not, the output is held to it).
-    ValueError("response_format: ...") otherwise."""
-    arg = "response_format"
-    if not isinstance(value, Mapping):
-        raise _refusal(arg, f"must be a map with a 'type', got {_show(value)}")
-    _no_unknown_keys(value, _RESPONSE_FORMAT_KEYS, arg)
-    kind = value.get("type")
-    if kind in ("text", "json_object"):
-        if "json_schema" in value:
-            raise _refusal(arg, "json_schema is only for type 'json_schema'")
-        return None if kind == "text" else GrammarSpec("json_object", "", arg)
-    if kind != "json_schema":
-        raise _refusal(
-            arg, f"unknown type {_show(kind)} (one of 'text', 'json_object', 'json_schema')"
-        )
-    body = value.get("json_schema")
-    if not isinstance(body, Mapping):
-        raise _refusal(arg, f"json_schema must be a map, got {_show(body)}")
-    _no_unknown_keys(body, _JSON_SCHEMA_KEYS, arg, "json_schema: ")
-    if not isinstance(body.get("name"), str) or not body["name"]:
-        raise _refusal(arg, "json_schema.name must be a non-empty string")
-    if body.get("strict") is not None and not isinstance(body["strict"], bool):
-        raise _refusal(arg, "json_schema.strict must be a boolean")
-    if "schema" not in body:
-        raise _refusal(arg, "json_schema.schema is missing")
-    return json_spec(body["schema"], arg)
 
 
 def json_spec(schema: Any, argument: str) -> GrammarSpec:

@@ -1,5 +1,6 @@
 """Structured outputs for speculation: one request's grammar state on the side that samples,
-its token masks over a verify window, and applying masks to a batch's scores.
+its token masks over a verify window (applied to a batch's scores by the logits processors:
+runtime.speculation.processors).
 
 The mask comes after the penalties and before temperature, min-p, top-k and top-p
 (runtime.speculation.processors), at every sampled position alike: the draft's, each of its
@@ -25,30 +26,26 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from runtime.speculation.grammar.child import to_wire
 from runtime.speculation.grammar.compiler import GrammarCompiler
 from runtime.speculation.grammar.guidance import GuidanceGrammar, GuidanceMatcher
 from runtime.speculation.grammar.load import (
     GrammarLoader,
     Prepared,
     from_wire,
-    to_wire,
     tokenizer_info,
 )
 from runtime.speculation.grammar.spec import (
     GrammarSpec,
-    parse_response_format,
     parse_structured_outputs,
 )
-from runtime.speculation.processors import NEG_INF
 
 __all__ = [
     "GrammarCompiler",
     "GrammarLoader",
     "GrammarSpec",
     "GrammarWindow",
-    "apply_mask",
     "from_wire",
-    "parse_response_format",
     "parse_structured_outputs",
     "Prepared",
     "to_wire",
@@ -208,18 +205,3 @@ def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
     bits = (packed[..., None] >> shifts) & 1  # [..., W, 32]
     return bits.to(torch.bool).flatten(-2)[..., :vocab_size]
-
-
-def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """scores [B, n, V] float, mask bool [B, n, V'] (True: allowed; broadcastable in B and n)
-    or None -> scores with the disallowed tokens -inf. A mask narrower than the scores
-    disallows the ids past it (ids past the grammar's vocabulary); a wider one is cut."""
-    if mask is None:
-        return scores
-    width = scores.shape[-1]
-    if mask.shape[-1] > width:
-        mask = mask[..., :width]
-    elif mask.shape[-1] < width:
-        pad = mask.new_zeros(*mask.shape[:-1], width - mask.shape[-1])
-        mask = torch.cat([mask, pad], dim=-1)
-    return scores.masked_fill(~mask.to(scores.device), NEG_INF)

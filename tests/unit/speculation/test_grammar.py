@@ -21,15 +21,13 @@ from runtime.speculation.grammar.window import (
     GrammarSpec,
     GrammarWindow,
     Prepared,
-    apply_mask,
     from_wire,
-    parse_response_format,
     parse_structured_outputs,
     to_wire,
     tokenizer_info,
     unpack_bitmask,
 )
-from runtime.speculation.processors import NEG_INF
+from runtime.speculation.processors import NEG_INF, Processing, process
 from tests.checkpoints import build_with_tokenizer
 
 SCHEMA = {
@@ -92,15 +90,6 @@ def test_parse_each_kind():
     assert parse_structured_outputs({"json_object": True}) == GrammarSpec("json_object", "")
 
 
-def test_parse_response_format():
-    assert parse_response_format({"type": "text"}) is None
-    assert parse_response_format({"type": "json_object"}) == GrammarSpec("json_object", "")
-    body = {"name": "person", "schema": SCHEMA, "strict": True}
-    spec = parse_response_format({"type": "json_schema", "json_schema": body})
-    assert spec == parse_structured_outputs({"json": SCHEMA})  # one identity, one cache entry
-    assert spec.argument == "response_format"
-
-
 def nested(depth: int) -> dict:
     schema: dict = {"type": "integer"}
     for _ in range(depth):
@@ -138,26 +127,6 @@ def test_bad_structured_outputs(value):
         parse_structured_outputs(value)
 
 
-@pytest.mark.parametrize(
-    "value",
-    [
-        "json",
-        {"type": "xml"},
-        {"type": "json_schema"},
-        {"type": "json_schema", "json_schema": "x"},
-        {"type": "json_schema", "json_schema": {"schema": SCHEMA}},
-        {"type": "json_schema", "json_schema": {"name": "p", "schema": [1]}},
-        {"type": "json_schema", "json_schema": {"name": "p"}},
-        {"type": "json_schema", "json_schema": {"name": "p", "schema": {}, "strict": "yes"}},
-        {"type": "json_schema", "json_schema": {"name": "p", "schema": {}, "shema": {}}},
-        {"type": "json_object", "extra": 1},
-    ],
-)
-def test_bad_response_format(value):
-    with pytest.raises(ValueError, match=r"^response_format: "):
-        parse_response_format(value)
-
-
 # --- compiling, its bounds and its cache -----------------------------------------------------
 
 
@@ -167,9 +136,6 @@ def test_bad_response_format(value):
 def test_compile_errors_name_the_argument(compiler, value):
     with pytest.raises(ValueError, match=r"^structured_outputs: the \w+ does not compile: "):
         compiler.compile(parse_structured_outputs(value))
-    body = {"name": "p", "schema": {"$ref": "#/nowhere"}}
-    with pytest.raises(ValueError, match=r"^response_format: "):
-        compiler.compile(parse_response_format({"type": "json_schema", "json_schema": body}))
 
 
 def test_slow_masks_are_refused(compiler):
@@ -294,6 +260,13 @@ def test_workers_rebuild_identical_grammars(compiler, tok):
 # --- masks on scores -------------------------------------------------------------------------
 
 
+def masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scores [B, n, V] under a grammar mask [B, n, V'], as every sampled position applies
+    it: the logits processors (runtime.speculation.processors.process), nothing else on."""
+    index = torch.zeros(scores.shape[:2], dtype=torch.long)
+    return process(scores, Processing(), index, mask=mask)
+
+
 def test_unpack_and_apply_masks():
     words = torch.randint(-(2**31), 2**31 - 1, (2, 3, 4), dtype=torch.int32)
     mask = unpack_bitmask(words, 100)
@@ -301,11 +274,10 @@ def test_unpack_and_apply_masks():
     for b, n, t in [(0, 0, 0), (1, 2, 31), (0, 1, 32), (1, 0, 99), (0, 2, 64)]:
         assert bool(mask[b, n, t]) == bool((int(words[b, n, t // 32]) >> (t % 32)) & 1)
     scores = torch.randn(2, 3, 104)
-    out = apply_mask(scores, mask)  # ids 100..103 past the mask: disallowed
+    out = masked(scores, mask)  # ids 100..103 past the mask: disallowed
     assert torch.equal(out[..., :100][mask], scores[..., :100][mask])
     assert out[..., :100][~mask].eq(NEG_INF).all() and out[..., 100:].eq(NEG_INF).all()
-    assert apply_mask(scores, None) is scores
-    assert torch.equal(apply_mask(scores[..., :50], mask), out[..., :50])
+    assert torch.equal(masked(scores[..., :50], mask), out[..., :50])  # a wider mask is cut
 
 
 # --- a model decoding under JSON schemas -----------------------------------------------------
@@ -352,7 +324,7 @@ def decode(model, window: GrammarWindow, prompt: list[int], eos: int) -> list[in
     out: list[int] = []
     while len(out) < 200 and (not out or out[-1] != eos):
         logits = model(torch.tensor([prompt + out]), logits_to_keep=1).logits
-        out.append(int(apply_mask(logits, window.next_mask()[None, None]).argmax()))
+        out.append(int(masked(logits, window.next_mask()[None, None]).argmax()))
         window.commit(out[-1:])
     return out
 
@@ -372,11 +344,11 @@ def speculate(model, window: GrammarWindow, prompt: list[int], hint: list[int], 
             scores = torch.randn(1, 1, window.vocab_size, generator=gen)
             if torch.rand(1, generator=gen) < 0.7:
                 scores[..., hint[min(len(out) + j, len(hint) - 1)]] += 10.0
-            proposals.append(int(apply_mask(scores, window.next_mask()[None, None]).argmax()))
+            proposals.append(int(masked(scores, window.next_mask()[None, None]).argmax()))
             window.advance(proposals[-1])
         window.rollback(k)
         logits = model(torch.tensor([prompt + out + proposals]), logits_to_keep=k + 1).logits
-        choice = apply_mask(logits, window.masks(proposals)[None]).argmax(-1)[0].tolist()
+        choice = masked(logits, window.masks(proposals)[None]).argmax(-1)[0].tolist()
         n = next((i for i, (p, c) in enumerate(zip(proposals, choice)) if p != c), k)
         new = [*proposals[:n], choice[n]]
         new = new[: new.index(hint[-1]) + 1] if hint[-1] in new else new

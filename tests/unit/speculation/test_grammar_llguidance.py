@@ -24,7 +24,6 @@ from runtime.speculation.grammar.window import (
     GrammarLoader,
     GrammarSpec,
     GrammarWindow,
-    parse_response_format,
     parse_structured_outputs,
     tokenizer_info,
 )
@@ -137,9 +136,6 @@ REFUSED = [
 def test_refusals_name_the_argument_and_the_reason(compiler, schema, message):
     with pytest.raises(ValueError, match=f"^structured_outputs: the schema {message}"):
         compiler.prepare(parse_structured_outputs({"json": schema}))
-    body = {"name": "x", "schema": schema}
-    with pytest.raises(ValueError, match=f"^response_format: the schema {message}"):
-        compiler.prepare(parse_response_format({"type": "json_schema", "json_schema": body}))
 
 
 # --- masks -----------------------------------------------------------------------------------
