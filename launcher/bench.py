@@ -182,12 +182,12 @@ def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str, what: str = "an integer >= 1") -> int:
+def _positive_int(text: str, what: str = "an integer >= 1", low: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
+        value = low - 1
+    if value < low:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
 
@@ -196,13 +196,7 @@ def _prefill_budget(text: str) -> int | str:
     """--max-prefill-tokens: an integer >= 2, none or auto."""
     if text in ("none", "auto"):
         return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2, none or auto, got {text!r}")
-    return value
+    return _positive_int(text, "an integer >= 2, none or auto", low=2)
 
 
 def _int_list(text: str) -> list[int]:

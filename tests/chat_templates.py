@@ -46,3 +46,15 @@ WEATHER_CALL_TURNS = [
     },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
 ]
+
+
+# the weather tool's parameters, as the tool tests call it
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "rain": {"type": "boolean"},
+    },
+    "required": ["city", "rain"],
+    "additionalProperties": False,
+}

@@ -529,54 +529,6 @@ def test_served_model_name_through_the_openai_client(cfg, tmp_path):
     assert "WARNING" not in text and "Traceback" not in text, text  # a normal stop is quiet
 
 
-def test_serve_demo_over_http_as_the_docs_show(tmp_path):
-    """docs/serving.md's example against `tandem serve --http` of the built-in demo: the
-    served model is the one /v1/models lists (the target's file name)."""
-    openai = pytest.importorskip("openai")
-    try:
-        demo = default_config()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    port, log_path = launch.free_port(), tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launcher",
-                "serve",
-                "--address",
-                f"ipc://{tmp_path}/s.sock",
-                "--http",
-                f"127.0.0.1:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(launch.clean_env(), TANDEM_LAUNCH="spawn"),
-        )
-    try:
-        launch.wait_http(f"http://127.0.0.1:{port}", proc, log_path)
-        oai = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
-        )
-        model = oai.models.list().data[0].id
-        assert model == os.path.basename(demo.target.model)
-        out = oai.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0)
-        assert out.model == model and out.usage.completion_tokens >= 1
-        with pytest.raises(openai.BadRequestError) as info:  # OpenAI's range is [0, 2]
-            oai.completions.create(model=model, prompt="a", max_tokens=2, temperature=2.5)
-        body = info.value.body
-        assert (body if "param" in body else body["error"])["param"] == "temperature", body
-        oai.close()
-        assert launch.stop(proc) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    launch.assert_group_gone(proc.pid)
-
-
 # --- quiet by default ---------------------------------------------------------------------------
 def test_engine_keeps_its_servers_address_line_to_itself():
     from runtime.api.engine import StderrTail

@@ -21,20 +21,12 @@ import pytest
 
 from runtime.config import default_config
 from tests import launch
+from tests.chat_templates import WEATHER
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.timeout(300)
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-        "rain": {"type": "boolean"},
-    },
-    "required": ["city", "rain"],
-    "additionalProperties": False,
-}
 CHAT_TOOL = {
     "type": "function",
     "function": {"name": "get_weather", "description": "The weather", "parameters": WEATHER},
@@ -74,6 +66,19 @@ def demo(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     launch.assert_group_gone(proc.pid)
+
+
+def test_the_demo_serves_as_the_docs_show(demo):
+    """docs/serving.md's example against `tandem serve --http` of the built-in demo: the
+    served model is the one /v1/models lists (the target's file name)."""
+    oai, model = demo
+    assert model == os.path.basename(default_config().target.model)
+    out = oai.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+    assert out.model == model and out.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as info:  # OpenAI's range is [0, 2]
+        oai.completions.create(model=model, prompt="a", max_tokens=2, temperature=2.5)
+    body = info.value.body
+    assert (body if "param" in body else body["error"])["param"] == "temperature", body
 
 
 def _chat(demo, **kwargs):

@@ -16,22 +16,13 @@ import jsonschema
 import pytest
 
 from tests import checkpoints, launch
-from tests.chat_templates import QWEN_TEMPLATE, WEATHER_CALL_TURNS
+from tests.chat_templates import QWEN_TEMPLATE, WEATHER, WEATHER_CALL_TURNS
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.timeout(240)
 
 MODEL = "target"
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-        "rain": {"type": "boolean"},
-    },
-    "required": ["city", "rain"],
-    "additionalProperties": False,
-}
 ZONE = {
     "type": "object",
     "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
