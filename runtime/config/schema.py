@@ -24,7 +24,7 @@ from runtime.config.builtin import (  # noqa: F401  (BUILTIN_MODELS, DEFAULT_GGU
     default_model_path,
 )
 from runtime.config.nodes import resolve_config_nodes
-from runtime.config.values import ACCEPTANCE_MODES, DTYPES
+from runtime.config.values import ACCEPTANCE_MODES, DTYPES, VERIFICATION_RULES
 from runtime.errors import ConfigError
 from runtime.models.loading import hub
 
@@ -116,6 +116,9 @@ class SpeculationConfig(_Checked):
     # structured outputs: the draft proposes under the grammar's masks (false: freely; the
     # target's verification enforces the grammar either way: docs/sampling.md)
     mask_draft: bool = _checked(True, check.boolean)
+    # how `logits` acceptance verifies a sampled window: token by token (Leviathan et al.), or
+    # as a block (Sun et al. 2025; never fewer tokens a round): docs/sampling.md
+    verification: str = _checked("token", check.choice(*VERIFICATION_RULES))
 
     @property
     def fixed_draft_len(self) -> int | None:

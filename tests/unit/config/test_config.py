@@ -137,7 +137,7 @@ def test_full_config_values():
             draft={"model": "/m/d", "devices": [0], "dtype": "float16"},
             target={"model": "/m/t", "devices": [1, "2", "cuda:3"], "dtype": "float32"},
             tokenizer="/m/tok",
-            speculation={"draft_len": 7, "acceptance": "logits"},
+            speculation={"draft_len": 7, "acceptance": "logits", "verification": "block"},
             runtime={
                 "max_batch_size": 2,
                 "max_seq_len": 2,
@@ -151,7 +151,7 @@ def test_full_config_values():
     assert cfg.target.devices == tuple(Device("cuda", i) for i in (1, 2, 3))
     assert cfg.draft.torch_dtype == torch.float16 and cfg.target.torch_dtype == torch.float32
     assert cfg.tokenizer_path == "/m/tok"
-    assert cfg.speculation == SpeculationConfig(7, "logits")
+    assert cfg.speculation == SpeculationConfig(7, "logits", verification="block")
     assert cfg.runtime.startup_timeout_s == 5.0 and isinstance(cfg.runtime.startup_timeout_s, float)
     assert cfg.server.address == "ipc:///tmp/tandem.sock"
 
@@ -386,6 +386,8 @@ def test_mixed_backends(draft, target, key):
         ("speculation", {"draft_len": 0}, "speculation.draft_len"),
         ("speculation", {"draft_len": -3}, "speculation.draft_len"),
         ("speculation", {"acceptance": "greedy"}, "speculation.acceptance"),
+        ("speculation", {"verification": "tokens"}, "speculation.verification"),
+        ("speculation", {"verification": True}, "speculation.verification"),
         ("runtime", {"max_batch_size": 0}, "runtime.max_batch_size"),
         ("runtime", {"max_seq_len": 1}, "runtime.max_seq_len"),
         ("runtime", {"startup_timeout_s": 0}, "runtime.startup_timeout_s"),
