@@ -117,7 +117,7 @@ class SpeculationConfig(_Checked):
     # target's verification enforces the grammar either way: docs/sampling.md)
     mask_draft: bool = _checked(True, check.boolean)
     # how `logits` acceptance verifies a sampled window: token by token (Leviathan et al.), or
-    # as a block (Sun et al. 2025; never fewer tokens a round): docs/sampling.md
+    # as a block (Sun et al. 2025; never fewer tokens a round in expectation): docs/sampling.md
     verification: str = _checked("token", check.choice(*VERIFICATION_RULES))
 
     @property
