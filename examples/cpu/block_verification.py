@@ -189,6 +189,38 @@ def timings(target, draft, ctx_all: torch.Tensor, repeats: int) -> dict:
     return out
 
 
+def table_rows(report: dict) -> list[str]:
+    """The rows of docs/sampling.md's table: draft layers, k, batch, accepted drafts a round
+    (sampled, 95% CI) per rule, the paired block - token difference of E[tau | window], the
+    forwards' seconds, each rule's milliseconds and tokens/s (batch x (1 + accepted) / round)."""
+
+    def ci(d: dict) -> str:
+        lo, hi = d["ci95"]
+        return f"{d['mean']:.3f} ({lo:.3f} to {hi:.3f})"
+
+    rows = []
+    for k in KS:
+        arms = report["acceptance"][k]
+        for batch in BATCHES:
+            t = report["timing"][f"batch {batch}, k {k}"]
+            rates = [
+                batch * (1 + arms[name]["sampled"]["mean"]) / t[f"{name}_round_s"] for name in RULES
+            ]
+            cells = [
+                str(report["setup"]["draft_layers"]),
+                str(k),
+                str(batch),
+                ci(arms["token"]["sampled"]),
+                ci(arms["block"]["sampled"]),
+                ci(arms["block_minus_token_expected"]),
+                f"{t['forwards_s']:.2f}",
+                f"{1000 * t['token_rule_s']:.1f} / {1000 * t['block_rule_s']:.1f}",
+                f"{rates[0]:.2f} / {rates[1]:.2f}",
+            ]
+            rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, default=2048, help="windows (rounds) per rule")
@@ -210,6 +242,7 @@ def main() -> None:
     }
     text = json.dumps(report, indent=1)
     print(text)
+    print("\n".join(table_rows(report)))
     if a.out:
         Path(a.out).write_text(text)
 
