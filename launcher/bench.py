@@ -126,7 +126,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="speculation.verification of the spec modes: a sampled window verified token by "
         "token or as a block (docs/sampling.md); sets speculation.acceptance logits "
-        "(default: the config's, or the token rule under `tokens` acceptance)",
+        "(default: the config's; a synthetic pair's `tokens` acceptance has no such rule)",
     )
     p.add_argument("--out", default=None, help="write the JSON report here (default: none)")
     return p

@@ -61,7 +61,7 @@ class BenchSettings:
     max_prefill_tokens: int | str | None = None  # N, "none" (whole) or "auto"; None: config's
     sampling: dict = field(default_factory=dict)  # the spec modes' sampling arguments
     # speculation.verification of the spec modes (token | block; sets `acceptance: logits`,
-    # the acceptance whose sampled windows it verifies); None: the config's (token, tokens)
+    # the acceptance whose sampled windows it verifies); None: the config's
     verification: str | None = None
 
     def check(self) -> None:

@@ -120,6 +120,7 @@ def test_defaults_from_minimal_config():
     assert cfg.draft.torch_dtype == torch.bfloat16
     assert cfg.tokenizer is None and cfg.tokenizer_path == "/models/target"
     assert cfg.speculation == SpeculationConfig() == SpeculationConfig(4, "tokens")
+    assert cfg.speculation.verification == "block"  # measured: docs/sampling.md
     assert cfg.runtime == RuntimeConfig()
     assert cfg.runtime.cuda_graphs is True and cfg.target.kv_cache_memory is None
     assert (cfg.runtime.max_batch_size, cfg.runtime.max_seq_len) == (8, 4096)
