@@ -120,6 +120,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         '\'{"repetition_penalty": 1.2, "logprobs": 5}\' (default: greedy, nothing else); '
         "the other modes refuse any",
     )
+    p.add_argument(
+        "--verification",
+        choices=("token", "block"),
+        default=None,
+        help="speculation.verification of the spec modes: a sampled window verified token by "
+        "token or as a block (docs/sampling.md); sets speculation.acceptance logits "
+        "(default: the config's; a synthetic pair's `tokens` acceptance has no such rule)",
+    )
     p.add_argument("--out", default=None, help="write the JSON report here (default: none)")
     return p
 
@@ -257,6 +265,7 @@ def main(args) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         max_prefill_tokens=args.max_prefill_tokens,
         sampling=args.sampling,
+        verification=args.verification,
     )
     _quiet_libraries()
     try:

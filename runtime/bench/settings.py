@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.bench.modes import MODES
+from runtime.config.values import VERIFICATION_RULES
 from runtime.models.loading.synthetic_shapes import CONTEXT as SYNTHETIC_CONTEXT
 
 log = logging.getLogger("tandem.bench")
@@ -59,6 +60,9 @@ class BenchSettings:
     kv_cache_dtype: str | None = None  # auto | fp8; None: the config's, or auto
     max_prefill_tokens: int | str | None = None  # N, "none" (whole) or "auto"; None: config's
     sampling: dict = field(default_factory=dict)  # the spec modes' sampling arguments
+    # speculation.verification of the spec modes (token | block; sets `acceptance: logits`,
+    # the acceptance whose sampled windows it verifies); None: the config's
+    verification: str | None = None
 
     def check(self) -> None:
         if (self.config is None) == (self.synthetic is None):
@@ -84,6 +88,8 @@ class BenchSettings:
             )
         if self.target_tp < 1:
             raise ValueError("--target-tp must be >= 1")
+        if self.verification is not None and self.verification not in VERIFICATION_RULES:
+            raise ValueError(f"--verification: one of {', '.join(VERIFICATION_RULES)}")
         other = [m for m in self.modes if not m.startswith("spec")]
         if self.sampling and other:
             raise ValueError(f"--sampling applies to the spec modes only; drop {other}")
@@ -177,6 +183,15 @@ def _seq_len(s: BenchSettings, draft_len) -> int:
     return s.prompt_len + s.new_tokens + _kmax(draft_len) + 8
 
 
+def speculation(s: BenchSettings, draft_len, acceptance: str = "tokens") -> dict:
+    """The speculation keys of the spec modes' Engine config: draft_len, and with
+    --verification its rule under `logits` acceptance."""
+    keys = {"draft_len": draft_len, "acceptance": acceptance}
+    if s.verification is not None:
+        keys.update(acceptance="logits", verification=s.verification)
+    return keys
+
+
 def kv_runtime(s: BenchSettings) -> dict:
     """The runtime keys of the KV cache that the settings set (prefix_caching always)."""
     keys: dict[str, bool | int | str | None] = {"prefix_caching": s.prefix_caching}
@@ -214,7 +229,7 @@ def _resolve_config(s: BenchSettings) -> Setup:
     if s.quantization:
         d["draft"]["quantization"] = d["target"]["quantization"] = s.quantization
     k = s.draft_len if s.draft_len is not None else cfg.speculation.draft_len
-    d["speculation"]["draft_len"] = k
+    d["speculation"].update(speculation(s, k, cfg.speculation.acceptance))
     rt = d["runtime"]
     rt["max_batch_size"] = max(rt["max_batch_size"], max(s.batch_sizes))
     rt["max_seq_len"] = (
@@ -270,7 +285,7 @@ def _resolve_synthetic(s: BenchSettings) -> Setup:
             "dtype": dtype_name,
             **quant,
         },
-        "speculation": {"draft_len": k, "acceptance": "tokens"},
+        "speculation": speculation(s, k),
         "runtime": {
             "max_batch_size": max(s.batch_sizes),
             "cuda_graphs": s.cuda_graphs,

@@ -20,7 +20,7 @@ from runtime.config.paths import (
     default_model_path,
     resolve_path,
 )
-from runtime.config.values import ACCEPTANCE_MODES, DTYPES
+from runtime.config.values import ACCEPTANCE_MODES, DTYPES, VERIFICATION_RULES
 from runtime.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported lazily: reading a config should stay cheap
@@ -112,6 +112,10 @@ class SpeculationConfig(_Checked):
     # structured outputs: the draft proposes under the grammar's masks (false: freely; the
     # target's verification enforces the grammar either way: docs/sampling.md)
     mask_draft: bool = _checked(True, check.boolean)
+    # how `logits` acceptance verifies a sampled window: as a block (Sun et al. 2025; never
+    # fewer tokens a round in expectation), or token by token (Leviathan et al.); the default
+    # is measured: docs/sampling.md, "Token or block: measured on the CPU"
+    verification: str = _checked("block", check.choice(*VERIFICATION_RULES))
 
     @property
     def fixed_draft_len(self) -> int | None:

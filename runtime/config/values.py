@@ -12,6 +12,7 @@ from runtime.errors import ConfigError
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("fp8",)  # besides null: as stored (FP8 checkpoints are detected)
 ACCEPTANCE_MODES = ("tokens", "logits")
+VERIFICATION_RULES = ("token", "block")  # speculation.verification (`logits` acceptance)
 ADDRESS_SCHEMES = ("tcp://", "ipc://")
 TOOL_PARSERS = ("hermes", "llama3_json")  # runtime.api.tools.parsers.PARSERS
 

@@ -14,7 +14,12 @@ import torch
 
 from runtime.models.runners.hostcopy import to_device
 from runtime.speculation import rng
-from runtime.speculation.acceptance import accept_rejection, accept_tokens, greedy_accept
+from runtime.speculation.acceptance import (
+    accept_block,
+    accept_rejection,
+    accept_tokens,
+    greedy_accept,
+)
 from runtime.speculation.processors import Penalties, Processing, process
 from runtime.speculation.sampling import sample_from, warp_probs
 from runtime.speculation.vocab import DraftVocab
@@ -144,6 +149,7 @@ def draft_choose(
     vocab: DraftVocab | None = None,
     window: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [B, V] for the tokens at sequence index `index` [B] -> token [B] and q [B, V]
     (None when the whole batch is greedy), through the rows' processors (`window` [B, m]: the
@@ -153,17 +159,28 @@ def draft_choose(
     Under `tokens` acceptance the draft samples with the target's own uniforms: the output is
     the target's samples whatever the draft proposes, and coupled uniforms make the draft's
     sample coincide with the target's more often. `logits` acceptance needs an independent
-    draft sample (its own stream)."""
+    draft sample (its own stream); under `verification: block` (`start` [B]: the first index
+    of the window this proposal belongs to) that sample is keyed by its window
+    (rng.window_uniform), as the block rule needs."""
     if vocab is not None:
         logits = vocab.restrict(logits)  # [B, propose]
     scores = sampling.process(logits[:, None], index[:, None], window, mask)  # [B, 1, V]
     if sampling.greedy:
         return scores[:, 0].argmax(dim=-1), None
     q = sampling.warp(scores)  # [B, 1, V]
-    stream = rng.STREAM_TARGET if acceptance == "tokens" else rng.STREAM_DRAFT
-    u = rng.uniform(sampling.seed, index[:, None], stream)  # [B, 1]
-    token = sample_from(q, u)[:, 0]
+    token = sample_from(q, _draft_uniform(sampling.seed, index, acceptance, start))[:, 0]
     return token, q[:, 0] if vocab is None else vocab.widen(q[:, 0])
+
+
+def _draft_uniform(
+    seed: torch.Tensor, index: torch.Tensor, acceptance: str, start: torch.Tensor | None
+) -> torch.Tensor:
+    """[B, 1] uniforms of the draft's samples at index [B] (draft_choose)."""
+    if acceptance == "tokens":
+        return rng.uniform(seed, index[:, None], rng.STREAM_TARGET)
+    if start is None:
+        return rng.uniform(seed, index[:, None], rng.STREAM_DRAFT)
+    return rng.window_uniform(seed, start, index[:, None], rng.STREAM_BLOCK_DRAFT)
 
 
 def target_verify(
@@ -175,9 +192,11 @@ def target_verify(
     draft_probs: torch.Tensor | None,
     earlier: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    verification: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """draft_tokens [B, k], target logits [B, k+1, V]; first_index [B] = sequence index of
-    the first token decided (= committed length). Position i's logits are processed with
+    the first token decided (= committed length, the window's start). `verification`
+    (token | block) picks the rule of `logits` acceptance. Position i's logits are processed with
     the first i drafts in their history (after `earlier` [B, m], tokens decided before the
     window and not yet committed: a target-only round's earlier steps), and masked by the
     grammars' `mask` [B, k+1, V] at each position. Returns accepted [B], next_token [B]."""
@@ -195,5 +214,8 @@ def target_verify(
         if k > 0:
             raise ValueError("acceptance 'logits' needs the draft's probabilities")
         draft_probs = p.new_zeros(*draft_tokens.shape, p.shape[-1])  # [B, 0, V]
+    if verification == "block":  # eta_1..eta_k [B, k], fresh for each window
+        eta = rng.window_uniform(sampling.seed, first_index, index[:, :k], rng.STREAM_BLOCK_ACCEPT)
+        return accept_block(draft_tokens, draft_probs, p, eta, u_target)
     u_accept = rng.uniform(sampling.seed, index[:, :k], rng.STREAM_ACCEPT)  # [B, k]
     return accept_rejection(draft_tokens, draft_probs, p, u_accept, u_target)

@@ -10,9 +10,12 @@ The arithmetic is done on int64 tensors holding 32-bit words: additions are mask
 0xFFFFFFFF and rotations shift by < 32, so no intermediate reaches 2**63 and nothing relies on
 signed overflow; CPU and CUDA produce bit-identical words.
 
-Keying by *absolute position* keeps speculative decoding exact: one round's outcome depends
-only on the uniforms at positions up to its last emitted token, so the next round may use the
-numbers at later positions again as fresh ones.
+Keying by *absolute position* keeps speculative decoding exact under the token rule: one
+round's outcome depends only on the uniforms at positions up to its last emitted token, so the
+next round may use the numbers at later positions again as fresh ones. Block verification
+(runtime.speculation.acceptance.accept_block) looks at the whole window, so its outcome also
+depends on the uniforms of the positions it gives back; its tests and the draft's samples under
+it are keyed by the *window* instead (window_uniform): every window gets numbers of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import torch
 STREAM_DRAFT = 0  # the draft's own samples
 STREAM_ACCEPT = 1  # rejection-sampling accept tests (`acceptance: logits`)
 STREAM_TARGET = 2  # the target's samples: corrections, bonus tokens, `acceptance: tokens`
+STREAM_BLOCK_DRAFT = 3  # the draft's samples under block verification (window_uniform)
+STREAM_BLOCK_ACCEPT = 4  # block verification's tests eta_1..eta_k (window_uniform)
+
+WINDOW_OFFSET_BITS = 16  # window_uniform: offsets in a window < 2**16, starts < 2**32
 
 _M32 = 0xFFFFFFFF
 _ROTATIONS = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 rotation constants
@@ -92,3 +99,19 @@ def uniform(
     if dtype == torch.float64:
         return ((x0 << 21) | (x1 >> 11)).to(torch.float64) * 2.0**-53
     raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+
+
+def window_uniform(
+    seed: torch.Tensor, start: torch.Tensor, index: torch.Tensor, stream: int
+) -> torch.Tensor:
+    """Uniforms (float64, as `uniform`) keyed by the window: (seed, the window's first index,
+    the offset of `index` in it, stream). A request's windows start at distinct indices, so no
+    number serves two windows, whatever each window gave back.
+
+    seed: [B] int64; start: [B] int64 first sequence index of the window (< 2**32);
+    index: [B, n] int64 sequence indices, start <= index < start + 2**16
+    returns [B, n] float64 in [0, 1)
+    """
+    start = start.to(torch.int64)[:, None]  # [B, 1]
+    position = (start << WINDOW_OFFSET_BITS) | (index.to(torch.int64) - start)  # [B, n]
+    return uniform(seed, position, stream)

@@ -112,7 +112,10 @@ class DraftShard(ModelShard):
             logits = logits[torch.arange(len(slots), device=self.device), last]  # [B, V]
         sampling, index = self.sampling(slots), self.committed_index(slots)  # index [B]
         mask = self.grammars.step_masks(slots)
-        token, q = draft_choose(logits, sampling, index, self.acceptance, self.vocab, None, mask)
+        start = index if self.block_verified else None  # the window's first index
+        token, q = draft_choose(
+            logits, sampling, index, self.acceptance, self.vocab, None, mask, start
+        )
         chosen = self.grammars.to_host(slots, token)
         try:
             return self._continue(
@@ -130,18 +133,24 @@ class DraftShard(ModelShard):
         sampling: BatchSampling,
         index: torch.Tensor,
         chosen: HostCopy | None = None,
+        next_at: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode from the proposals so far (tokens [B] each, their q [B, V] when sampling)
         until there are k: tokens [B, k], q [B, k, V] or None. index [B]: sequence index of
         each row's first proposal. chosen: the last proposal on its way to the grammars'
-        matchers (GrammarBook.to_host), which advance over it while the next step runs."""
+        matchers (GrammarBook.to_host), which advance over it while the next step runs.
+        next_at: the proposals from this one on are the next window's (overlap), which starts
+        at index + next_at (what keys the draft's samples under block verification)."""
         for i in range(len(tokens), k):
+            start = None
+            if self.block_verified:
+                start = index + (next_at if next_at is not None and i >= next_at else 0)
             logits = self._step(slots, tokens[-1][:, None])[:, -1]  # [B, V]
             self.grammars.advance(slots, chosen)  # on the host, while the step runs
             window = torch.stack(tokens, dim=1) if sampling.processing.active else None
             mask = self.grammars.step_masks(slots)  # after the proposals so far
             token, q = draft_choose(
-                logits, sampling, index + i, self.acceptance, self.vocab, window, mask
+                logits, sampling, index + i, self.acceptance, self.vocab, window, mask, start
             )
             chosen = self.grammars.to_host(slots, token)
             tokens.append(token)
@@ -181,6 +190,7 @@ class DraftShard(ModelShard):
                 k + count,
                 self.sampling(slots),
                 self.committed_index(slots),
+                next_at=k,
             )
         except ValueError:  # past the cache: this slot is about to finish anyway
             self.slots.rollback(slots, marks)

@@ -185,6 +185,7 @@ def _shard(
         block_size=rt.kv_block_size,
         num_blocks=num_blocks,
         kv_dtype=rt.kv_cache_dtype,
+        verification=config.speculation.verification,
     )
     start = time.perf_counter()
     count = shard.runner.capture_all(step_lens, progress=_callback(progress, "graphs"))

@@ -38,15 +38,18 @@ class ModelShard:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_dtype: str = "auto",
+        verification: str = "token",
     ):
         """max_step_len: the most tokens a decode/verify step appends per slot (draft_len + 1
         for the target); such steps run at static shapes (CUDA graphs on CUDA). Prompts run
         in static chunks too unless prefill_graphs is False. block_size: positions per KV
         block (runtime.kv_block_size); num_blocks: the pool's blocks (default: every slot's
-        fixed table); kv_dtype: runtime.kv_cache_dtype. The model reads and writes through
-        the block tables rank 0 sends (block_tables.SlotTables)."""
+        fixed table); kv_dtype: runtime.kv_cache_dtype; verification:
+        speculation.verification. The model reads and writes through the block tables rank 0
+        sends (block_tables.SlotTables)."""
         self.model = model
         self.acceptance = acceptance
+        self.verification = verification
         self.device = device
         self.max_seq_len = max_seq_len
         self.slots = SlotBook(num_slots, max_seq_len, self.refeeds_last)
@@ -128,6 +131,12 @@ class ModelShard:
         params = [self.slots[s].sampling for s in slots]
         history = self.history.rows(slots) if any(p.penalised for p in params) else None
         return BatchSampling.of(params, self.device, self.token_range, history)
+
+    @property
+    def block_verified(self) -> bool:
+        """Whether sampled windows are verified as blocks (`logits` acceptance,
+        `verification: block`): the draft's samples are then keyed by window."""
+        return self.acceptance == "logits" and self.verification == "block"
 
     def committed_index(self, slots: list[int]) -> torch.Tensor:
         """[B] sequence index of the next token to decide."""

@@ -109,7 +109,15 @@ class TargetShard(ModelShard):
                 return accept_choices(draft_tokens, self.vocab_parallel.argmax(logits))
             logits = self.vocab_parallel.gather(logits)  # [B, k+1, V]
         accepted, next_token = target_verify(
-            draft_tokens, logits, sampling, first_index, self.acceptance, draft_probs, earlier, mask
+            draft_tokens,
+            logits,
+            sampling,
+            first_index,
+            self.acceptance,
+            draft_probs,
+            earlier,
+            mask,
+            self.verification,
         )
         if sampling.logprobs >= 0:
             chosen = torch.cat([draft_tokens, next_token[:, None]], dim=1)  # [B, k+1]

@@ -166,9 +166,9 @@ SAMPLED = dict(
 )
 
 
-def processed_joint(model_dir: str, prompt: list[int]) -> np.ndarray:
+def processed_joint(model_dir: str, prompt: list[int], top_p: float = 1.0) -> np.ndarray:
     """[V, V] probability of (first, second) generated token under the target alone with
-    SAMPLED's processors (transformers' and PresenceFrequency) and warpers."""
+    SAMPLED's processors (transformers' and PresenceFrequency) and warpers (and top_p)."""
     import transformers
     from transformers import generation as g
 
@@ -181,6 +181,7 @@ def processed_joint(model_dir: str, prompt: list[int]) -> np.ndarray:
             PresenceFrequency(len(prompt), 0.6, 0.4),
             g.TemperatureLogitsWarper(1.0),
             g.MinPLogitsWarper(0.02),
+            *([g.TopPLogitsWarper(top_p)] if top_p < 1.0 else []),
         ]
     )
     ids = torch.tensor([prompt + [x] for x in range(vocab)])
@@ -191,25 +192,31 @@ def processed_joint(model_dir: str, prompt: list[int]) -> np.ndarray:
     return (first[:, None] * second).double().numpy()
 
 
-@pytest.mark.parametrize("acceptance", ["logits", "tokens"])
-def test_processed_sampling_follows_target_alone(acceptance, tmp_path_factory, tmp_path):
-    """Either acceptance with a random draft (its q, processed the same way, differs from the
-    target's p): the first two tokens' joint distribution is the target-alone one."""
+@pytest.mark.parametrize(
+    "acceptance,verification,top_p",
+    [("logits", "token", 1.0), ("logits", "block", 0.9), ("tokens", "token", 1.0)],
+)
+def test_processed_sampling_follows_target_alone(
+    acceptance, verification, top_p, tmp_path_factory, tmp_path
+):
+    """Either acceptance (`logits` under both verification rules, block with top-p too) with a
+    random draft (its q, processed the same way, differs from the target's p): the first two
+    tokens' joint distribution is the target-alone one."""
     root = tmp_path_factory.mktemp("vocab24")
     target = build_target(root)
     draft = checkpoints.build_checkpoint(root / "draft", "llama", seed=11, **KW)
     cfg = launch.write_config(
         tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"], 3, max_batch_size=256
     )
-    launch.set_speculation(cfg, acceptance=acceptance)
+    launch.set_speculation(cfg, acceptance=acceptance, verification=verification)
     with Engine.launch(cfg) as engine:
         outs = engine.generate(
-            prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=2, seed=3, **SAMPLED
+            prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=2, seed=3, top_p=top_p, **SAMPLED
         )
     counts = np.zeros((VOCAB, VOCAB))
     for out in outs:
         counts[out.token_ids[0], out.token_ids[1]] += 1
-    want = processed_joint(target, PROMPT)
+    want = processed_joint(target, PROMPT, top_p)
     assert counts[5].sum() + counts[:, 5].sum() == 0  # logit_bias -100
     p_joint = chi_square_p(counts, want)
     p_second = chi_square_p(counts.sum(0), want.sum(0))

@@ -1,9 +1,11 @@
 """Speculative sampling through the whole system follows the target's own distribution.
 
 A 24-token-vocabulary target and a different random draft; thousands of samples of the first
-two generated tokens per setting; chi-square against the exact distribution computed from the
-target alone (transformers' logits and warpers). A control checks the same samples against the
-draft's distribution and must reject it, so the test would notice the draft leaking through.
+two (three, four) generated tokens per setting; chi-square against the exact distribution
+computed from the target alone (transformers' logits and warpers). A control checks the same
+samples against the draft's distribution and must reject it, so the test would notice the
+draft leaking through. Both rules of `logits` acceptance run: token by token and as a block
+(speculation.verification).
 """
 
 from __future__ import annotations
@@ -85,6 +87,32 @@ def exact_joint(
     return (first[:, None] * second).double().numpy()
 
 
+def exact_tokens(model_dir: str, setting: dict, n: int) -> np.ndarray:
+    """[V] * n probability of the first n generated tokens after PROMPT under the model alone
+    (one forward over every prefix of each length)."""
+    model, warpers = model_and_warpers(model_dir, setting)
+    joint = torch.ones(1, dtype=torch.float64)  # [V ** m] over the prefixes of length m
+    for m in range(n):
+        ranges = [torch.arange(VOCAB)] * m
+        prefixes = torch.cartesian_prod(*ranges).view(VOCAB**m, m) if m else torch.zeros(1, 0)
+        prefixes = prefixes.long()
+        ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], 1)
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1]  # [V ** m, V]
+        probs = warpers(ids, logits).softmax(-1).double()  # [V ** m, V]
+        joint = (joint[:, None] * probs).flatten()
+    return joint.view(*[VOCAB] * n).numpy()
+
+
+def follows_target(counts: np.ndarray, target_p: np.ndarray) -> list[float]:
+    """p-values of n-token samples [V] * n against the exact target_p: each consecutive pair
+    and each single token."""
+    n = counts.ndim
+    pairs = [tuple(j for j in range(n) if j not in (i, i + 1)) for i in range(n - 1)]
+    singles = [tuple(j for j in range(n) if j != i) for i in range(n)]
+    return [chi_square_p(counts.sum(axis=a), target_p.sum(axis=a)) for a in pairs + singles]
+
+
 def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     """Pearson chi-square p-value; cells expecting < 5 samples are pooled into one."""
     counts, probs = counts.ravel(), probs.ravel() / probs.sum()
@@ -99,35 +127,43 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp).pvalue)
 
 
-def sample_pairs(engine, setting: dict, seed: int, new_tokens: int = 2) -> tuple[np.ndarray, int]:
-    """Counts of (first, second) generated token, and the rounds overlapped. The first token
-    comes with the prefill, the second from a round; a third makes a second round, whose
-    window the draft drafted during the first's verify (overlap)."""
+def sample_pairs(
+    engine, setting: dict, seed: int, new_tokens: int = 2, counted: int = 2
+) -> tuple[np.ndarray, int]:
+    """Counts [V] * counted of the first `counted` generated tokens, and the rounds
+    overlapped. The first token comes with the prefill, the next from a round; a later one
+    may come from a second round, whose window the draft drafted during the first's verify
+    (overlap)."""
     outs = engine.generate(
         prompt_token_ids=[PROMPT] * SAMPLES, max_new_tokens=new_tokens, seed=seed, **setting
     )
-    counts = np.zeros((VOCAB, VOCAB))
+    counts = np.zeros([VOCAB] * counted)
     for out in outs:
         assert len(out.token_ids) == new_tokens
-        counts[out.token_ids[0], out.token_ids[1]] += 1
+        counts[tuple(out.token_ids[:counted])] += 1
     return counts, sum(out.stats["overlapped_rounds"] for out in outs)
 
 
 @pytest.mark.parametrize(
-    "acceptance,draft_devices,target_devices,draft_kind,k,budget",
+    "acceptance,verification,draft_devices,target_devices,draft_kind,k,budget",
     [
         # runtime.max_prefill_tokens 23: most prompts are prefilled over two scheduler steps
         # (23 = 4 x 5 + 3), beside the rounds of the requests already running
-        ("tokens", ["cpu:0"], ["cpu:1"], "random", 3, 23),
-        ("logits", ["cpu:0"], ["cpu:1"], "random", 3, None),
-        ("logits", ["cpu:0"], ["cpu:1", "cpu:2"], "random", 3, None),  # draft TP 1, target TP 2
-        ("tokens", ["cpu:0", "cpu:1"], ["cpu:2"], "random", 3, None),  # draft TP 2, target TP 1
+        ("tokens", "token", ["cpu:0"], ["cpu:1"], "random", 3, 23),
+        ("logits", "token", ["cpu:0"], ["cpu:1"], "random", 3, None),
+        # draft TP 1, target TP 2; block verification, four tokens (the second to fourth
+        # from one window, or the later ones from the next)
+        ("logits", "block", ["cpu:0"], ["cpu:1", "cpu:2"], "random", 3, None),
+        ("tokens", "token", ["cpu:0", "cpu:1"], ["cpu:2"], "random", 3, None),  # draft TP 2
         # overlapped rounds kept (held logits; `tokens` keeps the bonus: test_overlap_sampling)
-        ("logits", ["cpu:0"], ["cpu:1"], "near", 1, None),
+        ("logits", "token", ["cpu:0"], ["cpu:1"], "near", 1, None),
+        # block verification of two drafts, overlapped: a kept window's next window (drafted
+        # during the verify, its samples keyed by that window) gives the fourth token
+        ("logits", "block", ["cpu:0"], ["cpu:1"], "near", 2, None),
     ],
 )
 def test_sampled_output_follows_target(
-    acceptance, draft_devices, target_devices, draft_kind, k, budget, pair, tmp_path
+    acceptance, verification, draft_devices, target_devices, draft_kind, k, budget, pair, tmp_path
 ):
     drafts, target = pair
     draft = drafts[draft_kind]
@@ -141,26 +177,26 @@ def test_sampled_output_follows_target(
         max_batch_size=256,
         max_prefill_tokens=budget,
     )
-    launch.set_speculation(cfg, acceptance=acceptance)
+    launch.set_speculation(cfg, acceptance=acceptance, verification=verification)
     with Engine.launch(cfg) as engine:
         # each acceptance mode meets every setting once: the one-device-each layouts plain
         # temperature and top-k with top-p, the TP layouts top-k and top-p alone
         tp = len(draft_devices + target_devices) > 2
         settings = SETTINGS[1:3] if tp else [SETTINGS[0], SETTINGS[3]]
         settings = settings[:1] if draft_kind == "near" else settings
+        counted = {"token": 2, "block": 4}[verification]  # tokens whose joint is checked
         for i, setting in enumerate(settings):
             counts, overlapped = sample_pairs(
-                engine, setting, seed=1000 * i, new_tokens=3 if draft_kind == "near" else 2
+                engine, setting, 1000 * i, max(counted, 3 if draft_kind == "near" else 2), counted
             )
             if draft_kind == "near":  # disjoint devices overlap (speculation.overlap auto)
                 assert overlapped > SAMPLES // 4, overlapped
-            target_p = exact_joint(target, setting)
+            target_p = exact_tokens(target, setting, counted)
+            p_values = follows_target(counts, target_p)
+            assert min(p_values) > 1e-3, (setting, p_values)
+            first_two = tuple(range(2, counted))
             draft_p = exact_joint(draft, setting)
-            p_joint = chi_square_p(counts, target_p)
-            p_first = chi_square_p(counts.sum(1), target_p.sum(1))
-            p_second = chi_square_p(counts.sum(0), target_p.sum(0))
-            assert min(p_joint, p_first, p_second) > 1e-3, (setting, p_joint, p_first, p_second)
-            assert chi_square_p(counts, draft_p) < 1e-6, "test cannot tell draft from target"
+            assert chi_square_p(counts.sum(first_two), draft_p) < 1e-6, "draft not told apart"
         again = engine.generate(prompt_token_ids=PROMPT, max_new_tokens=6, seed=5, **SETTINGS[0])
         assert (
             engine.generate(

@@ -175,18 +175,20 @@ def constrained_joint(target: str, prompt: str) -> dict[tuple[int, int], float]:
     return joint
 
 
-@pytest.mark.parametrize("mask_draft", [True, False])
-def test_sampling_under_a_grammar_follows_target_alone(mask_draft, pair, tmp_path):
+@pytest.mark.parametrize("mask_draft,verification", [(True, "token"), (False, "block")])
+def test_sampling_under_a_grammar_follows_target_alone(mask_draft, verification, pair, tmp_path):
     """`logits` acceptance, a draft whose distribution differs (masked, or proposing freely:
-    its q is then unmasked): the first two tokens under a choice grammar follow the target
-    alone's constrained distribution (chi-square)."""
+    its q is then unmasked), verified token by token or as a block: the first two tokens
+    under a choice grammar follow the target alone's constrained distribution (chi-square)."""
     from scipy import stats
 
     draft, target = pair
     cfg = launch.write_config(
         tmp_path / "c.yaml", draft, target, ["cpu:0"], ["cpu:1"], 3, max_batch_size=64
     )
-    launch.set_speculation(cfg, acceptance="logits", mask_draft=mask_draft)
+    launch.set_speculation(
+        cfg, acceptance="logits", mask_draft=mask_draft, verification=verification
+    )
     with Engine.launch(cfg) as engine:
         outs = engine.generate(
             ["Colour:"] * SAMPLES, max_new_tokens=2, temperature=1.0, seed=11,

@@ -214,3 +214,24 @@ def test_a_failure_after_the_synthetic_pair_is_built_removes_it(tmp_path, monkey
     with pytest.raises(RuntimeError, match="cannot select the device"):
         runner.Bench(settings).run()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_verification_flag_reaches_the_engine_config(tmp_path):
+    """--verification sets speculation.verification and the `logits` acceptance it verifies;
+    without it the synthetic pair keeps `tokens` acceptance and the token rule."""
+    assert _parse("--synthetic", "tiny").verification is None
+    assert _parse("--verification", "block").verification == "block"
+    with pytest.raises(SystemExit):
+        _parse("--verification", "blocks")
+    spec = resolve(_synthetic(tmp_path)).engine_config["speculation"]
+    assert (spec["acceptance"], spec.get("verification", "token")) == ("tokens", "token")
+    config = resolve(_synthetic(tmp_path, verification="block")).engine_config
+    assert config["speculation"] == {
+        "draft_len": 4,
+        "acceptance": "logits",
+        "verification": "block",
+    }
+    cfg = load_config(config, check_devices=False).speculation
+    assert (cfg.acceptance, cfg.verification) == ("logits", "block")
+    with pytest.raises(ValueError, match="--verification"):
+        BenchSettings(verification="both").check()

@@ -120,6 +120,7 @@ def test_defaults_from_minimal_config():
     assert cfg.draft.torch_dtype == torch.bfloat16
     assert cfg.tokenizer is None and cfg.tokenizer_path == "/models/target"
     assert cfg.speculation == SpeculationConfig() == SpeculationConfig(4, "tokens")
+    assert cfg.speculation.verification == "block"  # measured: docs/sampling.md
     assert cfg.runtime == RuntimeConfig()
     assert cfg.runtime.cuda_graphs is True and cfg.target.kv_cache_memory is None
     assert (cfg.runtime.max_batch_size, cfg.runtime.max_seq_len) == (8, 4096)
@@ -137,7 +138,7 @@ def test_full_config_values():
             draft={"model": "/m/d", "devices": [0], "dtype": "float16"},
             target={"model": "/m/t", "devices": [1, "2", "cuda:3"], "dtype": "float32"},
             tokenizer="/m/tok",
-            speculation={"draft_len": 7, "acceptance": "logits"},
+            speculation={"draft_len": 7, "acceptance": "logits", "verification": "block"},
             runtime={
                 "max_batch_size": 2,
                 "max_seq_len": 2,
@@ -151,7 +152,7 @@ def test_full_config_values():
     assert cfg.target.devices == tuple(Device("cuda", i) for i in (1, 2, 3))
     assert cfg.draft.torch_dtype == torch.float16 and cfg.target.torch_dtype == torch.float32
     assert cfg.tokenizer_path == "/m/tok"
-    assert cfg.speculation == SpeculationConfig(7, "logits")
+    assert cfg.speculation == SpeculationConfig(7, "logits", verification="block")
     assert cfg.runtime.startup_timeout_s == 5.0 and isinstance(cfg.runtime.startup_timeout_s, float)
     assert cfg.server.address == "ipc:///tmp/tandem.sock"
 
@@ -386,6 +387,8 @@ def test_mixed_backends(draft, target, key):
         ("speculation", {"draft_len": 0}, "speculation.draft_len"),
         ("speculation", {"draft_len": -3}, "speculation.draft_len"),
         ("speculation", {"acceptance": "greedy"}, "speculation.acceptance"),
+        ("speculation", {"verification": "tokens"}, "speculation.verification"),
+        ("speculation", {"verification": True}, "speculation.verification"),
         ("runtime", {"max_batch_size": 0}, "runtime.max_batch_size"),
         ("runtime", {"max_seq_len": 1}, "runtime.max_seq_len"),
         ("runtime", {"startup_timeout_s": 0}, "runtime.startup_timeout_s"),

@@ -1,5 +1,6 @@
-"""DraftShard.propose_ahead / take_ahead: drafting the next round before its command arrives
-must give exactly the proposals (and states) of drafting on command."""
+"""DraftShard.propose_ahead / take_ahead, and the next windows of overlapped rounds
+(draft_window): drafting the next round before its command arrives must give exactly the
+proposals (and states) of drafting on command."""
 
 from __future__ import annotations
 
@@ -16,8 +17,16 @@ CPU = torch.device("cpu")
 SAMPLED = Sampling(0.8, 0, 1.0, 7)
 
 
-def shard(path: str, acceptance: str = "tokens") -> DraftShard:
-    s = DraftShard(load_model(path, torch.float32, CPU), CPU, 4, 64, acceptance, max_step_len=2)
+def shard(path: str, acceptance: str = "tokens", verification: str = "token") -> DraftShard:
+    s = DraftShard(
+        load_model(path, torch.float32, CPU),
+        CPU,
+        4,
+        64,
+        acceptance,
+        max_step_len=2,
+        verification=verification,
+    )
     s.prefill([0, 2], [[5, 6, 7], [8, 9, 10, 11]], [SAMPLED, SAMPLED])
     return s
 
@@ -55,3 +64,22 @@ def test_mismatch_restores_states(llama_path):
     s.propose_ahead([0, 2], 2)
     s.drop_ahead()  # prefill/release arrived instead
     assert [vars(st) for st in s.slots] == before and s.ahead is None
+
+
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_window_drafted_during_the_verify_equals_a_fresh_proposal(llama_path, verification):
+    """`logits` acceptance, overlap: the next window drafted while the target verifies this
+    one equals what the draft would propose once the window is kept (its k drafts committed,
+    the target's logits held): under block verification its samples are keyed by the next
+    window (rng.window_uniform), as a fresh proposal's are."""
+    early, late = (shard(llama_path, "logits", verification) for _ in range(2))
+    slots, k, m = [0, 2], 3, 4
+    drafts, probs = early.propose(slots, k)
+    assert torch.equal(late.propose(slots, k)[0], drafts)
+    window = early.draft_window(slots, drafts, probs, m)
+    assert window is not None
+    for i, slot in enumerate(slots):
+        late.commit_kept(slot, k, int(drafts[i, -1]), None, None)
+    fresh, fresh_q = late.propose(slots, m)
+    assert torch.equal(window[0], fresh)
+    torch.testing.assert_close(window[1], fresh_q)
