@@ -31,9 +31,22 @@ ERRORS: dict[int | str, dict] = {
 
 def generation(model: type, chunk: type) -> dict:
     """The answers of a generating route: `model` (JSON), or with stream: true, server-sent
-    events whose data are `chunk`s (tandem's schema components hold them)."""
+    events, each an object of SSE fields whose `data` is a `chunk` as JSON text (tandem's
+    schema components hold them), or `[DONE]` last."""
     ref = {"$ref": f"#/components/schemas/{chunk.__name__}"}
-    events = {"text/event-stream": {"schema": ref}}
+    event = {
+        "type": "object",
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": ref,
+            },
+        },
+        "required": ["data"],
+    }
+    events = {"text/event-stream": {"schema": event}}
     return {**ERRORS, 200: {"model": model, "content": events}}
 
 

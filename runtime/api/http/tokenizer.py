@@ -29,6 +29,7 @@ from runtime.api.openai.errors import HttpError
 from runtime.api.openai.fields import Flag, TokenIds
 from runtime.api.openai.requests import value_error
 from runtime.api.openai.schemas import MESSAGES, TOOLS
+from runtime.errors import naming
 from runtime.serving.chat import chat_messages_with_tools, check_template_tools, render_chat
 
 
@@ -74,8 +75,10 @@ def encode_chat(tokenizer, body: TokenizeRequest) -> list[int]:
             "continue_final_message",
         )
     try:
-        messages = chat_messages_with_tools(body.messages)
-        tools = check_template_tools(body.tools)
+        with naming("messages"):
+            messages = chat_messages_with_tools(body.messages)
+        with naming("tools"):
+            tools = check_template_tools(body.tools)
         rendered = render_chat(
             tokenizer,
             messages,
