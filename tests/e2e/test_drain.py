@@ -29,6 +29,7 @@ REQUESTS = 8  # 4 streamed, 4 whole
 PROBE_TOKENS = 16  # the speed probe: REQUESTS requests of this many new tokens
 GOAL_S = 5.0  # how long the requests should run: long past the SIGTERM, on any host
 MAX_TOKENS = 600
+KEY = "sk-drain-test"  # the server is keyed, as a deployment behind a balancer is
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ class Call:
         request = urllib.request.Request(
             self.url + "/v1/chat/completions",
             json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
+            {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
         )
         try:
             with urllib.request.urlopen(request, timeout=200) as resp:
@@ -131,9 +132,8 @@ class Serving:
         self.address = f"ipc://{root}/server.sock"
         self.url = f"http://127.0.0.1:{launch.free_port()}"
         self.log = root / "serve.log"
-        self.proc = launch.start_serve(
-            cfg, self.address, "--http", self.url.removeprefix("http://"), *args, log_path=self.log
-        )
+        http = ("--http", self.url.removeprefix("http://"), "--api-key", KEY)
+        self.proc = launch.start_serve(cfg, self.address, *http, *args, log_path=self.log)
         launch.wait_http(self.url, self.proc, self.log)
         self.client = Client(self.address)
 

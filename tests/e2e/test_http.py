@@ -3,7 +3,6 @@ official `openai` client and compared with the ZeroMQ Client on the same server.
 
 from __future__ import annotations
 
-import collections
 import json
 import subprocess
 import sys
@@ -362,71 +361,6 @@ def test_non_loopback_http_refused_before_start(models, tmp_path):
     )
     assert res.returncode == 2
     assert "--http" in res.stderr and "--http-allow-remote" in res.stderr
-
-
-FUZZ_EXAMPLES = 40  # bodies per route (the same ones every run: derandomized)
-FUZZ_BUDGET_S = 60.0  # both routes together; examples left after it are skipped
-FUZZ_MAX_TOKENS = 4  # generation stays short: what is fuzzed is the front, not the engine
-
-
-def _bounded(case) -> None:
-    """A fuzzed body made cheap to serve: the served model, at most FUZZ_MAX_TOKENS new
-    tokens, 2 choices and 3 prompts (refused values stay refused)."""
-    body = case.body
-    if not isinstance(body, dict):
-        return
-    body["model"] = MODEL
-    for name in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(name), int) and not isinstance(body[name], bool):
-            body[name] = min(body[name], FUZZ_MAX_TOKENS)
-    if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
-        body["n"] = min(body["n"], 2)
-    if isinstance(body.get("prompt"), list):
-        body["prompt"] = body["prompt"][:3]
-
-
-def test_fuzzed_bodies_from_the_openapi_schema(served):
-    """Schemathesis reads /openapi.json and posts bodies that its schemas describe to each
-    generating route: no answer is a 5xx, each status, content type and JSON answer is one
-    the schema documents, none hangs; then the server still serves, with nothing running."""
-    schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, Phase, given, settings
-    from schemathesis import checks
-
-    base = served["url"].removesuffix("/v1")
-    schema = schemathesis.openapi.from_url(base + "/openapi.json")
-    validations = [
-        checks.not_a_server_error,
-        checks.status_code_conformance,
-        checks.content_type_conformance,
-        checks.response_schema_conformance,
-    ]
-    deadline = time.monotonic() + FUZZ_BUDGET_S
-    statuses: collections.Counter = collections.Counter()
-    for path in ("/v1/completions", "/v1/chat/completions"):
-
-        @settings(
-            max_examples=FUZZ_EXAMPLES,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            phases=[Phase.generate],
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(case=schema[path]["POST"].as_strategy())
-        def fuzz(case):
-            if time.monotonic() > deadline:
-                return
-            _bounded(case)
-            resp = case.call_and_validate(base_url=base, checks=validations, timeout=60)
-            statuses[resp.status_code] += 1
-
-        fuzz()
-    assert statuses[200] and statuses[400], statuses  # some served, some refused
-    assert set(statuses) <= {200, 400, 404}, statuses
-    out = served["oai"].completions.create(model=MODEL, prompt="Still", max_tokens=2)
-    assert out.choices[0].finish_reason == "length"
-    wait_idle(served["client"], 30)
 
 
 def test_sigterm_stops_server_cleanly(served):
