@@ -39,9 +39,14 @@ def generation(model: type, chunk: type) -> dict:
         "properties": {
             "event": {"type": "string"},
             "data": {
-                "type": "string",
-                "contentMediaType": "application/json",
-                "contentSchema": ref,
+                "anyOf": [
+                    {"const": "[DONE]"},  # the last event
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": ref,
+                    },
+                ]
             },
         },
         "required": ["data"],
