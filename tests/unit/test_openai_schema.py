@@ -54,7 +54,10 @@ def test_openapi_json_describes_the_routes_and_their_bodies(http):
         assert set(post["responses"]) == {"200", "400", "404", "503"}  # no 422
         answers = post["responses"]["200"]["content"]
         assert answers["application/json"]["schema"]["$ref"].endswith(f"/{body}")
-        assert answers["text/event-stream"]["schema"]["$ref"].endswith(f"/{body}Chunk")
+        event = answers["text/event-stream"]["schema"]  # SSE fields; data: a chunk, or [DONE]
+        done, chunk = event["properties"]["data"]["anyOf"]
+        assert done == {"const": "[DONE]"} and chunk["contentMediaType"] == "application/json"
+        assert chunk["contentSchema"]["$ref"].endswith(f"/{body}Chunk")
     ok = paths["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]
     assert ok["schema"]["$ref"].endswith("/ModelList")
     for ref in _refs(schema):  # every reference resolves
